@@ -1,0 +1,232 @@
+"""The offline model factory: seeded random-weight llama-architecture GGUF files.
+
+Random weights talk nonsense but give real speed, memory and KV-cache behaviour, so tests,
+benchmarks and users without a network all get a model that llama.cpp really runs. The
+tokenizer is a real SentencePiece-style vocabulary (byte fallback, BOS/EOS, ChatML control
+tokens) and the file carries a chat template. Quantized variants come from llama.cpp's own
+quantizer. The same shape, quant and seed always give the same bytes.
+"""
+
+from __future__ import annotations
+
+import string
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from gguf import GGUFWriter, LlamaFileType, TokenType
+
+from localchat.errors import UsageError
+
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+# Quality order, best first: the planner walks it in this order.
+QUANTS: tuple[str, ...] = ("F16", "Q8_0", "Q6_K", "Q5_K_M", "Q4_K_M", "Q3_K_M", "Q2_K")
+
+_COMMON_WORDS = tuple(
+    """
+the of and to in is you that it he was for on are as with his they at be this have from
+or one had by word but not what all were we when your can said there use an each which
+she do how their if will up other about out many then them these so some her would make
+like him into time has look two more write go see number no way could people my than
+first water been call who oil its now find long down day did get come made may part
+hello world chat model local cache memory token context window quick brown fox jumps
+over lazy dog
+""".split()
+)
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """Architecture numbers of a generated model."""
+
+    name: str
+    n_layer: int
+    n_embd: int
+    n_head: int
+    n_head_kv: int
+    n_ff: int
+    n_vocab: int
+    context_length: int
+    rope_freq_base: float
+
+    @property
+    def head_dim(self) -> int:
+        return self.n_embd // self.n_head
+
+
+SHAPES: dict[str, ModelShape] = {
+    "tiny": ModelShape("tiny", 2, 128, 4, 2, 256, 1024, 4096, 10000.0),
+    "small": ModelShape("small", 4, 512, 8, 4, 1408, 8192, 8192, 10000.0),
+    # Qwen2.5-0.5B dimensions.
+    "0.5b": ModelShape("0.5b", 24, 896, 14, 2, 4864, 32000, 32768, 1_000_000.0),
+    # Llama-3.2-1B dimensions (vocabulary kept at 32k so the file stays laptop-sized).
+    "1b": ModelShape("1b", 16, 2048, 32, 8, 8192, 32000, 131072, 500_000.0),
+}
+
+
+def build_vocab(n_vocab: int) -> tuple[list[str], list[float], list[int]]:
+    """A SentencePiece-style vocabulary: specials, 256 byte-fallback tokens, then pieces.
+
+    Every multi-character piece is reachable by SPM merges because all its prefixes are
+    in the vocabulary too.
+    """
+    tokens = ["<unk>", "<s>", "</s>"]
+    types = [TokenType.UNKNOWN, TokenType.CONTROL, TokenType.CONTROL]
+    tokens += [f"<0x{b:02X}>" for b in range(256)]
+    types += [TokenType.BYTE] * 256
+    tokens += ["<|im_start|>", "<|im_end|>"]
+    types += [TokenType.CONTROL, TokenType.CONTROL]
+    n_special = len(tokens)
+    seen = set(tokens)
+    pieces: list[str] = []
+
+    def add(piece: str) -> None:
+        if piece not in seen:
+            seen.add(piece)
+            pieces.append(piece)
+
+    for piece in _candidate_pieces():
+        if n_special + len(pieces) >= n_vocab:
+            break
+        add(piece)
+    if n_special + len(pieces) < n_vocab:
+        raise UsageError(f"cannot build a vocabulary of {n_vocab} tokens")
+    tokens += pieces
+    types += [TokenType.NORMAL] * len(pieces)
+    scores = [0.0] * n_special + [-float(i) for i in range(len(pieces))]
+    return tokens, scores, [int(t) for t in types]
+
+
+def _candidate_pieces() -> Iterator[str]:
+    """Pieces in merge-priority order: characters, common words with their prefixes, n-grams."""
+    chars = string.ascii_lowercase + string.ascii_uppercase + string.digits + string.punctuation
+    yield "▁"
+    for ch in chars:
+        yield ch
+        yield "▁" + ch
+    for word in _COMMON_WORDS:
+        for end in range(2, len(word) + 1):
+            yield word[:end]
+            yield "▁" + word[:end]
+    letters = string.ascii_lowercase
+    for a in letters:
+        for b in letters:
+            yield a + b
+            yield "▁" + a + b
+    for a in letters:
+        for b in letters:
+            for c in letters:
+                yield a + b + c
+                yield "▁" + a + b + c
+
+
+def _write_f16(shape: ModelShape, seed: int, out: Path) -> None:
+    """Write the unquantized model (F16 matrices, F32 norms) with seeded random weights."""
+    rng = np.random.default_rng(seed)
+    writer = GGUFWriter(str(out), "llama")
+    writer.add_name(f"localchat-demo-{shape.name}")
+    writer.add_file_type(LlamaFileType.MOSTLY_F16)
+    writer.add_context_length(shape.context_length)
+    writer.add_embedding_length(shape.n_embd)
+    writer.add_block_count(shape.n_layer)
+    writer.add_feed_forward_length(shape.n_ff)
+    writer.add_head_count(shape.n_head)
+    writer.add_head_count_kv(shape.n_head_kv)
+    writer.add_layer_norm_rms_eps(1e-6)
+    writer.add_rope_dimension_count(shape.head_dim)
+    writer.add_rope_freq_base(shape.rope_freq_base)
+    writer.add_vocab_size(shape.n_vocab)
+    tokens, scores, types = build_vocab(shape.n_vocab)
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(tokens)
+    writer.add_token_scores(scores)
+    writer.add_token_types(types)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(tokens.index("<|im_end|>"))
+    writer.add_unk_token_id(0)
+    writer.add_add_bos_token(True)
+    writer.add_add_eos_token(False)
+    # Like Qwen's and Llama 3's tokenizers: no space is invented after control tokens, so
+    # the rendered template and the tokens say exactly the same thing.
+    writer.add_add_space_prefix(False)
+    writer.add_chat_template(CHATML_TEMPLATE)
+
+    def matrix(rows: int, cols: int) -> np.ndarray:
+        # Scaled by fan-in so every layer moves the residual stream and replies vary with
+        # the context (std 0.02 leaves the embedding dominant and the model echoes its input).
+        std = np.float32(1.0 / np.sqrt(cols))
+        return (rng.standard_normal((rows, cols), dtype=np.float32) * std).astype(np.float16)
+
+    def norm() -> np.ndarray:
+        return np.ones(shape.n_embd, dtype=np.float32)
+
+    hd = shape.head_dim
+    writer.add_tensor("token_embd.weight", matrix(shape.n_vocab, shape.n_embd))
+    writer.add_tensor("output_norm.weight", norm())
+    # A separate output matrix: tied embeddings on random weights make the model repeat its
+    # last input token, which would let a wrong KV cache go unnoticed in tests.
+    writer.add_tensor("output.weight", matrix(shape.n_vocab, shape.n_embd))
+    for i in range(shape.n_layer):
+        writer.add_tensor(f"blk.{i}.attn_norm.weight", norm())
+        writer.add_tensor(f"blk.{i}.attn_q.weight", matrix(shape.n_head * hd, shape.n_embd))
+        writer.add_tensor(f"blk.{i}.attn_k.weight", matrix(shape.n_head_kv * hd, shape.n_embd))
+        writer.add_tensor(f"blk.{i}.attn_v.weight", matrix(shape.n_head_kv * hd, shape.n_embd))
+        writer.add_tensor(f"blk.{i}.attn_output.weight", matrix(shape.n_embd, shape.n_head * hd))
+        writer.add_tensor(f"blk.{i}.ffn_norm.weight", norm())
+        writer.add_tensor(f"blk.{i}.ffn_gate.weight", matrix(shape.n_ff, shape.n_embd))
+        writer.add_tensor(f"blk.{i}.ffn_up.weight", matrix(shape.n_ff, shape.n_embd))
+        writer.add_tensor(f"blk.{i}.ffn_down.weight", matrix(shape.n_embd, shape.n_ff))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def make_demo_model(out: Path, shape: str = "tiny", quant: str = "Q4_K_M", seed: int = 0) -> Path:
+    """Write a demo model to ``out``; returns ``out``. Same arguments, same bytes."""
+    if shape not in SHAPES:
+        raise UsageError(f"unknown shape {shape!r}; choose one of {', '.join(SHAPES)}")
+    if quant not in QUANTS:
+        raise UsageError(f"unknown quant {quant!r}; choose one of {', '.join(QUANTS)}")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    model_shape = SHAPES[shape]
+    if quant == "F16":
+        tmp = out.with_name(f".{out.name}.tmp")
+        _write_f16(model_shape, seed, tmp)
+        tmp.replace(out)
+        return out
+    # Imported here: the quantizer lives in the engine, the one module that touches llama_cpp.
+    from localchat.engine import quantize_model
+
+    with tempfile.TemporaryDirectory(dir=out.parent) as tmp_dir:
+        f16 = Path(tmp_dir) / "f16.gguf"
+        _write_f16(model_shape, seed, f16)
+        staged = Path(tmp_dir) / out.name
+        quantize_model(f16, staged, quant)
+        staged.replace(out)
+    return out
+
+
+def demo_model_path(
+    directory: Path, shape: str = "tiny", quant: str = "Q4_K_M", seed: int = 0
+) -> Path:
+    """Where the cached demo model of these arguments lives."""
+    return directory / f"demo-{shape}-{quant}-s{seed}.gguf"
+
+
+def ensure_demo_model(
+    directory: Path, shape: str = "tiny", quant: str = "Q4_K_M", seed: int = 0
+) -> Path:
+    """The cached demo model, generated on first use."""
+    path = demo_model_path(directory, shape, quant, seed)
+    if not path.exists():
+        make_demo_model(path, shape, quant, seed)
+    return path

@@ -1,0 +1,432 @@
+"""The one module that touches llama_cpp: load, tokenize, generate, KV state, quantize.
+
+Everything above this module works with token ids, dataclasses and plain bytes, so the rest
+of localchat (and its tests) never depend on llama-cpp-python's objects.
+"""
+
+from __future__ import annotations
+
+import codecs
+import contextlib
+import ctypes
+import re
+import threading
+import time
+from collections import deque
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import llama_cpp
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+from localchat.chat_template import ChatMessage, ChatTemplate
+from localchat.errors import ModelLoadError, UsageError
+from localchat.gguf_info import GGUFInfo, read_gguf
+from localchat.hardware import physical_cores
+
+LLAMA_CPP_VERSION: str = llama_cpp.__version__
+
+KV_TYPES: dict[str, int] = {
+    "f16": llama_cpp.GGML_TYPE_F16,
+    "q8_0": llama_cpp.GGML_TYPE_Q8_0,
+    "q4_0": llama_cpp.GGML_TYPE_Q4_0,
+}
+
+QUANT_FTYPES: dict[str, int] = {
+    "F16": llama_cpp.LLAMA_FTYPE_MOSTLY_F16,
+    "Q8_0": llama_cpp.LLAMA_FTYPE_MOSTLY_Q8_0,
+    "Q6_K": llama_cpp.LLAMA_FTYPE_MOSTLY_Q6_K,
+    "Q5_K_M": llama_cpp.LLAMA_FTYPE_MOSTLY_Q5_K_M,
+    "Q4_K_M": llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_K_M,
+    "Q3_K_M": llama_cpp.LLAMA_FTYPE_MOSTLY_Q3_K_M,
+    "Q2_K": llama_cpp.LLAMA_FTYPE_MOSTLY_Q2_K,
+}
+
+MIN_CTX = 32
+
+# llama.cpp's log lines, kept (not printed) so a failure can name its cause in one line.
+_LOG_LINES: deque[str] = deque(maxlen=64)
+_LOG_LOCK = threading.Lock()
+
+
+@llama_cpp.llama_log_callback
+def _capture_log(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
+    with _LOG_LOCK:
+        _LOG_LINES.append(text.decode("utf-8", errors="replace"))
+
+
+llama_cpp.llama_log_set(_capture_log, ctypes.c_void_p(0))
+
+
+def _last_error_line() -> str:
+    """The most telling line llama.cpp logged: its innermost error, without the call site."""
+    with _LOG_LOCK:
+        lines = [line.strip() for line in _LOG_LINES if line.strip()]
+    errors = [line for line in lines if "error" in line.lower() or "failed" in line.lower()]
+    if not errors:
+        return lines[-1] if lines else "no details from llama.cpp"
+    # The first error is the cause; later ones are callers reporting that it failed.
+    return re.sub(r"^(\w+: )+", "", errors[0])
+
+
+def kv_type_size(kv_type: str, n_elements: int) -> int:
+    """Bytes that ``n_elements`` cache values take in the given KV type."""
+    block, size = GGML_QUANT_SIZES[GGMLQuantizationType[kv_type.upper()]]
+    return n_elements * size // block
+
+
+def kv_bytes_per_token(info: GGUFInfo, kv_type: str = "f16") -> int:
+    """K and V bytes one token occupies across all layers: the KV cache's unit of growth."""
+    per_layer = kv_type_size(kv_type, info.n_head_kv * info.head_dim_k) + kv_type_size(
+        kv_type, info.n_head_kv * info.head_dim_v
+    )
+    return info.n_layer * per_layer
+
+
+@dataclass(frozen=True)
+class LoadOptions:
+    """How to load a model: context size, threads, GPU layers and the KV cache type."""
+
+    n_ctx: int = 4096
+    n_threads: int | None = None
+    n_gpu_layers: int = 0
+    kv_type: str = "f16"
+    n_batch: int = 512
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """Sampling settings; temperature 0 is greedy and deterministic."""
+
+    temperature: float = 0.7
+    top_k: int = 40
+    top_p: float = 0.95
+    min_p: float = 0.05
+    repeat_penalty: float = 1.0
+    seed: int = 0
+
+
+@dataclass
+class TurnStats:
+    """What one generation cost and what the KV cache holds afterwards."""
+
+    prompt_tokens: int = 0
+    prompt_tokens_evaluated: int = 0
+    generated_tokens: int = 0
+    ttft_s: float = 0.0
+    prompt_tps: float = 0.0
+    gen_tps: float = 0.0
+    kv_bytes_used: int = 0
+    kv_bytes_allocated: int = 0
+    stop_reason: str = ""
+
+
+@dataclass(frozen=True)
+class TokenDelta:
+    """One generated token and the text it completes (empty mid-way through a UTF-8 char)."""
+
+    token: int
+    text: str
+
+
+class _CountingLlama(llama_cpp.Llama):
+    """Llama that counts the tokens it evaluates, to report prompt tokens reused vs computed."""
+
+    tokens_evaluated: int = 0
+
+    def eval(self, tokens: Sequence[int]) -> None:
+        self.tokens_evaluated += len(tokens)
+        super().eval(tokens)
+
+
+@dataclass
+class Generation:
+    """An in-progress generation: iterate it for ``TokenDelta``s; ``stats`` fills as it runs."""
+
+    _engine: Engine
+    _tokens: list[int]
+    _sampling: Sampling
+    _max_tokens: int
+    _cancel: threading.Event | None
+    stats: TurnStats = field(default_factory=TurnStats)
+    tokens: list[int] = field(default_factory=list)
+    text: str = ""
+
+    def __iter__(self) -> Iterator[TokenDelta]:
+        return self._run()
+
+    def _run(self) -> Iterator[TokenDelta]:
+        engine = self._engine
+        llm = engine._llm
+        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        stats = self.stats
+        stats.prompt_tokens = len(self._tokens)
+        llm.set_seed(self._sampling.seed)
+        counted_before = llm.tokens_evaluated
+        start = time.perf_counter()
+        first_at = start
+        stream = llm.generate(
+            self._tokens,
+            top_k=self._sampling.top_k,
+            top_p=self._sampling.top_p,
+            min_p=self._sampling.min_p,
+            temp=self._sampling.temperature,
+            repeat_penalty=self._sampling.repeat_penalty,
+        )
+        stats.stop_reason = "length"
+        try:
+            for token in stream:
+                now = time.perf_counter()
+                if not self.tokens:
+                    first_at = now
+                    stats.ttft_s = now - start
+                    stats.prompt_tokens_evaluated = llm.tokens_evaluated - counted_before
+                    if stats.ttft_s > 0:
+                        stats.prompt_tps = stats.prompt_tokens_evaluated / stats.ttft_s
+                if self._cancel is not None and self._cancel.is_set():
+                    stats.stop_reason = "cancelled"
+                    break
+                if engine.is_end_of_generation(token):
+                    stats.stop_reason = "eos"
+                    break
+                self.tokens.append(token)
+                piece = decoder.decode(llm.detokenize([token]))
+                self.text += piece
+                stats.generated_tokens = len(self.tokens)
+                if len(self.tokens) > 1 and now > first_at:
+                    stats.gen_tps = (len(self.tokens) - 1) / (now - first_at)
+                yield TokenDelta(token, piece)
+                if self._cancel is not None and self._cancel.is_set():
+                    stats.stop_reason = "cancelled"
+                    break
+                if len(self.tokens) >= self._max_tokens:
+                    break
+                if llm.n_tokens >= engine.n_ctx - 1:
+                    stats.stop_reason = "context"
+                    break
+        finally:
+            stream.close()
+            tail = decoder.decode(b"", final=True)
+            self.text += tail
+            stats.kv_bytes_used = engine.kv_bytes_used
+            stats.kv_bytes_allocated = engine.kv_bytes_allocated
+
+
+class Engine:
+    """A loaded model with its context: the only owner of llama.cpp objects."""
+
+    def __init__(self, model_path: Path, options: LoadOptions | None = None) -> None:
+        self.options = options or LoadOptions()
+        self.model_path = Path(model_path)
+        self.info = read_gguf(self.model_path)
+        if self.options.kv_type not in KV_TYPES:
+            raise UsageError(
+                f"unknown KV cache type {self.options.kv_type!r}; choose one of {', '.join(KV_TYPES)}"
+            )
+        n_ctx = self.options.n_ctx
+        trained = self.info.context_length
+        if n_ctx < MIN_CTX:
+            raise UsageError(f"context size {n_ctx} is too small; use at least {MIN_CTX}")
+        if trained and n_ctx > trained:
+            raise UsageError(
+                f"{self.model_path}: context size {n_ctx} is larger than the model's trained"
+                f" context {trained}; use --ctx {trained} or less"
+            )
+        threads = self.options.n_threads or physical_cores()
+        kv_id = KV_TYPES[self.options.kv_type]
+        with _LOG_LOCK:
+            _LOG_LINES.clear()
+        try:
+            self._llm = _CountingLlama(
+                model_path=str(self.model_path),
+                n_ctx=n_ctx,
+                n_batch=min(self.options.n_batch, n_ctx),
+                n_threads=threads,
+                n_threads_batch=threads,
+                n_gpu_layers=self.options.n_gpu_layers,
+                type_k=kv_id,
+                type_v=kv_id,
+                # Quantized V caches need flash attention in llama.cpp.
+                flash_attn=self.options.kv_type != "f16",
+                verbose=False,
+            )
+        except Exception as exc:  # llama-cpp-python raises ValueError/RuntimeError
+            raise ModelLoadError(
+                f"{self.model_path}: llama.cpp could not load it: {_last_error_line()}"
+            ) from exc
+        self._lock = threading.Lock()
+        self.kv_bytes_per_token = kv_bytes_per_token(self.info, self.options.kv_type)
+
+    # -- model facts -------------------------------------------------------------------
+    @property
+    def n_ctx(self) -> int:
+        return int(self._llm.n_ctx())
+
+    @property
+    def n_vocab(self) -> int:
+        return int(self._llm.n_vocab())
+
+    @property
+    def bos_token(self) -> int:
+        return int(self._llm.token_bos())
+
+    @property
+    def add_bos(self) -> bool:
+        return bool(self.info.metadata.get("tokenizer.ggml.add_bos_token", True))
+
+    def chat_template(self) -> ChatTemplate:
+        """The model's own template (or the plain fallback), with its BOS/EOS texts."""
+        return ChatTemplate(
+            self.info.chat_template,
+            bos_token=self.token_text(self.bos_token),
+            eos_token=self.token_text(int(self._llm.token_eos())),
+        )
+
+    def prompt_tokens(
+        self, messages: list[ChatMessage], template: ChatTemplate | None = None
+    ) -> list[int]:
+        """Render ``messages`` with the chat template and tokenize, control tokens included."""
+        template = template or self.chat_template()
+        text = template.render(messages, add_generation_prompt=True)
+        starts_with_bos = bool(template.bos_token) and text.startswith(template.bos_token)
+        return self.tokenize(text, add_bos=self.add_bos and not starts_with_bos, special=True)
+
+    def is_end_of_generation(self, token: int) -> bool:
+        return bool(llama_cpp.llama_vocab_is_eog(self._llm._model.vocab, token))
+
+    def token_text(self, token: int) -> str:
+        """A token's text as the model sees it, specials included (for templates and debugging)."""
+        return bytes(self._llm.detokenize([token], special=True)).decode("utf-8", errors="replace")
+
+    # -- tokens ------------------------------------------------------------------------
+    def tokenize(self, text: str, *, add_bos: bool = False, special: bool = False) -> list[int]:
+        """Token ids of ``text``; ``special`` parses control tokens such as ``<|im_end|>``."""
+        return list(self._llm.tokenize(text.encode("utf-8"), add_bos=add_bos, special=special))
+
+    def detokenize(self, tokens: Sequence[int]) -> str:
+        return bytes(self._llm.detokenize(list(tokens))).decode("utf-8", errors="replace")
+
+    # -- the KV cache ------------------------------------------------------------------
+    @property
+    def cached_tokens(self) -> list[int]:
+        """Token ids whose keys and values are in the cache now, in position order."""
+        return [int(t) for t in self._llm.input_ids[: self._llm.n_tokens]]
+
+    @property
+    def kv_bytes_used(self) -> int:
+        return int(self._llm.n_tokens) * self.kv_bytes_per_token
+
+    @property
+    def kv_bytes_allocated(self) -> int:
+        return self.n_ctx * self.kv_bytes_per_token
+
+    def reset(self) -> None:
+        """Forget the cache: the next generation evaluates its whole prompt."""
+        self._llm.reset()
+        self._llm._ctx.kv_cache_seq_rm(-1, 0, -1)
+
+    def save_sequence_state(self) -> bytes:
+        """The raw KV state of sequence 0 (no logits array): what a state file stores."""
+        ctx = self._llm.ctx
+        size = llama_cpp.llama_state_seq_get_size(ctx, 0)
+        buffer = (ctypes.c_uint8 * size)()
+        written = llama_cpp.llama_state_seq_get_data(ctx, buffer, size, 0)
+        return bytes(memoryview(buffer)[:written])
+
+    def load_sequence_state(self, data: bytes, tokens: Sequence[int]) -> bool:
+        """Restore a saved KV state that holds ``tokens``; False if llama.cpp rejects it."""
+        self.reset()
+        buffer = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
+        read = llama_cpp.llama_state_seq_set_data(self._llm.ctx, buffer, len(data), 0)
+        if read != len(data) or len(tokens) > self.n_ctx:
+            self.reset()
+            return False
+        self._llm.input_ids[: len(tokens)] = list(tokens)
+        self._llm.n_tokens = len(tokens)
+        self._llm._requires_eval = True
+        return True
+
+    # -- generation --------------------------------------------------------------------
+    def generate(
+        self,
+        prompt_tokens: Sequence[int],
+        sampling: Sampling | None = None,
+        max_tokens: int = 256,
+        cancel: threading.Event | None = None,
+    ) -> Generation:
+        """Stream a reply to ``prompt_tokens``, reusing the cached prefix they share."""
+        tokens = list(prompt_tokens)
+        if not tokens:
+            raise UsageError("empty prompt")
+        if len(tokens) >= self.n_ctx:
+            raise UsageError(
+                f"the prompt is {len(tokens)} tokens but the context holds {self.n_ctx};"
+                " use a larger --ctx or a shorter message"
+            )
+        room = self.n_ctx - len(tokens)
+        return Generation(self, tokens, sampling or Sampling(), min(max_tokens, room), cancel)
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self._llm.close()
+
+
+def quantize_model(source: Path, dest: Path, quant: str, threads: int = 0) -> None:
+    """Quantize ``source`` (F16/F32 GGUF) into ``dest`` with llama.cpp's own quantizer."""
+    if quant not in QUANT_FTYPES:
+        raise UsageError(f"unknown quant {quant!r}; choose one of {', '.join(QUANT_FTYPES)}")
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = QUANT_FTYPES[quant]
+    params.nthread = threads
+    result = llama_cpp.llama_model_quantize(
+        str(source).encode("utf-8"), str(dest).encode("utf-8"), ctypes.byref(params)
+    )
+    if result != 0:
+        raise ModelLoadError(
+            f"{source}: llama.cpp could not quantize it to {quant} ({_last_error_line()})"
+        )
+
+
+def supports_gpu_offload() -> bool:
+    """Whether this llama.cpp build was compiled with a GPU backend."""
+    return bool(llama_cpp.llama_supports_gpu_offload())
+
+
+def bare_generation_benchmark(
+    model_path: Path, n_ctx: int, prompt_tokens: int, gen_tokens: int, threads: int
+) -> dict[str, Any]:
+    """A bare llama-cpp-python loop, no localchat code in it: the yardstick for the engine."""
+    llm = llama_cpp.Llama(
+        model_path=str(model_path),
+        n_ctx=n_ctx,
+        n_batch=min(512, n_ctx),
+        n_threads=threads,
+        n_threads_batch=threads,
+        verbose=False,
+    )
+    try:
+        prompt = synthetic_prompt(llm.token_bos(), int(llm.n_vocab()), prompt_tokens)
+        generated = 0
+        start = time.perf_counter()
+        first_at = last_at = start
+        for _token in llm.generate(prompt, temp=0.0):
+            last_at = time.perf_counter()
+            if generated == 0:
+                first_at = last_at
+            generated += 1
+            if generated >= gen_tokens:
+                break
+    finally:
+        llm.close()
+    return {
+        "bare_prompt_tps": prompt_tokens / (first_at - start),
+        "bare_gen_tps": (generated - 1) / (last_at - first_at),
+    }
+
+
+def synthetic_prompt(bos: int, n_vocab: int, length: int) -> list[int]:
+    """A fixed, reproducible prompt of ``length`` ordinary tokens (ids past the specials)."""
+    first_normal = 300
+    return [bos] + [first_normal + (i * 7919) % (n_vocab - first_normal) for i in range(length - 1)]

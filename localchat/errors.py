@@ -1,0 +1,19 @@
+"""Errors that reach the user as one line: what is wrong and what to do."""
+
+from __future__ import annotations
+
+
+class LocalchatError(Exception):
+    """Base for every error the CLI and UI show as a one-line message (never a traceback)."""
+
+
+class ModelFileError(LocalchatError):
+    """A model file is missing, not GGUF, truncated or otherwise unusable."""
+
+
+class ModelLoadError(LocalchatError):
+    """llama.cpp refused to load a model or create its context."""
+
+
+class UsageError(LocalchatError):
+    """An argument or setting has a value localchat cannot use."""

@@ -1,0 +1,66 @@
+"""Every path localchat reads or writes, in one place.
+
+Platform directories come from platformdirs; ``LOCALCHAT_HOME`` overrides all of them so a
+test or a user can isolate a whole run in one folder.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import platformdirs
+
+APP_NAME = "localchat"
+HOME_ENV = "LOCALCHAT_HOME"
+
+
+@dataclass(frozen=True)
+class AppPaths:
+    """The app's directories; nothing is created until a caller asks for it."""
+
+    data_dir: Path
+    config_dir: Path
+    cache_dir: Path
+
+    @property
+    def demo_models_dir(self) -> Path:
+        """Generated offline demo models, made once and reused."""
+        return self.cache_dir / "demo-models"
+
+    @property
+    def database(self) -> Path:
+        return self.data_dir / "conversations.sqlite3"
+
+    @property
+    def states_dir(self) -> Path:
+        """Saved KV cache states, one file per (conversation, model)."""
+        return self.data_dir / "states"
+
+    @property
+    def user_catalog(self) -> Path:
+        return self.config_dir / "models.toml"
+
+    @property
+    def settings_file(self) -> Path:
+        return self.config_dir / "settings.toml"
+
+
+def app_paths() -> AppPaths:
+    """Resolve the directories now (reads the environment on every call)."""
+    home = os.environ.get(HOME_ENV)
+    if home:
+        root = Path(home).expanduser()
+        return AppPaths(root / "data", root / "config", root / "cache")
+    return AppPaths(
+        Path(platformdirs.user_data_dir(APP_NAME)),
+        Path(platformdirs.user_config_dir(APP_NAME)),
+        Path(platformdirs.user_cache_dir(APP_NAME)),
+    )
+
+
+def ensure_private_dir(path: Path) -> Path:
+    """Create ``path`` (and parents) readable by the user only."""
+    path.mkdir(parents=True, exist_ok=True, mode=0o700)
+    return path

@@ -1,0 +1,39 @@
+"""Shared fixtures: generated models (made once per session) and an isolated LOCALCHAT_HOME."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from localchat.demo import make_demo_model
+
+
+@pytest.fixture(autouse=True)
+def isolated_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Every test gets its own LOCALCHAT_HOME: nothing leaks into the user's real data."""
+    home = tmp_path / "home"
+    monkeypatch.setenv("LOCALCHAT_HOME", str(home))
+    return home
+
+
+@pytest.fixture(scope="session")
+def models_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("models")
+
+
+@pytest.fixture(scope="session")
+def tiny_model(models_dir: Path) -> Path:
+    """The tiny shape at Q4_K_M: under 2 MB, thousands of tokens/s on two cores."""
+    return make_demo_model(models_dir / "tiny-Q4_K_M.gguf", "tiny", "Q4_K_M", seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_other_seed(models_dir: Path) -> Path:
+    return make_demo_model(models_dir / "tiny-Q4_K_M-s1.gguf", "tiny", "Q4_K_M", seed=1)
+
+
+@pytest.fixture(scope="session")
+def small_model(models_dir: Path) -> Path:
+    """The small shape at Q4_K_M: slow enough (hundreds of tokens/s) to interrupt mid-reply."""
+    return make_demo_model(models_dir / "small-Q4_K_M.gguf", "small", "Q4_K_M", seed=0)

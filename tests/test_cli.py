@@ -1,0 +1,155 @@
+"""The headless CLI: `ask`, `demo-model`, and one-line errors with exit code 2."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from localchat.cli import main
+from localchat.gguf_info import read_gguf
+
+CLI = [sys.executable, "-m", "localchat.cli"]
+
+
+def _ask_json(capsys: pytest.CaptureFixture[str], *args: str) -> dict:
+    assert main(["ask", *args, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_ask_json_reports_reply_and_stats(
+    tiny_model: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    result = _ask_json(
+        capsys, "hello", "--model-path", str(tiny_model), "--temperature", "0", "--max-tokens", "16"
+    )
+    stats = result["stats"]
+    assert result["model"] == tiny_model.name
+    assert result["conversation"] is None
+    assert isinstance(result["reply"], str) and result["reply"]
+    assert stats["generated_tokens"] == 16
+    assert stats["prompt_tokens"] == stats["prompt_tokens_evaluated"] > 5
+    assert stats["kv_bytes_used"] == (stats["prompt_tokens"] + 15) * 512
+    assert stats["kv_bytes_allocated"] == 4096 * 512
+    assert stats["restored_from_state"] is False
+    assert stats["window_dropped_messages"] == 0
+    for key in ("ttft_s", "prompt_tps", "gen_tps"):
+        assert stats[key] > 0
+
+
+def test_greedy_ask_is_deterministic_and_one_off(
+    tiny_model: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    args = ("hi", "--model-path", str(tiny_model), "--temperature", "0", "--max-tokens", "12")
+    first = _ask_json(capsys, *args)
+    second = _ask_json(capsys, *args)
+    assert first["reply"] == second["reply"]
+    # Nothing carried over: the second call evaluated its whole prompt again.
+    assert second["stats"]["prompt_tokens_evaluated"] == first["stats"]["prompt_tokens"]
+
+
+def test_system_prompt_is_part_of_the_prompt(
+    tiny_model: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    base = ("hi", "--model-path", str(tiny_model), "--temperature", "0", "--max-tokens", "4")
+    plain = _ask_json(capsys, *base)
+    with_system = _ask_json(capsys, *base, "--system", "You are a helpful assistant.")
+    assert with_system["stats"]["prompt_tokens"] > plain["stats"]["prompt_tokens"] + 5
+
+
+def test_ask_streams_text_to_stdout(tiny_model: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["ask", "hello", "--model-path", str(tiny_model), "--max-tokens", "8"]) == 0
+    out = capsys.readouterr().out
+    assert out.endswith("\n") and len(out) > 1
+
+
+def test_ask_without_a_model_uses_the_cached_demo(
+    isolated_home: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    result = _ask_json(capsys, "hello", "--max-tokens", "2")
+    assert result["model"].startswith("demo-small-Q4_K_M")
+    assert list((isolated_home / "cache" / "demo-models").glob("*.gguf"))
+
+
+def test_demo_model_command_writes_a_loadable_file(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "m.gguf"
+    assert main(["demo-model", str(out), "--shape", "tiny", "--quant", "Q8_0", "--seed", "3"]) == 0
+    assert "wrote" in capsys.readouterr().out
+    assert read_gguf(out).file_type == "Q8_0"
+
+
+def _run_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize(
+    ("setup", "expected"),
+    [
+        ("missing", "no such file"),
+        ("text", "not a GGUF file"),
+        ("truncated", "truncated GGUF file"),
+    ],
+)
+def test_bad_model_files_give_one_line_errors(
+    tmp_path: Path, tiny_model: Path, setup: str, expected: str
+) -> None:
+    path = tmp_path / f"{setup}.gguf"
+    if setup == "text":
+        path.write_text("not a model")
+    elif setup == "truncated":
+        path.write_bytes(tiny_model.read_bytes()[:100_000])
+    result = _run_cli("ask", "hi", "--model-path", str(path))
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert (
+        lines[0].startswith("localchat: error: ") and str(path) in lines[0] and expected in lines[0]
+    )
+    assert "Traceback" not in result.stderr
+
+
+def test_context_too_large_names_the_limit(tiny_model: Path) -> None:
+    result = _run_cli("ask", "hi", "--model-path", str(tiny_model), "--ctx", "100000")
+    assert result.returncode == 2
+    assert "trained context 4096" in result.stderr and "--ctx 4096" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize(
+    "args", [["--ctx", "zero"], ["--max-tokens", "-3"], ["--temperature", "hot"]]
+)
+def test_bad_arguments_are_one_line(tiny_model: Path, args: list[str]) -> None:
+    result = _run_cli("ask", "hi", "--model-path", str(tiny_model), *args)
+    assert result.returncode == 2
+    assert len(result.stderr.strip().splitlines()) == 1
+    assert "Traceback" not in result.stderr
+
+
+def test_ctrl_c_during_ask_stops_cleanly(small_model: Path) -> None:
+    proc = subprocess.Popen(
+        [
+            *CLI,
+            "ask",
+            "write a long story",
+            "--model-path",
+            str(small_model),
+            "--max-tokens",
+            "4000",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    assert proc.stdout is not None
+    proc.stdout.read(1)  # the reply has started streaming
+    proc.send_signal(signal.SIGINT)
+    _out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130
+    assert b"Traceback" not in err
