@@ -25,6 +25,7 @@ from localchat.chat_template import ChatMessage, ChatTemplate
 from localchat.errors import ModelLoadError, UsageError
 from localchat.gguf_info import GGUFInfo, read_gguf
 from localchat.hardware import physical_cores
+from localchat.prompt import PromptBuilder, PromptMessage
 
 LLAMA_CPP_VERSION: str = llama_cpp.__version__
 
@@ -207,9 +208,9 @@ class Generation:
                     stats.stop_reason = "context"
                     break
         finally:
+            # Bytes of a character the reply never finished are dropped, not shown as "?":
+            # the text is exactly what was streamed.
             stream.close()
-            tail = decoder.decode(b"", final=True)
-            self.text += tail
             stats.kv_bytes_used = engine.kv_bytes_used
             stats.kv_bytes_allocated = engine.kv_bytes_allocated
 
@@ -262,6 +263,12 @@ class Engine:
     # -- model facts -------------------------------------------------------------------
     @property
     def n_ctx(self) -> int:
+        """The context size asked for: how many tokens a prompt plus reply may hold."""
+        return len(self._llm.input_ids)
+
+    @property
+    def kv_cells(self) -> int:
+        """Cells llama.cpp really allocated for the KV cache (it pads the context size up)."""
         return int(self._llm.n_ctx())
 
     @property
@@ -284,14 +291,18 @@ class Engine:
             eos_token=self.token_text(int(self._llm.token_eos())),
         )
 
-    def prompt_tokens(
-        self, messages: list[ChatMessage], template: ChatTemplate | None = None
-    ) -> list[int]:
-        """Render ``messages`` with the chat template and tokenize, control tokens included."""
-        template = template or self.chat_template()
-        text = template.render(messages, add_generation_prompt=True)
-        starts_with_bos = bool(template.bos_token) and text.startswith(template.bos_token)
-        return self.tokenize(text, add_bos=self.add_bos and not starts_with_bos, special=True)
+    def prompt_builder(self) -> PromptBuilder:
+        """Builds prompts for this model: its template, its tokenizer, its BOS rule."""
+        return PromptBuilder(
+            self.chat_template(),
+            lambda text: self.tokenize(text, special=True),
+            [self.bos_token] if self.add_bos else [],
+        )
+
+    def prompt_tokens(self, messages: list[ChatMessage]) -> list[int]:
+        """The token ids asking for a reply to ``messages`` (a one-off exchange)."""
+        built = self.prompt_builder().build([PromptMessage(m.role, m.content) for m in messages])
+        return built.tokens
 
     def is_end_of_generation(self, token: int) -> bool:
         return bool(llama_cpp.llama_vocab_is_eog(self._llm._model.vocab, token))
@@ -320,7 +331,7 @@ class Engine:
 
     @property
     def kv_bytes_allocated(self) -> int:
-        return self.n_ctx * self.kv_bytes_per_token
+        return self.kv_cells * self.kv_bytes_per_token
 
     def reset(self) -> None:
         """Forget the cache: the next generation evaluates its whole prompt."""

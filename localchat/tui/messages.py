@@ -1,0 +1,43 @@
+"""Typed messages that thread workers post back to the app (workers never touch widgets)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from textual.message import Message
+
+from localchat.engine import Engine, TurnStats
+
+
+@dataclass
+class ModelLoaded(Message):
+    engine: Engine
+    load_s: float
+
+
+@dataclass
+class ModelLoadFailed(Message):
+    error: str
+
+
+@dataclass
+class ReplyChunk(Message):
+    """Text generated since the last chunk, with the stats so far."""
+
+    text: str
+    stats: TurnStats
+    kv_tokens: int
+
+
+@dataclass
+class ReplyFinished(Message):
+    stats: TurnStats
+    kv_tokens: int
+
+
+@dataclass
+class ReplyFailed(Message):
+    """The turn could not run; ``user_text`` goes back into the input so nothing is lost."""
+
+    error: str
+    user_text: str

@@ -1,0 +1,71 @@
+"""Live figures: KV cache memory, context fill, speeds, process memory."""
+
+from __future__ import annotations
+
+import psutil
+from rich.text import Text
+from textual.app import ComposeResult
+from textual.containers import Vertical
+from textual.widgets import Label, ProgressBar, Sparkline, Static
+
+from localchat.engine import TurnStats
+from localchat.units import format_bytes
+
+
+class StatsPanel(Vertical):
+    """The side panel; the app feeds it stats, it formats them."""
+
+    def __init__(self) -> None:
+        super().__init__(id="stats")
+        self._speeds: list[float] = []
+        self._process = psutil.Process()
+
+    def compose(self) -> ComposeResult:
+        yield Label("Model", classes="heading")
+        yield Static("loading…", id="model-info")
+        yield Label("KV cache", classes="heading")
+        yield Static("", id="kv-memory")
+        yield ProgressBar(total=1, show_eta=False, id="ctx-fill")
+        yield Static("", id="ctx-tokens")
+        yield Label("Speed", classes="heading")
+        yield Static("", id="speed")
+        yield Sparkline([], id="speed-history")
+        yield Static("", id="turn-start")
+        yield Label("Memory", classes="heading")
+        yield Static("", id="ram")
+
+    def on_mount(self) -> None:
+        self.refresh_memory()
+        self.set_interval(1.0, self.refresh_memory)
+
+    def _set(self, widget_id: str, text: str) -> None:
+        self.query_one(f"#{widget_id}", Static).update(Text(text))
+
+    def show_model(self, name: str, quant: str, kv_type: str, n_ctx: int, gpu_layers: int) -> None:
+        self._set(
+            "model-info", f"{name}\n{quant} · KV {kv_type} · ctx {n_ctx}\nGPU layers {gpu_layers}"
+        )
+
+    def show_cache(self, used_bytes: int, allocated_bytes: int, tokens: int, n_ctx: int) -> None:
+        self._set("kv-memory", f"{format_bytes(used_bytes)} / {format_bytes(allocated_bytes)}")
+        bar = self.query_one("#ctx-fill", ProgressBar)
+        bar.update(total=n_ctx, progress=tokens)
+        self._set("ctx-tokens", f"{tokens:,} / {n_ctx:,} tokens")
+
+    def show_speed(self, stats: TurnStats, final: bool = False) -> None:
+        self._set(
+            "speed",
+            f"gen {stats.gen_tps:.1f} tok/s\nprompt {stats.prompt_tps:.1f} tok/s\n"
+            f"first token {stats.ttft_s:.2f} s",
+        )
+        if final and stats.gen_tps > 0:
+            self._speeds = [*self._speeds[-29:], stats.gen_tps]
+            self.query_one(Sparkline).data = self._speeds
+
+    def show_turn_start(self, text: str) -> None:
+        self._set("turn-start", text)
+
+    def refresh_memory(self) -> None:
+        rss = self._process.memory_info().rss
+        free = psutil.virtual_memory().available
+        self._set("ram", f"process {format_bytes(rss)}\nfree RAM {format_bytes(free)}")

@@ -1,0 +1,128 @@
+"""The real Textual app through App.run_test(), on generated models."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from textual.message import Message
+from textual.pilot import Pilot
+from textual.widgets import Static
+
+from localchat.engine import Sampling
+from localchat.tui.app import LocalChatApp
+from localchat.tui.messages import ModelLoaded, ModelLoadFailed, ReplyChunk, ReplyFinished
+from localchat.tui.widgets.chat_message import AssistantMessage, Notice, UserMessage
+from localchat.tui.widgets.prompt_input import PromptInput
+
+GREEDY = Sampling(temperature=0.0)
+
+
+async def _wait_for(
+    pilot: Pilot, seen: list[Message], kind: type, timeout_s: float = 30.0
+) -> Message:
+    waited = 0.0
+    while waited < timeout_s:
+        for message in seen:
+            if isinstance(message, kind):
+                return message
+        await pilot.pause(0.05)
+        waited += 0.05
+    raise AssertionError(f"no {kind.__name__} within {timeout_s} s")
+
+
+def _text(app: LocalChatApp, selector: str) -> str:
+    return str(app.query_one(selector, Static).render())
+
+
+async def test_send_a_message_and_see_the_streamed_reply(tiny_model: Path) -> None:
+    seen: list[Message] = []
+    app = LocalChatApp(tiny_model, n_ctx=512, max_tokens=40, sampling=GREEDY)
+    async with app.run_test(message_hook=seen.append) as pilot:
+        await _wait_for(pilot, seen, ModelLoaded)
+        await pilot.press(*"hello", "enter")
+        finished = await _wait_for(pilot, seen, ReplyFinished)
+        await pilot.pause(0.1)
+        assert app.query_one(UserMessage).text == "hello"
+        reply = app.query_one(AssistantMessage)
+        chunks = [m for m in seen if isinstance(m, ReplyChunk)]
+        assert chunks and reply.raw == "".join(c.text for c in chunks)
+        assert reply.raw == app.session.messages[-1].content
+        assert finished.stats.generated_tokens == 40
+        assert app.query_one(PromptInput).text == ""
+        # Live stats reflect the turn.
+        tokens = finished.kv_tokens
+        assert f"{tokens:,} / 512 tokens" == _text(app, "#ctx-tokens")
+        assert "tok/s" in _text(app, "#speed")
+        assert "KiB" in _text(app, "#kv-memory")
+        assert f"evaluated {finished.stats.prompt_tokens_evaluated}" in _text(app, "#turn-start")
+
+
+async def test_second_message_reuses_the_cache(tiny_model: Path) -> None:
+    seen: list[Message] = []
+    app = LocalChatApp(tiny_model, n_ctx=1024, max_tokens=10, sampling=GREEDY)
+    async with app.run_test(message_hook=seen.append) as pilot:
+        await _wait_for(pilot, seen, ModelLoaded)
+        await pilot.press(*"one", "enter")
+        first = await _wait_for(pilot, seen, ReplyFinished)
+        seen.clear()
+        await pilot.press(*"two", "enter")
+        second = await _wait_for(pilot, seen, ReplyFinished)
+        assert (
+            second.stats.prompt_tokens_evaluated
+            < second.stats.prompt_tokens - first.stats.prompt_tokens
+        )
+        assert "reused" in _text(app, "#turn-start")
+
+
+async def test_escape_stops_generation_and_keeps_the_partial_reply(small_model: Path) -> None:
+    seen: list[Message] = []
+    app = LocalChatApp(small_model, n_ctx=4096, max_tokens=3000, sampling=GREEDY)
+    async with app.run_test(message_hook=seen.append) as pilot:
+        await _wait_for(pilot, seen, ModelLoaded)
+        await pilot.press(*"story", "enter")
+        await _wait_for(pilot, seen, ReplyChunk)
+        await pilot.press("escape")
+        finished = await _wait_for(pilot, seen, ReplyFinished)
+        await pilot.pause(0.1)
+        assert finished.stats.stop_reason == "cancelled"
+        assert 0 < finished.stats.generated_tokens < 3000
+        assert app.query_one(AssistantMessage).raw == app.session.messages[-1].content != ""
+        assert app.query(Notice)
+
+
+async def test_a_failed_send_puts_the_text_back(tiny_model: Path) -> None:
+    seen: list[Message] = []
+    app = LocalChatApp(tiny_model, n_ctx=64, max_tokens=10, sampling=GREEDY)
+    long_text = "word " * 200
+    async with app.run_test(message_hook=seen.append) as pilot:
+        await _wait_for(pilot, seen, ModelLoaded)
+        app.query_one(PromptInput).text = long_text
+        await pilot.press("end", "enter")
+        await pilot.pause(0.5)
+        assert app.query_one(PromptInput).text == long_text
+        assert not app.query(AssistantMessage)
+        assert app.session.messages == []
+
+
+async def test_a_model_that_fails_to_load_keeps_the_app_up(tmp_path: Path) -> None:
+    broken = tmp_path / "broken.gguf"
+    broken.write_text("nope")
+    seen: list[Message] = []
+    app = LocalChatApp(broken)
+    async with app.run_test(message_hook=seen.append) as pilot:
+        failed = await _wait_for(pilot, seen, ModelLoadFailed)
+        assert "not a GGUF file" in failed.error
+        await pilot.press(*"hi", "enter")
+        await pilot.pause(0.1)
+        assert app.query_one(PromptInput).text == "hi"
+        assert app.is_running
+
+
+async def test_model_output_is_never_markup_or_escapes(tiny_model: Path) -> None:
+    app = LocalChatApp(tiny_model, n_ctx=256)
+    async with app.run_test() as pilot:
+        await pilot.pause(0.1)
+        reply = AssistantMessage()
+        safe = reply.append("[bold red]x[/] \x1b[31mred\x1b[0m \x07")
+        assert "\x1b" not in safe and "\x07" not in safe
+        assert "[bold red]x[/]" in safe
