@@ -9,15 +9,21 @@ import argparse
 import json
 import sys
 import threading
-from collections.abc import Callable, Sequence
+import time
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 from localchat import __version__
 from localchat.demo import QUANTS, SHAPES, ensure_demo_model, make_demo_model
 from localchat.errors import LocalchatError, UsageError
 from localchat.paths import app_paths
 from localchat.text import printable
+
+if TYPE_CHECKING:
+    from localchat.engine import Engine, Sampling, TokenDelta
+    from localchat.kvstate import StateStore
+    from localchat.store import Store
 
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
@@ -79,6 +85,20 @@ def build_parser() -> argparse.ArgumentParser:
     ask.add_argument(
         "--json", action="store_true", help="print one JSON object instead of streaming"
     )
+    ask.add_argument(
+        "--conversation", metavar="NAME", help="continue (or start) this saved conversation"
+    )
+    ask.add_argument("--fresh", action="store_true", help="ignore the saved KV cache; re-evaluate")
+
+    conversations = sub.add_parser("conversations", help="list saved conversations")
+    conversations.add_argument("--json", action="store_true", help="print JSON")
+    export = sub.add_parser("export", help="print a conversation as Markdown or JSON")
+    export.add_argument("name")
+    export.add_argument("--format", choices=["md", "json"], default="md")
+    rm_conv = sub.add_parser(
+        "rm-conversation", help="delete a conversation and its saved KV states"
+    )
+    rm_conv.add_argument("name")
 
     demo = sub.add_parser("demo-model", help="write a random-weight GGUF for offline use")
     demo.add_argument("out", type=Path, help="where to write the .gguf file")
@@ -103,9 +123,10 @@ def default_model() -> Path:
 
 
 def cmd_ask(args: argparse.Namespace, out: TextIO) -> int:
-    from localchat.chat_template import ChatMessage
     from localchat.engine import Engine, LoadOptions, Sampling
 
+    if args.fresh and not args.conversation:
+        raise UsageError("--fresh needs --conversation NAME (a one-off ask has no saved state)")
     model_path = args.model_path
     if model_path is None:
         model_path = default_model()
@@ -116,48 +137,202 @@ def cmd_ask(args: argparse.Namespace, out: TextIO) -> int:
     engine = Engine(
         model_path, LoadOptions(n_ctx=args.ctx, n_threads=args.threads, kv_type=args.kv_type)
     )
-    messages = [ChatMessage("system", args.system)] if args.system else []
-    messages.append(ChatMessage("user", args.message))
-    prompt = engine.prompt_tokens(messages)
+    sampling = Sampling(temperature=args.temperature, seed=args.seed)
     cancel = threading.Event()
-    generation = engine.generate(
-        prompt, Sampling(temperature=args.temperature, seed=args.seed), args.max_tokens, cancel
-    )
-    stream = out.isatty()
-    interrupted = False
     try:
-        for delta in generation:
+        if args.conversation:
+            return _ask_in_conversation(args, engine, sampling, cancel, out)
+        return _ask_once(args, engine, sampling, cancel, out)
+    finally:
+        engine.close()
+
+
+def _stream(
+    deltas: Iterable[TokenDelta], args: argparse.Namespace, cancel: threading.Event, out: TextIO
+) -> bool:
+    """Write deltas to ``out`` (unless --json); returns True if Ctrl-C stopped the reply."""
+    safe = out.isatty()
+    try:
+        for delta in deltas:
             if not args.json:
-                out.write(printable(delta.text) if stream else delta.text)
+                out.write(printable(delta.text) if safe else delta.text)
                 out.flush()
     except KeyboardInterrupt:
         cancel.set()
-        interrupted = True
-    if args.json:
-        stats = generation.stats
-        payload = {
-            "reply": generation.text,
-            "conversation": None,
-            "model": model_path.name,
-            "stats": {
-                "prompt_tokens": stats.prompt_tokens,
-                "prompt_tokens_evaluated": stats.prompt_tokens_evaluated,
-                "generated_tokens": stats.generated_tokens,
-                "ttft_s": round(stats.ttft_s, 6),
-                "prompt_tps": round(stats.prompt_tps, 3),
-                "gen_tps": round(stats.gen_tps, 3),
-                "kv_bytes_used": stats.kv_bytes_used,
-                "kv_bytes_allocated": stats.kv_bytes_allocated,
-                "restored_from_state": False,
-                "window_dropped_messages": 0,
-                "stop_reason": stats.stop_reason,
-            },
-        }
-        out.write(json.dumps(payload, ensure_ascii=False) + "\n")
-    else:
+        return True
+    if not args.json:
         out.write("\n")
-    engine.close()
+    return False
+
+
+def _print_result(
+    out: TextIO,
+    args: argparse.Namespace,
+    reply: str,
+    model: str,
+    stats: dict[str, Any],
+    notices: list[str],
+) -> None:
+    for notice in notices:
+        print(f"localchat: notice: {notice}", file=sys.stderr)
+    if args.json:
+        payload = {
+            "reply": reply,
+            "conversation": args.conversation,
+            "model": model,
+            "stats": stats,
+        }
+        if notices:
+            payload["notices"] = notices
+        out.write(json.dumps(payload, ensure_ascii=False) + "\n")
+
+
+def _ask_once(
+    args: argparse.Namespace,
+    engine: Engine,
+    sampling: Sampling,
+    cancel: threading.Event,
+    out: TextIO,
+) -> int:
+    from localchat.chat_template import ChatMessage
+    from localchat.conversation import turn_stats_dict
+
+    messages = [ChatMessage("system", args.system)] if args.system else []
+    messages.append(ChatMessage("user", args.message))
+    generation = engine.generate(engine.prompt_tokens(messages), sampling, args.max_tokens, cancel)
+    interrupted = _stream(generation, args, cancel, out)
+    _print_result(
+        out, args, generation.text, engine.model_path.name, turn_stats_dict(generation.stats), []
+    )
     return EXIT_INTERRUPTED if interrupted else 0
+
+
+def _ask_in_conversation(
+    args: argparse.Namespace,
+    engine: Engine,
+    sampling: Sampling,
+    cancel: threading.Event,
+    out: TextIO,
+) -> int:
+    from localchat.conversation import Conversation
+
+    store, states = _open_store()
+    try:
+        conversation = Conversation.open(store, states, args.conversation, engine, args.system)
+        try:
+            turn = conversation.send(
+                args.message, sampling, args.max_tokens, cancel, fresh=args.fresh
+            )
+            interrupted = _stream(turn, args, cancel, out)
+            conversation.saver.wait()
+            notices = list(turn.notices)
+            if conversation.saver.last_error:
+                notices.append(conversation.saver.last_error)
+            _print_result(
+                out, args, turn.generation.text, engine.model_path.name, turn.stats_dict(), notices
+            )
+        finally:
+            conversation.close()
+    finally:
+        store.close()
+    return EXIT_INTERRUPTED if interrupted else 0
+
+
+def _open_store() -> tuple[Store, StateStore]:
+    from localchat.kvstate import StateStore
+    from localchat.settings import load_settings
+    from localchat.store import Store
+
+    paths = app_paths()
+    settings = load_settings(paths.settings_file)
+    return Store(paths.database), StateStore(paths.states_dir, settings.state_budget_bytes)
+
+
+def cmd_conversations(args: argparse.Namespace, out: TextIO) -> int:
+    store, _states = _open_store()
+    try:
+        records = store.list()
+    finally:
+        store.close()
+    if args.json:
+        rows = [
+            {
+                "name": r.name,
+                "title": r.title,
+                "messages": r.message_count,
+                "model": r.model,
+                "created_at": r.created_at,
+                "updated_at": r.updated_at,
+            }
+            for r in records
+        ]
+        out.write(json.dumps(rows, indent=2) + "\n")
+        return 0
+    if not records:
+        out.write(
+            "no conversations yet; start one with: localchat ask --conversation NAME MESSAGE\n"
+        )
+    for r in records:
+        when = time.strftime("%Y-%m-%d %H:%M", time.localtime(r.updated_at))
+        out.write(f"{r.name}\t{r.message_count} messages\t{when}\t{r.model or '-'}\n")
+    return 0
+
+
+def cmd_export(args: argparse.Namespace, out: TextIO) -> int:
+    store, _states = _open_store()
+    try:
+        record = store.get(args.name)
+        messages = store.messages(record.id)
+    finally:
+        store.close()
+    if args.format == "json":
+        payload = {
+            "name": record.name,
+            "title": record.title,
+            "system_prompt": record.system_prompt,
+            "model": record.model,
+            "created_at": record.created_at,
+            "updated_at": record.updated_at,
+            "messages": [
+                {
+                    "role": m.role,
+                    "content": m.content,
+                    "status": m.status,
+                    "created_at": m.created_at,
+                    "token_count": m.token_count,
+                    "stats": m.stats,
+                }
+                for m in messages
+            ],
+        }
+        out.write(json.dumps(payload, indent=2, ensure_ascii=False) + "\n")
+        return 0
+    lines = [f"# {record.title}", ""]
+    if record.system_prompt:
+        lines += [f"> **system:** {record.system_prompt}", ""]
+    for m in messages:
+        suffix = " *(stopped)*" if m.status == "partial" else ""
+        lines += [f"## {m.role}{suffix}", "", m.content, ""]
+    out.write("\n".join(lines).rstrip("\n") + "\n")
+    return 0
+
+
+def cmd_rm_conversation(args: argparse.Namespace, out: TextIO) -> int:
+    from localchat.locks import ConversationLock
+
+    store, states = _open_store()
+    try:
+        record = store.get(args.name)
+        lock = ConversationLock(states.directory, record.id, record.name)
+        try:
+            store.delete_conversation(record.id)
+            states.delete_conversation(record.id)
+        finally:
+            lock.release(remove=True)
+    finally:
+        store.close()
+    out.write(f"deleted conversation {record.name!r}\n")
+    return 0
 
 
 def cmd_demo_model(args: argparse.Namespace, out: TextIO) -> int:
@@ -206,6 +381,9 @@ COMMANDS: dict[str | None, Callable[[argparse.Namespace, TextIO], int]] = {
     "ask": cmd_ask,
     "demo-model": cmd_demo_model,
     "bench": cmd_bench,
+    "conversations": cmd_conversations,
+    "export": cmd_export,
+    "rm-conversation": cmd_rm_conversation,
     None: cmd_app,
 }
 

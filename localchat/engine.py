@@ -23,7 +23,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from localchat.chat_template import ChatMessage, ChatTemplate
 from localchat.errors import ModelLoadError, UsageError
-from localchat.gguf_info import GGUFInfo, read_gguf
+from localchat.gguf_info import GGUFInfo, file_fingerprint, read_gguf
 from localchat.hardware import physical_cores
 from localchat.prompt import PromptBuilder, PromptMessage
 
@@ -257,8 +257,17 @@ class Engine:
             raise ModelLoadError(
                 f"{self.model_path}: llama.cpp could not load it: {_last_error_line()}"
             ) from exc
-        self._lock = threading.Lock()
         self.kv_bytes_per_token = kv_bytes_per_token(self.info, self.options.kv_type)
+        # Which conversation the cache holds now (set by the conversation layer).
+        self.cache_owner: str | None = None
+        self._fingerprint: str | None = None
+
+    @property
+    def fingerprint(self) -> str:
+        """Identity of the model file: keys saved states and per-model token ids."""
+        if self._fingerprint is None:
+            self._fingerprint = file_fingerprint(self.model_path)
+        return self._fingerprint
 
     # -- model facts -------------------------------------------------------------------
     @property
@@ -337,6 +346,7 @@ class Engine:
         """Forget the cache: the next generation evaluates its whole prompt."""
         self._llm.reset()
         self._llm._ctx.kv_cache_seq_rm(-1, 0, -1)
+        self.cache_owner = None
 
     def save_sequence_state(self) -> bytes:
         """The raw KV state of sequence 0 (no logits array): what a state file stores."""

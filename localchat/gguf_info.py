@@ -8,6 +8,7 @@ a huge allocation.
 
 from __future__ import annotations
 
+import hashlib
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -313,3 +314,25 @@ def read_gguf(path: Path) -> GGUFInfo:
             " download it again"
         )
     return info
+
+
+FINGERPRINT_SAMPLES = 16
+FINGERPRINT_CHUNK = 64 * 1024
+
+
+def file_fingerprint(path: Path) -> str:
+    """A fast identity for a model file: its size, header and 16 samples of its tensor data.
+
+    Hashing a whole multi-GB file would cost seconds at every load; samples spread over the
+    file tell two different models (or a re-quantized one) apart just as well.
+    """
+    size = path.stat().st_size
+    digest = hashlib.sha256(str(size).encode())
+    with path.open("rb") as handle:
+        digest.update(handle.read(4 * 1024 * 1024))
+        for i in range(FINGERPRINT_SAMPLES):
+            handle.seek(max(0, size * i // FINGERPRINT_SAMPLES - FINGERPRINT_CHUNK // 2))
+            digest.update(handle.read(FINGERPRINT_CHUNK))
+        handle.seek(max(0, size - FINGERPRINT_CHUNK))
+        digest.update(handle.read(FINGERPRINT_CHUNK))
+    return digest.hexdigest()

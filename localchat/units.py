@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import re
+
+from localchat.errors import UsageError
+
 _UNITS = ("B", "KiB", "MiB", "GiB", "TiB")
 
 
@@ -13,3 +17,30 @@ def format_bytes(n: float) -> str:
             return f"{int(value)} B" if unit == "B" else f"{value:.1f} {unit}"
         value /= 1024
     raise AssertionError("unreachable")
+
+
+_SIZE_SUFFIXES = {
+    "": 1,
+    "b": 1,
+    "k": 1024,
+    "kb": 1000,
+    "kib": 1024,
+    "m": 1024**2,
+    "mb": 1000**2,
+    "mib": 1024**2,
+    "g": 1024**3,
+    "gb": 1000**3,
+    "gib": 1024**3,
+    "t": 1024**4,
+    "tb": 1000**4,
+    "tib": 1024**4,
+}
+
+
+def parse_size(text: str) -> int:
+    """``8GiB``, ``8G`` (binary), ``8GB`` (decimal), ``8192MiB``, ``8000000000`` → bytes."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
+    suffix = match.group(2).lower() if match else ""
+    if match is None or suffix not in _SIZE_SUFFIXES:
+        raise UsageError(f"{text!r} is not a size; write it like 8GiB, 8G, 8192MiB or 8000000000")
+    return int(float(match.group(1)) * _SIZE_SUFFIXES[suffix])

@@ -17,6 +17,14 @@ from localchat.tui.widgets.prompt_input import PromptInput
 GREEDY = Sampling(temperature=0.0)
 
 
+async def _wait_for_conversation(pilot: Pilot, app: LocalChatApp) -> None:
+    for _ in range(200):
+        if app.conversation is not None:
+            return
+        await pilot.pause(0.05)
+    raise AssertionError("no conversation opened")
+
+
 async def _wait_for(
     pilot: Pilot, seen: list[Message], kind: type, timeout_s: float = 30.0
 ) -> Message:
@@ -39,6 +47,7 @@ async def test_send_a_message_and_see_the_streamed_reply(tiny_model: Path) -> No
     app = LocalChatApp(tiny_model, n_ctx=512, max_tokens=40, sampling=GREEDY)
     async with app.run_test(message_hook=seen.append) as pilot:
         await _wait_for(pilot, seen, ModelLoaded)
+        await _wait_for_conversation(pilot, app)
         await pilot.press(*"hello", "enter")
         finished = await _wait_for(pilot, seen, ReplyFinished)
         await pilot.pause(0.1)
@@ -46,7 +55,7 @@ async def test_send_a_message_and_see_the_streamed_reply(tiny_model: Path) -> No
         reply = app.query_one(AssistantMessage)
         chunks = [m for m in seen if isinstance(m, ReplyChunk)]
         assert chunks and reply.raw == "".join(c.text for c in chunks)
-        assert reply.raw == app.session.messages[-1].content
+        assert reply.raw == app.conversation.exchanges[-1].record.content
         assert finished.stats.generated_tokens == 40
         assert app.query_one(PromptInput).text == ""
         # Live stats reflect the turn.
@@ -62,6 +71,7 @@ async def test_second_message_reuses_the_cache(tiny_model: Path) -> None:
     app = LocalChatApp(tiny_model, n_ctx=1024, max_tokens=10, sampling=GREEDY)
     async with app.run_test(message_hook=seen.append) as pilot:
         await _wait_for(pilot, seen, ModelLoaded)
+        await _wait_for_conversation(pilot, app)
         await pilot.press(*"one", "enter")
         first = await _wait_for(pilot, seen, ReplyFinished)
         seen.clear()
@@ -79,6 +89,7 @@ async def test_escape_stops_generation_and_keeps_the_partial_reply(small_model: 
     app = LocalChatApp(small_model, n_ctx=4096, max_tokens=3000, sampling=GREEDY)
     async with app.run_test(message_hook=seen.append) as pilot:
         await _wait_for(pilot, seen, ModelLoaded)
+        await _wait_for_conversation(pilot, app)
         await pilot.press(*"story", "enter")
         await _wait_for(pilot, seen, ReplyChunk)
         await pilot.press("escape")
@@ -86,7 +97,11 @@ async def test_escape_stops_generation_and_keeps_the_partial_reply(small_model: 
         await pilot.pause(0.1)
         assert finished.stats.stop_reason == "cancelled"
         assert 0 < finished.stats.generated_tokens < 3000
-        assert app.query_one(AssistantMessage).raw == app.session.messages[-1].content != ""
+        assert (
+            app.query_one(AssistantMessage).raw
+            == app.conversation.exchanges[-1].record.content
+            != ""
+        )
         assert app.query(Notice)
 
 
@@ -96,12 +111,13 @@ async def test_a_failed_send_puts_the_text_back(tiny_model: Path) -> None:
     long_text = "word " * 200
     async with app.run_test(message_hook=seen.append) as pilot:
         await _wait_for(pilot, seen, ModelLoaded)
+        await _wait_for_conversation(pilot, app)
         app.query_one(PromptInput).text = long_text
         await pilot.press("end", "enter")
         await pilot.pause(0.5)
         assert app.query_one(PromptInput).text == long_text
         assert not app.query(AssistantMessage)
-        assert app.session.messages == []
+        assert app.conversation.exchanges == []
 
 
 async def test_a_model_that_fails_to_load_keeps_the_app_up(tmp_path: Path) -> None:
@@ -126,3 +142,30 @@ async def test_model_output_is_never_markup_or_escapes(tiny_model: Path) -> None
         safe = reply.append("[bold red]x[/] \x1b[31mred\x1b[0m \x07")
         assert "\x1b" not in safe and "\x07" not in safe
         assert "[bold red]x[/]" in safe
+
+
+async def test_reopening_the_app_resumes_from_the_saved_cache(tiny_model: Path) -> None:
+    seen: list[Message] = []
+    first = LocalChatApp(tiny_model, n_ctx=1024, max_tokens=16, sampling=GREEDY)
+    async with first.run_test(message_hook=seen.append) as pilot:
+        await _wait_for(pilot, seen, ModelLoaded)
+        await _wait_for_conversation(pilot, first)
+        await pilot.press(*"remember me", "enter")
+        await _wait_for(pilot, seen, ReplyFinished)
+        name = first.conversation.record.name
+        reply_text = first.query_one(AssistantMessage).raw
+    seen.clear()
+    second = LocalChatApp(tiny_model, n_ctx=1024, max_tokens=16, sampling=GREEDY)
+    async with second.run_test(message_hook=seen.append) as pilot:
+        await _wait_for(pilot, seen, ModelLoaded)
+        await _wait_for_conversation(pilot, second)
+        assert second.conversation.record.name == name
+        await pilot.pause(0.1)
+        assert second.query_one(UserMessage).text == "remember me"
+        assert second.query_one(AssistantMessage).raw == reply_text
+        await pilot.press(*"and now", "enter")
+        finished = await _wait_for(pilot, seen, ReplyFinished)
+        assert finished.turn.restore.restored
+        assert "restored" in _text(second, "#turn-start") and "from saved cache" in _text(
+            second, "#turn-start"
+        )

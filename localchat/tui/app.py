@@ -18,9 +18,13 @@ from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.widgets import Footer, Header, Markdown
 from textual.widgets.markdown import MarkdownStream
 
+from localchat.conversation import Conversation, ConversationTurn
 from localchat.engine import Engine, LoadOptions, Sampling
 from localchat.errors import LocalchatError
-from localchat.session import ChatSession
+from localchat.kvstate import StateStore
+from localchat.paths import app_paths
+from localchat.settings import load_settings
+from localchat.store import Store
 from localchat.tui.messages import (
     ModelLoaded,
     ModelLoadFailed,
@@ -60,14 +64,18 @@ class LocalChatApp(App[int]):
         n_ctx: int = 4096,
         max_tokens: int = 512,
         sampling: Sampling | None = None,
+        conversation_name: str | None = None,
     ) -> None:
         super().__init__()
         self.model_path = model_path
         self.n_ctx = n_ctx
         self.max_tokens = max_tokens
         self.sampling = sampling or Sampling()
+        self.conversation_name = conversation_name
         self.engine: Engine | None = None
-        self.session: ChatSession | None = None
+        self.conversation: Conversation | None = None
+        self.store: Store | None = None
+        self.states: StateStore | None = None
         self._cancel = threading.Event()
         self._generating = False
         self._reply: AssistantMessage | None = None
@@ -85,6 +93,14 @@ class LocalChatApp(App[int]):
     def on_mount(self) -> None:
         self.sub_title = f"loading {self.model_path.name}…"
         self.query_one(PromptInput).focus()
+        paths = app_paths()
+        try:
+            settings = load_settings(paths.settings_file)
+            self.store = Store(paths.database)
+        except LocalchatError as exc:
+            self.notify(str(exc), title="Conversations unavailable", severity="error", timeout=30)
+        else:
+            self.states = StateStore(paths.states_dir, settings.state_budget_bytes)
         self.load_model()
 
     # -- workers (thread): they only post messages -------------------------------------
@@ -99,9 +115,9 @@ class LocalChatApp(App[int]):
         self.post_message(ModelLoaded(engine, time.perf_counter() - start))
 
     @work(thread=True, exclusive=True, group="generate")
-    def generate(self, session: ChatSession, text: str) -> None:
+    def generate(self, conversation: Conversation, text: str) -> None:
         try:
-            turn = session.send(text, self.sampling, self.max_tokens, self._cancel)
+            turn = conversation.send(text, self.sampling, self.max_tokens, self._cancel)
         except LocalchatError as exc:
             self.post_message(ReplyFailed(str(exc), text))
             return
@@ -110,7 +126,7 @@ class LocalChatApp(App[int]):
             return
         pending = ""
         last_post = time.perf_counter()
-        engine = session.engine
+        engine = conversation.engine
         try:
             for delta in turn:
                 pending += delta.text
@@ -122,12 +138,11 @@ class LocalChatApp(App[int]):
             self.notify(f"generation failed: {exc}", severity="error", timeout=15)
         if pending:
             self.post_message(ReplyChunk(pending, turn.stats, len(engine.cached_tokens)))
-        self.post_message(ReplyFinished(turn.stats, len(engine.cached_tokens)))
+        self.post_message(ReplyFinished(turn.stats, len(engine.cached_tokens), turn))
 
     # -- message handlers (app thread) -------------------------------------------------
-    def on_model_loaded(self, message: ModelLoaded) -> None:
+    async def on_model_loaded(self, message: ModelLoaded) -> None:
         self.engine = message.engine
-        self.session = ChatSession(message.engine)
         info = message.engine.info
         self.sub_title = f"{info.name} · {info.file_type}"
         panel = self.query_one(StatsPanel)
@@ -140,6 +155,35 @@ class LocalChatApp(App[int]):
         )
         self._show_cache(0)
         panel.show_turn_start(f"model loaded in {message.load_s:.2f} s")
+        await self._open_conversation(self.conversation_name)
+
+    async def _open_conversation(self, name: str | None) -> None:
+        """Open ``name`` (default: the most recent conversation, or a new one)."""
+        if self.engine is None or self.store is None or self.states is None:
+            return
+        if name is None:
+            recent = self.store.list()
+            name = recent[0].name if recent else _new_conversation_name()
+        try:
+            conversation = Conversation.open(self.store, self.states, name, self.engine)
+        except LocalchatError as exc:
+            self.notify(str(exc), severity="warning", timeout=15)
+            conversation = Conversation.open(
+                self.store, self.states, _new_conversation_name(), self.engine
+            )
+        conversation.saver.on_error = lambda error: self.notify(error, severity="warning")
+        self.conversation = conversation
+        self.title = f"localchat — {conversation.record.title}"
+        log = self.query_one("#log", VerticalScroll)
+        await log.remove_children()
+        for exchange in conversation.exchanges:
+            if exchange.record.role == "user":
+                await log.mount(UserMessage(exchange.record.content))
+            elif exchange.record.role == "assistant":
+                view = AssistantMessage()
+                await log.mount(view)
+                await view.markdown.update(view.append(exchange.record.content))
+        log.scroll_end(animate=False)
 
     def on_model_load_failed(self, message: ModelLoadFailed) -> None:
         self.sub_title = "no model"
@@ -147,7 +191,7 @@ class LocalChatApp(App[int]):
 
     @on(PromptInput.Submitted)
     async def send(self, message: PromptInput.Submitted) -> None:
-        if self.session is None:
+        if self.conversation is None:
             self.notify("The model is still loading; your message is kept.", severity="warning")
             return
         if self._generating:
@@ -162,7 +206,7 @@ class LocalChatApp(App[int]):
         self._stream = Markdown.get_stream(self._reply.markdown)
         self._cancel.clear()
         self._generating = True
-        self.generate(self.session, message.text)
+        self.generate(self.conversation, message.text)
 
     async def on_reply_chunk(self, message: ReplyChunk) -> None:
         if self._reply is not None and self._stream is not None:
@@ -175,16 +219,13 @@ class LocalChatApp(App[int]):
         stats = message.stats
         panel = self.query_one(StatsPanel)
         panel.show_speed(stats, final=True)
-        reused = stats.prompt_tokens - stats.prompt_tokens_evaluated
-        panel.show_turn_start(
-            f"evaluated {stats.prompt_tokens_evaluated:,} tokens in {stats.ttft_s:.2f} s"
-            + (f"\nreused {reused:,} from the cache" if reused else "")
-        )
+        panel.show_turn_start(describe_turn_start(message.turn))
         self._show_cache(message.kv_tokens)
+        log = self.query_one("#log", VerticalScroll)
+        for notice in message.turn.notices:
+            await log.mount(Notice(notice))
         if stats.stop_reason == "cancelled":
-            await self.query_one("#log", VerticalScroll).mount(
-                Notice("stopped — the partial reply is kept")
-            )
+            await log.mount(Notice("stopped — the partial reply is kept"))
         self._generating = False
 
     async def on_reply_failed(self, message: ReplyFailed) -> None:
@@ -205,8 +246,10 @@ class LocalChatApp(App[int]):
     async def action_new_chat(self) -> None:
         if self._generating or self.engine is None:
             return
-        self.session = ChatSession(self.engine)
-        await self.query_one("#log", VerticalScroll).remove_children()
+        if self.conversation is not None:
+            self.conversation.close()
+            self.conversation = None
+        await self._open_conversation(_new_conversation_name())
         self.query_one(StatsPanel).show_turn_start("new conversation")
 
     # -- helpers ------------------------------------------------------------------------
@@ -224,11 +267,29 @@ class LocalChatApp(App[int]):
         )
 
     def on_unmount(self) -> None:
-        if self.engine is not None:
-            self._cancel.set()
+        self._cancel.set()
+        if self.conversation is not None:
+            self.conversation.close()  # waits for the last state save
+        if self.store is not None:
+            self.store.close()
 
 
-def run_app(model_path: Path, n_ctx: int = 4096) -> int:
-    app = LocalChatApp(model_path, n_ctx=n_ctx)
+def _new_conversation_name() -> str:
+    return time.strftime("chat-%Y%m%d-%H%M%S")
+
+
+def describe_turn_start(turn: ConversationTurn) -> str:
+    """How the turn began: restored from disk, reused from memory, or evaluated."""
+    stats = turn.stats
+    restore = turn.restore
+    evaluated = f"evaluated {stats.prompt_tokens_evaluated:,} tokens in {stats.ttft_s:.2f} s"
+    if restore.restored:
+        return f"restored {restore.tokens:,} tokens from saved cache in {restore.seconds:.2f} s\n{evaluated}"
+    reused = stats.prompt_tokens - stats.prompt_tokens_evaluated
+    return evaluated + (f"\nreused {reused:,} from the cache" if reused else "")
+
+
+def run_app(model_path: Path, n_ctx: int = 4096, conversation: str | None = None) -> int:
+    app = LocalChatApp(model_path, n_ctx=n_ctx, conversation_name=conversation)
     app.run()
     return app.return_code or 0

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from textual.message import Message
 
+from localchat.conversation import ConversationTurn
 from localchat.engine import Engine, TurnStats
 
 
@@ -33,6 +34,7 @@ class ReplyChunk(Message):
 class ReplyFinished(Message):
     stats: TurnStats
     kv_tokens: int
+    turn: ConversationTurn
 
 
 @dataclass

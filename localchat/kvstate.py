@@ -1,0 +1,263 @@
+"""Saved KV cache states: one file per (conversation, model), validated before every restore.
+
+File layout (little-endian), after llama.cpp server's slot files::
+
+    magic    8 bytes  b"LCKVSTAT"
+    version  u32
+    hlen     u32      length of the JSON header
+    header   hlen     model fingerprint, n_ctx, KV type, llama.cpp version, token count,
+                      payload length, sha256 of tokens + payload
+    tokens   4 × n    the token ids the state holds, int32
+    payload  ...      llama_state_seq_get_data bytes (the KV cells, no logits)
+
+A state that fails any check is rejected with the reason, and the caller re-evaluates from
+the transcript: a bad file costs time, never a wrong continuation.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import queue
+import struct
+import threading
+import time
+from array import array
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from localchat.atomic import write_atomic
+from localchat.paths import ensure_private_dir
+
+MAGIC = b"LCKVSTAT"
+FORMAT_VERSION = 1
+DEFAULT_BUDGET_BYTES = 2 * 1024**3
+SUFFIX = ".lckv"
+_PREFIX = struct.Struct("<8sII")
+MAX_HEADER_BYTES = 1 << 20
+
+
+@dataclass(frozen=True)
+class StateKey:
+    """What a state depends on: restoring it under any other key would be wrong."""
+
+    model_fingerprint: str
+    n_ctx: int
+    kv_type: str
+    llama_cpp: str
+
+
+@dataclass
+class SavedState:
+    key: StateKey
+    tokens: list[int]
+    payload: bytes
+
+
+class StateRejected(Exception):
+    """A state file that cannot be used; ``str()`` says why in a few words."""
+
+
+def _checksum(tokens_bytes: bytes, payload: bytes) -> str:
+    digest = hashlib.sha256()
+    digest.update(tokens_bytes)
+    digest.update(payload)
+    return digest.hexdigest()
+
+
+def encode_state(state: SavedState) -> list[bytes]:
+    tokens_bytes = array("i", state.tokens).tobytes()
+    header = json.dumps(
+        {
+            **asdict(state.key),
+            "n_tokens": len(state.tokens),
+            "payload_bytes": len(state.payload),
+            "sha256": _checksum(tokens_bytes, state.payload),
+            "saved_at": time.time(),
+        }
+    ).encode()
+    return [_PREFIX.pack(MAGIC, FORMAT_VERSION, len(header)), header, tokens_bytes, state.payload]
+
+
+def read_state(path: Path, expected: StateKey) -> SavedState:
+    """Read and validate a state file; raises StateRejected naming the first problem."""
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        raise StateRejected("no saved state") from None
+    except OSError as exc:
+        raise StateRejected(f"unreadable ({exc.strerror})") from None
+    if len(data) < _PREFIX.size:
+        raise StateRejected("truncated file")
+    magic, version, header_len = _PREFIX.unpack_from(data)
+    if magic != MAGIC:
+        raise StateRejected("not a localchat state file")
+    if version != FORMAT_VERSION:
+        raise StateRejected(f"state format {version}, this localchat reads {FORMAT_VERSION}")
+    if header_len > MAX_HEADER_BYTES or _PREFIX.size + header_len > len(data):
+        raise StateRejected("truncated file")
+    try:
+        header = json.loads(data[_PREFIX.size : _PREFIX.size + header_len])
+        key = StateKey(
+            str(header["model_fingerprint"]),
+            int(header["n_ctx"]),
+            str(header["kv_type"]),
+            str(header["llama_cpp"]),
+        )
+        n_tokens = int(header["n_tokens"])
+        payload_bytes = int(header["payload_bytes"])
+        checksum = str(header["sha256"])
+    except (ValueError, KeyError, TypeError):
+        raise StateRejected("corrupt header") from None
+    if key.model_fingerprint != expected.model_fingerprint:
+        raise StateRejected("saved for another model file")
+    if key.n_ctx != expected.n_ctx:
+        raise StateRejected(f"saved with context {key.n_ctx}, now {expected.n_ctx}")
+    if key.kv_type != expected.kv_type:
+        raise StateRejected(f"saved with KV type {key.kv_type}, now {expected.kv_type}")
+    if key.llama_cpp != expected.llama_cpp:
+        raise StateRejected(f"saved by llama.cpp {key.llama_cpp}, now {expected.llama_cpp}")
+    start = _PREFIX.size + header_len
+    tokens_end = start + 4 * n_tokens
+    if n_tokens < 0 or payload_bytes < 0 or tokens_end + payload_bytes != len(data):
+        raise StateRejected("truncated file")
+    tokens_bytes = data[start:tokens_end]
+    payload = data[tokens_end:]
+    if _checksum(tokens_bytes, payload) != checksum:
+        raise StateRejected("checksum mismatch (corrupt file)")
+    tokens = array("i")
+    tokens.frombytes(tokens_bytes)
+    return SavedState(key, tokens.tolist(), payload)
+
+
+class StateStore:
+    """The states folder: where each state lives, atomic saves, and an LRU disk budget."""
+
+    def __init__(self, directory: Path, budget_bytes: int = DEFAULT_BUDGET_BYTES) -> None:
+        self.directory = directory
+        self.budget_bytes = budget_bytes
+
+    def path_for(self, conversation_id: str, model_fingerprint: str) -> Path:
+        return self.directory / f"{conversation_id}.{model_fingerprint[:16]}{SUFFIX}"
+
+    def save(self, conversation_id: str, state: SavedState) -> Path:
+        """Write atomically (the old state stays valid until the rename), then enforce the budget."""
+        ensure_private_dir(self.directory)
+        path = self.path_for(conversation_id, state.key.model_fingerprint)
+        write_atomic(path, encode_state(state))
+        self.evict(keep=path)
+        return path
+
+    def load(self, conversation_id: str, expected: StateKey) -> SavedState:
+        """The validated state for this conversation and key; marks it recently used."""
+        path = self.path_for(conversation_id, expected.model_fingerprint)
+        state = read_state(path, expected)
+        with contextlib.suppress(OSError):
+            os.utime(path)
+        return state
+
+    def discard(self, conversation_id: str, model_fingerprint: str) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            self.path_for(conversation_id, model_fingerprint).unlink()
+
+    def delete_conversation(self, conversation_id: str) -> None:
+        for path in self.directory.glob(f"{conversation_id}.*{SUFFIX}"):
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
+
+    def files(self) -> list[Path]:
+        if not self.directory.exists():
+            return []
+        return list(self.directory.glob(f"*{SUFFIX}"))
+
+    def total_bytes(self) -> int:
+        return sum(_size(p) for p in self.files())
+
+    def _remove_stale_temp_files(self) -> list[Path]:
+        """Temp files a killed process left mid-save (a live save is never an hour old)."""
+        removed = []
+        cutoff = time.time() - STALE_TEMP_S
+        for path in self.directory.glob(f".*{SUFFIX}.*.tmp"):
+            with contextlib.suppress(FileNotFoundError):
+                if path.stat().st_mtime < cutoff:
+                    path.unlink()
+                    removed.append(path)
+        return removed
+
+    def evict(self, keep: Path | None = None) -> list[Path]:
+        """Delete least-recently-used states until the folder fits the budget."""
+        entries = []
+        for path in self.files():
+            with contextlib.suppress(FileNotFoundError):
+                stat = path.stat()
+                entries.append((stat.st_mtime, stat.st_size, path))
+        total = sum(size for _, size, _ in entries)
+        removed = self._remove_stale_temp_files()
+        for _mtime, size, path in sorted(entries, key=lambda e: e[0]):
+            if total <= self.budget_bytes:
+                break
+            if path == keep:
+                continue
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
+                removed.append(path)
+            total -= size
+        return removed
+
+
+STALE_TEMP_S = 3600
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except FileNotFoundError:
+        return 0
+
+
+class BackgroundSaver:
+    """Writes states on a worker thread, so saving never delays the next prompt.
+
+    Saves run in order; ``wait()`` blocks until all queued saves are on disk (used before a
+    process exits). A failed save (disk full…) is reported to ``on_error`` and skipped.
+    """
+
+    def __init__(self, states: StateStore, on_error: Callable[[str], None] | None = None) -> None:
+        self.states = states
+        self.on_error = on_error
+        self._queue: queue.Queue[tuple[str, SavedState] | None] = queue.Queue()
+        self._thread = threading.Thread(target=self._run, name="kv-state-saver", daemon=True)
+        self._thread.start()
+        self.last_error: str | None = None
+
+    def save(self, conversation_id: str, state: SavedState) -> None:
+        self._queue.put((conversation_id, state))
+
+    def wait(self) -> None:
+        self._queue.join()
+
+    def close(self) -> None:
+        self.wait()
+        self._queue.put(None)
+        self._thread.join(timeout=5)
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            try:
+                if item is None:
+                    return
+                conversation_id, state = item
+                try:
+                    self.states.save(conversation_id, state)
+                except OSError as exc:
+                    self.last_error = (
+                        f"KV state not saved ({exc.strerror or exc}); the transcript is safe"
+                    )
+                    if self.on_error is not None:
+                        self.on_error(self.last_error)
+            finally:
+                self._queue.task_done()

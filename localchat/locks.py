@@ -1,0 +1,46 @@
+"""One writer per conversation: an advisory file lock with a clear "in use" message."""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+from pathlib import Path
+
+from localchat.errors import LocalchatError
+from localchat.paths import ensure_private_dir
+
+
+class ConversationInUse(LocalchatError):
+    """Another process holds the conversation."""
+
+
+class ConversationLock:
+    """Held while a process may write to a conversation; released on close or process exit."""
+
+    def __init__(self, directory: Path, conversation_id: str, name: str) -> None:
+        ensure_private_dir(directory)
+        self.path = directory / f"{conversation_id}.lock"
+        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(self._fd, 32, 0).decode(errors="replace").strip() or "unknown"
+            os.close(self._fd)
+            raise ConversationInUse(
+                f"conversation {name!r} is in use by another localchat process (pid {holder});"
+                " close it or wait for its reply to finish"
+            ) from None
+        os.ftruncate(self._fd, 0)
+        os.pwrite(self._fd, str(os.getpid()).encode(), 0)
+
+    def release(self, remove: bool = False) -> None:
+        """Let go of the lock; ``remove`` deletes the lock file (the conversation is gone)."""
+        if self._fd >= 0:
+            if remove:
+                with contextlib.suppress(OSError):
+                    self.path.unlink()
+            with contextlib.suppress(OSError):
+                fcntl.flock(self._fd, fcntl.LOCK_UN)
+                os.close(self._fd)
+            self._fd = -1

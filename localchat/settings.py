@@ -1,0 +1,53 @@
+"""User settings from ``settings.toml`` in the config dir; every field says why it exists."""
+
+from __future__ import annotations
+
+import tomllib
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+from localchat.errors import UsageError
+from localchat.kvstate import DEFAULT_BUDGET_BYTES
+from localchat.units import parse_size
+
+
+@dataclass(frozen=True)
+class Settings:
+    state_budget_bytes: int = DEFAULT_BUDGET_BYTES
+    """Disk space saved KV states may take; the least recently used are deleted beyond it."""
+
+    max_tokens: int = 512
+    """Longest reply, in tokens."""
+
+    temperature: float = 0.7
+    """Sampling temperature; 0 is greedy and deterministic."""
+
+
+def load_settings(path: Path) -> Settings:
+    """Read ``path`` if it exists; an unknown key or bad value names the file and the key."""
+    if not path.exists():
+        return Settings()
+    try:
+        data = tomllib.loads(path.read_text())
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise UsageError(f"{path}: cannot read settings ({exc})") from None
+    known = {f.name for f in fields(Settings)}
+    values: dict[str, object] = {}
+    for key, value in data.items():
+        name = key.replace("-", "_")
+        if name == "state_budget":
+            name, value = "state_budget_bytes", parse_size(str(value))
+        if name not in known:
+            raise UsageError(f"{path}: unknown setting {key!r}; known: {', '.join(sorted(known))}")
+        values[name] = value
+    try:
+        settings = Settings(**values)  # type: ignore[arg-type]
+    except TypeError as exc:
+        raise UsageError(f"{path}: {exc}") from None
+    for f in fields(Settings):
+        value = getattr(settings, f.name)
+        if not isinstance(value, int | float) or isinstance(value, bool) or value < 0:
+            raise UsageError(
+                f"{path}: setting {f.name} must be a non-negative number, not {value!r}"
+            )
+    return settings

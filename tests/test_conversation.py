@@ -1,0 +1,110 @@
+"""A conversation in one process: transcript first, exact token ids, warm cache reuse."""
+
+from __future__ import annotations
+
+import sqlite3
+import threading
+from pathlib import Path
+
+import pytest
+
+from localchat.conversation import Conversation
+from localchat.engine import Engine, LoadOptions, Sampling
+from localchat.errors import UsageError
+from localchat.kvstate import StateStore
+from localchat.prompt import PromptMessage
+from localchat.store import Store
+
+GREEDY = Sampling(temperature=0.0)
+
+
+@pytest.fixture
+def engine(tiny_model: Path) -> Engine:
+    return Engine(tiny_model, LoadOptions(n_ctx=1024))
+
+
+@pytest.fixture
+def conversation(tmp_path: Path, engine: Engine):
+    store = Store(tmp_path / "db.sqlite3")
+    conv = Conversation.open(store, StateStore(tmp_path / "states"), "c", engine, "You are terse.")
+    yield conv
+    conv.close()
+    store.close()
+
+
+def _turn(conversation: Conversation, text: str, max_tokens: int = 12, cancel=None):
+    turn = conversation.send(text, GREEDY, max_tokens, cancel)
+    for _ in turn:
+        pass
+    return turn
+
+
+def test_user_message_is_committed_before_generation_starts(conversation: Conversation) -> None:
+    turn = conversation.send("hello", GREEDY, 8)
+    other = sqlite3.connect(conversation.store.path)
+    rows = other.execute("SELECT role, content FROM messages ORDER BY seq").fetchall()
+    assert rows == [("user", "hello")]
+    for _ in turn:
+        pass
+    rows = other.execute("SELECT role FROM messages ORDER BY seq").fetchall()
+    assert rows == [("user",), ("assistant",)]
+
+
+def test_second_turn_evaluates_only_the_new_message(
+    conversation: Conversation, engine: Engine
+) -> None:
+    first = _turn(conversation, "hello there")
+    second = _turn(conversation, "tell me more")
+    generated = first.generation.tokens
+    assert first.reply is not None and first.reply.prompt.tokens is not None
+    ids = first.reply.prompt.tokens
+    assert any(ids[i : i + len(generated)] == generated for i in range(len(ids)))
+    assert second.prompt.tokens[: len(first.prompt.tokens)] == first.prompt.tokens
+    # Evaluated: the last generated token, the reply's closing, the new message, the header.
+    new_text = "<|im_end|>\n<|im_start|>user\ntell me more<|im_end|>\n<|im_start|>assistant\n"
+    assert second.stats.prompt_tokens_evaluated == 1 + len(engine.tokenize(new_text, special=True))
+    assert not second.restore.restored  # warm, no file read
+
+
+def test_token_ids_are_stored_per_model_and_reused(
+    conversation: Conversation, engine: Engine
+) -> None:
+    _turn(conversation, "hello")
+    stored = conversation.store.message_tokens(conversation.record.id, engine.fingerprint)
+    assert len(stored) == 2
+    reply = conversation.exchanges[-1]
+    assert stored[reply.record.id] == reply.prompt.tokens
+    assert reply.record.token_count == len(reply.prompt.tokens)
+
+
+def test_cancelled_reply_is_kept_and_marked_partial(conversation: Conversation) -> None:
+    cancel = threading.Event()
+    turn = conversation.send("go", GREEDY, 100, cancel)
+    for count, _delta in enumerate(turn, start=1):
+        if count == 3:
+            cancel.set()
+    messages = conversation.store.messages(conversation.record.id)
+    assert messages[-1].status == "partial"
+    assert messages[-1].content == turn.generation.text != ""
+    assert messages[-1].stats["stop_reason"] == "cancelled"
+
+
+def test_a_turn_that_cannot_start_keeps_no_half_exchange(conversation: Conversation) -> None:
+    with pytest.raises(UsageError, match="context holds"):
+        conversation.send("word " * 2000, GREEDY)
+    assert conversation.exchanges == []
+    assert conversation.store.messages(conversation.record.id) == []
+
+
+def test_prompt_segments_render_the_same_text_as_the_whole_template(engine: Engine) -> None:
+    builder = engine.prompt_builder()
+    messages = [
+        PromptMessage("system", "sys"),
+        PromptMessage("user", "question"),
+        PromptMessage("assistant", "answer"),
+        PromptMessage("user", "again"),
+    ]
+    segments = builder.segments(messages)
+    assert segments is not None
+    whole = builder.template.render([m.as_chat() for m in messages], add_generation_prompt=False)
+    assert "".join(segments) == whole

@@ -1,0 +1,115 @@
+"""State files: layout, validation, atomic saves that survive kill -9, and the disk budget."""
+
+from __future__ import annotations
+
+import os
+import signal
+import stat
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from localchat.kvstate import (
+    MAGIC,
+    SavedState,
+    StateKey,
+    StateRejected,
+    StateStore,
+    encode_state,
+    read_state,
+)
+
+KEY = StateKey("f" * 64, 4096, "f16", "0.3.36")
+
+
+def _state(tokens: int = 100, fill: int = 7, payload_bytes: int = 5000) -> SavedState:
+    return SavedState(KEY, list(range(tokens)), bytes([fill]) * payload_bytes)
+
+
+def test_round_trip_and_layout(tmp_path: Path) -> None:
+    states = StateStore(tmp_path)
+    path = states.save("conv", _state())
+    assert path.read_bytes().startswith(MAGIC)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    loaded = read_state(path, KEY)
+    assert loaded.tokens == list(range(100))
+    assert loaded.payload == bytes([7]) * 5000
+
+
+@pytest.mark.parametrize(
+    ("other", "reason"),
+    [
+        (StateKey("e" * 64, 4096, "f16", "0.3.36"), "another model"),
+        (StateKey("f" * 64, 2048, "f16", "0.3.36"), "context 4096, now 2048"),
+        (StateKey("f" * 64, 4096, "q8_0", "0.3.36"), "KV type f16, now q8_0"),
+        (StateKey("f" * 64, 4096, "f16", "0.4.0"), "llama.cpp 0.3.36, now 0.4.0"),
+    ],
+)
+def test_key_mismatch_is_rejected_with_the_reason(
+    tmp_path: Path, other: StateKey, reason: str
+) -> None:
+    path = StateStore(tmp_path).save("conv", _state())
+    with pytest.raises(StateRejected, match=reason):
+        read_state(path, other)
+
+
+def test_corruption_and_truncation_are_detected(tmp_path: Path) -> None:
+    path = StateStore(tmp_path).save("conv", _state())
+    data = bytearray(path.read_bytes())
+    data[-10] ^= 0xFF
+    path.write_bytes(bytes(data))
+    with pytest.raises(StateRejected, match="checksum"):
+        read_state(path, KEY)
+    path.write_bytes(bytes(data[: len(data) // 2]))
+    with pytest.raises(StateRejected, match="truncated"):
+        read_state(path, KEY)
+    path.write_bytes(b"garbage" * 10)
+    with pytest.raises(StateRejected, match="not a localchat state"):
+        read_state(path, KEY)
+
+
+def test_budget_evicts_least_recently_used(tmp_path: Path) -> None:
+    one_file = sum(len(chunk) for chunk in encode_state(_state()))
+    states = StateStore(tmp_path, budget_bytes=int(one_file * 2.5))
+    old = states.save("old", _state())
+    os.utime(old, (time.time() - 300, time.time() - 300))
+    used = states.save("used", _state())
+    os.utime(used, (time.time() - 200, time.time() - 200))
+    states.load("used", KEY)  # a restore marks it recently used
+    states.save("new", _state())
+    remaining = {p.name.split(".")[0] for p in states.files()}
+    assert remaining == {"used", "new"}
+    assert states.total_bytes() <= states.budget_bytes
+
+
+_WRITER = """
+import sys
+from pathlib import Path
+from localchat.kvstate import SavedState, StateKey, StateStore
+key = StateKey("f" * 64, 4096, "f16", "0.3.36")
+states = StateStore(Path(sys.argv[1]))
+i = 0
+print("ready", flush=True)
+while True:
+    i += 1
+    states.save("conv", SavedState(key, [i] * 1000, bytes([i % 256]) * 40_000_000))
+"""
+
+
+@pytest.mark.parametrize("delay_s", [0.15, 0.4, 0.9])
+def test_kill_9_mid_save_leaves_a_valid_state(tmp_path: Path, delay_s: float) -> None:
+    states = StateStore(tmp_path)
+    states.save("conv", SavedState(KEY, [0] * 1000, bytes([0]) * 40_000_000))
+    proc = subprocess.Popen([sys.executable, "-c", _WRITER, str(tmp_path)], stdout=subprocess.PIPE)
+    assert proc.stdout is not None
+    proc.stdout.readline()
+    time.sleep(delay_s)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    loaded = read_state(states.path_for("conv", KEY.model_fingerprint), KEY)
+    generation = loaded.tokens[0]
+    assert loaded.tokens == [generation] * 1000
+    assert loaded.payload == bytes([generation % 256]) * 40_000_000
