@@ -9,7 +9,9 @@ from collections.abc import Iterable
 from pathlib import Path
 
 
-def write_atomic(path: Path, chunks: bytes | Iterable[bytes], mode: int = 0o600) -> None:
+def write_atomic(
+    path: Path, chunks: bytes | Iterable[bytes | memoryview], mode: int = 0o600
+) -> None:
     """Write ``chunks`` to ``path`` via a temp file in the same folder, fsync, then rename."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)

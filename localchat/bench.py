@@ -7,8 +7,14 @@ Tests never assert on these numbers; this command reports them against their tar
 
 from __future__ import annotations
 
+import json
+import os
 import platform
+import shutil
 import statistics
+import subprocess
+import sys
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -16,16 +22,25 @@ from typing import Any
 from localchat import __version__
 from localchat.hardware import physical_cores
 
-PARTS: tuple[str, ...] = ("engine",)
+PARTS: tuple[str, ...] = ("engine", "resume")
 
 ENGINE_CTX = 2048
 ENGINE_PROMPT_TOKENS = 256
 ENGINE_GEN_TOKENS = 128
 ENGINE_ROUNDS = 3
 
+RESUME_CTX = 4096
+RESUME_HISTORY_TOKENS = 2000
+RESUME_TURN_WORDS = 450
+RESUME_REPLY_TOKENS = 8
+RESUME_NEXT_MESSAGE = "Given all of that, what should we do next?"
+
 # name -> (comparison, threshold)
 TARGETS: dict[str, tuple[str, float]] = {
     "gen_ratio": (">=", 0.97),
+    "resume_vs_warm": ("<=", 1.2),
+    "resume_speedup": (">=", 50.0),
+    "state_bytes_ratio": ("<=", 1.0),
 }
 
 Progress = Callable[[str], None] | None
@@ -84,8 +99,105 @@ def bench_engine(model_path: Path, progress: Progress = None) -> dict[str, Any]:
     }
 
 
+def _filler_text(turn: int, words: int) -> str:
+    """Deterministic prose-like text of about ``words`` tokens for long user messages."""
+    vocabulary = (
+        "the model keeps a cache of every token it has read so that the next reply starts "
+        "at once instead of reading the whole conversation again from the first word"
+    ).split()
+    return " ".join(vocabulary[(turn * 7 + i) % len(vocabulary)] for i in range(words))
+
+
+def _ask_in_new_process(home: Path, model_path: Path, *extra: str) -> dict[str, Any]:
+    """One turn through the real CLI in a fresh process (model load is not timed in ttft)."""
+    env = {**os.environ, "LOCALCHAT_HOME": str(home)}
+    command = [
+        sys.executable, "-m", "localchat.cli", "ask", RESUME_NEXT_MESSAGE,
+        "--model-path", str(model_path), "--conversation", "bench", "--ctx", str(RESUME_CTX),
+        "--temperature", "0", "--max-tokens", str(RESUME_REPLY_TOKENS), "--json", *extra,
+    ]  # fmt: skip
+    result = subprocess.run(command, capture_output=True, text=True, env=env, check=False)
+    if result.returncode != 0:
+        raise RuntimeError(f"bench turn failed: {result.stderr.strip()}")
+    payload: dict[str, Any] = json.loads(result.stdout)
+    return payload
+
+
+def bench_resume(model_path: Path, progress: Progress = None) -> dict[str, Any]:
+    """The next turn of a 2,000-token conversation: warm vs resumed in a new process vs fresh."""
+    from localchat.conversation import Conversation
+    from localchat.engine import Engine, LoadOptions, Sampling
+    from localchat.kvstate import StateStore
+    from localchat.store import Store
+
+    greedy = Sampling(temperature=0.0)
+    with tempfile.TemporaryDirectory(prefix="localchat-bench-") as tmp:
+        home = Path(tmp)
+        data = home / "data"
+        engine = Engine(model_path, LoadOptions(n_ctx=RESUME_CTX, n_threads=physical_cores()))
+        store = Store(data / "conversations.sqlite3")
+        conversation = Conversation.open(store, StateStore(data / "states"), "bench", engine)
+        turn_no = 0
+        while len(engine.cached_tokens) < RESUME_HISTORY_TOKENS:
+            turn = conversation.send(
+                _filler_text(turn_no, RESUME_TURN_WORDS), greedy, RESUME_REPLY_TOKENS
+            )
+            for _ in turn:
+                pass
+            turn_no += 1
+            _say(progress, f"resume: history at {len(engine.cached_tokens)} tokens")
+        conversation.saver.wait()
+        history_tokens = len(engine.cached_tokens)
+        kv_bytes_used = engine.kv_bytes_used
+        state_files = list((data / "states").glob("*.lckv"))
+        state_bytes = sum(p.stat().st_size for p in state_files)
+        backup = home / "backup"
+        shutil.copytree(data, backup)
+
+        turn = conversation.send(RESUME_NEXT_MESSAGE, greedy, RESUME_REPLY_TOKENS)
+        for _ in turn:
+            pass
+        warm_ttft = turn.resume_ttft_s
+        warm_reply = turn.generation.text
+        conversation.close()
+        store.close()
+        engine.close()
+        _say(progress, f"resume: warm turn {warm_ttft:.3f} s")
+
+        def reset_data() -> None:
+            shutil.rmtree(data)
+            shutil.copytree(backup, data)
+
+        reset_data()
+        resumed = _ask_in_new_process(home, model_path)
+        _say(progress, f"resume: new process {resumed['stats']['ttft_s']:.3f} s")
+        reset_data()
+        fresh = _ask_in_new_process(home, model_path, "--fresh")
+        _say(progress, f"resume: --fresh {fresh['stats']['ttft_s']:.3f} s")
+
+    resume_ttft = float(resumed["stats"]["ttft_s"])
+    reprefill_ttft = float(fresh["stats"]["ttft_s"])
+    state_limit = 1.02 * kv_bytes_used + 64 * 1024
+    return {
+        "history_tokens": history_tokens,
+        "warm_ttft_s": round(warm_ttft, 4),
+        "resume_ttft_s": round(resume_ttft, 4),
+        "reprefill_ttft_s": round(reprefill_ttft, 4),
+        "resume_vs_warm": round(resume_ttft / warm_ttft, 3),
+        "resume_speedup": round(reprefill_ttft / resume_ttft, 1),
+        "resume_restored_from_state": resumed["stats"]["restored_from_state"],
+        "resume_prompt_tokens_evaluated": resumed["stats"]["prompt_tokens_evaluated"],
+        "replies_identical": warm_reply == resumed["reply"] == fresh["reply"],
+        "state_bytes": state_bytes,
+        "kv_bytes_used": kv_bytes_used,
+        # state_bytes / (1.02 x kv_bytes_used + 64 KiB): the target is <= 1.
+        "state_bytes_ratio": round(state_bytes / state_limit, 4),
+    }
+
+
 BENCHES: dict[str, Callable[[Path, Progress], dict[str, Any]]] = {
     "engine": bench_engine,
+    "resume": bench_resume,
 }
 
 

@@ -33,12 +33,17 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 
 @dataclass
 class RestoreReport:
-    """How the turn's cache was prepared: restored from disk, reused in memory, or evaluated."""
+    """How the turn's cache was prepared: restored from disk, reused in memory, or rebuilt.
+
+    ``replayed`` tokens were re-evaluated from the transcript before the turn (in their
+    original batches); ``seconds`` covers the restore or the replay.
+    """
 
     restored: bool = False
     tokens: int = 0
     seconds: float = 0.0
     notice: str | None = None
+    replayed: int = 0
 
 
 @dataclass
@@ -87,7 +92,7 @@ def turn_stats_dict(stats: TurnStats, restore: RestoreReport | None = None) -> d
     restore = restore or RestoreReport()
     return {
         "prompt_tokens": stats.prompt_tokens,
-        "prompt_tokens_evaluated": stats.prompt_tokens_evaluated,
+        "prompt_tokens_evaluated": stats.prompt_tokens_evaluated + restore.replayed,
         "generated_tokens": stats.generated_tokens,
         "ttft_s": round(restore.seconds + stats.ttft_s, 6),
         "prompt_tps": round(stats.prompt_tps, 3),
@@ -204,10 +209,10 @@ class Conversation:
         return turn
 
     def _prepare_cache(self, prompt: list[int], fresh: bool) -> RestoreReport:
+        """Restore the saved state, reuse the warm cache, or rebuild it from the transcript."""
         engine = self.engine
         if fresh:
-            engine.reset()
-            return RestoreReport()
+            return self._replay(prompt)
         held = common_prefix(engine.cached_tokens, prompt)
         if engine.cache_owner == self.record.id and held > 0:
             return RestoreReport()  # warm: this process's cache already holds the conversation
@@ -216,26 +221,64 @@ class Conversation:
             state = self.states.load(self.record.id, self.key)
         except StateRejected as exc:
             if str(exc) == NO_STATE:
-                return RestoreReport()
+                return self._replay(prompt)
             self.states.discard(self.record.id, self.fingerprint)
-            return RestoreReport(
-                notice=f"saved KV cache dropped ({exc}); re-evaluating the conversation"
+            return self._replay(
+                prompt, f"saved KV cache dropped ({exc}); re-evaluating the conversation"
             )
         usable = common_prefix(state.tokens, prompt)
         if usable == 0:
             self.states.discard(self.record.id, self.fingerprint)
-            return RestoreReport(
-                notice="saved KV cache dropped (it no longer matches the transcript); re-evaluating"
+            return self._replay(
+                prompt,
+                "saved KV cache dropped (it no longer matches the transcript); re-evaluating",
             )
         if usable <= held:
             return RestoreReport()
-        if not engine.load_sequence_state(state.payload, state.tokens):
+        if not engine.load_sequence_state(
+            state.payload, state.tokens, self._batch_starts_of(state.tokens)
+        ):
             self.states.discard(self.record.id, self.fingerprint)
-            return RestoreReport(
-                notice="saved KV cache dropped (llama.cpp rejected it); re-evaluating"
+            return self._replay(
+                prompt, "saved KV cache dropped (llama.cpp rejected it); re-evaluating"
             )
         engine.cache_owner = self.record.id
         return RestoreReport(True, usable, time.perf_counter() - start)
+
+    def _batch_starts_of(self, tokens: list[int]) -> list[int] | None:
+        """How ``tokens`` were first evaluated, if the record covers them."""
+        record = self.store.eval_batches(self.record.id, self.fingerprint)
+        if record is None:
+            return None
+        recorded_tokens, starts = record
+        if recorded_tokens[: len(tokens)] != tokens:
+            return None
+        return [s for s in starts if s < len(tokens)]
+
+    def _replay(self, prompt: list[int], notice: str | None = None) -> RestoreReport:
+        """Rebuild the cache from the transcript in the batches that first built it.
+
+        The recorded batches cover the tokens the cache held after the last turn; evaluated
+        the same way they give the same bits, so the turn continues as if the cache had never
+        been lost. Without a record (another model, an edited transcript) the whole prompt is
+        simply evaluated by the turn.
+        """
+        start = time.perf_counter()
+        self.engine.reset()
+        record = self.store.eval_batches(self.record.id, self.fingerprint)
+        if record is not None:
+            tokens, starts = record
+            shared = common_prefix(tokens, prompt)
+            if shared == len(tokens) and shared < len(prompt):
+                cut = shared
+            else:  # stop at a batch boundary: a cut batch would not give the same bits
+                cut = max((s for s in starts if s <= shared), default=0)
+            if cut > 0 and self.engine.replay(prompt[:cut], [s for s in starts if s < cut]):
+                self.engine.cache_owner = self.record.id
+                return RestoreReport(
+                    tokens=0, seconds=time.perf_counter() - start, notice=notice, replayed=cut
+                )
+        return RestoreReport(notice=notice)
 
     def _finish(self, turn: ConversationTurn) -> Exchange:
         generation = turn.generation
@@ -259,6 +302,9 @@ class Conversation:
         reply = Exchange(record, reply_prompt)
         self.exchanges.append(reply)
         self.engine.cache_owner = self.record.id
+        self.store.set_eval_batches(
+            self.record.id, self.fingerprint, self.engine.cached_tokens, self.engine.batch_starts
+        )
         self.save_state()
         return reply
 

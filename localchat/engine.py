@@ -9,6 +9,7 @@ from __future__ import annotations
 import codecs
 import contextlib
 import ctypes
+import itertools
 import re
 import threading
 import time
@@ -133,11 +134,23 @@ class TokenDelta:
 
 
 class _CountingLlama(llama_cpp.Llama):
-    """Llama that counts the tokens it evaluates, to report prompt tokens reused vs computed."""
+    """Llama that records what it evaluates: how many tokens (reused vs computed), and where
+    each batch started.
+
+    llama.cpp's numerics depend on how tokens are batched (a token evaluated alone and the
+    same token inside a batch of 500 can differ in the last bits), so a history re-evaluated
+    in other batches can continue differently. Replaying the recorded batches rebuilds the
+    cache bit for bit. ``batch_starts`` is None when the history is not fully known.
+    """
 
     tokens_evaluated: int = 0
+    batch_starts: list[int] | None = None
 
     def eval(self, tokens: Sequence[int]) -> None:
+        n_past = self.n_tokens
+        if self.batch_starts is not None:
+            kept = [start for start in self.batch_starts if start < n_past]
+            self.batch_starts = kept + list(range(n_past, n_past + len(tokens), self.n_batch))
         self.tokens_evaluated += len(tokens)
         super().eval(tokens)
 
@@ -260,6 +273,7 @@ class Engine:
         self.kv_bytes_per_token = kv_bytes_per_token(self.info, self.options.kv_type)
         # Which conversation the cache holds now (set by the conversation layer).
         self.cache_owner: str | None = None
+        self._llm.batch_starts = []
         self._fingerprint: str | None = None
 
     @property
@@ -342,11 +356,35 @@ class Engine:
     def kv_bytes_allocated(self) -> int:
         return self.kv_cells * self.kv_bytes_per_token
 
+    @property
+    def batch_starts(self) -> list[int] | None:
+        """Positions where each evaluation batch of the cached tokens began (None: unknown)."""
+        starts = self._llm.batch_starts
+        return None if starts is None else list(starts)
+
     def reset(self) -> None:
         """Forget the cache: the next generation evaluates its whole prompt."""
         self._llm.reset()
         self._llm._ctx.kv_cache_seq_rm(-1, 0, -1)
+        self._llm.batch_starts = []
         self.cache_owner = None
+
+    def replay(self, tokens: Sequence[int], batch_starts: Sequence[int]) -> bool:
+        """Evaluate ``tokens`` in exactly the batches that first evaluated them.
+
+        The cache comes out bit-identical to the one those batches built, so the continuation
+        matches a process that never lost its cache. False (and nothing evaluated) if the
+        batches do not describe ``tokens``.
+        """
+        bounds = [*batch_starts, len(tokens)]
+        valid = bool(batch_starts) and batch_starts[0] == 0
+        valid = valid and all(0 < b - a <= self._llm.n_batch for a, b in itertools.pairwise(bounds))
+        if not valid or len(tokens) >= self.n_ctx:
+            return False
+        self.reset()
+        for a, b in itertools.pairwise(bounds):
+            self._llm.eval(list(tokens[a:b]))
+        return True
 
     def save_sequence_state(self) -> bytes:
         """The raw KV state of sequence 0 (no logits array): what a state file stores."""
@@ -356,10 +394,21 @@ class Engine:
         written = llama_cpp.llama_state_seq_get_data(ctx, buffer, size, 0)
         return bytes(memoryview(buffer)[:written])
 
-    def load_sequence_state(self, data: bytes, tokens: Sequence[int]) -> bool:
-        """Restore a saved KV state that holds ``tokens``; False if llama.cpp rejects it."""
+    def load_sequence_state(
+        self,
+        data: bytes | memoryview,
+        tokens: Sequence[int],
+        batch_starts: Sequence[int] | None = None,
+    ) -> bool:
+        """Restore a saved KV state that holds ``tokens``; False if llama.cpp rejects it.
+
+        ``batch_starts`` is how those tokens were evaluated, if known. A writable buffer (a
+        view of a bytearray) is handed to llama.cpp without a copy.
+        """
         self.reset()
-        buffer = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
+        array_type = ctypes.c_uint8 * len(data)
+        writable = isinstance(data, memoryview) and not data.readonly
+        buffer = array_type.from_buffer(data) if writable else array_type.from_buffer_copy(data)
         read = llama_cpp.llama_state_seq_set_data(self._llm.ctx, buffer, len(data), 0)
         if read != len(data) or len(tokens) > self.n_ctx:
             self.reset()
@@ -367,6 +416,7 @@ class Engine:
         self._llm.input_ids[: len(tokens)] = list(tokens)
         self._llm.n_tokens = len(tokens)
         self._llm._requires_eval = True
+        self._llm.batch_starts = None if batch_starts is None else list(batch_starts)
         return True
 
     # -- generation --------------------------------------------------------------------

@@ -106,10 +106,28 @@ def _create_message_tokens(db: sqlite3.Connection) -> None:
     )
 
 
+def _create_eval_batches(db: sqlite3.Connection) -> None:
+    # How each model's cache of the conversation was evaluated (tokens and batch starts), so a
+    # re-evaluation replays the same batches and continues exactly as the cache would have.
+    _run_script(
+        db,
+        """
+        CREATE TABLE eval_batches (
+            conversation_id TEXT NOT NULL REFERENCES conversations(id) ON DELETE CASCADE,
+            model_fingerprint TEXT NOT NULL,
+            tokens BLOB NOT NULL,
+            batch_starts BLOB NOT NULL,
+            PRIMARY KEY (conversation_id, model_fingerprint)
+        );
+        """,
+    )
+
+
 # Append-only: never edit or reorder an entry once released; add a new one.
 MIGRATIONS: tuple[tuple[str, Callable[[sqlite3.Connection], None]], ...] = (
     ("001_conversations_and_messages", _create_base),
     ("002_message_tokens", _create_message_tokens),
+    ("003_eval_batches", _create_eval_batches),
 )
 
 
@@ -353,6 +371,43 @@ class Store:
             (conversation_id, model_fingerprint),
         )
         return {row["message_id"]: _unpack_tokens(row["tokens"]) for row in rows}
+
+    def set_eval_batches(
+        self,
+        conversation_id: str,
+        model_fingerprint: str,
+        tokens: Sequence[int],
+        batch_starts: Sequence[int] | None,
+    ) -> None:
+        """Record how the cache was evaluated (None: unknown, the record is dropped)."""
+        with self.transaction() as db:
+            if batch_starts is None:
+                db.execute(
+                    "DELETE FROM eval_batches WHERE conversation_id = ? AND model_fingerprint = ?",
+                    (conversation_id, model_fingerprint),
+                )
+                return
+            db.execute(
+                "INSERT OR REPLACE INTO eval_batches VALUES (?, ?, ?, ?)",
+                (
+                    conversation_id,
+                    model_fingerprint,
+                    _pack_tokens(tokens),
+                    _pack_tokens(batch_starts),
+                ),
+            )
+
+    def eval_batches(
+        self, conversation_id: str, model_fingerprint: str
+    ) -> tuple[builtins.list[int], builtins.list[int]] | None:
+        """(tokens, batch starts) of this model's last cache of the conversation, if known."""
+        rows = self._read(
+            "SELECT tokens, batch_starts FROM eval_batches WHERE conversation_id = ? AND model_fingerprint = ?",
+            (conversation_id, model_fingerprint),
+        )
+        if not rows:
+            return None
+        return _unpack_tokens(rows[0]["tokens"]), _unpack_tokens(rows[0]["batch_starts"])
 
     def delete_messages_from(self, conversation_id: str, seq: int) -> None:
         """Drop messages from ``seq`` on (regenerate, edit)."""

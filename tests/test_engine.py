@@ -199,3 +199,30 @@ def test_unsupported_architecture_names_it(tmp_path: Path) -> None:
     writer.close()
     with pytest.raises(ModelLoadError, match="unknown model architecture: 'notanarch'"):
         Engine(path)
+
+
+def test_replaying_recorded_batches_rebuilds_the_cache_bit_for_bit(small_model: Path) -> None:
+    """llama.cpp's numerics depend on batching; replaying the original batches does not."""
+    engine = Engine(small_model, LoadOptions(n_ctx=2048))
+    prompt = [engine.bos_token] + [300 + (i * 31) % 700 for i in range(300)]
+    generation = engine.generate(prompt, GREEDY, 40)
+    for _ in generation:
+        pass
+    follow = engine.generate([*engine.cached_tokens, *engine.tokenize(" more")], GREEDY, 5)
+    for _ in follow:
+        pass
+    tokens, starts = engine.cached_tokens, engine.batch_starts
+    assert starts is not None
+    # One batch for the prompt, one per generated token, one for the follow-up's new tokens.
+    assert starts[:2] == [0, len(prompt)]
+    original = engine.save_sequence_state()
+    assert engine.replay(tokens, starts)
+    assert engine.cached_tokens == tokens
+    assert engine.save_sequence_state() == original
+    engine.close()
+
+
+def test_replay_refuses_batches_that_do_not_fit(engine: Engine) -> None:
+    assert not engine.replay([1, 2, 3], [1])
+    assert not engine.replay([1, 2, 3], [])
+    assert not engine.replay(list(range(300, 1000)), [0])  # one batch larger than n_batch

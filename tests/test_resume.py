@@ -78,12 +78,14 @@ def _warm_reply(model: Path) -> str:
     return turn.generation.text
 
 
-def test_resume_in_a_new_process_is_token_identical_to_warm_and_fresh(tiny_model: Path) -> None:
-    ask(tiny_model, "resumed", FIRST)
-    resumed = ask(tiny_model, "resumed", SECOND)
-    ask(tiny_model, "fresh", FIRST)
-    fresh = ask(tiny_model, "fresh", SECOND, "--fresh")
-    warm = _warm_reply(tiny_model)
+def test_resume_in_a_new_process_is_token_identical_to_warm_and_fresh(small_model: Path) -> None:
+    # The small shape: there a plain batched re-evaluation differs from the cache in the last
+    # bits (see test_engine), so --fresh must replay the original batches to match.
+    ask(small_model, "resumed", FIRST)
+    resumed = ask(small_model, "resumed", SECOND)
+    ask(small_model, "fresh", FIRST)
+    fresh = ask(small_model, "fresh", SECOND, "--fresh")
+    warm = _warm_reply(small_model)
 
     assert resumed["reply"] == fresh["reply"] == warm
     stats = resumed["stats"]

@@ -17,7 +17,9 @@ from localchat.tui.widgets.prompt_input import PromptInput
 GREEDY = Sampling(temperature=0.0)
 
 
-async def _wait_for_conversation(pilot: Pilot, app: LocalChatApp) -> None:
+async def _wait_ready(pilot: Pilot, app: LocalChatApp, seen: list[Message]) -> None:
+    """The model is loaded and a conversation is open."""
+    await _wait_for(pilot, seen, ModelLoaded)
     for _ in range(200):
         if app.conversation is not None:
             return
@@ -46,8 +48,7 @@ async def test_send_a_message_and_see_the_streamed_reply(tiny_model: Path) -> No
     seen: list[Message] = []
     app = LocalChatApp(tiny_model, n_ctx=512, max_tokens=40, sampling=GREEDY)
     async with app.run_test(message_hook=seen.append) as pilot:
-        await _wait_for(pilot, seen, ModelLoaded)
-        await _wait_for_conversation(pilot, app)
+        await _wait_ready(pilot, app, seen)
         await pilot.press(*"hello", "enter")
         finished = await _wait_for(pilot, seen, ReplyFinished)
         await pilot.pause(0.1)
@@ -70,8 +71,7 @@ async def test_second_message_reuses_the_cache(tiny_model: Path) -> None:
     seen: list[Message] = []
     app = LocalChatApp(tiny_model, n_ctx=1024, max_tokens=10, sampling=GREEDY)
     async with app.run_test(message_hook=seen.append) as pilot:
-        await _wait_for(pilot, seen, ModelLoaded)
-        await _wait_for_conversation(pilot, app)
+        await _wait_ready(pilot, app, seen)
         await pilot.press(*"one", "enter")
         first = await _wait_for(pilot, seen, ReplyFinished)
         seen.clear()
@@ -88,8 +88,7 @@ async def test_escape_stops_generation_and_keeps_the_partial_reply(small_model: 
     seen: list[Message] = []
     app = LocalChatApp(small_model, n_ctx=4096, max_tokens=3000, sampling=GREEDY)
     async with app.run_test(message_hook=seen.append) as pilot:
-        await _wait_for(pilot, seen, ModelLoaded)
-        await _wait_for_conversation(pilot, app)
+        await _wait_ready(pilot, app, seen)
         await pilot.press(*"story", "enter")
         await _wait_for(pilot, seen, ReplyChunk)
         await pilot.press("escape")
@@ -110,8 +109,7 @@ async def test_a_failed_send_puts_the_text_back(tiny_model: Path) -> None:
     app = LocalChatApp(tiny_model, n_ctx=64, max_tokens=10, sampling=GREEDY)
     long_text = "word " * 200
     async with app.run_test(message_hook=seen.append) as pilot:
-        await _wait_for(pilot, seen, ModelLoaded)
-        await _wait_for_conversation(pilot, app)
+        await _wait_ready(pilot, app, seen)
         app.query_one(PromptInput).text = long_text
         await pilot.press("end", "enter")
         await pilot.pause(0.5)
@@ -148,8 +146,7 @@ async def test_reopening_the_app_resumes_from_the_saved_cache(tiny_model: Path) 
     seen: list[Message] = []
     first = LocalChatApp(tiny_model, n_ctx=1024, max_tokens=16, sampling=GREEDY)
     async with first.run_test(message_hook=seen.append) as pilot:
-        await _wait_for(pilot, seen, ModelLoaded)
-        await _wait_for_conversation(pilot, first)
+        await _wait_ready(pilot, first, seen)
         await pilot.press(*"remember me", "enter")
         await _wait_for(pilot, seen, ReplyFinished)
         name = first.conversation.record.name
@@ -157,8 +154,7 @@ async def test_reopening_the_app_resumes_from_the_saved_cache(tiny_model: Path) 
     seen.clear()
     second = LocalChatApp(tiny_model, n_ctx=1024, max_tokens=16, sampling=GREEDY)
     async with second.run_test(message_hook=seen.append) as pilot:
-        await _wait_for(pilot, seen, ModelLoaded)
-        await _wait_for_conversation(pilot, second)
+        await _wait_ready(pilot, second, seen)
         assert second.conversation.record.name == name
         await pilot.pause(0.1)
         assert second.query_one(UserMessage).text == "remember me"
