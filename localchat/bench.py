@@ -31,7 +31,9 @@ ENGINE_ROUNDS = 3
 
 RESUME_CTX = 4096
 RESUME_HISTORY_TOKENS = 2000
-RESUME_TURN_WORDS = 450
+# A chat-like history: user messages of ~120 tokens, replies of 120 tokens, to 2,000 tokens.
+RESUME_TURN_WORDS = 120
+RESUME_HISTORY_REPLY_TOKENS = 120
 RESUME_REPLY_TOKENS = 8
 RESUME_NEXT_MESSAGE = "Given all of that, what should we do next?"
 
@@ -186,6 +188,7 @@ def bench_resume(model_path: Path, progress: Progress = None) -> dict[str, Any]:
         "resume_vs_warm": round(resume_ttft / warm_ttft, 3),
         "resume_speedup": round(reprefill_ttft / resume_ttft, 1),
         "resume_restored_from_state": resumed["stats"]["restored_from_state"],
+        "restore_s": resumed["stats"]["restore_s"],
         "resume_prompt_tokens_evaluated": resumed["stats"]["prompt_tokens_evaluated"],
         "replies_identical": warm_reply == resumed["reply"] == fresh["reply"],
         "state_bytes": state_bytes,

@@ -273,7 +273,13 @@ class Engine:
         self.kv_bytes_per_token = kv_bytes_per_token(self.info, self.options.kv_type)
         # Which conversation the cache holds now (set by the conversation layer).
         self.cache_owner: str | None = None
-        self._llm.batch_starts = []
+        self._warm_up()
+
+    def _warm_up(self) -> None:
+        """One throwaway decode at load, as llama.cpp's own tools do: it faults in the mapped
+        weights and sets up compute buffers, so the first real turn does not pay for that."""
+        self._llm.eval([self.bos_token])
+        self.reset()
         self._fingerprint: str | None = None
 
     @property
