@@ -23,6 +23,7 @@ from localchat.text import printable
 if TYPE_CHECKING:
     from localchat.engine import Engine, Sampling, TokenDelta
     from localchat.kvstate import StateStore
+    from localchat.settings import Settings
     from localchat.store import Store
 
 EXIT_USAGE = 2
@@ -89,6 +90,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--conversation", metavar="NAME", help="continue (or start) this saved conversation"
     )
     ask.add_argument("--fresh", action="store_true", help="ignore the saved KV cache; re-evaluate")
+    ask.add_argument(
+        "--window",
+        choices=["auto", "shift", "exact"],
+        default=None,
+        help="when old messages leave the context: shift the cache in place (auto: where safe)"
+        " or re-evaluate the window exactly (default: the window_mode setting)",
+    )
 
     conversations = sub.add_parser("conversations", help="list saved conversations")
     conversations.add_argument("--json", action="store_true", help="print JSON")
@@ -215,10 +223,15 @@ def _ask_in_conversation(
     out: TextIO,
 ) -> int:
     from localchat.conversation import Conversation
+    from localchat.settings import load_settings
 
-    store, states = _open_store()
+    settings = load_settings(app_paths().settings_file)
+    store, states = _open_store(settings)
+    window_mode = args.window or settings.window_mode
     try:
-        conversation = Conversation.open(store, states, args.conversation, engine, args.system)
+        conversation = Conversation.open(
+            store, states, args.conversation, engine, args.system, window_mode=window_mode
+        )
         try:
             turn = conversation.send(
                 args.message, sampling, args.max_tokens, cancel, fresh=args.fresh
@@ -238,13 +251,13 @@ def _ask_in_conversation(
     return EXIT_INTERRUPTED if interrupted else 0
 
 
-def _open_store() -> tuple[Store, StateStore]:
+def _open_store(settings: Settings | None = None) -> tuple[Store, StateStore]:
     from localchat.kvstate import StateStore
     from localchat.settings import load_settings
     from localchat.store import Store
 
     paths = app_paths()
-    settings = load_settings(paths.settings_file)
+    settings = settings or load_settings(paths.settings_file)
     return Store(paths.database), StateStore(paths.states_dir, settings.state_budget_bytes)
 
 

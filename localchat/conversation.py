@@ -7,6 +7,7 @@ what it does not hold is evaluated. After a turn the new state is saved in the b
 
 from __future__ import annotations
 
+import sqlite3
 import threading
 import time
 from collections.abc import Iterator
@@ -18,8 +19,11 @@ from localchat.kvstate import BackgroundSaver, SavedState, StateKey, StateReject
 from localchat.locks import ConversationLock
 from localchat.prompt import BuiltPrompt, PromptMessage
 from localchat.store import ConversationRecord, MessageRecord, Store
+from localchat.window import WindowPlan, WindowPolicy, plan_window, resolve_mode, shift_is_safe
 
 NO_STATE = "no saved state"
+# Re-tokenizing a cut message can take a few more tokens than counted; leave this much room.
+CUT_MARGIN_TOKENS = 8
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -65,6 +69,8 @@ class ConversationTurn:
     generation: Generation
     restore: RestoreReport
     started_at: float
+    window: WindowReport
+    messages: list[PromptMessage]  # what the prompt was built from (the window)
     reply: Exchange | None = None
     notices: list[str] = field(default_factory=list)
 
@@ -84,12 +90,25 @@ class ConversationTurn:
         return self.restore.seconds + self.generation.stats.ttft_s
 
     def stats_dict(self) -> dict[str, Any]:
-        return turn_stats_dict(self.generation.stats, self.restore)
+        return turn_stats_dict(self.generation.stats, self.restore, self.window)
 
 
-def turn_stats_dict(stats: TurnStats, restore: RestoreReport | None = None) -> dict[str, Any]:
+@dataclass(frozen=True)
+class WindowReport:
+    """What the window did this turn: how much left it, and how the cache followed."""
+
+    mode: str = "none"  # "none" (it did not move), "shift" or "exact"
+    dropped_messages: int = 0
+    dropped_tokens: int = 0
+    cut_tokens: int = 0
+
+
+def turn_stats_dict(
+    stats: TurnStats, restore: RestoreReport | None = None, window: WindowReport | None = None
+) -> dict[str, Any]:
     """A turn's figures as ``ask --json`` and the stored message report them."""
     restore = restore or RestoreReport()
+    window = window or WindowReport()
     return {
         "prompt_tokens": stats.prompt_tokens,
         "prompt_tokens_evaluated": stats.prompt_tokens_evaluated + restore.replayed,
@@ -102,7 +121,10 @@ def turn_stats_dict(stats: TurnStats, restore: RestoreReport | None = None) -> d
         "restored_from_state": restore.restored,
         "restored_tokens": restore.tokens,
         "restore_s": round(restore.seconds, 6),
-        "window_dropped_messages": 0,
+        "window_dropped_messages": window.dropped_messages,
+        "window_dropped_tokens": window.dropped_tokens,
+        "window_cut_tokens": window.cut_tokens,
+        "window_mode": window.mode,
         "stop_reason": stats.stop_reason,
     }
 
@@ -117,7 +139,12 @@ class Conversation:
         record: ConversationRecord,
         engine: Engine,
         saver: BackgroundSaver | None = None,
+        window_mode: str = "auto",
+        window_policy: WindowPolicy | None = None,
     ) -> None:
+        resolve_mode(window_mode, True)  # rejects an unknown mode before anything opens
+        self.window_mode = window_mode
+        self.window_policy = window_policy or WindowPolicy()
         self.store = store
         self.states = states
         self.record = record
@@ -131,6 +158,11 @@ class Conversation:
         )
         self.builder = engine.prompt_builder()
         self.exchanges = self._load_exchanges()
+        first_seq = store.window_start(record.id, self.fingerprint)
+        self.window_first = next(
+            (i for i, e in enumerate(self.exchanges) if e.record.seq >= first_seq),
+            len(self.exchanges),
+        )
 
     @classmethod
     def open(
@@ -141,6 +173,7 @@ class Conversation:
         engine: Engine,
         system_prompt: str | None = None,
         saver: BackgroundSaver | None = None,
+        window_mode: str = "auto",
     ) -> Conversation:
         """Open ``name``, creating it if new; a given system prompt replaces the stored one."""
         record = store.find(name)
@@ -149,7 +182,7 @@ class Conversation:
         elif system_prompt is not None and system_prompt != record.system_prompt:
             store.update_conversation(record.id, system_prompt=system_prompt)
             record = store.get(name)
-        return cls(store, states, record, engine, saver)
+        return cls(store, states, record, engine, saver, window_mode)
 
     def close(self) -> None:
         if self._owns_saver:
@@ -162,13 +195,15 @@ class Conversation:
         known = self.store.message_tokens(self.record.id, self.fingerprint)
         return [Exchange(r, PromptMessage(r.role, r.content, known.get(r.id))) for r in records]
 
-    def prompt_messages(self) -> list[PromptMessage]:
-        system = (
-            [PromptMessage("system", self.record.system_prompt)]
-            if self.record.system_prompt
-            else []
-        )
-        return system + [e.prompt for e in self.exchanges]
+    def system_messages(self) -> list[PromptMessage]:
+        if not self.record.system_prompt:
+            return []
+        return [PromptMessage("system", self.record.system_prompt)]
+
+    def window_messages(self, first: int | None = None) -> list[PromptMessage]:
+        """The system prompt and the messages from ``first`` (default: the window's start)."""
+        first = self.window_first if first is None else first
+        return self.system_messages() + [e.prompt for e in self.exchanges[first:]]
 
     def _persist_new_tokens(self, before: dict[int, bool]) -> None:
         """Token ids computed for this model by the last build are stored for exact reuse."""
@@ -194,19 +229,90 @@ class Conversation:
         self.exchanges.append(user)
         try:
             had_tokens = {e.record.id: e.prompt.tokens is not None for e in self.exchanges}
-            prompt = self.builder.build(self.prompt_messages())
+            messages = self.window_messages()
+            prompt = self.builder.build(messages)
             self._persist_new_tokens(had_tokens)
-            restore = self._prepare_cache(prompt.tokens, fresh)
+            plan = self._plan(prompt, len(messages) - len(self.system_messages()), max_tokens)
+            if plan is None or not (plan.moved or plan.cut_tokens):
+                window = WindowReport()
+                restore = self._prepare_cache(prompt.tokens, fresh)
+            else:
+                messages, prompt, window, restore = self._move_window(prompt, plan, fresh)
             generation = self.engine.generate(prompt.tokens, sampling, max_tokens, cancel)
         except BaseException:
             # The turn never started: the message is handed back to the caller, not kept twice.
             self.exchanges.remove(user)
             self.store.delete_messages_from(self.record.id, record.seq)
             raise
-        turn = ConversationTurn(self, user, prompt, generation, restore, started)
+        turn = ConversationTurn(self, user, prompt, generation, restore, started, window, messages)
+        if window.dropped_messages:
+            turn.notices.append(
+                f"{window.dropped_messages} older messages ({window.dropped_tokens} tokens) left"
+                f" the context window ({window.mode}); they stay in the transcript"
+            )
+        if window.cut_tokens:
+            turn.notices.append(
+                f"your message is longer than the context: its first {window.cut_tokens} tokens"
+                " were left out (the full text is in the transcript)"
+            )
         if restore.notice:
             turn.notices.append(restore.notice)
         return turn
+
+    # -- the context window ---------------------------------------------------------------
+    def _plan(self, prompt: BuiltPrompt, n_window: int, max_tokens: int) -> WindowPlan | None:
+        """Plan the window from the prompt's per-message spans (None: template not incremental)."""
+        if not prompt.exact:
+            return None
+        n_system = len(prompt.spans) - n_window
+        spans = prompt.spans[n_system:]
+        head = spans[0][0] if spans else len(prompt.tokens)
+        header = len(prompt.tokens) - (spans[-1][1] if spans else head)
+        window = self.exchanges[self.window_first :]
+        counts = [
+            (e.prompt.role, end - start) for e, (start, end) in zip(window, spans, strict=True)
+        ]
+        reserve = self.window_policy.reserve(self.engine.n_ctx, max_tokens)
+        return plan_window(head, counts, 0, self.engine.n_ctx, reserve, self.window_policy, header)
+
+    def _move_window(
+        self, old_prompt: BuiltPrompt, plan: WindowPlan, fresh: bool
+    ) -> tuple[list[PromptMessage], BuiltPrompt, WindowReport, RestoreReport]:
+        """Move the window's start, cut an over-long newest message, and make the cache follow:
+        shifted in place where that is safe, else re-evaluated from the text."""
+        engine = self.engine
+        new_first = self.window_first + plan.first
+        messages = self.window_messages(new_first)
+        if plan.cut_tokens:
+            messages[-1] = self._cut_message(messages[-1], plan.cut_tokens)
+        prompt = self.builder.build(messages)
+        info = engine.info
+        safe = shift_is_safe(info.architecture, info.sliding_window, engine.can_shift())
+        mode = resolve_mode(self.window_mode, safe) if plan.moved else "none"
+        restore = RestoreReport()
+        if mode == "shift" and not fresh:
+            restore = self._prepare_cache(old_prompt.tokens, fresh=False)
+            n_system = len(self.system_messages())
+            head = old_prompt.spans[n_system][0]
+            span = old_prompt.tokens[head : head + plan.dropped_tokens]
+            if engine.cached_tokens[head : head + plan.dropped_tokens] == span:
+                engine.drop_span(head, plan.dropped_tokens)
+            else:  # the cache does not hold the old window: nothing to shift
+                mode = "exact"
+        if mode == "exact" or (mode == "shift" and fresh):
+            mode = "exact"
+            engine.reset()
+        elif mode == "none":
+            restore = self._prepare_cache(prompt.tokens, fresh)
+        self.window_first = new_first
+        report = WindowReport(mode, plan.dropped_messages, plan.dropped_tokens, plan.cut_tokens)
+        return messages, prompt, report, restore
+
+    def _cut_message(self, message: PromptMessage, cut_tokens: int) -> PromptMessage:
+        """The message without its first ``cut_tokens`` tokens (plus a margin for re-tokenizing)."""
+        tokens = self.engine.tokenize(message.content)
+        keep = max(1, len(tokens) - cut_tokens - CUT_MARGIN_TOKENS)
+        return PromptMessage(message.role, self.engine.detokenize(tokens[-keep:]).lstrip())
 
     def _prepare_cache(self, prompt: list[int], fresh: bool) -> RestoreReport:
         """Restore the saved state, reuse the warm cache, or rebuild it from the transcript."""
@@ -282,10 +388,9 @@ class Conversation:
 
     def _finish(self, turn: ConversationTurn) -> Exchange:
         generation = turn.generation
-        history = [*self.prompt_messages()]
         reply_prompt = PromptMessage("assistant", generation.text)
         reply_prompt.tokens = self.builder.reply_tokens(
-            history, reply_prompt, generation.tokens, turn.prompt.generation_header
+            turn.messages, reply_prompt, generation.tokens, turn.prompt.generation_header
         )
         stats = turn.stats_dict()
         status = "complete" if generation.stats.stop_reason in ("eos", "length") else "partial"
@@ -302,11 +407,22 @@ class Conversation:
         reply = Exchange(record, reply_prompt)
         self.exchanges.append(reply)
         self.engine.cache_owner = self.record.id
-        self.store.set_eval_batches(
-            self.record.id, self.fingerprint, self.engine.cached_tokens, self.engine.batch_starts
-        )
+        try:
+            self._record_cache_bookkeeping()
+        except sqlite3.Error as exc:  # the reply is committed; only resume speed is at stake
+            turn.notices.append(f"could not record how the cache was built ({exc})")
         self.save_state()
         return reply
+
+    def _record_cache_bookkeeping(self) -> None:
+        """How this model's cache was built and where its window starts, for the next open."""
+        engine = self.engine
+        self.store.set_eval_batches(
+            self.record.id, self.fingerprint, engine.cached_tokens, engine.batch_starts
+        )
+        if self.window_first < len(self.exchanges):
+            first_seq = self.exchanges[self.window_first].record.seq
+            self.store.set_window_start(self.record.id, self.fingerprint, first_seq)
 
     def save_state(self) -> None:
         """Snapshot the cache now (fast) and write it in the background."""

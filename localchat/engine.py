@@ -375,6 +375,32 @@ class Engine:
         self._llm.batch_starts = []
         self.cache_owner = None
 
+    def can_shift(self) -> bool:
+        """Whether llama.cpp can move cached positions for this model (RoPE re-rotation)."""
+        memory = llama_cpp.llama_get_memory(self._llm.ctx)
+        return memory is not None and bool(llama_cpp.llama_memory_can_shift(memory))
+
+    def drop_span(self, start: int, count: int) -> None:
+        """Remove cached tokens [start, start + count) and shift the later ones down in place.
+
+        The shifted keys are re-rotated to their new positions; nothing is re-evaluated. The
+        result is not what evaluating the shorter sequence would give (the kept tokens saw the
+        dropped ones), so the cache's evaluation history becomes unknown.
+        """
+        n_tokens = self._llm.n_tokens
+        if count <= 0 or start < 0 or start + count > n_tokens:
+            raise ValueError(
+                f"cannot drop [{start}, {start + count}) from {n_tokens} cached tokens"
+            )
+        memory = llama_cpp.llama_get_memory(self._llm.ctx)
+        if not llama_cpp.llama_memory_seq_rm(memory, 0, start, start + count):
+            raise ModelLoadError("llama.cpp could not remove tokens from the KV cache")
+        llama_cpp.llama_memory_seq_add(memory, 0, start + count, -1, -count)
+        ids = self._llm.input_ids
+        ids[start : n_tokens - count] = ids[start + count : n_tokens].copy()
+        self._llm.n_tokens = n_tokens - count
+        self._llm.batch_starts = None
+
     def replay(self, tokens: Sequence[int], batch_starts: Sequence[int]) -> bool:
         """Evaluate ``tokens`` in exactly the batches that first evaluated them.
 

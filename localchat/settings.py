@@ -9,6 +9,7 @@ from pathlib import Path
 from localchat.errors import UsageError
 from localchat.kvstate import DEFAULT_BUDGET_BYTES
 from localchat.units import parse_size
+from localchat.window import WINDOW_MODES
 
 
 @dataclass(frozen=True)
@@ -21,6 +22,10 @@ class Settings:
 
     temperature: float = 0.7
     """Sampling temperature; 0 is greedy and deterministic."""
+
+    window_mode: str = "auto"
+    """When old messages leave the context: "shift" the KV cache in place (fast), "exact"
+    re-evaluate the new window, or "auto" (shift where the model family allows it)."""
 
 
 def load_settings(path: Path) -> Settings:
@@ -44,8 +49,14 @@ def load_settings(path: Path) -> Settings:
         settings = Settings(**values)  # type: ignore[arg-type]
     except TypeError as exc:
         raise UsageError(f"{path}: {exc}") from None
+    if settings.window_mode not in WINDOW_MODES:
+        raise UsageError(
+            f"{path}: window_mode must be one of {', '.join(WINDOW_MODES)}, not {settings.window_mode!r}"
+        )
     for f in fields(Settings):
         value = getattr(settings, f.name)
+        if f.name == "window_mode":
+            continue
         if not isinstance(value, int | float) or isinstance(value, bool) or value < 0:
             raise UsageError(
                 f"{path}: setting {f.name} must be a non-negative number, not {value!r}"

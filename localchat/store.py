@@ -123,11 +123,28 @@ def _create_eval_batches(db: sqlite3.Connection) -> None:
     )
 
 
+def _create_context_windows(db: sqlite3.Connection) -> None:
+    # Where each model's window starts (the oldest message still in it): a resumed
+    # conversation rebuilds the same window its saved state holds.
+    _run_script(
+        db,
+        """
+        CREATE TABLE context_windows (
+            conversation_id TEXT NOT NULL REFERENCES conversations(id) ON DELETE CASCADE,
+            model_fingerprint TEXT NOT NULL,
+            first_seq INTEGER NOT NULL,
+            PRIMARY KEY (conversation_id, model_fingerprint)
+        );
+        """,
+    )
+
+
 # Append-only: never edit or reorder an entry once released; add a new one.
 MIGRATIONS: tuple[tuple[str, Callable[[sqlite3.Connection], None]], ...] = (
     ("001_conversations_and_messages", _create_base),
     ("002_message_tokens", _create_message_tokens),
     ("003_eval_batches", _create_eval_batches),
+    ("004_context_windows", _create_context_windows),
 )
 
 
@@ -408,6 +425,23 @@ class Store:
         if not rows:
             return None
         return _unpack_tokens(rows[0]["tokens"]), _unpack_tokens(rows[0]["batch_starts"])
+
+    def window_start(self, conversation_id: str, model_fingerprint: str) -> int:
+        """The seq of the oldest message in this model's window (0: nothing has left it)."""
+        rows = self._read(
+            "SELECT first_seq FROM context_windows WHERE conversation_id = ? AND model_fingerprint = ?",
+            (conversation_id, model_fingerprint),
+        )
+        return int(rows[0]["first_seq"]) if rows else 0
+
+    def set_window_start(
+        self, conversation_id: str, model_fingerprint: str, first_seq: int
+    ) -> None:
+        with self.transaction() as db:
+            db.execute(
+                "INSERT OR REPLACE INTO context_windows VALUES (?, ?, ?)",
+                (conversation_id, model_fingerprint, first_seq),
+            )
 
     def delete_messages_from(self, conversation_id: str, seq: int) -> None:
         """Drop messages from ``seq`` on (regenerate, edit)."""

@@ -89,11 +89,30 @@ def test_cancelled_reply_is_kept_and_marked_partial(conversation: Conversation) 
     assert messages[-1].stats["stop_reason"] == "cancelled"
 
 
-def test_a_turn_that_cannot_start_keeps_no_half_exchange(conversation: Conversation) -> None:
-    with pytest.raises(UsageError, match="context holds"):
-        conversation.send("word " * 2000, GREEDY)
-    assert conversation.exchanges == []
-    assert conversation.store.messages(conversation.record.id) == []
+def test_a_turn_that_cannot_start_keeps_no_half_exchange(tmp_path: Path, engine: Engine) -> None:
+    store = Store(tmp_path / "small.sqlite3")
+    long_system = "rules " * 900
+    conv = Conversation.open(store, StateStore(tmp_path / "s"), "tight", engine, long_system)
+    with pytest.raises(UsageError, match=r"cannot hold the system prompt .* use --ctx \d+ or more"):
+        conv.send("hello", GREEDY)
+    assert conv.exchanges == []
+    assert store.messages(conv.record.id) == []
+    conv.close()
+
+
+def test_a_message_longer_than_the_context_is_cut_and_kept_whole(
+    conversation: Conversation,
+) -> None:
+    text = " ".join(f"word{i}" for i in range(1500))
+    turn = conversation.send(text, GREEDY, 16)
+    for _ in turn:
+        pass
+    assert turn.window.cut_tokens > 0
+    assert any("longer than the context" in notice for notice in turn.notices)
+    assert len(turn.prompt.tokens) + 16 <= conversation.engine.n_ctx
+    assert turn.messages[-1].content.endswith("word1499")
+    stored = conversation.store.messages(conversation.record.id)
+    assert stored[0].content == text
 
 
 def test_prompt_segments_render_the_same_text_as_the_whole_template(engine: Engine) -> None:

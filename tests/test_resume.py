@@ -186,7 +186,7 @@ def _limit_file_size() -> None:
     import signal
 
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-    resource.setrlimit(resource.RLIMIT_FSIZE, (150_000, 150_000))
+    resource.setrlimit(resource.RLIMIT_FSIZE, (600_000, 600_000))
 
 
 def test_full_disk_skips_the_state_but_keeps_the_transcript(small_model: Path) -> None:
@@ -206,7 +206,7 @@ def test_full_disk_skips_the_state_but_keeps_the_transcript(small_model: Path) -
             "--temperature",
             "0",
             "--max-tokens",
-            "40",
+            "300",
         ],
         capture_output=True,
         text=True,

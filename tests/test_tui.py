@@ -10,7 +10,13 @@ from textual.widgets import Static
 
 from localchat.engine import Sampling
 from localchat.tui.app import LocalChatApp
-from localchat.tui.messages import ModelLoaded, ModelLoadFailed, ReplyChunk, ReplyFinished
+from localchat.tui.messages import (
+    ModelLoaded,
+    ModelLoadFailed,
+    ReplyChunk,
+    ReplyFailed,
+    ReplyFinished,
+)
 from localchat.tui.widgets.chat_message import AssistantMessage, Notice, UserMessage
 from localchat.tui.widgets.prompt_input import PromptInput
 
@@ -106,15 +112,20 @@ async def test_escape_stops_generation_and_keeps_the_partial_reply(small_model: 
 
 async def test_a_failed_send_puts_the_text_back(tiny_model: Path) -> None:
     seen: list[Message] = []
-    app = LocalChatApp(tiny_model, n_ctx=64, max_tokens=10, sampling=GREEDY)
-    long_text = "word " * 200
+    # A system prompt longer than the whole context: every send fails with a clear error.
+    app = LocalChatApp(
+        tiny_model, n_ctx=64, max_tokens=10, sampling=GREEDY, system_prompt="rule " * 100
+    )
+    typed = "my carefully written message"
     async with app.run_test(message_hook=seen.append) as pilot:
         await _wait_ready(pilot, app, seen)
-        app.query_one(PromptInput).text = long_text
+        app.query_one(PromptInput).text = typed
         await pilot.press("end", "enter")
-        await pilot.pause(0.5)
-        assert app.query_one(PromptInput).text == long_text
-        assert not app.query(AssistantMessage)
+        failed = await _wait_for(pilot, seen, ReplyFailed)
+        await pilot.pause(0.1)
+        assert "use --ctx" in failed.error
+        assert app.query_one(PromptInput).text == typed
+        assert not app.query(AssistantMessage) and not app.query(UserMessage)
         assert app.conversation.exchanges == []
 
 

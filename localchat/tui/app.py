@@ -65,8 +65,10 @@ class LocalChatApp(App[int]):
         max_tokens: int = 512,
         sampling: Sampling | None = None,
         conversation_name: str | None = None,
+        system_prompt: str | None = None,
     ) -> None:
         super().__init__()
+        self.system_prompt = system_prompt
         self.model_path = model_path
         self.n_ctx = n_ctx
         self.max_tokens = max_tokens
@@ -79,6 +81,7 @@ class LocalChatApp(App[int]):
         self._cancel = threading.Event()
         self._generating = False
         self._reply: AssistantMessage | None = None
+        self._user_view: UserMessage | None = None
         self._stream: MarkdownStream | None = None
 
     def compose(self) -> ComposeResult:
@@ -165,7 +168,9 @@ class LocalChatApp(App[int]):
             recent = self.store.list()
             name = recent[0].name if recent else _new_conversation_name()
         try:
-            conversation = Conversation.open(self.store, self.states, name, self.engine)
+            conversation = Conversation.open(
+                self.store, self.states, name, self.engine, self.system_prompt
+            )
         except LocalchatError as exc:
             self.notify(str(exc), severity="warning", timeout=15)
             conversation = Conversation.open(
@@ -201,7 +206,8 @@ class LocalChatApp(App[int]):
         prompt.clear()
         log = self.query_one("#log", VerticalScroll)
         self._reply = AssistantMessage()
-        await log.mount_all([UserMessage(message.text), self._reply])
+        self._user_view = UserMessage(message.text)
+        await log.mount_all([self._user_view, self._reply])
         log.anchor()
         self._stream = Markdown.get_stream(self._reply.markdown)
         self._cancel.clear()
@@ -230,8 +236,9 @@ class LocalChatApp(App[int]):
 
     async def on_reply_failed(self, message: ReplyFailed) -> None:
         await self._end_stream()
-        if self._reply is not None:
-            await self._reply.remove()
+        for view in (self._user_view, self._reply):
+            if view is not None:
+                await view.remove()
         prompt = self.query_one(PromptInput)
         if not prompt.text.strip():
             prompt.text = message.user_text
