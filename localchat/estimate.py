@@ -1,0 +1,224 @@
+"""How much memory a model takes at a context size, before it is loaded (or downloaded).
+
+The parts, as llama.cpp allocates them on a CPU (and, with offload, split with a GPU):
+
+- weights: the exact bytes of every tensor (from the GGUF header or the catalog); layers
+  offloaded to the GPU live in VRAM, the rest are mapped from the file and become resident;
+- KV cache: padded context x layers x KV heads x head dims x K and V x bytes per element;
+- compute buffer: the largest set of intermediate tensors alive at once while evaluating one
+  micro-batch: either the attention scores (context x batch x heads, f32, without flash
+  attention) or the logits (vocabulary x batch, f32), plus per-token activations;
+- repacked weights: on x86 with AVX2 llama.cpp copies Q4_0/Q4_K/Q2_K/IQ4_NL matrices into
+  an interleaved layout for faster kernels; the mapped originals were read to make the copy
+  and stay resident, so those bytes count twice in the process's memory;
+- the output buffer (one row of logits) and a fixed runtime overhead (threads, graph,
+  allocator slack). llama-cpp-python's logits array is allocated but never touched unless
+  every token's logits are kept, so it costs no resident memory.
+
+The compute-buffer formula was fitted to what llama.cpp 0.3.36 reports for generated models
+of several shapes and contexts; ``localchat bench --only estimate`` checks the whole estimate
+against measured process memory.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from localchat.gguf_info import GGUFInfo
+
+MIB = 1024 * 1024
+N_UBATCH = 512
+CTX_PADDING = 256
+RUNTIME_OVERHEAD_BYTES = 24 * MIB
+# KV cache element sizes: bytes per value (q8_0: 34 bytes per 32, q4_0: 18 per 32).
+KV_BYTES_PER_VALUE = {"f16": 2.0, "q8_0": 34 / 32, "q4_0": 18 / 32}
+
+
+@dataclass(frozen=True)
+class ModelDims:
+    """The numbers the estimate needs: from a GGUF header or a catalog entry."""
+
+    n_layer: int
+    n_embd: int
+    n_head: int
+    n_head_kv: int
+    head_dim_k: int
+    head_dim_v: int
+    n_vocab: int
+    context_length: int
+    sliding_window: int = 0
+
+    @classmethod
+    def from_gguf(cls, info: GGUFInfo) -> ModelDims:
+        return cls(
+            info.n_layer,
+            info.n_embd,
+            info.n_head,
+            info.n_head_kv,
+            info.head_dim_k,
+            info.head_dim_v,
+            info.n_vocab,
+            info.context_length,
+            info.sliding_window,
+        )
+
+
+# Share of a file's bytes in tensor types that get repacked, by quant (catalog entries carry
+# no tensor list): Q4_K_M keeps attn_v/ffn_down halves and the output in Q6_K, and so on.
+REPACKED_SHARE_BY_QUANT = {"Q4_K_M": 0.70, "Q2_K": 0.55, "Q3_K_M": 0.05, "Q4_0": 0.95}
+
+
+@dataclass(frozen=True)
+class LayerWeights:
+    """Weight bytes split the way llama.cpp offloads them, and how much of each is repacked."""
+
+    per_layer: tuple[int, ...]  # blk.N.* bytes for each layer
+    output: int  # output.weight and output_norm (offloaded with the last "layer")
+    embeddings: int  # token embeddings: always in RAM (looked up on the CPU)
+    repacked_per_layer: tuple[int, ...] = ()
+    repacked_output: int = 0
+
+    @property
+    def total(self) -> int:
+        return sum(self.per_layer) + self.output + self.embeddings
+
+    @classmethod
+    def from_gguf(
+        cls, info: GGUFInfo, repacked_types: frozenset[str] = frozenset()
+    ) -> LayerWeights:
+        per_layer = [0] * info.n_layer
+        repacked = [0] * info.n_layer
+        output = embeddings = repacked_output = 0
+        for tensor in info.tensors:
+            # Matrices whose rows come in groups of 8 are repacked; embeddings never are.
+            repack = (
+                tensor.ggml_type in repacked_types
+                and len(tensor.shape) == 2
+                and tensor.shape[1] % 8 == 0
+                and not tensor.name.startswith("token_embd")
+            )
+            if tensor.layer is not None and tensor.layer < info.n_layer:
+                per_layer[tensor.layer] += tensor.n_bytes
+                repacked[tensor.layer] += tensor.n_bytes if repack else 0
+            elif tensor.name.startswith("token_embd"):
+                embeddings += tensor.n_bytes
+            else:
+                output += tensor.n_bytes
+                repacked_output += tensor.n_bytes if repack else 0
+        if not any(t.name == "output.weight" for t in info.tensors):
+            output += embeddings  # tied embeddings: the output matrix is the embedding matrix
+        return cls(tuple(per_layer), output, embeddings, tuple(repacked), repacked_output)
+
+    @classmethod
+    def from_total(
+        cls, total: int, dims: ModelDims, quant: str = "", repacks: bool = False
+    ) -> LayerWeights:
+        """An even split for catalog entries that give only the file size."""
+        embeddings = int(total * dims.n_vocab * dims.n_embd / max(1, _approx_params(dims)))
+        output = embeddings
+        layer = max(0, total - embeddings - output) // max(1, dims.n_layer)
+        share = REPACKED_SHARE_BY_QUANT.get(quant, 0.0) if repacks else 0.0
+        repacked_layer = int(layer * share)
+        return cls(
+            tuple([layer] * dims.n_layer),
+            output,
+            embeddings,
+            tuple([repacked_layer] * dims.n_layer),
+            int(output * share),
+        )
+
+
+def _approx_params(dims: ModelDims) -> int:
+    attn = dims.n_embd * (dims.n_head * dims.head_dim_k) * 2 + dims.n_embd * dims.n_head_kv * (
+        dims.head_dim_k + dims.head_dim_v
+    )
+    ffn = 3 * dims.n_embd * dims.n_embd * 4
+    return dims.n_layer * (attn + ffn) + 2 * dims.n_vocab * dims.n_embd
+
+
+def padded_ctx(n_ctx: int) -> int:
+    return -(-n_ctx // CTX_PADDING) * CTX_PADDING
+
+
+def kv_cache_bytes(
+    dims: ModelDims, n_ctx: int, kv_type: str = "f16", n_layers: int | None = None
+) -> int:
+    layers = dims.n_layer if n_layers is None else n_layers
+    values = padded_ctx(n_ctx) * dims.n_head_kv * (dims.head_dim_k + dims.head_dim_v) * layers
+    return int(values * KV_BYTES_PER_VALUE[kv_type])
+
+
+def compute_buffer_bytes(dims: ModelDims, n_ctx: int, kv_type: str = "f16") -> int:
+    """The largest set of intermediates alive while evaluating one micro-batch."""
+    ctx = padded_ctx(n_ctx)
+    ub = min(N_UBATCH, ctx)
+    activations = 6 * dims.n_embd * ub * 4
+    logits_phase = dims.n_vocab * ub * 4 + 2 * dims.n_embd * ub * 4
+    if kv_type == "f16":  # no flash attention: the full attention-score matrix is built
+        attention_phase = ctx * ub * (dims.n_head + 1) * 4 + activations
+    else:  # flash attention (needed for quantized V): scores stay in tiles
+        attention_phase = (
+            ctx * ub * 2
+            + activations
+            + ctx * dims.n_head_kv * (dims.head_dim_k + dims.head_dim_v) * 2
+        )
+    return max(logits_phase, attention_phase)
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Bytes in RAM and in VRAM for one configuration, by part."""
+
+    weights_ram: int
+    weights_vram: int
+    kv_ram: int
+    kv_vram: int
+    compute_ram: int
+    compute_vram: int
+    other_ram: int
+
+    @property
+    def ram(self) -> int:
+        return self.weights_ram + self.kv_ram + self.compute_ram + self.other_ram
+
+    @property
+    def vram(self) -> int:
+        return self.weights_vram + self.kv_vram + self.compute_vram
+
+    @property
+    def total(self) -> int:
+        return self.ram + self.vram
+
+
+def estimate_memory(
+    dims: ModelDims,
+    weights: LayerWeights,
+    n_ctx: int,
+    kv_type: str = "f16",
+    n_gpu_layers: int = 0,
+) -> MemoryEstimate:
+    """The estimate for ``n_gpu_layers`` offloaded (llama.cpp's convention: more layers than
+    the model has also puts the output layer on the GPU)."""
+    on_gpu = min(n_gpu_layers, dims.n_layer)
+    output_on_gpu = n_gpu_layers > dims.n_layer
+    layer_bytes = list(weights.per_layer)
+    gpu_layer_bytes = sum(layer_bytes[dims.n_layer - on_gpu :]) if on_gpu else 0
+    weights_vram = gpu_layer_bytes + (weights.output if output_on_gpu else 0)
+    cpu_layers = dims.n_layer - on_gpu
+    repacked = sum(weights.repacked_per_layer[:cpu_layers]) + (
+        0 if output_on_gpu else weights.repacked_output
+    )
+    weights_ram = weights.total - weights_vram + repacked
+    kv_vram = kv_cache_bytes(dims, n_ctx, kv_type, on_gpu)
+    kv_ram = kv_cache_bytes(dims, n_ctx, kv_type, dims.n_layer - on_gpu)
+    compute = compute_buffer_bytes(dims, n_ctx, kv_type)
+    compute_vram = compute if on_gpu else 0
+    # With everything offloaded the CPU keeps a small buffer for the embedding lookup.
+    compute_ram = (
+        compute if on_gpu < dims.n_layer or not output_on_gpu else dims.n_embd * N_UBATCH * 4 * 2
+    )
+    output_buffer = dims.n_vocab * 4
+    other_ram = output_buffer + RUNTIME_OVERHEAD_BYTES
+    return MemoryEstimate(
+        weights_ram, weights_vram, kv_ram, kv_vram, compute_ram, compute_vram, other_ram
+    )
