@@ -54,6 +54,15 @@ def _non_negative_float(text: str) -> float:
     return value
 
 
+def _size(text: str) -> int:
+    from localchat.units import parse_size
+
+    try:
+        return parse_size(text)
+    except UsageError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse that reports errors as one line with exit code 2 (no usage dump)."""
 
@@ -113,6 +122,13 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--shape", default="tiny", choices=list(SHAPES))
     demo.add_argument("--quant", default="Q4_K_M", choices=list(QUANTS))
     demo.add_argument("--seed", type=int, default=0)
+
+    hw = sub.add_parser("hw", help="this machine (or a given one) and what runs on it")
+    hw.add_argument("--json", action="store_true", help="print one JSON object")
+    hw.add_argument("--ram", type=_size, help="plan for this much RAM instead (e.g. 16GiB)")
+    hw.add_argument("--vram", type=_size, help="plan for a GPU with this much memory (e.g. 6GiB)")
+    hw.add_argument("--ctx", type=_positive_int, default=8192, help="wanted context size")
+    hw.add_argument("--model-path", type=Path, help="plan for this local GGUF file alone")
 
     bench = sub.add_parser("bench", help="measure speed and memory (takes minutes)")
     bench.add_argument(
@@ -348,6 +364,72 @@ def cmd_rm_conversation(args: argparse.Namespace, out: TextIO) -> int:
     return 0
 
 
+def cmd_hw(args: argparse.Namespace, out: TextIO) -> int:
+    from dataclasses import replace
+
+    from localchat.catalog import load_catalog
+    from localchat.hardware import GPU_NONE, GPU_NVIDIA, detect_hardware
+    from localchat.planner import plan_catalog, plan_file
+    from localchat.units import format_bytes
+
+    hardware = detect_hardware()
+    if args.ram is not None:
+        hardware = replace(
+            hardware, ram_total_bytes=args.ram, ram_available_bytes=args.ram, notes=()
+        )
+    if args.vram is not None:
+        # A given GPU is a question about that machine: assume a GPU build of llama.cpp.
+        hardware = replace(
+            hardware,
+            vram_total_bytes=args.vram,
+            vram_free_bytes=args.vram,
+            gpu=GPU_NVIDIA if args.vram else GPU_NONE,
+            gpu_name="given GPU" if args.vram else "",
+            gpu_offload=bool(args.vram),
+            notes=(),
+        )
+    if args.model_path is not None:
+        plans = [plan_file(args.model_path, hardware, args.ctx)]
+    else:
+        plans = plan_catalog(load_catalog(app_paths().user_catalog), hardware, args.ctx)
+    if args.json:
+        payload = {
+            "hardware": {
+                "ram_total_bytes": hardware.ram_total_bytes,
+                "ram_available_bytes": hardware.ram_available_bytes,
+                "vram_total_bytes": hardware.vram_total_bytes,
+                "vram_free_bytes": hardware.vram_free_bytes,
+                "gpu_offload": hardware.gpu_offload,
+                "cores": hardware.cores,
+                "gpu": hardware.gpu,
+                "gpu_name": hardware.gpu_name,
+                "notes": list(hardware.notes),
+            },
+            "plans": [plan.as_json() for plan in plans],
+        }
+        out.write(json.dumps(payload, indent=2) + "\n")
+        return 0
+    gpu = (
+        f"{hardware.gpu_name}, {format_bytes(hardware.vram_free_bytes)} free of"
+        f" {format_bytes(hardware.vram_total_bytes)}"
+        + ("" if hardware.gpu_offload else " (this llama.cpp build cannot use it)")
+        if hardware.gpu != GPU_NONE
+        else "none"
+    )
+    out.write(
+        f"RAM   {format_bytes(hardware.ram_available_bytes)} free of {format_bytes(hardware.ram_total_bytes)}\n"
+        f"CPU   {hardware.cores} cores\n"
+        f"GPU   {gpu}\n"
+    )
+    for note in hardware.notes:
+        out.write(f"      ({note})\n")
+    out.write("\n")
+    width = max(len(plan.model) for plan in plans) + 2
+    for plan in plans:
+        out.write(f"{plan.model.ljust(width)}{plan.explanation}\n")
+    return 0
+
+
 def cmd_demo_model(args: argparse.Namespace, out: TextIO) -> int:
     path = make_demo_model(args.out, args.shape, args.quant, args.seed)
     out.write(
@@ -394,6 +476,7 @@ COMMANDS: dict[str | None, Callable[[argparse.Namespace, TextIO], int]] = {
     "ask": cmd_ask,
     "demo-model": cmd_demo_model,
     "bench": cmd_bench,
+    "hw": cmd_hw,
     "conversations": cmd_conversations,
     "export": cmd_export,
     "rm-conversation": cmd_rm_conversation,

@@ -73,6 +73,17 @@ def _last_error_line() -> str:
     return re.sub(r"^(\w+: )+", "", errors[0])
 
 
+def reported_compute_buffer_bytes() -> int | None:
+    """The CPU compute buffer llama.cpp reported for the last context it created."""
+    with _LOG_LOCK:
+        lines = list(_LOG_LINES)
+    for line in reversed(lines):
+        match = re.search(r"compute buffer size = +([\d.]+) MiB", line)
+        if match:
+            return int(float(match.group(1)) * 1024 * 1024)
+    return None
+
+
 def kv_type_size(kv_type: str, n_elements: int) -> int:
     """Bytes that ``n_elements`` cache values take in the given KV type."""
     block, size = GGML_QUANT_SIZES[GGMLQuantizationType[kv_type.upper()]]

@@ -143,9 +143,17 @@ def padded_ctx(n_ctx: int) -> int:
 def kv_cache_bytes(
     dims: ModelDims, n_ctx: int, kv_type: str = "f16", n_layers: int | None = None
 ) -> int:
+    """KV bytes for ``n_layers`` (default all). Sliding-window models (Gemma 2) alternate
+    window layers, whose cache holds only the window, with full-context layers."""
     layers = dims.n_layer if n_layers is None else n_layers
-    values = padded_ctx(n_ctx) * dims.n_head_kv * (dims.head_dim_k + dims.head_dim_v) * layers
-    return int(values * KV_BYTES_PER_VALUE[kv_type])
+    per_position = dims.n_head_kv * (dims.head_dim_k + dims.head_dim_v)
+    if dims.sliding_window:
+        window_layers = layers // 2
+        window_ctx = padded_ctx(min(n_ctx, dims.sliding_window + N_UBATCH))
+        positions = (layers - window_layers) * padded_ctx(n_ctx) + window_layers * window_ctx
+    else:
+        positions = layers * padded_ctx(n_ctx)
+    return int(positions * per_position * KV_BYTES_PER_VALUE[kv_type])
 
 
 def compute_buffer_bytes(dims: ModelDims, n_ctx: int, kv_type: str = "f16") -> int:
@@ -176,10 +184,19 @@ class MemoryEstimate:
     compute_ram: int
     compute_vram: int
     other_ram: int
+    reclaimable_ram: int = 0
+    """Part of ``weights_ram``: mapped file pages of repacked tensors. They stay resident (so
+    the process shows them) but are clean page cache the kernel drops under pressure, so a
+    plan does not need them free."""
 
     @property
     def ram(self) -> int:
         return self.weights_ram + self.kv_ram + self.compute_ram + self.other_ram
+
+    @property
+    def ram_required(self) -> int:
+        """RAM that must be free for the model to run without swapping."""
+        return self.ram - self.reclaimable_ram
 
     @property
     def vram(self) -> int:
@@ -220,5 +237,5 @@ def estimate_memory(
     output_buffer = dims.n_vocab * 4
     other_ram = output_buffer + RUNTIME_OVERHEAD_BYTES
     return MemoryEstimate(
-        weights_ram, weights_vram, kv_ram, kv_vram, compute_ram, compute_vram, other_ram
+        weights_ram, weights_vram, kv_ram, kv_vram, compute_ram, compute_vram, other_ram, repacked
     )

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import hashlib
 import struct
+import urllib.error
+import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -71,6 +73,60 @@ class FileSource:
 
     def close(self) -> None:
         self._handle.close()
+
+
+class HttpRangeSource:
+    """A remote file read with HTTP range requests, a chunk at a time: planning a download
+    costs the header's bytes, not the model's."""
+
+    CHUNK = 1024 * 1024
+
+    def __init__(
+        self, url: str, headers: dict[str, str] | None = None, timeout: float = 30.0
+    ) -> None:
+        self.url = url
+        self.headers = headers or {}
+        self.timeout = timeout
+        self._buffer = b""
+        self._buffer_start = 0
+        self._position = 0
+        self._size: int | None = None
+        self.requests = 0
+
+    def _fetch(self, start: int, length: int) -> bytes:
+        request = urllib.request.Request(
+            self.url, headers={**self.headers, "Range": f"bytes={start}-{start + length - 1}"}
+        )
+        self.requests += 1
+        try:
+            with urllib.request.urlopen(request, timeout=self.timeout) as response:
+                if response.status != 206:
+                    raise ModelFileError(f"{self.url}: the server does not answer range requests")
+                content_range = response.headers.get("Content-Range", "")
+                if "/" in content_range and content_range.rsplit("/", 1)[1].isdigit():
+                    self._size = int(content_range.rsplit("/", 1)[1])
+                return bytes(response.read(length))
+        except urllib.error.HTTPError as exc:
+            if exc.code == 416:  # past the end of the file
+                return b""
+            raise ModelFileError(f"{self.url}: HTTP {exc.code} {exc.reason}") from None
+        except (urllib.error.URLError, OSError) as exc:
+            reason = getattr(exc, "reason", exc)
+            raise ModelFileError(f"{self.url}: cannot reach the server ({reason})") from None
+
+    def read(self, n: int) -> bytes:
+        end = self._position + n
+        buffered_end = self._buffer_start + len(self._buffer)
+        if end > buffered_end:
+            self._buffer = self._fetch(self._position, max(n, self.CHUNK))
+            self._buffer_start = self._position
+        offset = self._position - self._buffer_start
+        data = self._buffer[offset : offset + n]
+        self._position += len(data)
+        return data
+
+    def size(self) -> int | None:
+        return self._size
 
 
 @dataclass(frozen=True)
@@ -313,6 +369,16 @@ def read_gguf(path: Path) -> GGUFInfo:
             f"{path}: truncated GGUF file ({size} bytes, its tensors need {info.end_of_data});"
             " download it again"
         )
+    return info
+
+
+def read_gguf_url(url: str, headers: dict[str, str] | None = None) -> GGUFInfo:
+    """Inspect a GGUF file on a server (the hub) from its header alone."""
+    source = HttpRangeSource(url, headers)
+    info = parse_header(source, url)
+    size = source.size()
+    if size is not None and info.end_of_data > size:
+        raise ModelFileError(f"{url}: the file is shorter than its header says ({size} bytes)")
     return info
 
 

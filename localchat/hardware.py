@@ -1,17 +1,121 @@
-"""What this machine has: cores now; RAM and VRAM come with the planning issue."""
+"""What this machine has: RAM, cores, GPU memory and whether llama.cpp can use the GPU.
+
+Detection never fails: a missing tool or library means "no GPU", with a note saying why.
+"""
 
 from __future__ import annotations
 
 import os
 import platform
+import shutil
+import subprocess
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import psutil
+
+GPU_NONE = "none"
+GPU_NVIDIA = "nvidia"
+GPU_APPLE = "apple"
+
+
+@dataclass(frozen=True)
+class Hardware:
+    ram_total_bytes: int
+    ram_available_bytes: int
+    cores: int
+    vram_total_bytes: int = 0
+    vram_free_bytes: int = 0
+    gpu: str = GPU_NONE
+    gpu_name: str = ""
+    gpu_offload: bool = False  # this llama.cpp build can offload layers to that GPU
+    notes: tuple[str, ...] = field(default_factory=tuple)
+
+    @property
+    def unified_memory(self) -> bool:
+        """Apple Silicon: the GPU uses the same RAM, so RAM and VRAM are one budget."""
+        return self.gpu == GPU_APPLE
 
 
 def physical_cores() -> int:
     """Physical cores: llama.cpp runs fastest with one thread per physical core."""
     return psutil.cpu_count(logical=False) or os.cpu_count() or 1
+
+
+def detect_hardware() -> Hardware:
+    """This machine, as well as it can be told; never raises."""
+    memory = psutil.virtual_memory()
+    notes: list[str] = []
+    gpu, name, total, free = _detect_nvidia(notes)
+    if gpu == GPU_NONE and platform.system() == "Darwin" and platform.machine() == "arm64":
+        # Metal can use about three quarters of unified memory for the GPU.
+        gpu, name = GPU_APPLE, "Apple Silicon (Metal)"
+        total = int(memory.total * 0.75)
+        free = min(total, memory.available)
+    offload = _llama_gpu_offload()
+    if gpu != GPU_NONE and not offload:
+        notes.append(f"{name} found, but this llama.cpp build has no GPU backend (CPU only)")
+    return Hardware(
+        memory.total,
+        memory.available,
+        physical_cores(),
+        total,
+        free,
+        gpu,
+        name,
+        offload,
+        tuple(notes),
+    )
+
+
+def _llama_gpu_offload() -> bool:
+    from localchat.engine import supports_gpu_offload  # the one module that touches llama_cpp
+
+    try:
+        return supports_gpu_offload()
+    except Exception:
+        return False
+
+
+def _detect_nvidia(notes: list[str]) -> tuple[str, str, int, int]:
+    """VRAM of the first NVIDIA GPU: NVML (nvidia-ml-py) if installed, else nvidia-smi."""
+    try:
+        import pynvml  # nvidia-ml-py, optional
+
+        pynvml.nvmlInit()
+        try:
+            handle = pynvml.nvmlDeviceGetHandleByIndex(0)
+            info = pynvml.nvmlDeviceGetMemoryInfo(handle)
+            name = pynvml.nvmlDeviceGetName(handle)
+            name = name.decode() if isinstance(name, bytes) else str(name)
+            return GPU_NVIDIA, name, int(info.total), int(info.free)
+        finally:
+            pynvml.nvmlShutdown()
+    except ImportError:
+        pass
+    except Exception as exc:  # NVML present but no driver/GPU
+        notes.append(f"NVML: {exc}")
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        notes.append("no NVIDIA GPU (nvidia-smi not found)")
+        return GPU_NONE, "", 0, 0
+    try:
+        output = subprocess.run(
+            [smi, "--query-gpu=name,memory.total,memory.free", "--format=csv,noheader,nounits"],
+            capture_output=True,
+            text=True,
+            timeout=5,
+            check=True,
+        ).stdout
+        name, total_mib, free_mib = (part.strip() for part in output.splitlines()[0].split(","))
+        return GPU_NVIDIA, name, int(float(total_mib)) * 2**20, int(float(free_mib)) * 2**20
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError) as exc:
+        notes.append(f"nvidia-smi failed: {exc}")
+        return GPU_NONE, "", 0, 0
+
+
+X86_REPACKED = frozenset({"Q4_0", "Q4_K", "Q2_K", "IQ4_NL"})
+ARM_REPACKED = frozenset({"Q4_0", "IQ4_NL"})
 
 
 def repacked_weight_types() -> frozenset[str]:
@@ -23,10 +127,6 @@ def repacked_weight_types() -> frozenset[str]:
     if machine in ("arm64", "aarch64"):
         return ARM_REPACKED
     return frozenset()
-
-
-X86_REPACKED = frozenset({"Q4_0", "Q4_K", "Q2_K", "IQ4_NL"})
-ARM_REPACKED = frozenset({"Q4_0", "IQ4_NL"})
 
 
 def _cpu_flags() -> set[str]:

@@ -1,0 +1,258 @@
+"""Pick, for a model and a machine, the best configuration that fits — and say why.
+
+Policy, in order (the first that fits wins):
+
+0. with a usable discrete GPU: the best quant from F16 down to Q4_K_M whose every layer fits
+   in VRAM at the wanted context (a model split between GPU and CPU runs at CPU speed);
+1. the best quant from F16 down to Q4_K_M at the wanted context, KV cache f16, then q8_0
+   (quantizing the cache halves it, at a small quality cost);
+2. the same quants with the context halved step by step down to a floor of 2048;
+3. the quants below Q4_K_M (Q3_K_M, Q2_K), wanted context first, then shrinking.
+
+Quality loss from quants below Q4_K_M is steep, so a shorter context is preferred to them.
+With a usable GPU as many layers as fit go to VRAM (all, then fewer); the rest run from RAM.
+"Needs" counts RAM that must be free: repacked weights' mapped originals stay resident but
+are reclaimable page cache, so they are in the estimate (what the process will show) and not
+in the requirement. A plan always leaves headroom: 10% of free RAM plus 512 MiB, and 512 MiB of VRAM. It never
+returns a plan that does not fit; when nothing fits it says what the smallest option needs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from localchat.catalog import CatalogModel
+from localchat.demo import QUANTS
+from localchat.estimate import LayerWeights, MemoryEstimate, ModelDims, estimate_memory
+from localchat.gguf_info import read_gguf
+from localchat.hardware import Hardware, repacked_weight_types
+from localchat.units import format_bytes
+
+CTX_FLOOR = 2048
+DEFAULT_CTX = 8192
+RAM_HEADROOM_SHARE = 0.10
+RAM_HEADROOM_BYTES = 512 * 1024 * 1024
+VRAM_HEADROOM_BYTES = 512 * 1024 * 1024
+KV_TYPES_TRIED = ("f16", "q8_0")
+GOOD_QUANTS = QUANTS[: QUANTS.index("Q4_K_M") + 1]
+LOW_QUANTS = QUANTS[QUANTS.index("Q4_K_M") + 1 :]
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A quant the planner may choose: its file and its weights."""
+
+    quant: str
+    file: str
+    weights: LayerWeights
+
+
+@dataclass(frozen=True)
+class Plan:
+    model: str
+    quant: str
+    file: str
+    n_gpu_layers: int
+    n_layers: int
+    n_ctx: int
+    kv_type: str
+    estimated_bytes: int
+    fits: bool
+    explanation: str
+    estimate: MemoryEstimate | None = None
+
+    def as_json(self) -> dict[str, object]:
+        return {
+            "model": self.model,
+            "quant": self.quant,
+            "file": self.file,
+            "n_gpu_layers": self.n_gpu_layers,
+            "n_layers": self.n_layers,
+            "n_ctx": self.n_ctx,
+            "kv_type": self.kv_type,
+            "estimated_bytes": self.estimated_bytes,
+            "fits": self.fits,
+            "explanation": self.explanation,
+        }
+
+
+def _budgets(hardware: Hardware) -> tuple[int, int]:
+    ram = int(hardware.ram_available_bytes * (1 - RAM_HEADROOM_SHARE)) - RAM_HEADROOM_BYTES
+    vram = hardware.vram_free_bytes - VRAM_HEADROOM_BYTES if hardware.gpu_offload else 0
+    return max(0, ram), max(0, vram)
+
+
+def _contexts(wanted: int) -> list[int]:
+    contexts = [wanted]
+    while contexts[-1] // 2 >= CTX_FLOOR:
+        contexts.append(contexts[-1] // 2)
+    if contexts[-1] > CTX_FLOOR and wanted > CTX_FLOOR:
+        contexts.append(CTX_FLOOR)
+    return contexts
+
+
+def _fit(
+    dims: ModelDims,
+    weights: LayerWeights,
+    n_ctx: int,
+    kv_type: str,
+    hardware: Hardware,
+    full_gpu_only: bool = False,
+) -> tuple[int, MemoryEstimate] | None:
+    """The most GPU layers that fit (all, fewer, none), or None if even CPU-only does not."""
+    ram_budget, vram_budget = _budgets(hardware)
+    if full_gpu_only:
+        estimate = estimate_memory(dims, weights, n_ctx, kv_type, dims.n_layer + 1)
+        if vram_budget and estimate.vram <= vram_budget and estimate.ram_required <= ram_budget:
+            return dims.n_layer + 1, estimate
+        return None
+    if hardware.unified_memory and hardware.gpu_offload:
+        estimate = estimate_memory(dims, weights, n_ctx, kv_type, dims.n_layer + 1)
+        shared = min(ram_budget, vram_budget)
+        if estimate.total - estimate.reclaimable_ram <= shared:
+            return dims.n_layer + 1, estimate
+    elif vram_budget > 0:
+        for layers in range(dims.n_layer + 1, 0, -1):
+            estimate = estimate_memory(dims, weights, n_ctx, kv_type, layers)
+            if estimate.vram <= vram_budget:
+                if estimate.ram_required <= ram_budget:
+                    return layers, estimate
+                break  # fewer GPU layers only moves more into RAM
+    estimate = estimate_memory(dims, weights, n_ctx, kv_type, 0)
+    if estimate.ram_required <= ram_budget:
+        return 0, estimate
+    return None
+
+
+def plan_model(
+    name: str,
+    dims: ModelDims,
+    candidates: list[Candidate],
+    hardware: Hardware,
+    wanted_ctx: int = DEFAULT_CTX,
+) -> Plan:
+    """The best configuration of one model on ``hardware`` (see the module's policy)."""
+    wanted = min(wanted_ctx, dims.context_length) if dims.context_length else wanted_ctx
+    by_quant = {c.quant: c for c in candidates}
+    good = [by_quant[q] for q in GOOD_QUANTS if q in by_quant]
+    low = [by_quant[q] for q in LOW_QUANTS if q in by_quant]
+    others = [c for c in candidates if c.quant not in QUANTS]  # a local file's own quant
+    contexts = _contexts(wanted)
+    passes: list[list[tuple[Candidate, int]]] = [
+        [(c, wanted) for c in good + others],
+        [(c, ctx) for ctx in contexts[1:] for c in good + others],
+        [(c, ctx) for ctx in contexts for c in low],
+    ]
+    if hardware.gpu_offload and hardware.vram_free_bytes and not hardware.unified_memory:
+        for candidate in good + others:
+            for kv_type in KV_TYPES_TRIED:
+                fitted = _fit(
+                    dims, candidate.weights, wanted, kv_type, hardware, full_gpu_only=True
+                )
+                if fitted is not None:
+                    layers, estimate = fitted
+                    return _plan(name, dims, candidate, wanted, kv_type, layers, estimate, hardware)
+    for attempts in passes:
+        for candidate, n_ctx in attempts:
+            for kv_type in KV_TYPES_TRIED:
+                fitted = _fit(dims, candidate.weights, n_ctx, kv_type, hardware)
+                if fitted is not None:
+                    layers, estimate = fitted
+                    return _plan(name, dims, candidate, n_ctx, kv_type, layers, estimate, hardware)
+    return _too_big(name, dims, candidates, hardware, contexts[-1])
+
+
+def _free_text(hardware: Hardware, estimate: MemoryEstimate, layers: int) -> str:
+    if layers and hardware.unified_memory:
+        return f"needs {format_bytes(estimate.total - estimate.reclaimable_ram)} of {format_bytes(hardware.ram_available_bytes)} free (unified)"
+    if layers:
+        return (
+            f"needs {format_bytes(estimate.vram)} of {format_bytes(hardware.vram_free_bytes)} free VRAM"
+            f" + {format_bytes(estimate.ram_required)} of {format_bytes(hardware.ram_available_bytes)} free RAM"
+        )
+    return f"needs {format_bytes(estimate.ram_required)} of {format_bytes(hardware.ram_available_bytes)} free RAM"
+
+
+def _plan(
+    name: str,
+    dims: ModelDims,
+    candidate: Candidate,
+    n_ctx: int,
+    kv_type: str,
+    layers: int,
+    estimate: MemoryEstimate,
+    hardware: Hardware,
+) -> Plan:
+    if layers == 0:
+        placement = "CPU only"
+    else:
+        placement = f"{min(layers, dims.n_layer)}/{dims.n_layer} layers on GPU"
+    parts = [candidate.quant, placement, f"ctx {n_ctx}"]
+    if kv_type != "f16":
+        parts.append(f"KV {kv_type}")
+    parts.append(_free_text(hardware, estimate, layers))
+    return Plan(
+        name,
+        candidate.quant,
+        candidate.file,
+        layers,
+        dims.n_layer,
+        n_ctx,
+        kv_type,
+        estimate.total,
+        True,
+        " · ".join(parts),
+        estimate,
+    )
+
+
+def _too_big(
+    name: str, dims: ModelDims, candidates: list[Candidate], hardware: Hardware, n_ctx: int
+) -> Plan:
+    """Nothing fits: report what the smallest option would need."""
+    smallest = min(candidates, key=lambda c: c.weights.total)
+    estimate = estimate_memory(dims, smallest.weights, n_ctx, "q8_0", 0)
+    free = hardware.ram_available_bytes + (hardware.vram_free_bytes if hardware.gpu_offload else 0)
+    explanation = (
+        f"too big: the smallest option ({smallest.quant}, ctx {n_ctx}, KV q8_0) needs"
+        f" {format_bytes(estimate.ram_required)}; {format_bytes(free)} free"
+    )
+    return Plan(
+        name,
+        smallest.quant,
+        smallest.file,
+        0,
+        dims.n_layer,
+        n_ctx,
+        "q8_0",
+        estimate.total,
+        False,
+        explanation,
+        estimate,
+    )
+
+
+def plan_catalog(
+    models: list[CatalogModel], hardware: Hardware, wanted_ctx: int = DEFAULT_CTX
+) -> list[Plan]:
+    """A plan for every catalog model (from catalog numbers: nothing is downloaded)."""
+    repacks = bool(repacked_weight_types())
+    plans = []
+    for model in models:
+        candidates = [
+            Candidate(
+                f.quant, f.file, LayerWeights.from_total(f.size, model.dims, f.quant, repacks)
+            )
+            for f in model.files
+        ]
+        plans.append(plan_model(model.name, model.dims, candidates, hardware, wanted_ctx))
+    return plans
+
+
+def plan_file(path: Path, hardware: Hardware, wanted_ctx: int = DEFAULT_CTX) -> Plan:
+    """The plan for one local GGUF file; its quant is the file's own."""
+    info = read_gguf(path)
+    weights = LayerWeights.from_gguf(info, repacked_weight_types())
+    candidate = Candidate(info.file_type, path.name, weights)
+    return plan_model(path.name, ModelDims.from_gguf(info), [candidate], hardware, wanted_ctx)

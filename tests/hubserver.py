@@ -1,0 +1,181 @@
+"""A local HTTP server that speaks the part of the Hugging Face hub's API localchat uses.
+
+Tests point ``HF_ENDPOINT`` at it (nothing reaches the internet). It serves files from a
+folder per repo, answers range requests, reports LFS sizes and sha256 like the hub, and can
+be told to cut a transfer mid-file or to serve corrupted bytes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import threading
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from urllib.parse import unquote
+
+COMMIT = "0123456789abcdef0123456789abcdef01234567"
+
+
+@dataclass
+class HubState:
+    """What the server serves, and the faults it injects."""
+
+    repos: dict[str, Path] = field(default_factory=dict)
+    cut_after_bytes: int | None = None  # end the next full download after this many bytes
+    corrupt: set[str] = field(default_factory=set)  # file names served with flipped bytes
+    requests: list[tuple[str, str, str]] = field(default_factory=list)  # (method, path, range)
+
+    def files(self, repo: str) -> dict[str, Path]:
+        root = self.repos[repo]
+        return {p.relative_to(root).as_posix(): p for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        for chunk in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+class _Handler(BaseHTTPRequestHandler):
+    server: HubServer
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+    def _json(self, payload: object, status: int = 200) -> None:
+        body = json.dumps(payload).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def _not_found(self, what: str) -> None:
+        body = json.dumps({"error": f"{what} not found"}).encode()
+        self.send_response(404)
+        self.send_header("Content-Type", "application/json")
+        self.send_header(
+            "X-Error-Code", "EntryNotFound" if "/resolve/" in self.path else "RepoNotFound"
+        )
+        self.send_header("X-Error-Message", f"{what} not found")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_GET(self) -> None:
+        self._handle(head=False)
+
+    def do_HEAD(self) -> None:
+        self._handle(head=True)
+
+    def _handle(self, head: bool) -> None:
+        state = self.server.state
+        path = unquote(self.path.split("?", 1)[0])
+        state.requests.append((self.command, path, self.headers.get("Range", "")))
+        info = re.fullmatch(r"/api/models/([^/]+/[^/]+)(?:/revision/([^/]+))?", path)
+        if info:
+            repo = info.group(1)
+            if repo not in state.repos:
+                return self._not_found(f"repo {repo}")
+            siblings = [
+                {
+                    "rfilename": name,
+                    "size": p.stat().st_size,
+                    "lfs": {"sha256": _sha256(p), "size": p.stat().st_size},
+                }
+                for name, p in state.files(repo).items()
+            ]
+            return self._json({"id": repo, "modelId": repo, "sha": COMMIT, "siblings": siblings})
+        tree = re.fullmatch(r"/api/models/([^/]+/[^/]+)/tree/([^/]+)(?:/(.*))?", path)
+        if tree:
+            repo = tree.group(1)
+            if repo not in state.repos:
+                return self._not_found(f"repo {repo}")
+            entries = [
+                {"type": "file", "path": name, "size": p.stat().st_size, "oid": COMMIT,
+                 "lfs": {"oid": _sha256(p), "size": p.stat().st_size, "pointerSize": 134}}
+                for name, p in state.files(repo).items()
+            ]  # fmt: skip
+            return self._json(entries)
+        resolve = re.fullmatch(r"/([^/]+/[^/]+)/resolve/([^/]+)/(.+)", path)
+        if resolve:
+            return self._serve_file(resolve.group(1), resolve.group(3), head)
+        self._not_found(path)
+
+    def _serve_file(self, repo: str, name: str, head: bool) -> None:
+        state = self.server.state
+        if repo not in state.repos:
+            return self._not_found(f"repo {repo}")
+        files = state.files(repo)
+        if name not in files:
+            return self._not_found(f"file {name}")
+        data_path = files[name]
+        size = data_path.stat().st_size
+        start, end = 0, size - 1
+        ranged = self.headers.get("Range")
+        if ranged:
+            match = re.fullmatch(r"bytes=(\d+)-(\d*)", ranged.strip())
+            if match:
+                start = int(match.group(1))
+                end = min(int(match.group(2)), size - 1) if match.group(2) else size - 1
+            if start >= size:
+                self.send_response(416)
+                self.send_header("Content-Range", f"bytes */{size}")
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+                return
+        length = end - start + 1
+        self.send_response(206 if ranged else 200)
+        self.send_header("Content-Type", "application/octet-stream")
+        self.send_header("Content-Length", str(length))
+        self.send_header("Accept-Ranges", "bytes")
+        self.send_header("ETag", f'"{_sha256(data_path)}"')
+        self.send_header("X-Repo-Commit", COMMIT)
+        self.send_header("X-Linked-Etag", f'"{_sha256(data_path)}"')
+        self.send_header("X-Linked-Size", str(size))
+        if ranged:
+            self.send_header("Content-Range", f"bytes {start}-{end}/{size}")
+        self.end_headers()
+        if head:
+            return
+        with data_path.open("rb") as handle:
+            handle.seek(start)
+            data = handle.read(length)
+        if name in state.corrupt:
+            data = bytes(b ^ 0xFF if i % 4096 == 0 else b for i, b in enumerate(data))
+        cut = state.cut_after_bytes
+        if cut is not None and length > cut:
+            state.cut_after_bytes = None
+            self.wfile.write(data[:cut])
+            self.wfile.flush()
+            self.close_connection = True
+            return
+        self.wfile.write(data)
+
+
+class HubServer(ThreadingHTTPServer):
+    daemon_threads = True
+
+    def __init__(self, state: HubState) -> None:
+        super().__init__(("127.0.0.1", 0), _Handler)
+        self.state = state
+        self._thread = threading.Thread(target=self.serve_forever, daemon=True)
+
+    @property
+    def endpoint(self) -> str:
+        host, port = self.server_address[:2]
+        return f"http://{host}:{port}"
+
+    def start(self) -> HubServer:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self.shutdown()
+        self.server_close()

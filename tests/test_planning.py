@@ -1,0 +1,289 @@
+"""Hardware-aware planning: estimates, plans on simulated machines, the catalog, `hw`."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from localchat import engine as engine_module
+from localchat.catalog import CatalogError, load_catalog, load_catalog_file
+from localchat.cli import main
+from localchat.engine import Engine, LoadOptions
+from localchat.errors import ModelFileError, UsageError
+from localchat.estimate import (
+    LayerWeights,
+    ModelDims,
+    compute_buffer_bytes,
+    estimate_memory,
+    kv_cache_bytes,
+)
+from localchat.gguf_info import read_gguf, read_gguf_url
+from localchat.hardware import GPU_APPLE, GPU_NONE, GPU_NVIDIA, Hardware, detect_hardware
+from localchat.planner import plan_catalog
+from localchat.units import parse_size
+
+from .hubserver import HubServer, HubState
+
+GIB = 1024**3
+MACHINES = {
+    "4 GB, no GPU": Hardware(4 * GIB, 4 * GIB, 4),
+    "8 GB, no GPU": Hardware(8 * GIB, 8 * GIB, 4),
+    "16 GB + 6 GB VRAM": Hardware(16 * GIB, 16 * GIB, 8, 6 * GIB, 6 * GIB, GPU_NVIDIA, "RTX", True),
+    "16 GB + 4 GB VRAM": Hardware(16 * GIB, 16 * GIB, 8, 4 * GIB, 4 * GIB, GPU_NVIDIA, "GTX", True),
+    "16 GB Apple unified": Hardware(
+        16 * GIB, 16 * GIB, 8, 12 * GIB, 12 * GIB, GPU_APPLE, "M2", True
+    ),
+    "32 GB + 24 GB VRAM": Hardware(
+        32 * GIB, 32 * GIB, 8, 24 * GIB, 24 * GIB, GPU_NVIDIA, "4090", True
+    ),
+}
+
+# machine -> model -> (quant, GPU layers: "all" | "partial" | "none", or None for "too big")
+EXPECTED = {
+    "4 GB, no GPU": {
+        "qwen2.5-0.5b-instruct": ("F16", "none"),
+        "qwen2.5-3b-instruct": ("Q6_K", "none"),
+        "llama-3.2-3b-instruct": ("Q5_K_M", "none"),
+        "phi-3.5-mini-instruct": ("Q4_K_M", "none"),  # at ctx 2048: shrunk before Q3
+        "qwen2.5-7b-instruct": None,
+        "mistral-7b-instruct-v0.3": ("Q2_K", "none"),
+    },
+    "8 GB, no GPU": {
+        "qwen2.5-3b-instruct": ("F16", "none"),
+        "qwen2.5-7b-instruct": ("Q6_K", "none"),
+        "mistral-7b-instruct-v0.3": ("Q6_K", "none"),
+    },
+    "16 GB + 6 GB VRAM": {
+        "qwen2.5-1.5b-instruct": ("F16", "all"),
+        "qwen2.5-3b-instruct": ("Q8_0", "all"),
+        "qwen2.5-7b-instruct": ("Q5_K_M", "all"),
+        "mistral-7b-instruct-v0.3": ("Q5_K_M", "all"),
+    },
+    "16 GB + 4 GB VRAM": {
+        "qwen2.5-7b-instruct": ("F16", "partial"),
+        "llama-3.2-1b-instruct": ("F16", "all"),
+    },
+    "16 GB Apple unified": {
+        "qwen2.5-7b-instruct": ("Q8_0", "all"),
+        "phi-3.5-mini-instruct": ("F16", "all"),
+    },
+    "32 GB + 24 GB VRAM": {
+        "qwen2.5-7b-instruct": ("F16", "all"),
+        "mistral-7b-instruct-v0.3": ("F16", "all"),
+    },
+}
+
+
+def _placement(plan) -> str:
+    if plan.n_gpu_layers == 0:
+        return "none"
+    return "all" if plan.n_gpu_layers > plan.n_layers else "partial"
+
+
+@pytest.mark.parametrize("machine", list(EXPECTED))
+def test_plans_on_simulated_machines(machine: str) -> None:
+    hardware = MACHINES[machine]
+    plans = {p.model: p for p in plan_catalog(load_catalog(), hardware, 8192)}
+    for model, expected in EXPECTED[machine].items():
+        plan = plans[model]
+        if expected is None:
+            assert not plan.fits and plan.explanation.startswith("too big: the smallest option")
+            continue
+        assert plan.fits, plan.explanation
+        assert (plan.quant, _placement(plan)) == expected, f"{model}: {plan.explanation}"
+    for plan in plans.values():
+        if plan.fits:  # never a plan over budget
+            assert plan.estimate is not None
+            assert plan.estimate.ram_required <= hardware.ram_available_bytes * 0.9
+            assert plan.estimate.vram <= max(0, hardware.vram_free_bytes - 512 * 1024**2)
+            assert (
+                plan.explanation.startswith(plan.quant) and f"ctx {plan.n_ctx}" in plan.explanation
+            )
+
+
+def test_context_shrinks_before_quality_drops_below_q4() -> None:
+    plans = {p.model: p for p in plan_catalog(load_catalog(), MACHINES["4 GB, no GPU"], 8192)}
+    phi = plans["phi-3.5-mini-instruct"]
+    assert (phi.quant, phi.n_ctx) == ("Q4_K_M", 2048)
+    mistral = plans["mistral-7b-instruct-v0.3"]  # nothing >= Q4_K_M fits even at the floor
+    assert mistral.quant == "Q2_K"
+
+
+def test_quantized_kv_cache_is_chosen_when_that_makes_it_fit() -> None:
+    plans = {p.model: p for p in plan_catalog(load_catalog(), MACHINES["4 GB, no GPU"], 8192)}
+    assert plans["llama-3.2-3b-instruct"].kv_type == "q8_0"
+    assert "KV q8_0" in plans["llama-3.2-3b-instruct"].explanation
+
+
+@pytest.mark.parametrize("kv_type", ["f16", "q8_0"])
+def test_estimate_parts_match_what_llama_cpp_allocates(small_model: Path, kv_type: str) -> None:
+    info = read_gguf(small_model)
+    dims = ModelDims.from_gguf(info)
+    for n_ctx in (512, 2048):
+        engine = Engine(small_model, LoadOptions(n_ctx=n_ctx, kv_type=kv_type))
+        reported = engine_module.reported_compute_buffer_bytes()
+        assert kv_cache_bytes(dims, n_ctx, kv_type) == engine.kv_bytes_allocated
+        assert reported is not None
+        assert abs(compute_buffer_bytes(dims, n_ctx, kv_type) - reported) <= 0.1 * reported
+        engine.close()
+    weights = LayerWeights.from_gguf(info)
+    assert weights.total == info.weights_bytes
+    estimate = estimate_memory(dims, weights, 2048, kv_type)
+    assert estimate.vram == 0 and estimate.ram == estimate.total > weights.total
+
+
+def test_offloaded_layers_move_weights_and_cache_to_vram(small_model: Path) -> None:
+    info = read_gguf(small_model)
+    dims, weights = ModelDims.from_gguf(info), LayerWeights.from_gguf(info)
+    cpu = estimate_memory(dims, weights, 2048, "f16", 0)
+    half = estimate_memory(dims, weights, 2048, "f16", dims.n_layer // 2)
+    full = estimate_memory(dims, weights, 2048, "f16", dims.n_layer + 1)
+    assert 0 == cpu.vram < half.vram < full.vram
+    assert half.kv_vram == half.kv_ram
+    assert full.weights_ram == weights.embeddings
+
+
+def test_remote_header_read_uses_range_requests(tmp_path: Path, small_model: Path) -> None:
+    repo = tmp_path / "org" / "repo"
+    repo.mkdir(parents=True)
+    (repo / "model.gguf").write_bytes(small_model.read_bytes())
+    state = HubState({"org/repo": repo})
+    server = HubServer(state).start()
+    try:
+        info = read_gguf_url(f"{server.endpoint}/org/repo/resolve/main/model.gguf")
+        local = read_gguf(small_model)
+        assert info.metadata == local.metadata and info.tensors == local.tensors
+        ranges = [r for _, _, r in state.requests]
+        assert ranges and all(r.startswith("bytes=") for r in ranges)
+        fetched = sum(int(r.split("-")[1]) - int(r.split("=")[1].split("-")[0]) + 1 for r in ranges)
+        assert fetched < small_model.stat().st_size / 4, "only the header is read"
+        with pytest.raises(ModelFileError, match="HTTP 404"):
+            read_gguf_url(f"{server.endpoint}/org/repo/resolve/main/missing.gguf")
+    finally:
+        server.stop()
+
+
+def test_catalog_has_the_required_models() -> None:
+    names = {m.name for m in load_catalog()}
+    for required in (
+        "qwen2.5-0.5b-instruct",
+        "qwen2.5-1.5b-instruct",
+        "qwen2.5-3b-instruct",
+        "qwen2.5-7b-instruct",
+        "llama-3.2-1b-instruct",
+        "llama-3.2-3b-instruct",
+        "phi-3.5-mini-instruct",
+        "gemma-2-2b-it",
+        "mistral-7b-instruct-v0.3",
+    ):
+        assert required in names
+    for model in load_catalog():
+        assert model.quants == ["F16", "Q8_0", "Q6_K", "Q5_K_M", "Q4_K_M", "Q3_K_M", "Q2_K"]
+        sizes = [f.size for f in model.files]
+        assert sizes == sorted(sizes, reverse=True), model.name
+
+
+def test_user_catalog_adds_and_overrides(tmp_path: Path) -> None:
+    user = tmp_path / "models.toml"
+    user.write_text(
+        """
+[[model]]
+name = "qwen2.5-0.5b-instruct"
+repo = "me/my-qwen"
+architecture = "qwen2"
+n_layer = 24
+n_embd = 896
+n_head = 14
+n_head_kv = 2
+head_dim = 64
+n_vocab = 151936
+context_length = 32768
+[model.files]
+Q4_K_M = { file = "mine.gguf", size = 400000000 }
+"""
+    )
+    models = {m.name: m for m in load_catalog(user)}
+    assert models["qwen2.5-0.5b-instruct"].repo == "me/my-qwen"
+    assert "llama-3.2-1b-instruct" in models
+
+
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        (
+            '[[model]]\nname = "x"\nrepo = "a/b"\narchitecture = "llama"\nn_layer = "many"',
+            "field 'n_layer'",
+        ),
+        ("[[model]\n", "not valid TOML"),
+        (
+            '[[model]]\nname = "x"\nrepo = "a/b"\narchitecture = "llama"\nn_layer = 2\nn_embd = 8\n'
+            "n_head = 2\nn_head_kv = 2\nhead_dim = 4\nn_vocab = 10\ncontext_length = 64\n"
+            '[model.files]\nQ9_Z = { file = "f.gguf", size = 10 }',
+            "field 'files.Q9_Z'",
+        ),
+    ],
+)
+def test_malformed_catalog_names_file_entry_and_field(
+    tmp_path: Path, body: str, message: str
+) -> None:
+    path = tmp_path / "models.toml"
+    path.write_text(body)
+    with pytest.raises(CatalogError, match=message) as err:
+        load_catalog_file(path)
+    assert str(path) in str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("8GiB", 8 * GIB),
+        ("8G", 8 * GIB),
+        ("8192MiB", 8 * GIB),
+        ("8000000000", 8_000_000_000),
+        ("8GB", 8 * 10**9),
+    ],
+)
+def test_sizes_parse(text: str, expected: int) -> None:
+    assert parse_size(text) == expected
+
+
+@pytest.mark.parametrize("text", ["eight", "8XB", "", "-1G"])
+def test_bad_sizes_are_clear_errors(text: str) -> None:
+    with pytest.raises(UsageError, match="is not a size"):
+        parse_size(text)
+
+
+def test_detection_never_crashes(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PATH", "/nonexistent")
+    hardware = detect_hardware()
+    assert hardware.ram_total_bytes > 0 and hardware.cores >= 1
+    assert hardware.gpu == GPU_NONE and not hardware.gpu_offload
+    assert any("no NVIDIA GPU" in note for note in hardware.notes)
+
+
+def test_hw_json_for_a_given_machine(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["hw", "--json", "--ram", "16GiB", "--vram", "6GiB", "--ctx", "4096"]) == 0
+    payload = json.loads(capsys.readouterr().out)
+    hardware = payload["hardware"]
+    assert hardware["ram_total_bytes"] == hardware["ram_available_bytes"] == 16 * GIB
+    assert hardware["vram_free_bytes"] == 6 * GIB and hardware["gpu_offload"] is True
+    plan = payload["plans"][0]
+    assert set(plan) == {
+        "model", "quant", "file", "n_gpu_layers", "n_layers", "n_ctx", "kv_type", "estimated_bytes",
+        "fits", "explanation",
+    }  # fmt: skip
+    assert all(p["n_ctx"] <= 4096 for p in payload["plans"])
+
+
+def test_hw_for_a_local_file(small_model: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["hw", "--json", "--model-path", str(small_model)]) == 0
+    plans = json.loads(capsys.readouterr().out)["plans"]
+    assert len(plans) == 1 and plans[0]["quant"] == "Q4_K_M" and plans[0]["fits"]
+
+
+def test_hw_rejects_a_bad_size() -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["hw", "--ram", "lots"])
+    assert exit_info.value.code == 2
