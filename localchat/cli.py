@@ -23,6 +23,7 @@ from localchat.text import printable
 if TYPE_CHECKING:
     from localchat.engine import Engine, Sampling, TokenDelta
     from localchat.kvstate import StateStore
+    from localchat.library import Library
     from localchat.settings import Settings
     from localchat.store import Store
 
@@ -129,6 +130,17 @@ def build_parser() -> argparse.ArgumentParser:
     hw.add_argument("--vram", type=_size, help="plan for a GPU with this much memory (e.g. 6GiB)")
     hw.add_argument("--ctx", type=_positive_int, default=8192, help="wanted context size")
     hw.add_argument("--model-path", type=Path, help="plan for this local GGUF file alone")
+
+    pull = sub.add_parser("pull", help="download a model from the hub (resumes, verifies)")
+    pull.add_argument("model", help="catalog name or org/repo, optionally :QUANT")
+    models = sub.add_parser("models", help="catalog models, downloads and local files, with fit")
+    models.add_argument("--json", action="store_true", help="print JSON")
+    models.add_argument("--ctx", type=_positive_int, default=8192, help="context size to fit")
+    rm = sub.add_parser("rm", help="delete a downloaded model (or forget an added file)")
+    rm.add_argument("model", help="catalog name or org/repo, optionally :QUANT; or an added name")
+    add = sub.add_parser("add", help="register a local GGUF file")
+    add.add_argument("path", type=Path)
+    add.add_argument("--name", help="the name to list it under (default: the file name)")
 
     bench = sub.add_parser("bench", help="measure speed and memory (takes minutes)")
     bench.add_argument(
@@ -430,6 +442,86 @@ def cmd_hw(args: argparse.Namespace, out: TextIO) -> int:
     return 0
 
 
+def _library() -> Library:
+    from localchat.hardware import detect_hardware
+    from localchat.library import Library
+
+    return Library(app_paths(), detect_hardware())
+
+
+def cmd_pull(args: argparse.Namespace, out: TextIO) -> int:
+    from localchat.hub import DownloadCancelled, Progress
+    from localchat.units import format_bytes
+
+    library = _library()
+    cancel = threading.Event()
+    last_draw = [0.0]
+    drawn = [False]
+
+    def draw(progress: Progress) -> None:
+        now = time.monotonic()
+        if progress.state == "downloading" and now - last_draw[0] < 0.2:
+            return
+        last_draw[0] = now
+        drawn[0] = True
+        total = max(progress.bytes_total, 1)
+        eta = f" ETA {progress.eta_s:.0f} s" if progress.eta_s is not None else ""
+        line = (
+            f"\r{progress.name}: {progress.state} {100 * progress.bytes_done / total:5.1f}%"
+            f" {format_bytes(progress.bytes_done)}/{format_bytes(progress.bytes_total)}"
+            f" {format_bytes(progress.speed)}/s{eta}   "
+        )
+        sys.stderr.write(line)
+        sys.stderr.flush()
+
+    try:
+        path = library.pull(args.model, draw, cancel)
+    except KeyboardInterrupt:
+        cancel.set()
+        sys.stderr.write("\nlocalchat: download stopped; run the same pull again to resume\n")
+        return EXIT_INTERRUPTED
+    except DownloadCancelled as exc:
+        sys.stderr.write(f"\nlocalchat: {exc}\n")
+        return EXIT_INTERRUPTED
+    finally:
+        if drawn[0]:
+            sys.stderr.write("\n")
+    out.write(f"{path}\n")
+    return 0
+
+
+def cmd_models(args: argparse.Namespace, out: TextIO) -> int:
+    from dataclasses import asdict
+
+    from localchat.units import format_bytes
+
+    rows = _library().rows(args.ctx)
+    if args.json:
+        out.write(json.dumps([asdict(r) for r in rows], indent=2) + "\n")
+        return 0
+    out.write(f"{'MODEL':28} {'QUANT':8} {'SIZE':>10} {'NEEDS':>10} {'FIT':8} DOWNLOADED\n")
+    for r in rows:
+        needs = format_bytes(r.estimated_bytes) if r.estimated_bytes else "-"
+        mark = "yes" if r.downloaded else ""
+        if r.source != "catalog":
+            mark = f"{r.source}: {r.path}"
+        out.write(
+            f"{r.model[:28]:28} {r.quant:8} {format_bytes(r.size_bytes):>10} {needs:>10} {r.fit:8} {mark}\n"
+        )
+    return 0
+
+
+def cmd_rm(args: argparse.Namespace, out: TextIO) -> int:
+    removed = _library().remove(args.model)
+    out.write(f"removed {args.model} ({len(removed)} files)\n")
+    return 0
+
+
+def cmd_add(args: argparse.Namespace, out: TextIO) -> int:
+    out.write(_library().add_local(args.path, args.name) + "\n")
+    return 0
+
+
 def cmd_demo_model(args: argparse.Namespace, out: TextIO) -> int:
     path = make_demo_model(args.out, args.shape, args.quant, args.seed)
     out.write(
@@ -477,6 +569,10 @@ COMMANDS: dict[str | None, Callable[[argparse.Namespace, TextIO], int]] = {
     "demo-model": cmd_demo_model,
     "bench": cmd_bench,
     "hw": cmd_hw,
+    "pull": cmd_pull,
+    "models": cmd_models,
+    "rm": cmd_rm,
+    "add": cmd_add,
     "conversations": cmd_conversations,
     "export": cmd_export,
     "rm-conversation": cmd_rm_conversation,

@@ -46,6 +46,23 @@ class AppPaths:
     def settings_file(self) -> Path:
         return self.config_dir / "settings.toml"
 
+    @property
+    def local_models(self) -> Path:
+        """GGUF files added by hand (``localchat add``)."""
+        return self.data_dir / "local-models.json"
+
+    @property
+    def hub_cache(self) -> Path:
+        """huggingface-hub's cache, shared with other tools (inside LOCALCHAT_HOME if set)."""
+        if os.environ.get(HOME_ENV):
+            return self.cache_dir / "hub"
+        if os.environ.get("HF_HUB_CACHE"):
+            return Path(os.environ["HF_HUB_CACHE"]).expanduser()
+        hf_home = os.environ.get("HF_HOME") or os.path.join(
+            os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "huggingface"
+        )
+        return Path(hf_home).expanduser() / "hub"
+
 
 def app_paths() -> AppPaths:
     """Resolve the directories now (reads the environment on every call)."""

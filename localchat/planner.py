@@ -256,3 +256,18 @@ def plan_file(path: Path, hardware: Hardware, wanted_ctx: int = DEFAULT_CTX) -> 
     weights = LayerWeights.from_gguf(info, repacked_weight_types())
     candidate = Candidate(info.file_type, path.name, weights)
     return plan_model(path.name, ModelDims.from_gguf(info), [candidate], hardware, wanted_ctx)
+
+
+def fit_label(
+    dims: ModelDims, weights: LayerWeights, hardware: Hardware, n_ctx: int
+) -> tuple[str, int]:
+    """Where this file runs at ``n_ctx``: "GPU" (every layer), "RAM" (some or all on the CPU)
+    or "too big"; with the memory it needs free, in bytes."""
+    for kv_type in KV_TYPES_TRIED:
+        fitted = _fit(dims, weights, n_ctx, kv_type, hardware)
+        if fitted is not None:
+            layers, estimate = fitted
+            return (
+                "GPU" if layers > dims.n_layer else "RAM"
+            ), estimate.ram_required + estimate.vram
+    return "too big", estimate_memory(dims, weights, n_ctx, "q8_0", 0).ram_required

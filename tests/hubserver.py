@@ -87,7 +87,7 @@ class _Handler(BaseHTTPRequestHandler):
                 {
                     "rfilename": name,
                     "size": p.stat().st_size,
-                    "lfs": {"sha256": _sha256(p), "size": p.stat().st_size},
+                    "lfs": {"sha256": _sha256(p), "size": p.stat().st_size, "pointerSize": 134},
                 }
                 for name, p in state.files(repo).items()
             ]

@@ -1,0 +1,419 @@
+"""Models from the hub: resolve a name, download with progress, resume, verify, list, remove.
+
+Files land in huggingface-hub's standard cache layout (``models--org--name/blobs``,
+``snapshots/<commit>/<file>``, ``refs/<revision>``), so other tools that use the hub cache
+see them and localchat sees theirs. The transfer itself is localchat's own loop over the
+hub client's HTTP session, because it must stop on request within a chunk and leave a
+partial ``<sha>.incomplete`` blob that the next pull resumes with a range request. A
+finished file is checked against the hub's size and sha256, then its GGUF header, before it
+is ever named in the cache: a damaged file is never loaded.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import re
+import shutil
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx2 as httpx  # huggingface-hub 2.x ships httpx2, its fork of httpx
+from huggingface_hub import HfApi, constants, get_hf_file_metadata, get_session, hf_hub_url
+from huggingface_hub.errors import EntryNotFoundError, HfHubHTTPError, RepositoryNotFoundError
+from huggingface_hub.file_download import repo_folder_name
+from huggingface_hub.utils import build_hf_headers
+
+from localchat.catalog import CatalogModel, find_model
+from localchat.demo import QUANTS
+from localchat.errors import LocalchatError, ModelFileError, UsageError
+from localchat.gguf_info import read_gguf
+from localchat.units import format_bytes
+
+CHUNK_BYTES = 1024 * 1024
+RETRIES = 3
+DISK_MARGIN_BYTES = 256 * 1024 * 1024
+SPLIT_RE = re.compile(r"-(\d{5})-of-(\d{5})\.gguf$")
+QUANT_RE = re.compile(
+    r"(?<![A-Za-z0-9])(F16|BF16|F32|Q8_0|Q6_K|Q5_K_M|Q5_K_S|Q4_K_M|Q4_K_S|Q4_0|Q3_K_M|Q3_K_L|Q3_K_S|Q2_K|IQ4_XS|IQ4_NL)(?![A-Za-z0-9])",
+    re.I,
+)
+
+
+class HubError(LocalchatError):
+    """The hub could not be reached or refused; the message says what to do."""
+
+
+class DownloadCancelled(LocalchatError):
+    """Stopped on request; the partial file stays and the next pull resumes it."""
+
+
+def hub_endpoint() -> str:
+    """Read at call time, so ``HF_ENDPOINT`` set after import (tests, a mirror) applies."""
+    return os.environ.get("HF_ENDPOINT", constants.ENDPOINT).rstrip("/")
+
+
+@dataclass(frozen=True)
+class RemoteFile:
+    repo: str
+    filename: str
+    size: int
+    quant: str
+
+
+@dataclass
+class Progress:
+    """One download's state for the UI and the CLI's progress bar."""
+
+    name: str
+    bytes_done: int = 0
+    bytes_total: int = 0
+    state: str = "queued"  # queued | downloading | verifying | done | failed | cancelled
+    started_at: float = 0.0
+    error: str = ""
+
+    @property
+    def speed(self) -> float:
+        elapsed = time.monotonic() - self.started_at if self.started_at else 0.0
+        return self.bytes_done / elapsed if elapsed > 0 else 0.0
+
+    @property
+    def eta_s(self) -> float | None:
+        speed = self.speed
+        return (self.bytes_total - self.bytes_done) / speed if speed > 0 else None
+
+
+ProgressCallback = Callable[[Progress], None]
+
+
+def quant_of(filename: str) -> str:
+    match = QUANT_RE.search(filename)
+    return match.group(1).upper() if match else "unknown"
+
+
+def _hub_error(exc: Exception, what: str) -> LocalchatError:
+    if isinstance(exc, RepositoryNotFoundError):
+        return HubError(f"{what}: no such repository on the hub ({hub_endpoint()})")
+    if isinstance(exc, EntryNotFoundError):
+        return HubError(f"{what}: no such file on the hub")
+    if isinstance(exc, httpx.TransportError | OSError):
+        return HubError(
+            f"cannot reach the hub at {hub_endpoint()} ({exc.__class__.__name__}); check the network,"
+            " or chat with a file you have: --model-path FILE.gguf"
+        )
+    return HubError(f"{what}: the hub answered {exc}")
+
+
+def list_gguf_files(repo: str, revision: str = "main") -> list[RemoteFile]:
+    """The repo's GGUF files with sizes (split files are listed by their first part)."""
+    api = HfApi(endpoint=hub_endpoint())
+    try:
+        info = api.model_info(repo, revision=revision, files_metadata=True)
+    except (HfHubHTTPError, httpx.HTTPError, OSError) as exc:
+        raise _hub_error(exc, repo) from None
+    files = []
+    for sibling in info.siblings or []:
+        name = sibling.rfilename
+        if not name.endswith(".gguf"):
+            continue
+        split = SPLIT_RE.search(name)
+        if split and split.group(1) != "00001":
+            continue
+        size = sibling.size or 0
+        if split:  # the whole set's size
+            prefix = name[: split.start()]
+            size = sum(
+                s.size or 0
+                for s in info.siblings or []
+                if s.rfilename.startswith(prefix) and SPLIT_RE.search(s.rfilename)
+            )
+        files.append(RemoteFile(repo, name, size, quant_of(name)))
+    return files
+
+
+def split_parts(filename: str) -> list[str]:
+    """All files of a split GGUF set (``x-00001-of-00003.gguf`` → three names)."""
+    match = SPLIT_RE.search(filename)
+    if not match:
+        return [filename]
+    total = int(match.group(2))
+    prefix = filename[: match.start()]
+    return [f"{prefix}-{i:05d}-of-{total:05d}.gguf" for i in range(1, total + 1)]
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """What ``pull``/``rm`` were asked for: a catalog entry or a repo, and maybe a quant."""
+
+    repo: str
+    quant: str | None
+    catalog: CatalogModel | None
+
+
+def parse_spec(text: str, catalog: list[CatalogModel]) -> ModelSpec:
+    """``name[:QUANT]`` or ``org/repo[:QUANT]``; unknown names list the closest ones."""
+    name, _, quant_text = text.partition(":")
+    quant = quant_text.upper() or None
+    if "/" in name:
+        entry = next((m for m in catalog if m.repo == name), None)
+        return ModelSpec(name, quant, entry)
+    entry = find_model(catalog, name)  # raises with near names
+    if quant is not None and entry.file_for(quant) is None:
+        raise UsageError(f"{entry.name} has no {quant}; it has {', '.join(entry.quants)}")
+    return ModelSpec(entry.repo, quant, entry)
+
+
+class HubCache:
+    """huggingface-hub's cache folder, read and written in its own layout."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+
+    def repo_dir(self, repo: str) -> Path:
+        return self.root / repo_folder_name(repo_id=repo, repo_type="model")
+
+    def snapshot_path(self, repo: str, filename: str, revision: str = "main") -> Path | None:
+        """The finished file if it is in the cache."""
+        ref = self.repo_dir(repo) / "refs" / revision
+        commit = ref.read_text().strip() if ref.exists() else revision
+        path = self.repo_dir(repo) / "snapshots" / commit / filename
+        return path if path.exists() else None
+
+    def downloaded(self) -> list[tuple[str, str, Path]]:
+        """(repo, filename, path) of every GGUF file in the cache."""
+        found: list[tuple[str, str, Path]] = []
+        if not self.root.exists():
+            return found
+        for repo_dir in sorted(self.root.glob("models--*")):
+            repo = repo_dir.name.removeprefix("models--").replace("--", "/", 1)
+            for path in sorted(repo_dir.glob("snapshots/*/**/*.gguf")):
+                if path.exists():
+                    relative = path.relative_to(
+                        next(p for p in path.parents if p.parent.name == "snapshots")
+                    )
+                    found.append((repo, relative.as_posix(), path))
+        return found
+
+    def remove(self, repo: str, filename: str) -> list[Path]:
+        """Delete the file's snapshot links and blobs (and any partial download)."""
+        removed = []
+        repo_dir = self.repo_dir(repo)
+        for name in split_parts(filename):
+            for link in repo_dir.glob(f"snapshots/*/{name}"):
+                blob = link.resolve()
+                link.unlink()
+                removed.append(link)
+                if blob.exists() and blob.parent.name == "blobs":
+                    blob.unlink()
+                    removed.append(blob)
+        return removed
+
+
+@dataclass(frozen=True)
+class _FileMeta:
+    filename: str
+    url: str
+    size: int
+    sha256: str | None
+    etag: str
+    commit: str
+
+
+class Downloader:
+    """Downloads one GGUF (or a split set) into the hub cache with progress and cancel."""
+
+    def __init__(self, cache: HubCache, token: str | None = None) -> None:
+        self.cache = cache
+        self.token = token
+
+    def _meta(self, repo: str, filename: str, revision: str) -> _FileMeta:
+        url = hf_hub_url(repo, filename, revision=revision, endpoint=hub_endpoint())
+        try:
+            meta = get_hf_file_metadata(url, token=self.token, endpoint=hub_endpoint())
+        except (HfHubHTTPError, httpx.HTTPError, OSError) as exc:
+            raise _hub_error(exc, f"{repo}/{filename}") from None
+        if meta.size is None or meta.etag is None or meta.commit_hash is None:
+            raise HubError(f"{repo}/{filename}: the hub did not say the file's size and checksum")
+        sha = meta.etag if re.fullmatch(r"[0-9a-f]{64}", meta.etag) else None
+        return _FileMeta(
+            filename, meta.location or url, meta.size, sha, meta.etag, meta.commit_hash
+        )
+
+    def pull(
+        self,
+        repo: str,
+        filename: str,
+        revision: str = "main",
+        on_progress: ProgressCallback | None = None,
+        cancel: threading.Event | None = None,
+    ) -> Path:
+        """Download (or resume) ``filename`` and its split siblings; returns the first file."""
+        metas = [self._meta(repo, name, revision) for name in split_parts(filename)]
+        progress = Progress(f"{repo}/{filename}", bytes_total=sum(m.size for m in metas))
+        report = on_progress or (lambda _p: None)
+        repo_dir = self.cache.repo_dir(repo)
+        blobs = repo_dir / "blobs"
+        blobs.mkdir(parents=True, exist_ok=True)
+        pending = [m for m in metas if not (blobs / m.etag).exists()]
+        done_bytes = sum(m.size for m in metas if m not in pending)
+        partial_bytes = sum(_size(blobs / f"{m.etag}.incomplete") for m in pending)
+        needed = sum(m.size for m in pending) - partial_bytes
+        free = shutil.disk_usage(blobs).free
+        if needed + DISK_MARGIN_BYTES > free:
+            raise UsageError(
+                f"not enough disk space for {filename}: it needs {format_bytes(needed)} more,"
+                f" {format_bytes(free)} is free in {self.cache.root}"
+            )
+        progress.bytes_done = done_bytes + partial_bytes
+        progress.state = "downloading"
+        progress.started_at = time.monotonic()
+        report(progress)
+        try:
+            for meta in pending:
+                self._transfer(meta, blobs, progress, report, cancel)
+            progress.state = "verifying"
+            report(progress)
+            for meta in pending:
+                self._verify(meta, blobs)
+            for meta in metas:
+                self._link(repo_dir, meta, revision)
+        except DownloadCancelled:
+            progress.state = "cancelled"
+            report(progress)
+            raise
+        except LocalchatError as exc:
+            progress.state, progress.error = "failed", str(exc)
+            report(progress)
+            raise
+        progress.state = "done"
+        report(progress)
+        first = self.cache.snapshot_path(repo, filename, revision)
+        assert first is not None
+        with contextlib.suppress(ModelFileError):
+            read_gguf(first)
+        return first
+
+    def _transfer(
+        self,
+        meta: _FileMeta,
+        blobs: Path,
+        progress: Progress,
+        report: ProgressCallback,
+        cancel: threading.Event | None,
+    ) -> None:
+        partial = blobs / f"{meta.etag}.incomplete"
+        headers = build_hf_headers(token=self.token)
+        for attempt in range(RETRIES + 1):
+            have = _size(partial)
+            if have >= meta.size:
+                return
+            request_headers = {**headers, "Range": f"bytes={have}-"}
+            try:
+                with (
+                    get_session().stream(
+                        "GET",
+                        meta.url,
+                        headers=request_headers,
+                        follow_redirects=True,
+                        timeout=30.0,
+                    ) as response,
+                    partial.open("ab") as out,
+                ):
+                    if response.status_code == 200 and have:
+                        out.truncate(0)  # the server ignored the range: start over
+                        progress.bytes_done -= have
+                    elif response.status_code not in (200, 206):
+                        response.read()
+                        raise HubError(
+                            f"{meta.filename}: the hub answered HTTP {response.status_code}"
+                        )
+                    for chunk in response.iter_bytes(CHUNK_BYTES):
+                        out.write(chunk)
+                        progress.bytes_done += len(chunk)
+                        report(progress)
+                        if cancel is not None and cancel.is_set():
+                            raise DownloadCancelled(
+                                f"download of {meta.filename} stopped; run the pull again to resume"
+                                f" ({format_bytes(_size(partial) + 0)} kept)"
+                            )
+            except (httpx.TransportError, OSError) as exc:
+                if attempt == RETRIES:
+                    raise _hub_error(exc, meta.filename) from None
+                time.sleep(
+                    0.2 * (attempt + 1)
+                )  # the connection dropped: resume from the partial file
+        if _size(partial) < meta.size:
+            raise HubError(
+                f"{meta.filename}: the transfer kept ending early; run the pull again to resume"
+            )
+
+    def _verify(self, meta: _FileMeta, blobs: Path) -> None:
+        partial = blobs / f"{meta.etag}.incomplete"
+        size = _size(partial)
+        problem = None
+        if size != meta.size:
+            problem = f"size {size} bytes, the hub says {meta.size}"
+        elif meta.sha256 is not None and _sha256(partial) != meta.sha256:
+            problem = "sha256 does not match the hub's"
+        if problem is None:
+            try:
+                read_gguf(partial)
+            except ModelFileError as exc:
+                problem = f"not a valid GGUF file ({exc})"
+        if problem is not None:
+            partial.unlink(missing_ok=True)
+            raise ModelFileError(
+                f"{meta.filename} arrived damaged ({problem}); it was deleted, not loaded —"
+                " run the pull again"
+            )
+        partial.replace(blobs / meta.etag)
+
+    def _link(self, repo_dir: Path, meta: _FileMeta, revision: str) -> None:
+        link = repo_dir / "snapshots" / meta.commit / meta.filename
+        link.parent.mkdir(parents=True, exist_ok=True)
+        if not link.exists():
+            target = os.path.relpath(repo_dir / "blobs" / meta.etag, link.parent)
+            with contextlib.suppress(FileExistsError):
+                link.symlink_to(target)
+        refs = repo_dir / "refs"
+        refs.mkdir(exist_ok=True)
+        if not re.fullmatch(r"[0-9a-f]{40}", revision):
+            (refs / revision).write_text(meta.commit)
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except FileNotFoundError:
+        return 0
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        for chunk in iter(lambda: handle.read(CHUNK_BYTES * 4), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def choose_file(files: list[RemoteFile], quant: str | None, preferred: list[str]) -> RemoteFile:
+    """The file for ``quant``, or the first of ``preferred`` (the planner's order) present."""
+    if not files:
+        raise UsageError("the repository has no GGUF files")
+    if quant is not None:
+        for remote in files:
+            if remote.quant == quant:
+                return remote
+        available = sorted(
+            {f.quant for f in files}, key=lambda q: QUANTS.index(q) if q in QUANTS else 99
+        )
+        raise UsageError(f"no {quant} file in {files[0].repo}; it has {', '.join(available)}")
+    for wanted in preferred:
+        for remote in files:
+            if remote.quant == wanted:
+                return remote
+    return min(files, key=lambda f: f.size)

@@ -1,0 +1,205 @@
+"""The user's models: what can be pulled, what is on disk, and what fits this machine.
+
+Glues the catalog, the planner and the hub: ``pull`` picks the planner's quant when none is
+given, ``models`` lists catalog quants with their fit and download state, plus every GGUF in
+the hub cache and every file added by hand.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+from localchat.atomic import write_atomic
+from localchat.catalog import CatalogModel, load_catalog
+from localchat.errors import UsageError
+from localchat.estimate import LayerWeights, ModelDims
+from localchat.gguf_info import read_gguf, read_gguf_url
+from localchat.hardware import Hardware, repacked_weight_types
+from localchat.hub import (
+    Downloader,
+    HubCache,
+    ProgressCallback,
+    RemoteFile,
+    choose_file,
+    hub_endpoint,
+    list_gguf_files,
+    parse_spec,
+)
+from localchat.paths import AppPaths
+from localchat.planner import DEFAULT_CTX, Candidate, fit_label, plan_model
+
+
+@dataclass(frozen=True)
+class ModelRow:
+    """One line of ``localchat models``."""
+
+    model: str
+    quant: str
+    file: str
+    size_bytes: int
+    estimated_bytes: int | None
+    fit: str  # "GPU" | "RAM" | "too big" | "unknown"
+    downloaded: bool
+    path: str | None
+    source: str  # "catalog" | "hub cache" | "local"
+
+
+class Library:
+    def __init__(self, paths: AppPaths, hardware: Hardware) -> None:
+        self.paths = paths
+        self.hardware = hardware
+        self.catalog = load_catalog(paths.user_catalog)
+        self.cache = HubCache(paths.hub_cache)
+
+    # -- local files added by hand ----------------------------------------------------------
+    def local_models(self) -> dict[str, str]:
+        path = self.paths.local_models
+        if not path.exists():
+            return {}
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError) as exc:
+            raise UsageError(f"{path}: unreadable ({exc}); fix or delete it") from None
+        return {str(k): str(v) for k, v in data.items()}
+
+    def add_local(self, path: Path, name: str | None = None) -> str:
+        info = read_gguf(path)  # refuses anything that is not a readable GGUF
+        name = name or path.stem
+        models = self.local_models()
+        models[name] = str(path.resolve())
+        write_atomic(self.paths.local_models, json.dumps(models, indent=2).encode())
+        return f"added {name} ({info.architecture}, {info.file_type})"
+
+    # -- pull ------------------------------------------------------------------------------
+    def resolve(self, text: str) -> tuple[str, str, str]:
+        """(repo, filename, quant) for ``name[:QUANT]`` or ``org/repo[:QUANT]``."""
+        spec = parse_spec(text, self.catalog)
+        if spec.catalog is not None and spec.repo == spec.catalog.repo:
+            entry = spec.catalog
+            quant = spec.quant or self._planned_quant(entry)
+            quant_file = entry.file_for(quant)
+            if quant_file is None:
+                raise UsageError(f"{entry.name} has no {quant}; it has {', '.join(entry.quants)}")
+            return entry.repo, quant_file.file, quant
+        files = list_gguf_files(spec.repo)
+        if not files:
+            raise UsageError(f"{spec.repo} has no GGUF files; localchat runs GGUF models only")
+        preferred = [] if spec.quant else self._planned_order(spec.repo, files)
+        chosen = choose_file(files, spec.quant, preferred)
+        return chosen.repo, chosen.filename, chosen.quant
+
+    def _planned_quant(self, entry: CatalogModel) -> str:
+        repacks = bool(repacked_weight_types())
+        candidates = [
+            Candidate(
+                f.quant, f.file, LayerWeights.from_total(f.size, entry.dims, f.quant, repacks)
+            )
+            for f in entry.files
+        ]
+        plan = plan_model(entry.name, entry.dims, candidates, self.hardware, DEFAULT_CTX)
+        if not plan.fits:
+            raise UsageError(f"{entry.name} does not fit this machine: {plan.explanation}")
+        return plan.quant
+
+    def _planned_order(self, repo: str, files: list[RemoteFile]) -> list[str]:
+        """The planner's pick for a repo outside the catalog, from one file's remote header."""
+        smallest = min(files, key=lambda f: f.size)
+        url = f"{hub_endpoint()}/{repo}/resolve/main/{smallest.filename}"
+        dims = ModelDims.from_gguf(read_gguf_url(url))
+        repacks = bool(repacked_weight_types())
+        candidates = [
+            Candidate(f.quant, f.filename, LayerWeights.from_total(f.size, dims, f.quant, repacks))
+            for f in files
+        ]
+        plan = plan_model(repo, dims, candidates, self.hardware, DEFAULT_CTX)
+        if not plan.fits:
+            raise UsageError(f"{repo} does not fit this machine: {plan.explanation}")
+        return [plan.quant]
+
+    def pull(
+        self,
+        text: str,
+        on_progress: ProgressCallback | None = None,
+        cancel: threading.Event | None = None,
+    ) -> Path:
+        repo, filename, _quant = self.resolve(text)
+        return Downloader(self.cache).pull(repo, filename, on_progress=on_progress, cancel=cancel)
+
+    def path_of(self, text: str) -> Path | None:
+        """The downloaded (or added) file for a model name, if it is on disk."""
+        local = self.local_models()
+        if text in local:
+            return Path(local[text])
+        spec = parse_spec(text, self.catalog)
+        for repo, filename, path in self.cache.downloaded():
+            if repo != spec.repo:
+                continue
+            quant = spec.quant or (self._planned_quant(spec.catalog) if spec.catalog else None)
+            if quant is None or quant.lower() in filename.lower():
+                return path
+        return None
+
+    def remove(self, text: str) -> list[Path]:
+        local = self.local_models()
+        if text in local:
+            del local[text]
+            write_atomic(self.paths.local_models, json.dumps(local, indent=2).encode())
+            return [Path(text)]
+        spec = parse_spec(text, self.catalog)
+        targets = [
+            (repo, name)
+            for repo, name, _path in self.cache.downloaded()
+            if repo == spec.repo and (spec.quant is None or spec.quant.lower() in name.lower())
+        ]
+        if not targets:
+            raise UsageError(f"{text} is not downloaded; `localchat models` shows what is")
+        removed: list[Path] = []
+        for repo, name in targets:
+            removed += self.cache.remove(repo, name)
+        return removed
+
+    # -- models ------------------------------------------------------------------------------
+    def rows(self, n_ctx: int = DEFAULT_CTX) -> list[ModelRow]:
+        downloaded = {(repo, name): path for repo, name, path in self.cache.downloaded()}
+        repacks = bool(repacked_weight_types())
+        rows = []
+        for entry in self.catalog:
+            for quant_file in entry.files:
+                weights = LayerWeights.from_total(
+                    quant_file.size, entry.dims, quant_file.quant, repacks
+                )
+                fit, estimate = fit_label(
+                    entry.dims, weights, self.hardware, min(n_ctx, entry.dims.context_length)
+                )
+                path = downloaded.pop((entry.repo, quant_file.file), None)
+                rows.append(
+                    ModelRow(
+                        entry.name, quant_file.quant, quant_file.file, quant_file.size, estimate, fit,
+                        path is not None, str(path) if path else None, "catalog",
+                    )
+                )  # fmt: skip
+        extra = [(repo, name, path, "hub cache") for (repo, name), path in downloaded.items()]
+        extra += [
+            (name, Path(path).name, Path(path), "local")
+            for name, path in self.local_models().items()
+        ]
+        for model, name, path, source in extra:
+            rows.append(self._file_row(model, name, path, source, n_ctx))
+        return rows
+
+    def _file_row(self, model: str, name: str, path: Path, source: str, n_ctx: int) -> ModelRow:
+        try:
+            info = read_gguf(path)
+        except UsageError:
+            return ModelRow(
+                model, "unknown", name, 0, None, "unknown", path.exists(), str(path), source
+            )
+        dims = ModelDims.from_gguf(info)
+        weights = LayerWeights.from_gguf(info, repacked_weight_types())
+        ctx = min(n_ctx, dims.context_length) if dims.context_length else n_ctx
+        fit, estimate = fit_label(dims, weights, self.hardware, ctx)
+        size = path.stat().st_size
+        return ModelRow(model, info.file_type, name, size, estimate, fit, True, str(path), source)

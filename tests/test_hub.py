@@ -1,0 +1,203 @@
+"""Hub downloads through the real huggingface-hub client against a local hub server."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import threading
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from huggingface_hub import hf_hub_download
+
+from localchat.cli import main
+from localchat.demo import make_demo_model
+from localchat.errors import ModelFileError, UsageError
+from localchat.hardware import Hardware
+from localchat.hub import DownloadCancelled, HubError, Progress
+from localchat.library import Library
+from localchat.paths import app_paths
+
+from .hubserver import HubServer, HubState
+
+GIB = 1024**3
+REPO = "demo/small-GGUF"
+
+
+@pytest.fixture
+def hub(
+    tmp_path: Path, small_model: Path, tiny_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[HubState]:
+    repo_dir = tmp_path / "hub" / REPO
+    repo_dir.mkdir(parents=True)
+    shutil.copy(small_model, repo_dir / "small-Q4_K_M.gguf")
+    make_demo_model(repo_dir / "small-Q8_0.gguf", "small", "Q8_0")
+    (repo_dir / "README.md").write_text("a demo repo")
+    empty = tmp_path / "hub" / "demo" / "no-gguf"
+    empty.mkdir(parents=True)
+    (empty / "README.md").write_text("nothing to run here")
+    split = tmp_path / "hub" / "demo" / "split-GGUF"
+    split.mkdir(parents=True)
+    shutil.copy(tiny_model, split / "tiny-Q4_K_M-00001-of-00002.gguf")
+    make_demo_model(split / "tiny-Q4_K_M-00002-of-00002.gguf", "tiny", "Q4_K_M", seed=5)
+    state = HubState({REPO: repo_dir, "demo/no-gguf": empty, "demo/split-GGUF": split})
+    server = HubServer(state).start()
+    monkeypatch.setenv("HF_ENDPOINT", server.endpoint)
+    yield state
+    server.stop()
+
+
+def _library() -> Library:
+    return Library(app_paths(), Hardware(16 * GIB, 16 * GIB, 4))
+
+
+def test_fresh_download_lands_in_the_standard_hub_cache(hub: HubState) -> None:
+    events: list[tuple[str, int, int]] = []
+    path = _library().pull(
+        f"{REPO}:Q4_K_M", lambda p: events.append((p.state, p.bytes_done, p.bytes_total))
+    )
+    source = hub.repos[REPO] / "small-Q4_K_M.gguf"
+    assert path.read_bytes() == source.read_bytes()
+    # The real hub client finds it offline: the cache layout is huggingface-hub's own.
+    cached = hf_hub_download(
+        REPO, "small-Q4_K_M.gguf", cache_dir=app_paths().hub_cache, local_files_only=True
+    )
+    assert Path(cached).read_bytes() == source.read_bytes()
+    states = [state for state, _, _ in events]
+    assert states[0] == "downloading" and "verifying" in states and states[-1] == "done"
+    assert events[-1][1] == events[-1][2] == source.stat().st_size
+
+
+def test_a_transfer_cut_mid_file_is_resumed_to_identical_bytes(hub: HubState) -> None:
+    hub.cut_after_bytes = 3_000_000
+    path = _library().pull(f"{REPO}:Q4_K_M")
+    assert path.read_bytes() == (hub.repos[REPO] / "small-Q4_K_M.gguf").read_bytes()
+    ranges = [
+        r for method, p, r in hub.requests if method == "GET" and p.endswith("small-Q4_K_M.gguf")
+    ]
+    assert ranges[0] == "bytes=0-" and len(ranges) == 2
+    resumed_at = int(ranges[1].removeprefix("bytes=").rstrip("-"))
+    assert 0 < resumed_at <= 3_000_000, "the retry continues from the bytes already on disk"
+
+
+def test_cancel_leaves_a_partial_file_that_the_next_pull_resumes(hub: HubState) -> None:
+    cancel = threading.Event()
+
+    def stop_after_first_chunk(progress: Progress) -> None:
+        if progress.state == "downloading" and progress.bytes_done > 0:
+            cancel.set()
+
+    library = _library()
+    with pytest.raises(DownloadCancelled, match="run the pull again to resume"):
+        library.pull(f"{REPO}:Q8_0", stop_after_first_chunk, cancel)
+    partials = list(app_paths().hub_cache.rglob("*.incomplete"))
+    assert len(partials) == 1
+    kept = partials[0].stat().st_size
+    assert 0 < kept < (hub.repos[REPO] / "small-Q8_0.gguf").stat().st_size
+    assert library.path_of(f"{REPO}:Q8_0") is None, "a partial file is never offered for loading"
+    hub.requests.clear()
+    path = library.pull(f"{REPO}:Q8_0")
+    assert path.read_bytes() == (hub.repos[REPO] / "small-Q8_0.gguf").read_bytes()
+    assert any(r == f"bytes={kept}-" for _, _, r in hub.requests)
+
+
+def test_corrupted_bytes_are_detected_and_never_loaded(hub: HubState) -> None:
+    hub.corrupt.add("small-Q4_K_M.gguf")
+    with pytest.raises(
+        ModelFileError, match=r"arrived damaged .*sha256.* it was deleted, not loaded"
+    ):
+        _library().pull(f"{REPO}:Q4_K_M")
+    assert not list(app_paths().hub_cache.rglob("small-Q4_K_M.gguf"))
+    assert not list(app_paths().hub_cache.rglob("*.incomplete"))
+
+
+def test_planner_picks_the_quant_when_none_is_given(hub: HubState) -> None:
+    repo, filename, quant = _library().resolve(REPO)
+    assert (repo, quant) == (REPO, "Q8_0")  # the best quality that fits 16 GB
+    # The choice came from reading only the smaller file's header, by range requests.
+    assert any(r.startswith("bytes=0-") for _, _, r in hub.requests)
+    assert filename == "small-Q8_0.gguf"
+
+
+def test_split_files_are_fetched_as_a_set(hub: HubState) -> None:
+    path = _library().pull("demo/split-GGUF:Q4_K_M")
+    assert path.name == "tiny-Q4_K_M-00001-of-00002.gguf"
+    assert (path.parent / "tiny-Q4_K_M-00002-of-00002.gguf").exists()
+
+
+def test_bad_names_and_quants_are_clear(hub: HubState) -> None:
+    library = _library()
+    with pytest.raises(UsageError, match=r"no Q6_K file in demo/small-GGUF; it has Q8_0, Q4_K_M"):
+        library.pull(f"{REPO}:Q6_K")
+    with pytest.raises(UsageError, match="has no GGUF files"):
+        library.pull("demo/no-gguf")
+    with pytest.raises(HubError, match="no such repository"):
+        library.pull("demo/nothing-here")
+    with pytest.raises(UsageError, match=r"did you mean qwen2\.5-0\.5b-instruct"):
+        library.pull("qwen2.5-0.5b-instuct")
+
+
+def test_a_file_missing_on_the_hub(hub: HubState) -> None:
+    from localchat.hub import Downloader, HubCache
+
+    with pytest.raises(HubError, match="no such file on the hub"):
+        Downloader(HubCache(app_paths().hub_cache)).pull(REPO, "gone-Q4_K_M.gguf")
+
+
+def test_server_down_names_the_endpoint_and_suggests_model_path(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")
+    with pytest.raises(
+        HubError, match=r"cannot reach the hub at http://127.0.0.1:9 .*--model-path"
+    ):
+        _library().pull("demo/anything:Q4_K_M")
+
+
+def test_disk_too_small_refuses_before_downloading(
+    hub: HubState, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    mount_point = tmp_path / f"small-disk-{uuid.uuid4().hex[:6]}"
+    mount_point.mkdir()
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mount_point)], capture_output=True
+    )
+    if mounted.returncode != 0:
+        pytest.skip("cannot mount a small filesystem here (needs root)")
+    try:
+        monkeypatch.setenv("LOCALCHAT_HOME", str(mount_point))
+        with pytest.raises(
+            UsageError, match=r"not enough disk space for small-Q4_K_M.gguf: it needs .* free"
+        ):
+            _library().pull(f"{REPO}:Q4_K_M")
+        assert not [
+            path for method, path, _ in hub.requests if method == "GET" and "resolve" in path
+        ]
+    finally:
+        subprocess.run(["umount", str(mount_point)], check=False)
+
+
+def test_models_lists_downloads_and_rm_removes_them(
+    hub: HubState, small_model: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["pull", f"{REPO}:Q4_K_M"]) == 0
+    assert main(["add", str(small_model), "--name", "by-hand"]) == 0
+    capsys.readouterr()
+    assert main(["models", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    catalog = [r for r in rows if r["source"] == "catalog"]
+    assert {r["fit"] for r in catalog} <= {"GPU", "RAM", "too big"}
+    assert all(r["estimated_bytes"] > r["size_bytes"] for r in catalog)
+    cached = [r for r in rows if r["source"] == "hub cache"]
+    assert [(r["model"], r["quant"], r["downloaded"]) for r in cached] == [(REPO, "Q4_K_M", True)]
+    assert [r["model"] for r in rows if r["source"] == "local"] == ["by-hand"]
+    assert main(["rm", f"{REPO}:Q4_K_M"]) == 0
+    assert main(["rm", "by-hand"]) == 0
+    capsys.readouterr()
+    assert main(["models", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert not [r for r in rows if r["source"] != "catalog"]
+    assert main(["rm", f"{REPO}:Q4_K_M"]) == 2
