@@ -320,59 +320,27 @@ def cmd_conversations(args: argparse.Namespace, out: TextIO) -> int:
 
 
 def cmd_export(args: argparse.Namespace, out: TextIO) -> int:
+    from localchat.export import export_conversation
+
     store, _states = _open_store()
     try:
         record = store.get(args.name)
         messages = store.messages(record.id)
     finally:
         store.close()
-    if args.format == "json":
-        payload = {
-            "name": record.name,
-            "title": record.title,
-            "system_prompt": record.system_prompt,
-            "model": record.model,
-            "created_at": record.created_at,
-            "updated_at": record.updated_at,
-            "messages": [
-                {
-                    "role": m.role,
-                    "content": m.content,
-                    "status": m.status,
-                    "created_at": m.created_at,
-                    "token_count": m.token_count,
-                    "stats": m.stats,
-                }
-                for m in messages
-            ],
-        }
-        out.write(json.dumps(payload, indent=2, ensure_ascii=False) + "\n")
-        return 0
-    lines = [f"# {record.title}", ""]
-    if record.system_prompt:
-        lines += [f"> **system:** {record.system_prompt}", ""]
-    for m in messages:
-        suffix = " *(stopped)*" if m.status == "partial" else ""
-        lines += [f"## {m.role}{suffix}", "", m.content, ""]
-    out.write("\n".join(lines).rstrip("\n") + "\n")
+    out.write(export_conversation(record, messages, args.format))
     return 0
 
 
 def cmd_rm_conversation(args: argparse.Namespace, out: TextIO) -> int:
-    from localchat.locks import ConversationLock
+    from localchat.conversation import delete_conversation
 
     store, states = _open_store()
     try:
-        record = store.get(args.name)
-        lock = ConversationLock(states.directory, record.id, record.name)
-        try:
-            store.delete_conversation(record.id)
-            states.delete_conversation(record.id)
-        finally:
-            lock.release(remove=True)
+        name = delete_conversation(store, states, args.name)
     finally:
         store.close()
-    out.write(f"deleted conversation {record.name!r}\n")
+    out.write(f"deleted conversation {name!r}\n")
     return 0
 
 
@@ -381,8 +349,7 @@ def cmd_hw(args: argparse.Namespace, out: TextIO) -> int:
 
     from localchat.catalog import load_catalog
     from localchat.hardware import GPU_NONE, GPU_NVIDIA, detect_hardware
-    from localchat.planner import plan_catalog, plan_file
-    from localchat.units import format_bytes
+    from localchat.planner import format_hardware_report, hardware_json, plan_catalog, plan_file
 
     hardware = detect_hardware()
     if args.ram is not None:
@@ -405,40 +372,10 @@ def cmd_hw(args: argparse.Namespace, out: TextIO) -> int:
     else:
         plans = plan_catalog(load_catalog(app_paths().user_catalog), hardware, args.ctx)
     if args.json:
-        payload = {
-            "hardware": {
-                "ram_total_bytes": hardware.ram_total_bytes,
-                "ram_available_bytes": hardware.ram_available_bytes,
-                "vram_total_bytes": hardware.vram_total_bytes,
-                "vram_free_bytes": hardware.vram_free_bytes,
-                "gpu_offload": hardware.gpu_offload,
-                "cores": hardware.cores,
-                "gpu": hardware.gpu,
-                "gpu_name": hardware.gpu_name,
-                "notes": list(hardware.notes),
-            },
-            "plans": [plan.as_json() for plan in plans],
-        }
+        payload = {"hardware": hardware_json(hardware), "plans": [plan.as_json() for plan in plans]}
         out.write(json.dumps(payload, indent=2) + "\n")
         return 0
-    gpu = (
-        f"{hardware.gpu_name}, {format_bytes(hardware.vram_free_bytes)} free of"
-        f" {format_bytes(hardware.vram_total_bytes)}"
-        + ("" if hardware.gpu_offload else " (this llama.cpp build cannot use it)")
-        if hardware.gpu != GPU_NONE
-        else "none"
-    )
-    out.write(
-        f"RAM   {format_bytes(hardware.ram_available_bytes)} free of {format_bytes(hardware.ram_total_bytes)}\n"
-        f"CPU   {hardware.cores} cores\n"
-        f"GPU   {gpu}\n"
-    )
-    for note in hardware.notes:
-        out.write(f"      ({note})\n")
-    out.write("\n")
-    width = max(len(plan.model) for plan in plans) + 2
-    for plan in plans:
-        out.write(f"{plan.model.ljust(width)}{plan.explanation}\n")
+    out.write(format_hardware_report(hardware, plans))
     return 0
 
 

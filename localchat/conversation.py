@@ -431,3 +431,15 @@ class Conversation:
             return
         state = SavedState(self.key, tokens, self.engine.save_sequence_state())
         self.saver.save(self.record.id, state)
+
+
+def delete_conversation(store: Store, states: StateStore, name: str) -> str:
+    """Delete a conversation, its messages and its saved states (refused while it is open)."""
+    record = store.get(name)
+    lock = ConversationLock(states.directory, record.id, record.name)
+    try:
+        store.delete_conversation(record.id)
+        states.delete_conversation(record.id)
+    finally:
+        lock.release(remove=True)
+    return record.name

@@ -26,7 +26,7 @@ from localchat.catalog import CatalogModel
 from localchat.demo import QUANTS
 from localchat.estimate import LayerWeights, MemoryEstimate, ModelDims, estimate_memory
 from localchat.gguf_info import read_gguf
-from localchat.hardware import Hardware, repacked_weight_types
+from localchat.hardware import GPU_NONE, Hardware, repacked_weight_types
 from localchat.units import format_bytes
 
 CTX_FLOOR = 2048
@@ -271,3 +271,37 @@ def fit_label(
                 "GPU" if layers > dims.n_layer else "RAM"
             ), estimate.ram_required + estimate.vram
     return "too big", estimate_memory(dims, weights, n_ctx, "q8_0", 0).ram_required
+
+
+def hardware_json(hardware: Hardware) -> dict[str, object]:
+    return {
+        "ram_total_bytes": hardware.ram_total_bytes,
+        "ram_available_bytes": hardware.ram_available_bytes,
+        "vram_total_bytes": hardware.vram_total_bytes,
+        "vram_free_bytes": hardware.vram_free_bytes,
+        "gpu_offload": hardware.gpu_offload,
+        "cores": hardware.cores,
+        "gpu": hardware.gpu,
+        "gpu_name": hardware.gpu_name,
+        "notes": list(hardware.notes),
+    }
+
+
+def format_hardware_report(hardware: Hardware, plans: list[Plan]) -> str:
+    """What `localchat hw` prints and the app's hardware screen shows."""
+    if hardware.gpu == GPU_NONE:
+        gpu = "none"
+    else:
+        gpu = f"{hardware.gpu_name}, {format_bytes(hardware.vram_free_bytes)} free of {format_bytes(hardware.vram_total_bytes)}"
+        if not hardware.gpu_offload:
+            gpu += " (this llama.cpp build cannot use it)"
+    lines = [
+        f"RAM   {format_bytes(hardware.ram_available_bytes)} free of {format_bytes(hardware.ram_total_bytes)}",
+        f"CPU   {hardware.cores} cores",
+        f"GPU   {gpu}",
+    ]
+    lines += [f"      ({note})" for note in hardware.notes]
+    lines.append("")
+    width = max((len(plan.model) for plan in plans), default=0) + 2
+    lines += [f"{plan.model.ljust(width)}{plan.explanation}" for plan in plans]
+    return "\n".join(lines) + "\n"
