@@ -78,6 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--demo", action="store_true", help="open the app on the offline demo model"
     )
+    parser.add_argument(
+        "--model", metavar="NAME[:QUANT]", help="a catalog or hub model (downloaded if needed)"
+    )
     parser.add_argument("--ctx", type=_positive_int, default=4096, help="context size in tokens")
     sub = parser.add_subparsers(dest="command", parser_class=_Parser)
 
@@ -487,10 +490,7 @@ def cmd_bench(args: argparse.Namespace, out: TextIO) -> int:
 def cmd_app(args: argparse.Namespace, out: TextIO) -> int:
     from localchat.tui.app import run_app
 
-    model_path = args.model_path
-    if model_path is None:
-        model_path = default_model()
-    return run_app(model_path, n_ctx=args.ctx)
+    return run_app(args.model_path, n_ctx=args.ctx, model_name=args.model, demo=args.demo)
 
 
 def _progress(stream: TextIO) -> Callable[[str], None]:

@@ -259,6 +259,29 @@ class Conversation:
             turn.notices.append(restore.notice)
         return turn
 
+    def take_back_last_exchange(self) -> str | None:
+        """Remove the last question and its reply (to regenerate); returns the question."""
+        last_user = next(
+            (
+                i
+                for i in range(len(self.exchanges) - 1, -1, -1)
+                if self.exchanges[i].record.role == "user"
+            ),
+            None,
+        )
+        if last_user is None:
+            return None
+        text = self.exchanges[last_user].record.content
+        self.store.delete_messages_from(self.record.id, self.exchanges[last_user].record.seq)
+        del self.exchanges[last_user:]
+        self.window_first = min(self.window_first, len(self.exchanges))
+        return text
+
+    def set_system_prompt(self, text: str | None) -> None:
+        """A new system prompt: the next turn re-evaluates (the cache's head changed)."""
+        self.store.update_conversation(self.record.id, system_prompt=text or None)
+        self.record = self.store.get(self.record.name)
+
     # -- the context window ---------------------------------------------------------------
     def _plan(self, prompt: BuiltPrompt, n_window: int, max_tokens: int) -> WindowPlan | None:
         """Plan the window from the prompt's per-message spans (None: template not incremental)."""

@@ -19,7 +19,7 @@ import shutil
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import httpx2 as httpx  # huggingface-hub 2.x ships httpx2, its fork of httpx
@@ -87,7 +87,7 @@ class Progress:
         return (self.bytes_total - self.bytes_done) / speed if speed > 0 else None
 
 
-ProgressCallback = Callable[[Progress], None]
+ProgressCallback = Callable[[Progress], object]
 
 
 def quant_of(filename: str) -> str:
@@ -254,7 +254,11 @@ class Downloader:
         """Download (or resume) ``filename`` and its split siblings; returns the first file."""
         metas = [self._meta(repo, name, revision) for name in split_parts(filename)]
         progress = Progress(f"{repo}/{filename}", bytes_total=sum(m.size for m in metas))
-        report = on_progress or (lambda _p: None)
+        callback = on_progress or (lambda _p: None)
+
+        def report(state: Progress) -> None:
+            callback(replace(state))  # each event is a snapshot: receivers may keep it
+
         repo_dir = self.cache.repo_dir(repo)
         blobs = repo_dir / "blobs"
         blobs.mkdir(parents=True, exist_ok=True)

@@ -44,7 +44,7 @@ class ModelRow:
     fit: str  # "GPU" | "RAM" | "too big" | "unknown"
     downloaded: bool
     path: str | None
-    source: str  # "catalog" | "hub cache" | "local"
+    source: str  # "catalog" | "hub cache" | "local" | "demo"
 
 
 class Library:

@@ -1,79 +1,127 @@
 """The localchat app: chat with streamed replies and live KV-cache figures.
 
-Blocking runtime calls (model load, generation) run in thread workers that only post typed
-messages; every widget change happens on the app's thread.
+Blocking runtime calls (finding or downloading a model, loading it, generating) run in thread
+workers that only post typed messages; every widget change happens on the app's thread.
 """
 
 from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Iterable
 from pathlib import Path
 from typing import ClassVar
 
 from textual import on, work
-from textual.app import App, ComposeResult
+from textual.app import App, ComposeResult, SystemCommand
 from textual.binding import Binding, BindingType
 from textual.containers import Horizontal, Vertical, VerticalScroll
+from textual.screen import Screen
 from textual.widgets import Footer, Header, Markdown
 from textual.widgets.markdown import MarkdownStream
 
 from localchat.conversation import Conversation, ConversationTurn
+from localchat.demo import ensure_demo_model
 from localchat.engine import Engine, LoadOptions, Sampling
 from localchat.errors import LocalchatError
+from localchat.hardware import detect_hardware
+from localchat.hub import HubError
 from localchat.kvstate import StateStore
+from localchat.library import Library
 from localchat.paths import app_paths
-from localchat.settings import load_settings
+from localchat.settings import Settings, load_settings
 from localchat.store import Store
 from localchat.tui.messages import (
+    ModelChosen,
     ModelLoaded,
     ModelLoadFailed,
+    ModelMissing,
     ReplyChunk,
     ReplyFailed,
     ReplyFinished,
+    StartupProgress,
 )
+from localchat.tui.screens.conversations import ConversationsScreen
+from localchat.tui.screens.hardware import HardwareScreen
+from localchat.tui.screens.help import HelpScreen
+from localchat.tui.screens.models import ModelsScreen
+from localchat.tui.screens.no_model import NoModelScreen
+from localchat.tui.screens.text_prompt import TextPromptScreen
 from localchat.tui.widgets.chat_message import AssistantMessage, Notice, UserMessage
 from localchat.tui.widgets.prompt_input import PromptInput
 from localchat.tui.widgets.stats_panel import StatsPanel
+from localchat.units import format_bytes
 
 # Chunks are posted at most this often, so a fast model does not flood the UI.
 CHUNK_INTERVAL_S = 0.05
+# What a first start downloads when nothing is on disk (at the planner's quant).
+DEFAULT_MODEL = "qwen2.5-1.5b-instruct"
+DEMO_SHAPE, DEMO_QUANT = "small", "Q4_K_M"
+
+# App shortcuts take priority over the message box's own keys (it would otherwise swallow
+# some); Esc does not, so that it can close dialogs first.
+_BINDINGS: list[Binding] = [
+    Binding(
+        "escape", "stop", "Stop", tooltip="Stop generating; the partial reply is kept", id="stop"
+    ),
+    *(
+        Binding(key, action, description, tooltip=tooltip, priority=True, id=binding_id)
+        for key, action, description, tooltip, binding_id in (
+            ("ctrl+n", "new_chat", "New", "Start a new conversation", "new-chat"),
+            (
+                "ctrl+l",
+                "conversations",
+                "Chats",
+                "List, search, resume, rename, delete, export",
+                "chats",
+            ),
+            ("ctrl+o", "models", "Models", "Download, switch or add a model", "models"),
+            ("ctrl+r", "regenerate", "Regenerate", "Answer the last message again", "regenerate"),
+            (
+                "ctrl+s",
+                "system_prompt",
+                "System",
+                "Edit this conversation's system prompt",
+                "system",
+            ),
+            ("ctrl+g", "copy_reply", "Copy", "Copy the last reply to the clipboard", "copy"),
+            ("f3", "hardware", "Hardware", "This machine and what runs on it", "hardware"),
+            ("f1", "help", "Help", "Every key", "help"),
+        )
+    ),
+    Binding("ctrl+q", "quit", "Quit", tooltip="Quit (the last state is saved first)", id="quit"),
+]
+
+
+_CHAT_ACTIONS = frozenset(b.action for b in _BINDINGS if b.action != "quit")
 
 
 class LocalChatApp(App[int]):
     CSS_PATH = "app.tcss"
     TITLE = "localchat"
-
-    BINDINGS: ClassVar[list[BindingType]] = [
-        Binding(
-            "escape",
-            "stop",
-            "Stop",
-            tooltip="Stop generating; the partial reply is kept",
-            id="stop",
-        ),
-        Binding(
-            "ctrl+n", "new_chat", "New chat", tooltip="Start a new conversation", id="new-chat"
-        ),
-        Binding("ctrl+q", "quit", "Quit", id="quit"),
-    ]
+    BINDINGS: ClassVar[list[BindingType]] = list(_BINDINGS)
 
     def __init__(
         self,
-        model_path: Path,
+        model_path: Path | None = None,
         n_ctx: int = 4096,
-        max_tokens: int = 512,
+        max_tokens: int | None = None,
         sampling: Sampling | None = None,
         conversation_name: str | None = None,
         system_prompt: str | None = None,
+        model_name: str | None = None,
+        demo: bool = False,
     ) -> None:
         super().__init__()
-        self.system_prompt = system_prompt
         self.model_path = model_path
+        self.model_name = model_name
+        self.demo = demo
         self.n_ctx = n_ctx
+        self.settings = Settings()
         self.max_tokens = max_tokens
-        self.sampling = sampling or Sampling()
+        self.sampling = sampling
         self.conversation_name = conversation_name
+        self.system_prompt = system_prompt
         self.engine: Engine | None = None
         self.conversation: Conversation | None = None
         self.store: Store | None = None
@@ -94,24 +142,66 @@ class LocalChatApp(App[int]):
         yield Footer()
 
     def on_mount(self) -> None:
-        self.sub_title = f"loading {self.model_path.name}…"
+        self.sub_title = "starting…"
         self.query_one(PromptInput).focus()
         paths = app_paths()
         try:
-            settings = load_settings(paths.settings_file)
+            self.settings = load_settings(paths.settings_file)
             self.store = Store(paths.database)
         except LocalchatError as exc:
             self.notify(str(exc), title="Conversations unavailable", severity="error", timeout=30)
         else:
-            self.states = StateStore(paths.states_dir, settings.state_budget_bytes)
-        self.load_model()
+            self.states = StateStore(paths.states_dir, self.settings.state_budget_bytes)
+        if self.max_tokens is None:
+            self.max_tokens = self.settings.max_tokens
+        if self.sampling is None:
+            self.sampling = Sampling(temperature=self.settings.temperature)
+        self.choose_model()
 
     # -- workers (thread): they only post messages -------------------------------------
     @work(thread=True, exclusive=True, group="model")
-    def load_model(self) -> None:
+    def choose_model(self) -> None:
+        """Find the model to run: the one asked for, the last one used, or a first download."""
+        paths = app_paths()
+        try:
+            if self.model_path is not None:
+                path = self.model_path
+            elif self.demo:
+                path = ensure_demo_model(paths.demo_models_dir, DEMO_SHAPE, DEMO_QUANT)
+            else:
+                library = Library(paths, detect_hardware())
+                path = self._model_on_disk(library) or library.pull(
+                    self.model_name or DEFAULT_MODEL,
+                    lambda p: self.post_message(StartupProgress(p)),
+                )
+        except HubError as exc:
+            self.post_message(ModelMissing(str(exc)))
+            return
+        except LocalchatError as exc:
+            self.post_message(ModelLoadFailed(str(exc)))
+            return
+        self.post_message(ModelChosen(path))
+
+    def _model_on_disk(self, library: Library) -> Path | None:
+        if self.model_name is not None:
+            return library.path_of(self.model_name)
+        last_model = None
+        if self.store is not None:
+            recent = self.store.list()
+            last_model = recent[0].model if recent else None
+        rows = [r for r in library.rows() if r.downloaded and r.path]
+        for row in rows:
+            if last_model and Path(row.path or "").name == last_model:
+                return Path(row.path or "")
+        # The demo model is only reopened for a conversation that used it.
+        real = [r for r in rows if r.source != "demo"]
+        return Path(real[0].path or "") if real else None
+
+    @work(thread=True, exclusive=True, group="model")
+    def load_model(self, path: Path) -> None:
         start = time.perf_counter()
         try:
-            engine = Engine(self.model_path, LoadOptions(n_ctx=self.n_ctx))
+            engine = Engine(path, LoadOptions(n_ctx=self.n_ctx))
         except LocalchatError as exc:
             self.post_message(ModelLoadFailed(str(exc)))
             return
@@ -120,7 +210,7 @@ class LocalChatApp(App[int]):
     @work(thread=True, exclusive=True, group="generate")
     def generate(self, conversation: Conversation, text: str) -> None:
         try:
-            turn = conversation.send(text, self.sampling, self.max_tokens, self._cancel)
+            turn = conversation.send(text, self.sampling, self.max_tokens or 512, self._cancel)
         except LocalchatError as exc:
             self.post_message(ReplyFailed(str(exc), text))
             return
@@ -143,9 +233,41 @@ class LocalChatApp(App[int]):
             self.post_message(ReplyChunk(pending, turn.stats, len(engine.cached_tokens)))
         self.post_message(ReplyFinished(turn.stats, len(engine.cached_tokens), turn))
 
-    # -- message handlers (app thread) -------------------------------------------------
+    # -- model lifecycle (app thread) ----------------------------------------------------
+    def on_startup_progress(self, message: StartupProgress) -> None:
+        progress = message.progress
+        total = max(1, progress.bytes_total)
+        self.sub_title = (
+            f"downloading {progress.name}: {100 * progress.bytes_done / total:.0f}%"
+            f" of {format_bytes(progress.bytes_total)} at {format_bytes(progress.speed)}/s"
+        )
+
+    def on_model_chosen(self, message: ModelChosen) -> None:
+        self.sub_title = f"loading {message.path.name}…"
+        self.load_model(message.path)
+
+    def on_model_missing(self, message: ModelMissing) -> None:
+        self.sub_title = "no model"
+
+        def chosen(choice: str | None) -> None:
+            if choice == "demo":
+                self.demo = True
+                self.choose_model()
+            elif choice:
+                self.model_path = Path(choice).expanduser()
+                self.choose_model()
+
+        self.push_screen(NoModelScreen(message.reason), chosen)
+
     async def on_model_loaded(self, message: ModelLoaded) -> None:
+        old = self.engine
+        name = self.conversation.record.name if self.conversation else self.conversation_name
+        if self.conversation is not None:
+            self.conversation.close()
+            self.conversation = None
         self.engine = message.engine
+        if old is not None:
+            old.close()
         info = message.engine.info
         self.sub_title = f"{info.name} · {info.file_type}"
         panel = self.query_one(StatsPanel)
@@ -158,7 +280,16 @@ class LocalChatApp(App[int]):
         )
         self._show_cache(0)
         panel.show_turn_start(f"model loaded in {message.load_s:.2f} s")
-        await self._open_conversation(self.conversation_name)
+        await self._open_conversation(name)
+
+    def on_model_load_failed(self, message: ModelLoadFailed) -> None:
+        self.sub_title = "no model" if self.engine is None else self.sub_title
+        self.notify(
+            f"{message.error}\nPick another model with Ctrl+O.",
+            title="Model failed to load",
+            severity="error",
+            timeout=30,
+        )
 
     async def _open_conversation(self, name: str | None) -> None:
         """Open ``name`` (default: the most recent conversation, or a new one)."""
@@ -166,22 +297,32 @@ class LocalChatApp(App[int]):
             return
         if name is None:
             recent = self.store.list()
-            name = recent[0].name if recent else _new_conversation_name()
+            name = recent[0].name if recent else _new_conversation_name(self.store)
         try:
             conversation = Conversation.open(
-                self.store, self.states, name, self.engine, self.system_prompt
+                self.store,
+                self.states,
+                name,
+                self.engine,
+                self.system_prompt,
+                window_mode=self.settings.window_mode,
             )
         except LocalchatError as exc:
             self.notify(str(exc), severity="warning", timeout=15)
             conversation = Conversation.open(
-                self.store, self.states, _new_conversation_name(), self.engine
+                self.store, self.states, _new_conversation_name(self.store), self.engine
             )
         conversation.saver.on_error = lambda error: self.notify(error, severity="warning")
         self.conversation = conversation
         self.title = f"localchat — {conversation.record.title}"
+        await self._show_transcript()
+
+    async def _show_transcript(self) -> None:
         log = self.query_one("#log", VerticalScroll)
         await log.remove_children()
-        for exchange in conversation.exchanges:
+        if self.conversation is None:
+            return
+        for exchange in self.conversation.exchanges:
             if exchange.record.role == "user":
                 await log.mount(UserMessage(exchange.record.content))
             elif exchange.record.role == "assistant":
@@ -190,29 +331,29 @@ class LocalChatApp(App[int]):
                 await view.markdown.update(view.append(exchange.record.content))
         log.scroll_end(animate=False)
 
-    def on_model_load_failed(self, message: ModelLoadFailed) -> None:
-        self.sub_title = "no model"
-        self.notify(message.error, title="Model failed to load", severity="error", timeout=30)
-
+    # -- a turn ---------------------------------------------------------------------------
     @on(PromptInput.Submitted)
     async def send(self, message: PromptInput.Submitted) -> None:
         if self.conversation is None:
-            self.notify("The model is still loading; your message is kept.", severity="warning")
+            self.notify("No model is loaded yet; your message is kept.", severity="warning")
             return
         if self._generating:
             self.notify("Still answering; press Esc to stop first.", severity="warning")
             return
-        prompt = self.query_one(PromptInput)
-        prompt.clear()
+        self.query_one(PromptInput).clear()
+        await self._start_turn(message.text)
+
+    async def _start_turn(self, text: str) -> None:
+        assert self.conversation is not None
         log = self.query_one("#log", VerticalScroll)
         self._reply = AssistantMessage()
-        self._user_view = UserMessage(message.text)
+        self._user_view = UserMessage(text)
         await log.mount_all([self._user_view, self._reply])
         log.anchor()
         self._stream = Markdown.get_stream(self._reply.markdown)
         self._cancel.clear()
         self._generating = True
-        self.generate(self.conversation, message.text)
+        self.generate(self.conversation, text)
 
     async def on_reply_chunk(self, message: ReplyChunk) -> None:
         if self._reply is not None and self._stream is not None:
@@ -256,8 +397,83 @@ class LocalChatApp(App[int]):
         if self.conversation is not None:
             self.conversation.close()
             self.conversation = None
-        await self._open_conversation(_new_conversation_name())
+        assert self.store is not None
+        await self._open_conversation(_new_conversation_name(self.store))
         self.query_one(StatsPanel).show_turn_start("new conversation")
+
+    async def action_regenerate(self) -> None:
+        if self._generating or self.conversation is None:
+            return
+        text = self.conversation.take_back_last_exchange()
+        if text is None:
+            self.notify("Nothing to regenerate yet.")
+            return
+        await self._show_transcript()
+        await self._start_turn(text)
+
+    def action_system_prompt(self) -> None:
+        conversation = self.conversation
+        if conversation is None or self._generating:
+            return
+
+        def save(text: str | None) -> None:
+            if text is not None and self.conversation is conversation:
+                conversation.set_system_prompt(text)
+                self.notify("System prompt saved; the next reply re-reads the conversation.")
+
+        current = conversation.record.system_prompt or ""
+        self.push_screen(TextPromptScreen("System prompt for this conversation", current), save)
+
+    def action_copy_reply(self) -> None:
+        replies = list(self.query(AssistantMessage))
+        if not replies:
+            self.notify("No reply to copy yet.")
+            return
+        self.copy_to_clipboard(replies[-1].raw)
+        self.notify("Copied the last reply.")
+
+    def action_conversations(self) -> None:
+        if self.store is None or self.states is None or self._generating:
+            return
+        current = self.conversation.record.name if self.conversation else None
+
+        async def open_chosen(name: str | None) -> None:
+            if name and self.engine is not None and name != current:
+                if self.conversation is not None:
+                    self.conversation.close()
+                    self.conversation = None
+                await self._open_conversation(name)
+
+        self.push_screen(ConversationsScreen(self.store, self.states, current), open_chosen)
+
+    def action_models(self) -> None:
+        if self._generating:
+            return
+
+        def switch(path: Path | None) -> None:
+            if path is not None:
+                self.sub_title = f"loading {path.name}…"
+                self.load_model(path)
+
+        self.push_screen(ModelsScreen(), switch)
+
+    def action_hardware(self) -> None:
+        self.push_screen(HardwareScreen())
+
+    def action_help(self) -> None:
+        self.push_screen(HelpScreen(_BINDINGS))
+
+    def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
+        """Chat shortcuts act on the chat screen only: inside a dialog its own keys win."""
+        return not (action in _CHAT_ACTIONS and len(self.screen_stack) > 1)
+
+    def get_system_commands(self, screen: Screen) -> Iterable[SystemCommand]:
+        yield from super().get_system_commands(screen)
+        for binding in _BINDINGS:
+            if binding.action not in ("quit",):
+                yield SystemCommand(
+                    binding.description, binding.tooltip, getattr(self, f"action_{binding.action}")
+                )
 
     # -- helpers ------------------------------------------------------------------------
     async def _end_stream(self) -> None:
@@ -281,8 +497,14 @@ class LocalChatApp(App[int]):
             self.store.close()
 
 
-def _new_conversation_name() -> str:
-    return time.strftime("chat-%Y%m%d-%H%M%S")
+def _new_conversation_name(store: Store) -> str:
+    """A fresh name: the time, with a counter when two chats start in the same second."""
+    base = time.strftime("chat-%Y%m%d-%H%M%S")
+    name, counter = base, 1
+    while store.find(name) is not None:
+        counter += 1
+        name = f"{base}-{counter}"
+    return name
 
 
 def describe_turn_start(turn: ConversationTurn) -> str:
@@ -292,11 +514,21 @@ def describe_turn_start(turn: ConversationTurn) -> str:
     evaluated = f"evaluated {stats.prompt_tokens_evaluated:,} tokens in {stats.ttft_s:.2f} s"
     if restore.restored:
         return f"restored {restore.tokens:,} tokens from saved cache in {restore.seconds:.2f} s\n{evaluated}"
+    if restore.replayed:
+        return f"re-evaluated {restore.replayed:,} tokens in {restore.seconds:.2f} s\n{evaluated}"
     reused = stats.prompt_tokens - stats.prompt_tokens_evaluated
     return evaluated + (f"\nreused {reused:,} from the cache" if reused else "")
 
 
-def run_app(model_path: Path, n_ctx: int = 4096, conversation: str | None = None) -> int:
-    app = LocalChatApp(model_path, n_ctx=n_ctx, conversation_name=conversation)
+def run_app(
+    model_path: Path | None = None,
+    n_ctx: int = 4096,
+    conversation: str | None = None,
+    model_name: str | None = None,
+    demo: bool = False,
+) -> int:
+    app = LocalChatApp(
+        model_path, n_ctx=n_ctx, conversation_name=conversation, model_name=model_name, demo=demo
+    )
     app.run()
     return app.return_code or 0

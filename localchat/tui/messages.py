@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 from textual.message import Message
 
 from localchat.conversation import ConversationTurn
 from localchat.engine import Engine, TurnStats
+from localchat.hub import Progress
 
 
 @dataclass
@@ -43,3 +45,24 @@ class ReplyFailed(Message):
 
     error: str
     user_text: str
+
+
+@dataclass
+class ModelChosen(Message):
+    """The model file to load (found on disk, downloaded, or given)."""
+
+    path: Path
+
+
+@dataclass
+class ModelMissing(Message):
+    """Nothing on disk and the hub unreachable: the user chooses the demo or a file."""
+
+    reason: str
+
+
+@dataclass
+class StartupProgress(Message):
+    """The first start's download, as it goes."""
+
+    progress: Progress

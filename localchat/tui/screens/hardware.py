@@ -1,0 +1,47 @@
+"""The machine and what runs on it: `localchat hw` in the app."""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+from rich.text import Text
+from textual import work
+from textual.app import ComposeResult
+from textual.binding import Binding, BindingType
+from textual.containers import VerticalScroll
+from textual.screen import ModalScreen
+from textual.widgets import Label, Static
+
+from localchat.catalog import load_catalog
+from localchat.hardware import detect_hardware
+from localchat.paths import app_paths
+from localchat.planner import format_hardware_report, plan_catalog
+
+
+class HardwareScreen(ModalScreen[None]):
+    BINDINGS: ClassVar[list[BindingType]] = [
+        Binding("escape", "close", "Close", id="hardware-close")
+    ]
+
+    def __init__(self) -> None:
+        super().__init__(classes="dialog-screen")
+
+    def compose(self) -> ComposeResult:
+        with VerticalScroll(classes="dialog wide"):
+            yield Label("Hardware and plans", classes="dialog-title")
+            yield Static("detecting…", id="hardware-report")
+            yield Label("Esc closes", classes="dialog-hint")
+
+    def on_mount(self) -> None:
+        self.detect()
+
+    @work(thread=True, exclusive=True)
+    def detect(self) -> None:
+        hardware = detect_hardware()
+        report = format_hardware_report(
+            hardware, plan_catalog(load_catalog(app_paths().user_catalog), hardware)
+        )
+        self.app.call_from_thread(self.query_one("#hardware-report", Static).update, Text(report))
+
+    def action_close(self) -> None:
+        self.dismiss(None)

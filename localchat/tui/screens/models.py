@@ -1,0 +1,185 @@
+"""Models: catalog quants with size, memory, fit and download state; download, switch, add.
+
+Returns the path of the model to switch to (after a download if needed), or None.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import ClassVar
+
+from rich.text import Text
+from textual import work
+from textual.app import ComposeResult
+from textual.binding import Binding, BindingType
+from textual.containers import Vertical
+from textual.message import Message
+from textual.screen import ModalScreen
+from textual.widgets import DataTable, Label, ProgressBar, Static
+
+from localchat.errors import LocalchatError
+from localchat.hardware import detect_hardware
+from localchat.hub import DownloadCancelled, Progress
+from localchat.library import Library, ModelRow
+from localchat.paths import app_paths
+from localchat.tui.screens.text_prompt import TextPromptScreen
+from localchat.units import format_bytes
+
+
+@dataclass
+class RowsLoaded(Message):
+    rows: list[ModelRow]
+
+
+@dataclass
+class DownloadProgress(Message):
+    progress: Progress
+
+
+@dataclass
+class DownloadFinished(Message):
+    path: Path | None
+    error: str | None
+
+
+class ModelsScreen(ModalScreen[Path | None]):
+    BINDINGS: ClassVar[list[BindingType]] = [
+        Binding("escape", "close", "Close / cancel download", id="models-close"),
+        Binding("enter", "pick", "Download or switch", id="models-pick", priority=True),
+        Binding("ctrl+a", "add", "Add a local GGUF", id="models-add", priority=True),
+    ]
+
+    def __init__(self) -> None:
+        super().__init__(classes="dialog-screen")
+        self.rows: list[ModelRow] = []
+        self.library: Library | None = None
+        self.cancel = threading.Event()
+        self.downloading = False
+
+    def compose(self) -> ComposeResult:
+        with Vertical(classes="dialog wide"):
+            yield Label("Models", classes="dialog-title")
+            yield DataTable(id="models-table", cursor_type="row", zebra_stripes=True)
+            yield ProgressBar(total=1, id="download-bar", show_eta=False)
+            yield Static("", id="download-status")
+            yield Label(
+                "Enter downloads or switches · Ctrl+A adds a local GGUF · Esc cancels / closes",
+                classes="dialog-hint",
+            )
+
+    def on_mount(self) -> None:
+        table = self.query_one(DataTable)
+        table.add_columns("Model", "Quant", "Size", "Needs", "Fit", "On disk")
+        self.query_one("#download-bar").display = False
+        table.focus()
+        self.load_rows()
+
+    @work(thread=True, exclusive=True, group="models-rows")
+    def load_rows(self) -> None:
+        try:
+            self.library = self.library or Library(app_paths(), detect_hardware())
+            rows = self.library.rows()
+        except LocalchatError as exc:
+            self.post_message(DownloadFinished(None, str(exc)))
+            return
+        self.post_message(RowsLoaded(rows))
+
+    def on_rows_loaded(self, message: RowsLoaded) -> None:
+        self.rows = message.rows
+        table = self.query_one(DataTable)
+        table.clear()
+        for index, row in enumerate(self.rows):
+            needs = format_bytes(row.estimated_bytes) if row.estimated_bytes else "-"
+            on_disk = "✓" if row.downloaded else ""
+            if row.source in ("local", "demo"):
+                on_disk = "added" if row.source == "local" else "demo"
+            table.add_row(
+                row.model,
+                row.quant,
+                format_bytes(row.size_bytes),
+                needs,
+                row.fit,
+                on_disk,
+                key=str(index),
+            )
+
+    def _selected(self) -> ModelRow | None:
+        table = self.query_one(DataTable)
+        if not self.rows or table.row_count == 0:
+            return None
+        return self.rows[table.cursor_row]
+
+    def action_pick(self) -> None:
+        row = self._selected()
+        if row is None or self.downloading:
+            return
+        if row.downloaded and row.path:
+            self.dismiss(Path(row.path))
+            return
+        if row.source != "catalog":
+            return
+        self.downloading = True
+        self.cancel.clear()
+        self.query_one("#download-bar").display = True
+        self.download(f"{row.model}:{row.quant}")
+
+    @work(thread=True, exclusive=True, group="models-download")
+    def download(self, spec: str) -> None:
+        assert self.library is not None
+        try:
+            path = self.library.pull(
+                spec, lambda p: self.post_message(DownloadProgress(p)), self.cancel
+            )
+        except DownloadCancelled as exc:
+            self.post_message(DownloadFinished(None, str(exc)))
+            return
+        except LocalchatError as exc:
+            self.post_message(DownloadFinished(None, str(exc)))
+            return
+        self.post_message(DownloadFinished(path, None))
+
+    def on_download_progress(self, message: DownloadProgress) -> None:
+        progress = message.progress
+        self.query_one(ProgressBar).update(
+            total=max(1, progress.bytes_total), progress=progress.bytes_done
+        )
+        eta = f", {progress.eta_s:.0f} s left" if progress.eta_s is not None else ""
+        self.query_one("#download-status", Static).update(
+            Text(
+                f"{progress.name}: {progress.state} {format_bytes(progress.bytes_done)}"
+                f" of {format_bytes(progress.bytes_total)} at {format_bytes(progress.speed)}/s{eta}"
+            )
+        )
+
+    def on_download_finished(self, message: DownloadFinished) -> None:
+        self.downloading = False
+        self.query_one("#download-bar").display = False
+        if message.error:
+            self.query_one("#download-status", Static).update(Text(message.error))
+            self.notify(message.error, severity="warning", timeout=15)
+            return
+        self.dismiss(message.path)
+
+    def action_close(self) -> None:
+        if self.downloading:
+            self.cancel.set()
+            return
+        self.dismiss(None)
+
+    def action_add(self) -> None:
+        def add(text: str | None) -> None:
+            if not text or self.library is None:
+                return
+            try:
+                self.notify(self.library.add_local(Path(text).expanduser()))
+            except LocalchatError as exc:
+                self.notify(str(exc), severity="error", timeout=15)
+                return
+            self.load_rows()
+
+        self.app.push_screen(
+            TextPromptScreen("Add a local GGUF file: its path", hint="Ctrl+S adds · Esc cancels"),
+            add,
+        )
