@@ -20,7 +20,7 @@ from textual.screen import ModalScreen
 from textual.widgets import DataTable, Label, ProgressBar, Static
 
 from localchat.errors import LocalchatError
-from localchat.hardware import detect_hardware
+from localchat.hardware import Hardware, detect_hardware
 from localchat.hub import DownloadCancelled, Progress
 from localchat.library import Library, ModelRow
 from localchat.paths import app_paths
@@ -51,8 +51,9 @@ class ModelsScreen(ModalScreen[Path | None]):
         Binding("ctrl+a", "add", "Add a local GGUF", id="models-add", priority=True),
     ]
 
-    def __init__(self) -> None:
+    def __init__(self, hardware: Hardware | None = None) -> None:
         super().__init__(classes="dialog-screen")
+        self.hardware = hardware  # None: detect this machine
         self.rows: list[ModelRow] = []
         self.library: Library | None = None
         self.cancel = threading.Event()
@@ -79,7 +80,7 @@ class ModelsScreen(ModalScreen[Path | None]):
     @work(thread=True, exclusive=True, group="models-rows")
     def load_rows(self) -> None:
         try:
-            self.library = self.library or Library(app_paths(), detect_hardware())
+            self.library = self.library or Library(app_paths(), self.hardware or detect_hardware())
             rows = self.library.rows()
         except LocalchatError as exc:
             self.post_message(DownloadFinished(None, str(exc)))

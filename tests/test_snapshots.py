@@ -1,0 +1,100 @@
+"""SVG snapshots of the chat, models and conversations screens (pytest-textual-snapshot).
+
+Figures that change from run to run (timings, process memory, dates) are set to fixed text
+before the screenshot; everything else is the real app on the tiny model. Update with
+``pytest tests/test_snapshots.py --snapshot-update`` and review the SVGs.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from rich.text import Text
+from textual.pilot import Pilot
+from textual.widgets import DataTable, Sparkline, Static
+
+from localchat.engine import Sampling
+from localchat.hardware import Hardware
+from localchat.tui.app import LocalChatApp
+from localchat.tui.screens.conversations import ConversationsScreen
+from localchat.tui.screens.models import ModelsScreen
+from localchat.tui.widgets.prompt_input import PromptInput
+
+SIZE = (120, 36)
+GIB = 1024**3
+FIXED_TIME = 1_767_225_600.0  # 2026-01-01 00:00 UTC
+
+
+async def _settle(pilot: Pilot, app: LocalChatApp) -> None:
+    for _ in range(400):
+        if app.conversation is not None and not app._generating:
+            break
+        await pilot.pause(0.05)
+    await pilot.pause(0.2)
+
+
+def _freeze_figures(app: LocalChatApp) -> None:
+    screen = app.screen_stack[0]
+    screen.query_one(PromptInput).cursor_blink = False
+    screen.query_one("#speed", Static).update(
+        Text("gen 100.0 tok/s\nprompt 1000.0 tok/s\nfirst token 0.01 s")
+    )
+    screen.query_one("#turn-start", Static).update(Text("evaluated 10 tokens in 0.01 s"))
+    screen.query_one("#ram", Static).update(Text("process 100.0 MiB\nfree RAM 20.0 GiB"))
+    screen.query_one(Sparkline).data = [1.0, 2.0, 3.0]
+
+
+def _app(model: Path, name: str = "snapshot") -> LocalChatApp:
+    return LocalChatApp(
+        model, n_ctx=512, max_tokens=24, sampling=Sampling(temperature=0.0), conversation_name=name
+    )
+
+
+def test_chat_screen(snap_compare, tiny_model: Path) -> None:
+    app = _app(tiny_model)
+
+    async def run_before(pilot: Pilot) -> None:
+        await _settle(pilot, app)
+        await pilot.press(*"Hello, what is a KV cache?", "enter")
+        await pilot.pause(0.1)
+        await _settle(pilot, app)
+        _freeze_figures(app)
+        await pilot.pause(0.1)
+
+    assert snap_compare(app, terminal_size=SIZE, run_before=run_before)
+
+
+def test_conversations_screen(snap_compare, tiny_model: Path) -> None:
+    app = _app(tiny_model, "trip planning")
+
+    async def run_before(pilot: Pilot) -> None:
+        await _settle(pilot, app)
+        assert app.store is not None and app.states is not None
+        for name in ("groceries", "kv cache notes"):
+            app.store.create_conversation(name, model="tiny-Q4_K_M.gguf")
+        app.store.db.execute(
+            "UPDATE conversations SET updated_at = ?, created_at = ?", (FIXED_TIME, FIXED_TIME)
+        )
+        _freeze_figures(app)
+        await app.push_screen(ConversationsScreen(app.store, app.states, "trip planning"))
+        await pilot.pause(0.3)
+
+    assert snap_compare(app, terminal_size=SIZE, run_before=run_before)
+
+
+def test_models_screen(snap_compare, tiny_model: Path) -> None:
+    app = _app(tiny_model)
+    laptop = Hardware(16 * GIB, 12 * GIB, 8)
+
+    async def run_before(pilot: Pilot) -> None:
+        await _settle(pilot, app)
+        _freeze_figures(app)
+        screen = ModelsScreen(hardware=laptop)
+        await app.push_screen(screen)
+        for _ in range(200):
+            if screen.query_one(DataTable).row_count:
+                break
+            await pilot.pause(0.05)
+        await pilot.pause(0.2)
+
+    assert snap_compare(app, terminal_size=SIZE, run_before=run_before)
