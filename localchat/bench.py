@@ -22,7 +22,7 @@ from typing import Any
 from localchat import __version__
 from localchat.hardware import physical_cores
 
-PARTS: tuple[str, ...] = ("engine", "resume", "window", "estimate")
+PARTS: tuple[str, ...] = ("engine", "resume", "window", "estimate", "ui")
 
 ENGINE_CTX = 2048
 ENGINE_PROMPT_TOKENS = 256
@@ -51,6 +51,8 @@ TARGETS: dict[str, tuple[str, float]] = {
     "overflow_ratio": ("<=", 1.5),
     "overflow_extra_tokens": ("<=", 0),
     "estimate_max_error": ("<=", 0.10),
+    "ui_cpu_overhead": ("<=", 0.10),
+    "startup_s": ("<=", 1.5),
 }
 
 ESTIMATE_CTX = 2048
@@ -332,11 +334,23 @@ def bench_estimate(model_path: Path, progress: Progress = None) -> dict[str, Any
     }
 
 
+def bench_ui(model_path: Path, progress: Progress = None) -> dict[str, Any]:
+    """The app's startup time and streaming overhead, on the tiny demo model."""
+    from localchat.demo import ensure_demo_model
+    from localchat.paths import app_paths
+    from localchat.tui.bench_ui import bench_ui as measure_ui  # the app's own measurements
+
+    tiny = ensure_demo_model(app_paths().demo_models_dir, "tiny", "Q4_K_M")
+    _say(progress, "ui: startup and streaming overhead on the tiny model")
+    return measure_ui(tiny, model_path)
+
+
 BENCHES: dict[str, Callable[[Path, Progress], dict[str, Any]]] = {
     "engine": bench_engine,
     "resume": bench_resume,
     "window": bench_window,
     "estimate": bench_estimate,
+    "ui": bench_ui,
 }
 
 

@@ -151,7 +151,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument("--shape", default="0.5b", choices=list(SHAPES))
     bench.add_argument("--quant", default="Q4_K_M", choices=list(QUANTS))
-    bench.add_argument("--only", default=None, help="comma-separated parts: engine, resume, window")
+    bench.add_argument(
+        "--only", default=None, help="comma-separated parts: engine, resume, window, estimate, ui"
+    )
     bench.add_argument("--json", action="store_true", help="print one JSON object")
     return parser
 
