@@ -27,7 +27,7 @@ PARTS: tuple[str, ...] = ("engine", "resume", "window", "estimate", "ui")
 ENGINE_CTX = 2048
 ENGINE_PROMPT_TOKENS = 256
 ENGINE_GEN_TOKENS = 128
-ENGINE_ROUNDS = 3
+ENGINE_ROUNDS = 5
 
 RESUME_CTX = 4096
 RESUME_HISTORY_TOKENS = 2000
@@ -83,20 +83,34 @@ def bench_engine(model_path: Path, progress: Progress = None) -> dict[str, Any]:
     threads = physical_cores()
     engine = Engine(model_path, LoadOptions(n_ctx=ENGINE_CTX, n_threads=threads))
     prompt = synthetic_prompt(engine.bos_token, engine.n_vocab, ENGINE_PROMPT_TOKENS)
-    engine_prompt, engine_gen, bare_prompt, bare_gen = [], [], [], []
+    engine_prompt: list[float] = []
+    engine_gen: list[float] = []
+    bare_prompt: list[float] = []
+    bare_gen: list[float] = []
+    ratios: list[float] = []
+
+    def engine_round() -> None:
+        engine.reset()
+        generation = engine.generate(prompt, Sampling(temperature=0.0), ENGINE_GEN_TOKENS)
+        for _ in generation:
+            pass
+        engine_prompt.append(generation.stats.prompt_tps)
+        engine_gen.append(generation.stats.gen_tps)
+
+    def bare_round() -> None:
+        bare = bare_generation_benchmark(
+            model_path, ENGINE_CTX, ENGINE_PROMPT_TOKENS, ENGINE_GEN_TOKENS, threads
+        )
+        bare_prompt.append(bare["bare_prompt_tps"])
+        bare_gen.append(bare["bare_gen_tps"])
+
     try:
         for round_no in range(1, ENGINE_ROUNDS + 1):
-            engine.reset()
-            generation = engine.generate(prompt, Sampling(temperature=0.0), ENGINE_GEN_TOKENS)
-            for _ in generation:
-                pass
-            engine_prompt.append(generation.stats.prompt_tps)
-            engine_gen.append(generation.stats.gen_tps)
-            bare = bare_generation_benchmark(
-                model_path, ENGINE_CTX, ENGINE_PROMPT_TOKENS, ENGINE_GEN_TOKENS, threads
-            )
-            bare_prompt.append(bare["bare_prompt_tps"])
-            bare_gen.append(bare["bare_gen_tps"])
+            # Alternate who goes first, and compare within each round, so drift in the
+            # machine's speed during the run cancels out.
+            for run in (engine_round, bare_round) if round_no % 2 else (bare_round, engine_round):
+                run()
+            ratios.append(engine_gen[-1] / bare_gen[-1])
             _say(
                 progress,
                 f"engine round {round_no}/{ENGINE_ROUNDS}: gen {engine_gen[-1]:.1f} tok/s"
@@ -105,15 +119,13 @@ def bench_engine(model_path: Path, progress: Progress = None) -> dict[str, Any]:
             )
     finally:
         engine.close()
-    gen_tps = statistics.median(engine_gen)
-    bare_gen_tps = statistics.median(bare_gen)
     return {
         "llama_cpp_python": LLAMA_CPP_VERSION,
         "prompt_tps": round(statistics.median(engine_prompt), 2),
-        "gen_tps": round(gen_tps, 2),
+        "gen_tps": round(statistics.median(engine_gen), 2),
         "bare_prompt_tps": round(statistics.median(bare_prompt), 2),
-        "bare_gen_tps": round(bare_gen_tps, 2),
-        "gen_ratio": round(gen_tps / bare_gen_tps, 4),
+        "bare_gen_tps": round(statistics.median(bare_gen), 2),
+        "gen_ratio": round(statistics.median(ratios), 4),
     }
 
 

@@ -89,11 +89,24 @@ def build_parser() -> argparse.ArgumentParser:
     ask.add_argument("--model-path", type=Path, help="a local GGUF file (default: the demo model)")
     ask.add_argument("--system", default=None, help="system prompt")
     ask.add_argument("--ctx", type=_positive_int, default=4096, help="context size in tokens")
-    ask.add_argument("--max-tokens", type=_positive_int, default=256, help="reply length limit")
-    ask.add_argument("--temperature", type=_non_negative_float, default=0.7, help="0 is greedy")
+    ask.add_argument(
+        "--max-tokens",
+        type=_positive_int,
+        default=None,
+        help="reply length limit (setting max_tokens)",
+    )
+    ask.add_argument(
+        "--temperature",
+        type=_non_negative_float,
+        default=None,
+        help="0 is greedy (setting temperature)",
+    )
     ask.add_argument("--seed", type=int, default=0, help="sampling seed")
     ask.add_argument(
-        "--kv-type", default="f16", choices=["f16", "q8_0", "q4_0"], help="KV cache type"
+        "--kv-type",
+        default=None,
+        choices=["f16", "q8_0", "q4_0"],
+        help="KV cache type (default: the kv_type setting); q8_0 halves memory and state files",
     )
     ask.add_argument("--threads", type=_positive_int, default=None, help="CPU threads")
     ask.add_argument(
@@ -175,14 +188,21 @@ def cmd_ask(args: argparse.Namespace, out: TextIO) -> int:
             f"localchat: no --model-path given; using the offline demo model {model_path}",
             file=sys.stderr,
         )
+    from localchat.settings import load_settings
+
+    settings = load_settings(app_paths().settings_file)
+    kv_type = args.kv_type or settings.kv_type
     engine = Engine(
-        model_path, LoadOptions(n_ctx=args.ctx, n_threads=args.threads, kv_type=args.kv_type)
+        model_path, LoadOptions(n_ctx=args.ctx, n_threads=args.threads, kv_type=kv_type)
     )
-    sampling = Sampling(temperature=args.temperature, seed=args.seed)
+    temperature = settings.temperature if args.temperature is None else args.temperature
+    sampling = Sampling(temperature=temperature, seed=args.seed)
+    if args.max_tokens is None:
+        args.max_tokens = settings.max_tokens
     cancel = threading.Event()
     try:
         if args.conversation:
-            return _ask_in_conversation(args, engine, sampling, cancel, out)
+            return _ask_in_conversation(args, engine, sampling, cancel, out, settings)
         return _ask_once(args, engine, sampling, cancel, out)
     finally:
         engine.close()
@@ -254,11 +274,10 @@ def _ask_in_conversation(
     sampling: Sampling,
     cancel: threading.Event,
     out: TextIO,
+    settings: Settings,
 ) -> int:
     from localchat.conversation import Conversation
-    from localchat.settings import load_settings
 
-    settings = load_settings(app_paths().settings_file)
     store, states = _open_store(settings)
     window_mode = args.window or settings.window_mode
     try:

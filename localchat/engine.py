@@ -6,6 +6,7 @@ of localchat (and its tests) never depend on llama-cpp-python's objects.
 
 from __future__ import annotations
 
+import bisect
 import codecs
 import contextlib
 import ctypes
@@ -159,9 +160,11 @@ class _CountingLlama(llama_cpp.Llama):
 
     def eval(self, tokens: Sequence[int]) -> None:
         n_past = self.n_tokens
-        if self.batch_starts is not None:
-            kept = [start for start in self.batch_starts if start < n_past]
-            self.batch_starts = kept + list(range(n_past, n_past + len(tokens), self.n_batch))
+        starts = self.batch_starts
+        if starts is not None:  # sorted; in place, so a long reply costs O(1) per token
+            if starts and starts[-1] >= n_past:
+                del starts[bisect.bisect_left(starts, n_past) :]
+            starts.extend(range(n_past, n_past + len(tokens), self.n_batch))
         self.tokens_evaluated += len(tokens)
         super().eval(tokens)
 

@@ -7,9 +7,12 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 
 from localchat.errors import UsageError
+from localchat.estimate import KV_BYTES_PER_VALUE
 from localchat.kvstate import DEFAULT_BUDGET_BYTES
 from localchat.units import parse_size
 from localchat.window import WINDOW_MODES
+
+KV_CACHE_TYPES = tuple(KV_BYTES_PER_VALUE)
 
 
 @dataclass(frozen=True)
@@ -22,6 +25,10 @@ class Settings:
 
     temperature: float = 0.7
     """Sampling temperature; 0 is greedy and deterministic."""
+
+    kv_type: str = "f16"
+    """KV cache type: "q8_0" halves the cache in memory and its saved state files on disk
+    (at a small quality cost); "q4_0" quarters them."""
 
     window_mode: str = "auto"
     """When old messages leave the context: "shift" the KV cache in place (fast), "exact"
@@ -53,9 +60,13 @@ def load_settings(path: Path) -> Settings:
         raise UsageError(
             f"{path}: window_mode must be one of {', '.join(WINDOW_MODES)}, not {settings.window_mode!r}"
         )
+    if settings.kv_type not in KV_CACHE_TYPES:
+        raise UsageError(
+            f"{path}: kv_type must be one of {', '.join(KV_CACHE_TYPES)}, not {settings.kv_type!r}"
+        )
     for f in fields(Settings):
         value = getattr(settings, f.name)
-        if f.name == "window_mode":
+        if f.name in ("window_mode", "kv_type"):
             continue
         if not isinstance(value, int | float) or isinstance(value, bool) or value < 0:
             raise UsageError(

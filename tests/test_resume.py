@@ -64,9 +64,9 @@ def _state_file(conversation: str) -> Path:
     return files[0]
 
 
-def _warm_reply(model: Path) -> str:
+def _warm_reply(model: Path, kv_type: str = "f16") -> str:
     """The second turn in a process that never closed."""
-    engine = Engine(model, LoadOptions(n_ctx=4096))
+    engine = Engine(model, LoadOptions(n_ctx=4096, kv_type=kv_type))
     store = Store(app_paths().database)
     conversation = Conversation.open(store, StateStore(app_paths().states_dir), "warm", engine)
     for text in (FIRST, SECOND):
@@ -221,3 +221,24 @@ def test_full_disk_skips_the_state_but_keeps_the_transcript(small_model: Path) -
     assert [m.role for m in messages] == ["user", "assistant"]
     assert messages[1].content == payload["reply"]
     assert not list(app_paths().states_dir.glob("*.lckv"))
+
+
+def test_a_q8_0_cache_halves_state_files_and_resumes_identically(small_model: Path) -> None:
+    settings = app_paths().settings_file
+    ask(small_model, "f16", FIRST)
+    settings.parent.mkdir(parents=True, exist_ok=True)
+    settings.write_text('kv_type = "q8_0"\n')
+    ask(small_model, "q8", FIRST)
+    ratio = _state_file("q8").stat().st_size / _state_file("f16").stat().st_size
+    assert 0.5 < ratio < 0.56, "q8_0 stores 34 bytes per 32 values instead of 64"
+    resumed = ask(small_model, "q8", SECOND)
+    assert resumed["stats"]["restored_from_state"] is True
+    assert resumed["reply"] == _warm_reply(small_model, "q8_0")
+    fresh = ask(small_model, "q8", "third", "--fresh")
+    assert fresh["stats"]["restored_from_state"] is False
+    settings.write_text('kv_type = "q5"\n')
+    result = subprocess.run(
+        [sys.executable, "-m", "localchat.cli", "ask", "x", "--model-path", str(small_model)],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert result.returncode == 2 and "kv_type must be one of f16, q8_0, q4_0" in result.stderr

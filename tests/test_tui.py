@@ -5,13 +5,11 @@ from __future__ import annotations
 from pathlib import Path
 
 from textual.message import Message
-from textual.pilot import Pilot
 from textual.widgets import Static
 
 from localchat.engine import Sampling
 from localchat.tui.app import LocalChatApp
 from localchat.tui.messages import (
-    ModelLoaded,
     ModelLoadFailed,
     ReplyChunk,
     ReplyFailed,
@@ -20,30 +18,9 @@ from localchat.tui.messages import (
 from localchat.tui.widgets.chat_message import AssistantMessage, Notice, UserMessage
 from localchat.tui.widgets.prompt_input import PromptInput
 
+from .tui_helpers import ready, wait_for
+
 GREEDY = Sampling(temperature=0.0)
-
-
-async def _wait_ready(pilot: Pilot, app: LocalChatApp, seen: list[Message]) -> None:
-    """The model is loaded and a conversation is open."""
-    await _wait_for(pilot, seen, ModelLoaded)
-    for _ in range(200):
-        if app.conversation is not None:
-            return
-        await pilot.pause(0.05)
-    raise AssertionError("no conversation opened")
-
-
-async def _wait_for(
-    pilot: Pilot, seen: list[Message], kind: type, timeout_s: float = 30.0
-) -> Message:
-    waited = 0.0
-    while waited < timeout_s:
-        for message in seen:
-            if isinstance(message, kind):
-                return message
-        await pilot.pause(0.05)
-        waited += 0.05
-    raise AssertionError(f"no {kind.__name__} within {timeout_s} s")
 
 
 def _text(app: LocalChatApp, selector: str) -> str:
@@ -54,9 +31,9 @@ async def test_send_a_message_and_see_the_streamed_reply(tiny_model: Path) -> No
     seen: list[Message] = []
     app = LocalChatApp(tiny_model, n_ctx=512, max_tokens=40, sampling=GREEDY)
     async with app.run_test(message_hook=seen.append) as pilot:
-        await _wait_ready(pilot, app, seen)
+        await ready(pilot, app, seen)
         await pilot.press(*"hello", "enter")
-        finished = await _wait_for(pilot, seen, ReplyFinished)
+        finished = await wait_for(pilot, seen, ReplyFinished)
         await pilot.pause(0.1)
         assert app.query_one(UserMessage).text == "hello"
         reply = app.query_one(AssistantMessage)
@@ -77,12 +54,12 @@ async def test_second_message_reuses_the_cache(tiny_model: Path) -> None:
     seen: list[Message] = []
     app = LocalChatApp(tiny_model, n_ctx=1024, max_tokens=10, sampling=GREEDY)
     async with app.run_test(message_hook=seen.append) as pilot:
-        await _wait_ready(pilot, app, seen)
+        await ready(pilot, app, seen)
         await pilot.press(*"one", "enter")
-        first = await _wait_for(pilot, seen, ReplyFinished)
+        first = await wait_for(pilot, seen, ReplyFinished)
         seen.clear()
         await pilot.press(*"two", "enter")
-        second = await _wait_for(pilot, seen, ReplyFinished)
+        second = await wait_for(pilot, seen, ReplyFinished)
         assert (
             second.stats.prompt_tokens_evaluated
             < second.stats.prompt_tokens - first.stats.prompt_tokens
@@ -94,11 +71,11 @@ async def test_escape_stops_generation_and_keeps_the_partial_reply(small_model: 
     seen: list[Message] = []
     app = LocalChatApp(small_model, n_ctx=4096, max_tokens=3000, sampling=GREEDY)
     async with app.run_test(message_hook=seen.append) as pilot:
-        await _wait_ready(pilot, app, seen)
+        await ready(pilot, app, seen)
         await pilot.press(*"story", "enter")
-        await _wait_for(pilot, seen, ReplyChunk)
+        await wait_for(pilot, seen, ReplyChunk)
         await pilot.press("escape")
-        finished = await _wait_for(pilot, seen, ReplyFinished)
+        finished = await wait_for(pilot, seen, ReplyFinished)
         await pilot.pause(0.1)
         assert finished.stats.stop_reason == "cancelled"
         assert 0 < finished.stats.generated_tokens < 3000
@@ -118,10 +95,10 @@ async def test_a_failed_send_puts_the_text_back(tiny_model: Path) -> None:
     )
     typed = "my carefully written message"
     async with app.run_test(message_hook=seen.append) as pilot:
-        await _wait_ready(pilot, app, seen)
+        await ready(pilot, app, seen)
         app.query_one(PromptInput).text = typed
         await pilot.press("end", "enter")
-        failed = await _wait_for(pilot, seen, ReplyFailed)
+        failed = await wait_for(pilot, seen, ReplyFailed)
         await pilot.pause(0.1)
         assert "use --ctx" in failed.error
         assert app.query_one(PromptInput).text == typed
@@ -135,7 +112,7 @@ async def test_a_model_that_fails_to_load_keeps_the_app_up(tmp_path: Path) -> No
     seen: list[Message] = []
     app = LocalChatApp(broken)
     async with app.run_test(message_hook=seen.append) as pilot:
-        failed = await _wait_for(pilot, seen, ModelLoadFailed)
+        failed = await wait_for(pilot, seen, ModelLoadFailed)
         assert "not a GGUF file" in failed.error
         await pilot.press(*"hi", "enter")
         await pilot.pause(0.1)
@@ -157,21 +134,21 @@ async def test_reopening_the_app_resumes_from_the_saved_cache(tiny_model: Path) 
     seen: list[Message] = []
     first = LocalChatApp(tiny_model, n_ctx=1024, max_tokens=16, sampling=GREEDY)
     async with first.run_test(message_hook=seen.append) as pilot:
-        await _wait_ready(pilot, first, seen)
+        await ready(pilot, first, seen)
         await pilot.press(*"remember me", "enter")
-        await _wait_for(pilot, seen, ReplyFinished)
+        await wait_for(pilot, seen, ReplyFinished)
         name = first.conversation.record.name
         reply_text = first.query_one(AssistantMessage).raw
     seen.clear()
     second = LocalChatApp(tiny_model, n_ctx=1024, max_tokens=16, sampling=GREEDY)
     async with second.run_test(message_hook=seen.append) as pilot:
-        await _wait_ready(pilot, second, seen)
+        await ready(pilot, second, seen)
         assert second.conversation.record.name == name
         await pilot.pause(0.1)
         assert second.query_one(UserMessage).text == "remember me"
         assert second.query_one(AssistantMessage).raw == reply_text
         await pilot.press(*"and now", "enter")
-        finished = await _wait_for(pilot, seen, ReplyFinished)
+        finished = await wait_for(pilot, seen, ReplyFinished)
         assert finished.turn.restore.restored
         assert "restored" in _text(second, "#turn-start") and "from saved cache" in _text(
             second, "#turn-start"

@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 from textual.message import Message
-from textual.pilot import Pilot
 from textual.widgets import DataTable, TextArea
 
 from localchat.engine import Sampling
@@ -27,38 +26,9 @@ from localchat.tui.screens.no_model import NoModelScreen
 from localchat.tui.widgets.chat_message import AssistantMessage, UserMessage
 
 from .hubserver import HubServer, HubState
+from .tui_helpers import ready, say, wait_for
 
 GREEDY = Sampling(temperature=0.0)
-
-
-async def wait_for(
-    pilot: Pilot, seen: list[Message], kind: type, timeout_s: float = 60.0, after: int = 0
-) -> Message:
-    waited = 0.0
-    while waited < timeout_s:
-        for message in seen[after:]:
-            if isinstance(message, kind):
-                return message
-        await pilot.pause(0.05)
-        waited += 0.05
-    raise AssertionError(f"no {kind.__name__} within {timeout_s} s")
-
-
-async def ready(pilot: Pilot, app: LocalChatApp, seen: list[Message]) -> None:
-    await wait_for(pilot, seen, ModelLoaded)
-    for _ in range(200):
-        if app.conversation is not None:
-            return
-        await pilot.pause(0.05)
-    raise AssertionError("no conversation opened")
-
-
-async def say(pilot: Pilot, seen: list[Message], text: str) -> ReplyFinished:
-    mark = len(seen)
-    await pilot.press(*text, "enter")
-    finished = await wait_for(pilot, seen, ReplyFinished, after=mark)
-    assert isinstance(finished, ReplyFinished)
-    return finished
 
 
 async def test_conversations_screen_resumes_another_conversation(tiny_model: Path) -> None:

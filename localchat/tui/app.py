@@ -204,7 +204,7 @@ class LocalChatApp(App[int]):
     def load_model(self, path: Path) -> None:
         start = time.perf_counter()
         try:
-            engine = Engine(path, LoadOptions(n_ctx=self.n_ctx))
+            engine = Engine(path, LoadOptions(n_ctx=self.n_ctx, kv_type=self.settings.kv_type))
         except LocalchatError as exc:
             self.post_message(ModelLoadFailed(str(exc)))
             return
