@@ -153,3 +153,22 @@ async def test_reopening_the_app_resumes_from_the_saved_cache(tiny_model: Path) 
         assert "restored" in _text(second, "#turn-start") and "from saved cache" in _text(
             second, "#turn-start"
         )
+
+
+async def test_the_conversation_says_when_the_window_moved(tiny_model: Path) -> None:
+    seen: list[Message] = []
+    app = LocalChatApp(tiny_model, n_ctx=256, max_tokens=24, sampling=GREEDY)
+    async with app.run_test(message_hook=seen.append) as pilot:
+        await ready(pilot, app, seen)
+        for i in range(12):
+            mark = len(seen)
+            await pilot.press(*f"message {i} with a few more words", "enter")
+            finished = await wait_for(pilot, seen, ReplyFinished, after=mark)
+            if finished.turn.window.dropped_messages:
+                break
+        await pilot.pause(0.2)
+        notices = [str(n.render()) for n in app.query(Notice)]
+        assert any("left the context window (shift)" in n for n in notices)
+        # Everything is still in the transcript.
+        stored = app.conversation.store.messages(app.conversation.record.id)
+        assert stored[0].content == "message 0 with a few more words"
