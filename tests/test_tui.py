@@ -172,3 +172,19 @@ async def test_the_conversation_says_when_the_window_moved(tiny_model: Path) -> 
         # Everything is still in the transcript.
         stored = app.conversation.store.messages(app.conversation.record.id)
         assert stored[0].content == "message 0 with a few more words"
+
+
+async def test_pasting_100_kb_is_cut_to_fit_with_a_notice(tiny_model: Path) -> None:
+    seen: list[Message] = []
+    app = LocalChatApp(tiny_model, n_ctx=1024, max_tokens=16, sampling=GREEDY)
+    pasted = ("lorem ipsum dolor sit amet " * 4000)[:100_000]
+    async with app.run_test(message_hook=seen.append) as pilot:
+        await ready(pilot, app, seen)
+        app.query_one(PromptInput).text = pasted
+        await pilot.press("end", "enter")
+        finished = await wait_for(pilot, seen, ReplyFinished, timeout_s=120)
+        await pilot.pause(0.2)
+        assert finished.turn.window.cut_tokens > 0
+        assert any("longer than the context" in str(n.render()) for n in app.query(Notice))
+        stored = app.conversation.store.messages(app.conversation.record.id)
+        assert stored[0].content == pasted  # the transcript keeps every byte
