@@ -3,6 +3,7 @@ regenerate, system prompt, and the first-start paths."""
 
 from __future__ import annotations
 
+import os
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,7 +15,7 @@ from textual.widgets import DataTable, TextArea
 from localchat.engine import Sampling
 from localchat.paths import app_paths
 from localchat.tui.app import LocalChatApp
-from localchat.tui.messages import ModelLoaded, ModelMissing, ReplyFinished
+from localchat.tui.messages import ModelLoaded, ModelMissing, ReplyFinished, StartupProgress
 from localchat.tui.screens.conversations import ConversationsScreen
 from localchat.tui.screens.models import (
     DownloadFinished,
@@ -170,3 +171,47 @@ async def test_demo_flag_opens_without_any_network(monkeypatch: pytest.MonkeyPat
     async with app.run_test(size=(120, 36), message_hook=seen.append) as pilot:
         await ready(pilot, app, seen)
         assert not [m for m in seen if isinstance(m, ModelMissing)]
+
+
+@pytest.fixture
+def default_model_hub(
+    tmp_path: Path, small_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[HubState]:
+    """The hub serving the first-start default model's repo (small-model bytes under every
+    catalog file name, so whichever quant the planner picks here exists)."""
+    from localchat.catalog import find_model, load_catalog
+    from localchat.tui.app import DEFAULT_MODEL
+
+    entry = find_model(load_catalog(), DEFAULT_MODEL)
+    repo = tmp_path / "hub" / entry.repo
+    repo.mkdir(parents=True)
+    for quant_file in entry.files:
+        os.link(small_model, repo / quant_file.file)
+    state = HubState({entry.repo: repo})
+    server = HubServer(state).start()
+    monkeypatch.setenv("HF_ENDPOINT", server.endpoint)
+    yield state
+    server.stop()
+
+
+async def test_first_start_downloads_the_default_model_with_a_progress_screen(
+    default_model_hub: HubState,
+) -> None:
+    seen: list[Message] = []
+    screens: list[str] = []
+    app = LocalChatApp(n_ctx=1024, max_tokens=8, sampling=GREEDY)
+    async with app.run_test(size=(120, 36), message_hook=seen.append) as pilot:
+        for _ in range(400):
+            screens.append(type(app.screen).__name__)
+            if app.conversation is not None:
+                break
+            await pilot.pause(0.02)
+        await ready(pilot, app, seen)
+        progress = [m.progress for m in seen if isinstance(m, StartupProgress)]
+        assert progress and progress[-1].state == "done"
+        assert "DownloadScreen" in screens
+        assert type(app.screen).__name__ == "Screen", (
+            "the progress screen closes when the model loads"
+        )
+        assert app.engine is not None
+        assert app.engine.model_path.is_relative_to(app_paths().hub_cache)

@@ -25,7 +25,7 @@ from localchat.demo import ensure_demo_model
 from localchat.engine import Engine, LoadOptions, Sampling
 from localchat.errors import LocalchatError
 from localchat.hardware import detect_hardware
-from localchat.hub import HubError
+from localchat.hub import DownloadCancelled, HubError
 from localchat.kvstate import StateStore
 from localchat.library import Library
 from localchat.paths import app_paths
@@ -42,6 +42,7 @@ from localchat.tui.messages import (
     StartupProgress,
 )
 from localchat.tui.screens.conversations import ConversationsScreen
+from localchat.tui.screens.download import DownloadScreen
 from localchat.tui.screens.hardware import HardwareScreen
 from localchat.tui.screens.help import HelpScreen
 from localchat.tui.screens.models import ModelsScreen
@@ -50,7 +51,6 @@ from localchat.tui.screens.text_prompt import TextPromptScreen
 from localchat.tui.widgets.chat_message import AssistantMessage, Notice, UserMessage
 from localchat.tui.widgets.prompt_input import PromptInput
 from localchat.tui.widgets.stats_panel import StatsPanel
-from localchat.units import format_bytes
 
 # Chunks are posted at most this often (10 a second reads as smooth), and the stats panel
 # refreshes less often still: every repaint costs the generation thread the GIL.
@@ -134,6 +134,8 @@ class LocalChatApp(App[int]):
         self._user_view: UserMessage | None = None
         self._stream: MarkdownStream | None = None
         self._stats_shown_at = 0.0
+        self._startup_cancel = threading.Event()
+        self._download_screen: DownloadScreen | None = None
 
     def compose(self) -> ComposeResult:
         yield Header()
@@ -176,8 +178,9 @@ class LocalChatApp(App[int]):
                 path = self._model_on_disk(library) or library.pull(
                     self.model_name or DEFAULT_MODEL,
                     lambda p: self.post_message(StartupProgress(p)),
+                    self._startup_cancel,
                 )
-        except HubError as exc:
+        except (HubError, DownloadCancelled) as exc:
             self.post_message(ModelMissing(str(exc)))
             return
         except LocalchatError as exc:
@@ -240,16 +243,26 @@ class LocalChatApp(App[int]):
     def on_startup_progress(self, message: StartupProgress) -> None:
         progress = message.progress
         total = max(1, progress.bytes_total)
-        self.sub_title = (
-            f"downloading {progress.name}: {100 * progress.bytes_done / total:.0f}%"
-            f" of {format_bytes(progress.bytes_total)} at {format_bytes(progress.speed)}/s"
-        )
+        self.sub_title = f"downloading {progress.name}: {100 * progress.bytes_done / total:.0f}%"
+        if self._download_screen is None:
+            self._download_screen = DownloadScreen(progress.name, self._startup_cancel)
+            self.push_screen(self._download_screen)
+        if self._download_screen.is_mounted:
+            self._download_screen.show(progress)
+
+    def _close_download_screen(self) -> None:
+        if self._download_screen is not None:
+            if self._download_screen in self.screen_stack:
+                self._download_screen.dismiss(None)
+            self._download_screen = None
 
     def on_model_chosen(self, message: ModelChosen) -> None:
+        self._close_download_screen()
         self.sub_title = f"loading {message.path.name}…"
         self.load_model(message.path)
 
     def on_model_missing(self, message: ModelMissing) -> None:
+        self._close_download_screen()
         self.sub_title = "no model"
 
         def chosen(choice: str | None) -> None:
@@ -286,6 +299,7 @@ class LocalChatApp(App[int]):
         await self._open_conversation(name)
 
     def on_model_load_failed(self, message: ModelLoadFailed) -> None:
+        self._close_download_screen()
         self.sub_title = "no model" if self.engine is None else self.sub_title
         self.notify(
             f"{message.error}\nPick another model with Ctrl+O.",

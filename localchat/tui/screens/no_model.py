@@ -20,9 +20,10 @@ class NoModelScreen(ModalScreen[str]):
         with Vertical(classes="dialog"):
             yield Label("No model to chat with", classes="dialog-title")
             yield Static(
-                f"Nothing is downloaded yet and the hub cannot be reached ({self.reason}).\n"
+                f"No model is on this machine yet, and none could be downloaded: {self.reason}.\n"
                 "Chat with the offline demo model (random weights: it talks nonsense, but everything"
-                " else is real), or open a GGUF file you have."
+                " else is real), or open a GGUF file you have. A stopped download resumes the next"
+                " time localchat starts."
             )
             yield Input(placeholder="/path/to/model.gguf", id="no-model-path")
             with Horizontal(classes="dialog-buttons"):

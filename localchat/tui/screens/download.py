@@ -1,0 +1,53 @@
+"""The first start's download, shown while it runs; Esc stops it (it resumes next time)."""
+
+from __future__ import annotations
+
+import threading
+from typing import ClassVar
+
+from rich.text import Text
+from textual.app import ComposeResult
+from textual.binding import Binding, BindingType
+from textual.containers import Vertical
+from textual.screen import ModalScreen
+from textual.widgets import Label, ProgressBar, Static
+
+from localchat.hub import Progress
+from localchat.units import format_bytes
+
+
+class DownloadScreen(ModalScreen[None]):
+    BINDINGS: ClassVar[list[BindingType]] = [
+        Binding("escape", "stop", "Stop the download", id="download-stop"),
+    ]
+
+    def __init__(self, name: str, cancel: threading.Event) -> None:
+        super().__init__(classes="dialog-screen")
+        self.model_name = name
+        self.cancel = cancel
+
+    def compose(self) -> ComposeResult:
+        with Vertical(classes="dialog"):
+            yield Label(f"Downloading {self.model_name}", classes="dialog-title")
+            yield Static(
+                "The first model is being fetched from the hub. It is verified before it is used,"
+                " and a stopped download resumes where it left off."
+            )
+            yield ProgressBar(total=1, id="startup-bar", show_eta=False)
+            yield Static("", id="startup-status")
+            yield Label("Esc stops the download", classes="dialog-hint")
+
+    def show(self, progress: Progress) -> None:
+        self.query_one(ProgressBar).update(
+            total=max(1, progress.bytes_total), progress=progress.bytes_done
+        )
+        eta = f", {progress.eta_s:.0f} s left" if progress.eta_s is not None else ""
+        self.query_one("#startup-status", Static).update(
+            Text(
+                f"{progress.state}: {format_bytes(progress.bytes_done)} of"
+                f" {format_bytes(progress.bytes_total)} at {format_bytes(progress.speed)}/s{eta}"
+            )
+        )
+
+    def action_stop(self) -> None:
+        self.cancel.set()
