@@ -412,7 +412,6 @@ def _library() -> Library:
 
 def cmd_pull(args: argparse.Namespace, out: TextIO) -> int:
     from localchat.hub import DownloadCancelled, Progress
-    from localchat.units import format_bytes
 
     library = _library()
     cancel = threading.Event()
@@ -425,14 +424,7 @@ def cmd_pull(args: argparse.Namespace, out: TextIO) -> int:
             return
         last_draw[0] = now
         drawn[0] = True
-        total = max(progress.bytes_total, 1)
-        eta = f" ETA {progress.eta_s:.0f} s" if progress.eta_s is not None else ""
-        line = (
-            f"\r{progress.name}: {progress.state} {100 * progress.bytes_done / total:5.1f}%"
-            f" {format_bytes(progress.bytes_done)}/{format_bytes(progress.bytes_total)}"
-            f" {format_bytes(progress.speed)}/s{eta}   "
-        )
-        sys.stderr.write(line)
+        sys.stderr.write(f"\r{progress.name}: {progress.summary()}   ")
         sys.stderr.flush()
 
     try:

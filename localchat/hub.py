@@ -86,6 +86,15 @@ class Progress:
         speed = self.speed
         return (self.bytes_total - self.bytes_done) / speed if speed > 0 else None
 
+    def summary(self) -> str:
+        """``downloading 45.0%: 120.0 MiB of 267.0 MiB at 12.3 MiB/s, 12 s left``"""
+        percent = 100 * self.bytes_done / max(1, self.bytes_total)
+        eta = f", {self.eta_s:.0f} s left" if self.eta_s is not None else ""
+        return (
+            f"{self.state} {percent:.1f}%: {format_bytes(self.bytes_done)} of"
+            f" {format_bytes(self.bytes_total)} at {format_bytes(self.speed)}/s{eta}"
+        )
+
 
 ProgressCallback = Callable[[Progress], object]
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import threading
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,7 +30,7 @@ from localchat.hub import (
     parse_spec,
 )
 from localchat.paths import AppPaths
-from localchat.planner import DEFAULT_CTX, Candidate, fit_label, plan_model
+from localchat.planner import DEFAULT_CTX, Plan, fit_label, plan_model, sized_candidates
 
 
 @dataclass(frozen=True)
@@ -92,32 +93,24 @@ class Library:
         return chosen.repo, chosen.filename, chosen.quant
 
     def _planned_quant(self, entry: CatalogModel) -> str:
-        repacks = bool(repacked_weight_types())
-        candidates = [
-            Candidate(
-                f.quant, f.file, LayerWeights.from_total(f.size, entry.dims, f.quant, repacks)
-            )
-            for f in entry.files
-        ]
-        plan = plan_model(entry.name, entry.dims, candidates, self.hardware, DEFAULT_CTX)
-        if not plan.fits:
-            raise UsageError(f"{entry.name} does not fit this machine: {plan.explanation}")
-        return plan.quant
+        files = ((f.quant, f.file, f.size) for f in entry.files)
+        return self._fitting_plan(entry.name, entry.dims, files).quant
 
     def _planned_order(self, repo: str, files: list[RemoteFile]) -> list[str]:
         """The planner's pick for a repo outside the catalog, from one file's remote header."""
         smallest = min(files, key=lambda f: f.size)
         url = f"{hub_endpoint()}/{repo}/resolve/main/{smallest.filename}"
         dims = ModelDims.from_gguf(read_gguf_url(url))
-        repacks = bool(repacked_weight_types())
-        candidates = [
-            Candidate(f.quant, f.filename, LayerWeights.from_total(f.size, dims, f.quant, repacks))
-            for f in files
-        ]
-        plan = plan_model(repo, dims, candidates, self.hardware, DEFAULT_CTX)
-        if not plan.fits:
-            raise UsageError(f"{repo} does not fit this machine: {plan.explanation}")
+        plan = self._fitting_plan(repo, dims, ((f.quant, f.filename, f.size) for f in files))
         return [plan.quant]
+
+    def _fitting_plan(
+        self, name: str, dims: ModelDims, files: Iterable[tuple[str, str, int]]
+    ) -> Plan:
+        plan = plan_model(name, dims, sized_candidates(dims, files), self.hardware, DEFAULT_CTX)
+        if not plan.fits:
+            raise UsageError(f"{name} does not fit this machine: {plan.explanation}")
+        return plan
 
     def pull(
         self,

@@ -19,6 +19,7 @@ returns a plan that does not fit; when nothing fits it says what the smallest op
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -233,21 +234,29 @@ def _too_big(
     )
 
 
+def sized_candidates(dims: ModelDims, files: Iterable[tuple[str, str, int]]) -> list[Candidate]:
+    """Candidates known only by (quant, file name, size): catalog entries and hub listings."""
+    repacks = bool(repacked_weight_types())
+    return [
+        Candidate(quant, name, LayerWeights.from_total(size, dims, quant, repacks))
+        for quant, name, size in files
+    ]
+
+
 def plan_catalog(
     models: list[CatalogModel], hardware: Hardware, wanted_ctx: int = DEFAULT_CTX
 ) -> list[Plan]:
     """A plan for every catalog model (from catalog numbers: nothing is downloaded)."""
-    repacks = bool(repacked_weight_types())
-    plans = []
-    for model in models:
-        candidates = [
-            Candidate(
-                f.quant, f.file, LayerWeights.from_total(f.size, model.dims, f.quant, repacks)
-            )
-            for f in model.files
-        ]
-        plans.append(plan_model(model.name, model.dims, candidates, hardware, wanted_ctx))
-    return plans
+    return [
+        plan_model(
+            model.name,
+            model.dims,
+            sized_candidates(model.dims, ((f.quant, f.file, f.size) for f in model.files)),
+            hardware,
+            wanted_ctx,
+        )
+        for model in models
+    ]
 
 
 def plan_file(path: Path, hardware: Hardware, wanted_ctx: int = DEFAULT_CTX) -> Plan:

@@ -13,7 +13,6 @@ from textual.screen import ModalScreen
 from textual.widgets import Label, ProgressBar, Static
 
 from localchat.hub import Progress
-from localchat.units import format_bytes
 
 
 class DownloadScreen(ModalScreen[None]):
@@ -41,13 +40,7 @@ class DownloadScreen(ModalScreen[None]):
         self.query_one(ProgressBar).update(
             total=max(1, progress.bytes_total), progress=progress.bytes_done
         )
-        eta = f", {progress.eta_s:.0f} s left" if progress.eta_s is not None else ""
-        self.query_one("#startup-status", Static).update(
-            Text(
-                f"{progress.state}: {format_bytes(progress.bytes_done)} of"
-                f" {format_bytes(progress.bytes_total)} at {format_bytes(progress.speed)}/s{eta}"
-            )
-        )
+        self.query_one("#startup-status", Static).update(Text(progress.summary()))
 
     def action_stop(self) -> None:
         self.cancel.set()

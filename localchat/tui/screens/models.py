@@ -146,12 +146,8 @@ class ModelsScreen(ModalScreen[Path | None]):
         self.query_one(ProgressBar).update(
             total=max(1, progress.bytes_total), progress=progress.bytes_done
         )
-        eta = f", {progress.eta_s:.0f} s left" if progress.eta_s is not None else ""
         self.query_one("#download-status", Static).update(
-            Text(
-                f"{progress.name}: {progress.state} {format_bytes(progress.bytes_done)}"
-                f" of {format_bytes(progress.bytes_total)} at {format_bytes(progress.speed)}/s{eta}"
-            )
+            Text(f"{progress.name}: " + progress.summary())
         )
 
     def on_download_finished(self, message: DownloadFinished) -> None:
