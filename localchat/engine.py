@@ -263,6 +263,8 @@ class Engine:
                 f" context {trained}; use --ctx {trained} or less"
             )
         threads = self.options.n_threads or physical_cores()
+        # How many threads generate: the app sizes its own CPU budget by it.
+        self.threads = threads
         kv_id = KV_TYPES[self.options.kv_type]
         with _LOG_LOCK:
             _LOG_LINES.clear()

@@ -4,10 +4,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 from textual.message import Message
 from textual.widgets import Static
 
-from localchat.engine import Sampling
+import localchat.tui.app as app_module
+from localchat.compute_thread import on_compute_thread
+from localchat.engine import Engine, Sampling
+from localchat.text import printable
 from localchat.tui.app import LocalChatApp
 from localchat.tui.messages import (
     ModelLoadFailed,
@@ -15,10 +19,11 @@ from localchat.tui.messages import (
     ReplyFailed,
     ReplyFinished,
 )
+from localchat.tui.pacing import FramePacer
 from localchat.tui.widgets.chat_message import AssistantMessage, Notice, UserMessage
 from localchat.tui.widgets.prompt_input import PromptInput
 
-from .tui_helpers import ready, wait_for
+from .tui_helpers import ready, say, wait_for
 
 GREEDY = Sampling(temperature=0.0)
 
@@ -40,6 +45,7 @@ async def test_send_a_message_and_see_the_streamed_reply(tiny_model: Path) -> No
         chunks = [m for m in seen if isinstance(m, ReplyChunk)]
         assert chunks and reply.raw == "".join(c.text for c in chunks)
         assert reply.raw == app.conversation.exchanges[-1].record.content
+        assert reply.markdown.source == printable(reply.raw)  # all of it drawn at the end
         assert finished.stats.generated_tokens == 40
         assert app.query_one(PromptInput).text == ""
         # Live stats reflect the turn.
@@ -74,6 +80,12 @@ async def test_escape_stops_generation_and_keeps_the_partial_reply(small_model: 
         await ready(pilot, app, seen)
         await pilot.press(*"story", "enter")
         await wait_for(pilot, seen, ReplyChunk)
+        reply = app.query_one(AssistantMessage)
+        for _ in range(200):  # the reply is drawn while it streams, not only at the end
+            if reply.markdown.source:
+                break
+            await pilot.pause(0.05)
+        assert reply.markdown.source and not any(isinstance(m, ReplyFinished) for m in seen)
         await pilot.press("escape")
         finished = await wait_for(pilot, seen, ReplyFinished)
         await pilot.pause(0.1)
@@ -85,6 +97,53 @@ async def test_escape_stops_generation_and_keeps_the_partial_reply(small_model: 
             != ""
         )
         assert app.query(Notice)
+
+
+async def test_text_held_back_by_the_pacer_is_drawn_when_the_reply_ends(
+    small_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A pacer that allows no frame while streaming (a slow machine, a fast model): the whole
+    reply still appears once generation ends."""
+    monkeypatch.setattr(app_module, "FramePacer", lambda threads: FramePacer(threads, share=0.0))
+    seen: list[Message] = []
+    app = LocalChatApp(small_model, n_ctx=1024, max_tokens=300, sampling=GREEDY)
+    async with app.run_test(message_hook=seen.append) as pilot:
+        await ready(pilot, app, seen)
+        await say(pilot, seen, "tell me more")
+        await pilot.pause(0.1)
+        reply = app.query_one(AssistantMessage)
+        assert len([m for m in seen if isinstance(m, ReplyChunk)]) > 1
+        assert reply.raw and reply.markdown.source == printable(reply.raw)
+
+
+async def test_model_work_runs_on_the_compute_thread(
+    tiny_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Loading and generating happen on the one compute thread (see compute_thread.py: a
+    second OpenMP pool made generation 6 times slower on 2 cores)."""
+    where: list[tuple[str, bool]] = []
+    real_engine = app_module.Engine
+
+    def engine(*args: object, **kwargs: object) -> Engine:
+        where.append(("load", on_compute_thread()))
+        return real_engine(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(app_module, "Engine", engine)
+    seen: list[Message] = []
+    app = LocalChatApp(tiny_model, n_ctx=512, max_tokens=5, sampling=GREEDY)
+    async with app.run_test(message_hook=seen.append) as pilot:
+        await ready(pilot, app, seen)
+        assert app.conversation is not None
+        real_send = app.conversation.send
+
+        def send(*args: object, **kwargs: object) -> object:
+            where.append(("send", on_compute_thread()))
+            return real_send(*args, **kwargs)  # type: ignore[arg-type]
+
+        monkeypatch.setattr(app.conversation, "send", send)
+        await say(pilot, seen, "one")
+        await say(pilot, seen, "two")
+    assert where == [("load", True), ("send", True), ("send", True)]
 
 
 async def test_a_failed_send_puts_the_text_back(tiny_model: Path) -> None:

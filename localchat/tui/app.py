@@ -20,6 +20,7 @@ from textual.screen import Screen
 from textual.widgets import Footer, Header, Markdown
 from textual.widgets.markdown import MarkdownStream
 
+from localchat.compute_thread import run_compute
 from localchat.conversation import Conversation, ConversationTurn
 from localchat.demo import ensure_demo_model
 from localchat.engine import Engine, LoadOptions, Sampling
@@ -41,6 +42,7 @@ from localchat.tui.messages import (
     ReplyFinished,
     StartupProgress,
 )
+from localchat.tui.pacing import MIN_INTERVAL_S, FramePacer
 from localchat.tui.screens.conversations import ConversationsScreen
 from localchat.tui.screens.download import DownloadScreen
 from localchat.tui.screens.hardware import HardwareScreen
@@ -48,13 +50,18 @@ from localchat.tui.screens.help import HelpScreen
 from localchat.tui.screens.models import ModelsScreen
 from localchat.tui.screens.no_model import NoModelScreen
 from localchat.tui.screens.text_prompt import TextPromptScreen
-from localchat.tui.widgets.chat_message import AssistantMessage, Notice, UserMessage
+from localchat.tui.widgets.chat_message import (
+    AssistantMessage,
+    Notice,
+    UserMessage,
+    warm_up_markdown,
+)
 from localchat.tui.widgets.prompt_input import PromptInput
 from localchat.tui.widgets.stats_panel import StatsPanel
 
-# Chunks are posted at most this often (10 a second reads as smooth), and the stats panel
-# refreshes less often still: every repaint costs the generation thread the GIL.
-CHUNK_INTERVAL_S = 0.1
+# The worker posts text at most this often; the pacer decides which chunks get drawn at once.
+# The stats panel's speed and cache lines change less often still.
+CHUNK_INTERVAL_S = MIN_INTERVAL_S
 STATS_INTERVAL_S = 0.5
 # What a first start downloads when nothing is on disk (at the planner's quant).
 DEFAULT_MODEL = "qwen2.5-1.5b-instruct"
@@ -133,6 +140,8 @@ class LocalChatApp(App[int]):
         self._reply: AssistantMessage | None = None
         self._user_view: UserMessage | None = None
         self._stream: MarkdownStream | None = None
+        self._pacer: FramePacer | None = None
+        self._undrawn = ""  # reply text received but not drawn yet (the pacer held it)
         self._stats_shown_at = 0.0
         self._startup_cancel = threading.Event()
         self._download_screen: DownloadScreen | None = None
@@ -162,8 +171,13 @@ class LocalChatApp(App[int]):
         if self.sampling is None:
             self.sampling = Sampling(temperature=self.settings.temperature)
         self.choose_model()
+        self.warm_up()
 
     # -- workers (thread): they only post messages -------------------------------------
+    @work(thread=True, exclusive=True, group="warm-up")
+    def warm_up(self) -> None:
+        warm_up_markdown()
+
     @work(thread=True, exclusive=True, group="model")
     def choose_model(self) -> None:
         """Find the model to run: the one asked for, the last one used, or a first download."""
@@ -206,8 +220,9 @@ class LocalChatApp(App[int]):
     @work(thread=True, exclusive=True, group="model")
     def load_model(self, path: Path) -> None:
         start = time.perf_counter()
+        options = LoadOptions(n_ctx=self.n_ctx, kv_type=self.settings.kv_type)
         try:
-            engine = Engine(path, LoadOptions(n_ctx=self.n_ctx, kv_type=self.settings.kv_type))
+            engine = run_compute(Engine, path, options)
         except LocalchatError as exc:
             self.post_message(ModelLoadFailed(str(exc)))
             return
@@ -215,6 +230,10 @@ class LocalChatApp(App[int]):
 
     @work(thread=True, exclusive=True, group="generate")
     def generate(self, conversation: Conversation, text: str) -> None:
+        run_compute(self._run_turn, conversation, text)
+
+    def _run_turn(self, conversation: Conversation, text: str) -> None:
+        """One turn, on the compute thread: posts the reply as it comes, in chunks."""
         try:
             turn = conversation.send(text, self.sampling, self.max_tokens or 512, self._cancel)
         except LocalchatError as exc:
@@ -368,20 +387,37 @@ class LocalChatApp(App[int]):
         await log.mount_all([self._user_view, self._reply])
         log.anchor()
         self._stream = Markdown.get_stream(self._reply.markdown)
+        self._undrawn = ""
         self._cancel.clear()
         self._generating = True
-        self.generate(self.conversation, text)
+        # The message is drawn first, then the model starts: that frame does not compete
+        # with generation for the cores.
+        self.call_after_refresh(self._begin_generation, self.conversation, text)
+
+    def _begin_generation(self, conversation: Conversation, text: str) -> None:
+        self._pacer = FramePacer(conversation.engine.threads)
+        self.generate(conversation, text)
 
     async def on_reply_chunk(self, message: ReplyChunk) -> None:
-        if self._reply is not None and self._stream is not None:
-            await self._stream.write(self._reply.append(message.text))
-        now = time.perf_counter()
-        if now - self._stats_shown_at >= STATS_INTERVAL_S:
-            self._stats_shown_at = now
-            self.query_one(StatsPanel).show_speed(message.stats)
-            self._show_cache(message.kv_tokens)
+        if self._reply is None:
+            return
+        self._undrawn += self._reply.append(message.text)
+        if self._pacer is not None and self._pacer.frame_due():
+            await self._draw_reply()
+            now = time.perf_counter()
+            if now - self._stats_shown_at >= STATS_INTERVAL_S:
+                self._stats_shown_at = now
+                self.query_one(StatsPanel).show_speed(message.stats)
+                self._show_cache(message.kv_tokens)
+
+    async def _draw_reply(self) -> None:
+        """Hand the text the pacer held back to the Markdown stream (one frame)."""
+        if self._stream is not None and self._undrawn:
+            await self._stream.write(self._undrawn)
+        self._undrawn = ""
 
     async def on_reply_finished(self, message: ReplyFinished) -> None:
+        await self._draw_reply()
         await self._end_stream()
         stats = message.stats
         panel = self.query_one(StatsPanel)
@@ -500,6 +536,8 @@ class LocalChatApp(App[int]):
         if self._stream is not None:
             await self._stream.stop()
             self._stream = None
+        self._pacer = None
+        self._undrawn = ""
 
     def _show_cache(self, tokens: int) -> None:
         if self.engine is None:

@@ -16,8 +16,9 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -32,12 +33,16 @@ from localchat.store import Store
 from localchat.tui.app import LocalChatApp
 from localchat.tui.messages import ReplyFinished
 
-UI_TOKENS = 2000
+# The tiny model answers this with 3,000 tokens (no early end of text) at thousands of
+# tokens/s: the app's hardest case, and long enough that one turn's fixed costs do not decide.
+UI_TOKENS = 3000
 UI_CTX = 4096
-UI_ROUNDS = 3
+UI_ROUNDS = 5
 MAIN_MODEL_TOKENS = 200
 STARTUP_ROUNDS = 3
-MESSAGE = "Tell me a long story about caches."
+MESSAGE = "Write a long essay about memory."
+SETTLE_S = 0.5
+WAIT_LIMIT_S = 120.0
 
 
 class _StartupProbe(LocalChatApp):
@@ -70,30 +75,42 @@ def _startup_once(model_path: Path) -> float:
         return float(json.loads(report.read_text())["startup_s"])
 
 
-def _headless_cpu(model_path: Path, max_tokens: int = UI_TOKENS) -> tuple[float, float, int]:
-    """(CPU seconds, tokens/s, tokens) of the same turn with no UI: a conversation in a fresh store,
-    so saving the transcript and the KV state costs the same on both sides."""
-    with tempfile.TemporaryDirectory(prefix="localchat-bench-ui-") as tmp:
-        engine = Engine(model_path, LoadOptions(n_ctx=UI_CTX))
-        store = Store(Path(tmp) / "db.sqlite3")
-        conversation = Conversation.open(store, StateStore(Path(tmp) / "states"), "bench", engine)
-        cpu = time.process_time()
-        wall = time.perf_counter()
-        turn = conversation.send(MESSAGE, Sampling(temperature=0.0), max_tokens)
-        for _ in turn:
-            pass
-        conversation.saver.wait()
-        cpu_used = time.process_time() - cpu
-        tokens = turn.stats.generated_tokens
-        rate = tokens / (time.perf_counter() - wall)
-        conversation.close()
-        store.close()
-        engine.close()
-    return cpu_used, rate, tokens
+def _headless_cpu(model_path: Path, max_tokens: int) -> tuple[float, float, int]:
+    """(CPU seconds, tokens/s, tokens) of the turn with no UI: a conversation in a fresh store,
+    so saving the transcript and the KV state costs the same on both sides. It runs in a
+    thread of its own, as the app's generation does (llama.cpp's OpenMP pool is per thread)."""
+    result: list[tuple[float, float, int]] = []
+
+    def turn() -> None:
+        with tempfile.TemporaryDirectory(prefix="localchat-bench-ui-") as tmp:
+            engine = Engine(model_path, LoadOptions(n_ctx=UI_CTX))
+            store = Store(Path(tmp) / "db.sqlite3")
+            states = StateStore(Path(tmp) / "states")
+            conversation = Conversation.open(store, states, "bench", engine)
+            cpu = time.process_time()
+            wall = time.perf_counter()
+            reply = conversation.send(MESSAGE, Sampling(temperature=0.0), max_tokens)
+            for _ in reply:
+                pass
+            conversation.saver.wait()
+            cpu_used = time.process_time() - cpu
+            tokens = reply.stats.generated_tokens
+            result.append((cpu_used, tokens / (time.perf_counter() - wall), tokens))
+            conversation.close()
+            store.close()
+            engine.close()
+
+    worker = threading.Thread(target=turn)
+    worker.start()
+    worker.join()
+    if not result:
+        raise RuntimeError("the headless turn failed")
+    return result[0]
 
 
-async def _app_cpu(model_path: Path, max_tokens: int = UI_TOKENS) -> tuple[float, int]:
-    """CPU seconds of the same turn streamed through the app (send to reply finished)."""
+async def _app_cpu(model_path: Path, max_tokens: int) -> tuple[float, float, int]:
+    """(CPU seconds, tokens/s, tokens) of the same turn streamed through the app, from Enter
+    to the reply drawn; the app has settled after loading before the clock starts."""
     app = LocalChatApp(
         model_path, n_ctx=UI_CTX, max_tokens=max_tokens, sampling=Sampling(temperature=0.0)
     )
@@ -104,19 +121,26 @@ async def _app_cpu(model_path: Path, max_tokens: int = UI_TOKENS) -> tuple[float
             finished.append(message)
 
     async with app.run_test(size=(120, 36), message_hook=hook) as pilot:
-        while app.conversation is None:
-            await pilot.pause(0.05)
+        await _until(pilot, lambda: app.conversation is not None, "the model to load")
         app.query_one("#input").text = MESSAGE  # type: ignore[attr-defined]
+        await pilot.pause(SETTLE_S)
         cpu = time.process_time()
         await pilot.press("enter")
-        while not finished:
-            await pilot.pause(0.01)
+        await _until(pilot, lambda: bool(finished), "the reply")
         assert app.conversation is not None
         app.conversation.saver.wait()
-        await pilot.pause(0.2)  # the last chunk renders: part of the app's cost
+        await pilot.pause(0.1)  # the last frame is drawn: part of the app's cost
         used = time.process_time() - cpu
-        tokens = finished[0].stats.generated_tokens
-    return used, tokens
+        stats = finished[0].stats
+    return used, stats.gen_tps, stats.generated_tokens
+
+
+async def _until(pilot: Any, done: Callable[[], bool], what: str) -> None:
+    deadline = time.monotonic() + WAIT_LIMIT_S
+    while not done():
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the app did not show {what} within {WAIT_LIMIT_S:.0f} s")
+        await pilot.pause(0.01)
 
 
 @contextlib.contextmanager
@@ -134,20 +158,46 @@ def _scratch_home() -> Iterator[None]:
                 os.environ[HOME_ENV] = previous
 
 
+def measure_turn(side: str, model_path: Path, max_tokens: int) -> dict[str, Any]:
+    """One side of the comparison, in this process: ``headless`` or ``app``."""
+    with _scratch_home():
+        if side == "headless":
+            cpu, rate, tokens = _headless_cpu(model_path, max_tokens)
+        else:
+            cpu, rate, tokens = asyncio.run(_app_cpu(model_path, max_tokens))
+    return {"cpu_s": cpu, "gen_tps": rate, "tokens": tokens}
+
+
+def _turn_in_fresh_process(side: str, model_path: Path, max_tokens: int) -> dict[str, Any]:
+    """Each side runs in a new process, as a user's app does: nothing left over from other
+    measurements (llama.cpp thread pools, Textual caches, garbage) weighs on it."""
+    with tempfile.TemporaryDirectory(prefix="localchat-bench-ui-") as tmp:
+        report = Path(tmp) / "turn.json"
+        command = [sys.executable, "-m", "localchat.tui.bench_ui", "turn", side]
+        command += [str(model_path), str(max_tokens), str(report)]
+        result = subprocess.run(command, capture_output=True, text=True, timeout=600, check=False)
+        if not report.exists():
+            raise RuntimeError(f"the {side} turn failed: {result.stderr.strip()[-500:]}")
+        data: dict[str, Any] = json.loads(report.read_text())
+        return data
+
+
 def _overhead(model_path: Path, max_tokens: int, rounds: int) -> tuple[float, float, int]:
-    """(median overhead, median headless tokens/s, tokens) over ``rounds`` paired runs."""
+    """(median overhead, median headless tokens/s, tokens) over ``rounds`` pairs, the order
+    alternating so that drift in the machine's speed does not favour one side."""
     overheads, rates = [], []
     tokens = 0
-    for _ in range(rounds):
-        headless, rate, tokens = _headless_cpu(model_path, max_tokens)
-        with _scratch_home():
-            with_app, app_tokens = asyncio.run(_app_cpu(model_path, max_tokens))
-        if app_tokens != tokens:
+    for round_index in range(rounds):
+        sides = ("headless", "app") if round_index % 2 == 0 else ("app", "headless")
+        runs = {side: _turn_in_fresh_process(side, model_path, max_tokens) for side in sides}
+        headless, app = runs["headless"], runs["app"]
+        tokens = headless["tokens"]
+        if app["tokens"] != tokens:
             raise RuntimeError(
-                f"the app's reply had {app_tokens} tokens, headless {tokens}: not comparable"
+                f"the app's reply had {app['tokens']} tokens, headless {tokens}: not comparable"
             )
-        overheads.append((with_app - headless) / headless)
-        rates.append(rate)
+        overheads.append((app["cpu_s"] - headless["cpu_s"]) / headless["cpu_s"])
+        rates.append(headless["gen_tps"])
     return statistics.median(overheads), statistics.median(rates), tokens
 
 
@@ -176,6 +226,10 @@ def bench_ui(tiny_model: Path, main_model: Path | None = None) -> dict[str, Any]
     return results
 
 
-if __name__ == "__main__":  # the fresh process that ``_startup_once`` times
+if __name__ == "__main__":  # the fresh processes that the measurements run in
     if len(sys.argv) == 4 and sys.argv[1] == "startup":
         _StartupProbe(Path(sys.argv[2]), Path(sys.argv[3])).run(headless=True)
+    elif len(sys.argv) == 6 and sys.argv[1] == "turn":
+        side, model, tokens, report = sys.argv[2:]
+        figures = measure_turn(side, Path(model), int(tokens))
+        Path(report).write_text(json.dumps(figures))

@@ -2,12 +2,34 @@
 
 from __future__ import annotations
 
+import functools
+
+from markdown_it import MarkdownIt
 from rich.text import Text
 from textual.app import ComposeResult
 from textual.containers import Vertical
 from textual.widgets import Label, Markdown, Static
 
 from localchat.text import printable
+
+# Takes the parser down each of its paths (linkify compiles its patterns on first use).
+_WARM_UP_SAMPLE = (
+    "# Title\n\nSome *text* with `code`, https://example.com/a, www.example.org,"
+    " example.net and someone@example.com\n\n- item\n\n| a |\n|---|\n| 1 |\n"
+)
+
+
+@functools.cache
+def markdown_parser() -> MarkdownIt:
+    """The one parser every reply uses (Textual's default builds a new one per streamed chunk,
+    and its link patterns are compiled again whenever Python's regex cache has dropped them)."""
+    return MarkdownIt("gfm-like")
+
+
+def warm_up_markdown() -> None:
+    """Parse a sample once, off the app's thread: the patterns the parser compiles on first use
+    then do not delay the first reply's first frame."""
+    markdown_parser().parse(_WARM_UP_SAMPLE)
 
 
 class UserMessage(Vertical):
@@ -30,7 +52,7 @@ class AssistantMessage(Vertical):
 
     def compose(self) -> ComposeResult:
         yield Label("model", classes="role")
-        yield Markdown(classes="body")
+        yield Markdown(classes="body", parser_factory=markdown_parser)
 
     @property
     def markdown(self) -> Markdown:

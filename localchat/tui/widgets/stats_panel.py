@@ -38,12 +38,16 @@ class StatsPanel(Vertical):
         self.refresh_memory()
         self.set_interval(1.0, self.refresh_memory)
 
-    def _set(self, widget_id: str, text: str) -> None:
-        self.query_one(f"#{widget_id}", Static).update(Text(text))
+    def _set(self, widget_id: str, text: str, layout: bool = False) -> None:
+        """The figures that change while a reply streams have fixed heights (app.tcss): a
+        repaint of their own lines is enough, without a layout of the whole screen."""
+        self.query_one(f"#{widget_id}", Static).update(Text(text), layout=layout)
 
     def show_model(self, name: str, quant: str, kv_type: str, n_ctx: int, gpu_layers: int) -> None:
         self._set(
-            "model-info", f"{name}\n{quant} · KV {kv_type} · ctx {n_ctx}\nGPU layers {gpu_layers}"
+            "model-info",
+            f"{name}\n{quant} · KV {kv_type} · ctx {n_ctx}\nGPU layers {gpu_layers}",
+            layout=True,
         )
 
     def show_cache(self, used_bytes: int, allocated_bytes: int, tokens: int, n_ctx: int) -> None:

@@ -1,0 +1,39 @@
+"""llama.cpp work runs on one long-lived thread, whoever asks for it."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from localchat.compute_thread import on_compute_thread, run_compute
+
+
+def _where() -> tuple[int, bool]:
+    return threading.get_ident(), on_compute_thread()
+
+
+def test_calls_from_different_threads_all_run_on_the_same_thread() -> None:
+    seen: list[tuple[int, bool]] = []
+    callers = [threading.Thread(target=lambda: seen.append(run_compute(_where))) for _ in range(4)]
+    for caller in callers:
+        caller.start()
+    for caller in callers:
+        caller.join()
+    seen.append(run_compute(_where))
+    assert len({ident for ident, _ in seen}) == 1
+    assert all(flag for _, flag in seen)
+    assert seen[0][0] != threading.get_ident()
+    assert not on_compute_thread()
+
+
+def test_the_functions_error_is_raised_to_the_caller() -> None:
+    def fail() -> None:
+        raise ValueError("bad model")
+
+    with pytest.raises(ValueError, match="bad model"):
+        run_compute(fail)
+
+
+def test_a_call_from_the_compute_thread_runs_in_place() -> None:
+    assert run_compute(run_compute, _where) == run_compute(_where)
