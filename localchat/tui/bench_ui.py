@@ -18,7 +18,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +31,7 @@ from localchat.kvstate import StateStore
 from localchat.paths import HOME_ENV
 from localchat.store import Store
 from localchat.tui.app import LocalChatApp
-from localchat.tui.messages import ReplyFinished
+from localchat.tui.messages import ModelLoaded, ReplyFinished
 
 # The tiny model answers this with 3,000 tokens (no early end of text) at thousands of
 # tokens/s: the app's hardest case, and long enough that one turn's fixed costs do not decide.
@@ -110,37 +110,42 @@ def _headless_cpu(model_path: Path, max_tokens: int) -> tuple[float, float, int]
 
 async def _app_cpu(model_path: Path, max_tokens: int) -> tuple[float, float, int]:
     """(CPU seconds, tokens/s, tokens) of the same turn streamed through the app, from Enter
-    to the reply drawn; the app has settled after loading before the clock starts."""
+    to the reply drawn; the app has settled after loading before the clock starts. The test
+    side waits on events, not by polling the pilot (each poll visits every widget)."""
     app = LocalChatApp(
         model_path, n_ctx=UI_CTX, max_tokens=max_tokens, sampling=Sampling(temperature=0.0)
     )
+    loaded, done = asyncio.Event(), asyncio.Event()
     finished: list[ReplyFinished] = []
 
     def hook(message: object) -> None:
-        if isinstance(message, ReplyFinished):
+        if isinstance(message, ModelLoaded):
+            loaded.set()
+        elif isinstance(message, ReplyFinished):
             finished.append(message)
+            done.set()
 
     async with app.run_test(size=(120, 36), message_hook=hook) as pilot:
-        await _until(pilot, lambda: app.conversation is not None, "the model to load")
+        await _wait(loaded, "the model to load")
+        await pilot.pause(SETTLE_S)  # the conversation opens, the screen settles
         app.query_one("#input").text = MESSAGE  # type: ignore[attr-defined]
         await pilot.pause(SETTLE_S)
         cpu = time.process_time()
         await pilot.press("enter")
-        await _until(pilot, lambda: bool(finished), "the reply")
+        await _wait(done, "the reply")
         assert app.conversation is not None
         app.conversation.saver.wait()
-        await pilot.pause(0.1)  # the last frame is drawn: part of the app's cost
+        await asyncio.sleep(0.1)  # the last frame is drawn: part of the app's cost
         used = time.process_time() - cpu
         stats = finished[0].stats
     return used, stats.gen_tps, stats.generated_tokens
 
 
-async def _until(pilot: Any, done: Callable[[], bool], what: str) -> None:
-    deadline = time.monotonic() + WAIT_LIMIT_S
-    while not done():
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"the app did not show {what} within {WAIT_LIMIT_S:.0f} s")
-        await pilot.pause(0.01)
+async def _wait(event: asyncio.Event, what: str) -> None:
+    try:
+        await asyncio.wait_for(event.wait(), WAIT_LIMIT_S)
+    except TimeoutError:
+        raise RuntimeError(f"the app did not show {what} within {WAIT_LIMIT_S:.0f} s") from None
 
 
 @contextlib.contextmanager
