@@ -388,6 +388,8 @@ class LocalChatApp(App[int]):
         log.anchor()
         self._stream = Markdown.get_stream(self._reply.markdown)
         self._undrawn = ""
+        # A steady cursor while the model answers: each blink is a repaint taken from generation.
+        self.query_one(PromptInput).cursor_blink = False
         self._cancel.clear()
         self._generating = True
         # The message is drawn first, then the model starts: that frame does not compete
@@ -538,6 +540,7 @@ class LocalChatApp(App[int]):
             self._stream = None
         self._pacer = None
         self._undrawn = ""
+        self.query_one(PromptInput).cursor_blink = True
 
     def _show_cache(self, tokens: int) -> None:
         if self.engine is None:

@@ -5,7 +5,7 @@ A frame (layout and render of the chat) costs the app's thread milliseconds of C
 machine whose cores all run llama.cpp that time is taken from generation twice over: the
 preempted worker's partner spins at llama.cpp's barrier meanwhile. So the app spends at most
 ``share`` of the generation's CPU time on drawing during a turn; on a fast machine that is
-never the limit and replies stream at ``min_interval_s``; on a 2-core laptop running a model at
+never the limit and replies stream at the chunk rate (10 a second); on a 2-core laptop running a model at
 thousands of tokens/s, text arrives in fewer, larger steps instead of slowing the model.
 """
 
@@ -15,10 +15,12 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-# 10 redraws a second reads as smooth streaming.
+# The worker posts text at most 10 times a second (reads as smooth streaming); chunks that
+# reach the app closer together than half that (it was busy) make one frame.
 MIN_INTERVAL_S = 0.1
+FRAME_GAP_S = MIN_INTERVAL_S / 2
 # The app's thread may use this fraction of the CPU time the generation threads use.
-UI_CPU_SHARE = 0.03
+UI_CPU_SHARE = 0.04
 
 
 @dataclass
@@ -31,15 +33,16 @@ class FramePacer:
 
     generation_threads: int
     share: float = UI_CPU_SHARE
-    min_interval_s: float = MIN_INTERVAL_S
+    min_gap_s: float = FRAME_GAP_S
     wall_clock: Callable[[], float] = time.perf_counter
     cpu_clock: Callable[[], float] = time.thread_time
     started_wall: float = field(init=False)
     started_cpu: float = field(init=False)
     last_frame: float | None = field(init=False, default=None)
-    # What the app's thread used from the last frame drawn to the next decision: that frame's
-    # cost (drawing a long paragraph costs more each time), the guess for the next one.
-    _cpu_at_last_frame: float = field(init=False, default=0.0)
+    # What the app's thread used from a frame's decision to the next chunk (the frame is drawn
+    # in between): that frame's cost, the guess for the next one (a long paragraph costs more
+    # each time). Measured once per frame, so that idle time does not count as drawing.
+    _cpu_at_last_frame: float | None = field(init=False, default=None)
     _last_frame_cost: float = field(init=False, default=0.0)
 
     def __post_init__(self) -> None:
@@ -57,11 +60,12 @@ class FramePacer:
     def frame_due(self) -> bool:
         """True (and the frame counted) when drawing now keeps within both limits."""
         now = self.wall_clock()
-        if self.last_frame is not None:
-            if now - self.last_frame < self.min_interval_s:
-                return False
-            self._last_frame_cost = self.ui_cpu_s() - self._cpu_at_last_frame
         spent = self.ui_cpu_s()
+        if self._cpu_at_last_frame is not None:
+            self._last_frame_cost = spent - self._cpu_at_last_frame
+            self._cpu_at_last_frame = None
+        if self.last_frame is not None and now - self.last_frame < self.min_gap_s:
+            return False
         if spent + self._last_frame_cost > self.budget_s(now):
             return False
         self.last_frame = now
