@@ -3,10 +3,10 @@ drawing slows the model down.
 
 A frame (layout and render of the chat) costs the app's thread milliseconds of CPU, and on a
 machine whose cores all run llama.cpp that time is taken from generation twice over: the
-preempted worker's partner spins at llama.cpp's barrier meanwhile. So the app spends at most
-``share`` of the generation's CPU time on drawing during a turn; on a fast machine that is
-never the limit and replies stream at the chunk rate (10 a second); on a 2-core laptop running a model at
-thousands of tokens/s, text arrives in fewer, larger steps instead of slowing the model.
+preempted worker's partner waits at llama.cpp's barrier meanwhile. So the app spends at most
+``share`` of the generation's CPU time on drawing during a turn. On most machines that is never
+the limit and replies stream at the chunk rate (10 a second); on a 2-core laptop running a
+model at thousands of tokens/s, text arrives in fewer, larger steps instead of slowing it.
 """
 
 from __future__ import annotations
