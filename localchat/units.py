@@ -1,4 +1,5 @@
-"""Byte sizes for people: formatting and parsing (``8GiB``, ``8G``, ``8192MiB``, ``8000000000``)."""
+"""Figures for people: byte sizes formatted and parsed (``8GiB``, ``8G``, ``8192MiB``,
+``8000000000``) and counts of things (``1 token``, ``2,013 tokens``)."""
 
 from __future__ import annotations
 
@@ -44,3 +45,8 @@ def parse_size(text: str) -> int:
     if match is None or suffix not in _SIZE_SUFFIXES:
         raise UsageError(f"{text!r} is not a size; write it like 8GiB, 8G, 8192MiB or 8000000000")
     return int(float(match.group(1)) * _SIZE_SUFFIXES[suffix])
+
+
+def count(n: int, noun: str) -> str:
+    """``1, "token"`` → ``1 token``; ``2013, "token"`` → ``2,013 tokens``."""
+    return f"{n:,} {noun}" if n == 1 else f"{n:,} {noun}s"

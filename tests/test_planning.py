@@ -22,7 +22,7 @@ from localchat.estimate import (
 from localchat.gguf_info import read_gguf, read_gguf_url
 from localchat.hardware import GPU_APPLE, GPU_NONE, GPU_NVIDIA, Hardware, detect_hardware
 from localchat.planner import plan_catalog
-from localchat.units import parse_size
+from localchat.units import count, parse_size
 
 from .hubserver import HubServer, HubState
 
@@ -253,6 +253,12 @@ def test_sizes_parse(text: str, expected: int) -> None:
 def test_bad_sizes_are_clear_errors(text: str) -> None:
     with pytest.raises(UsageError, match="is not a size"):
         parse_size(text)
+
+
+def test_counts_read_as_english() -> None:
+    assert count(1, "token") == "1 token"
+    assert count(0, "token") == "0 tokens"
+    assert count(2013, "token") == "2,013 tokens"
 
 
 def test_detection_never_crashes(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -58,6 +58,7 @@ from localchat.tui.widgets.chat_message import (
 )
 from localchat.tui.widgets.prompt_input import PromptInput
 from localchat.tui.widgets.stats_panel import StatsPanel
+from localchat.units import count
 
 # The worker posts text at most this often; the pacer decides which chunks get drawn at once.
 # The stats panel's speed and cache lines change less often still.
@@ -572,11 +573,13 @@ def describe_turn_start(turn: ConversationTurn) -> str:
     """How the turn began: restored from disk, reused from memory, or evaluated."""
     stats = turn.stats
     restore = turn.restore
-    evaluated = f"evaluated {stats.prompt_tokens_evaluated:,} tokens in {stats.ttft_s:.2f} s"
+    evaluated = f"evaluated {count(stats.prompt_tokens_evaluated, 'token')} in {stats.ttft_s:.2f} s"
     if restore.restored:
-        return f"restored {restore.tokens:,} tokens from saved cache in {restore.seconds:.2f} s\n{evaluated}"
+        restored = count(restore.tokens, "token")
+        return f"restored {restored} from saved cache in {restore.seconds:.2f} s\n{evaluated}"
     if restore.replayed:
-        return f"re-evaluated {restore.replayed:,} tokens in {restore.seconds:.2f} s\n{evaluated}"
+        replayed = count(restore.replayed, "token")
+        return f"re-evaluated {replayed} in {restore.seconds:.2f} s\n{evaluated}"
     reused = stats.prompt_tokens - stats.prompt_tokens_evaluated
     return evaluated + (f"\nreused {reused:,} from the cache" if reused else "")
 
