@@ -28,7 +28,7 @@ class StatsPanel(Vertical):
         yield ProgressBar(total=1, show_eta=False, id="ctx-fill")
         yield Static("", id="ctx-tokens")
         yield Label("Speed", classes="heading")
-        yield Static("", id="speed")
+        yield Static(Text("no reply yet"), id="speed")
         yield Sparkline([], id="speed-history")
         yield Static("", id="turn-start")
         yield Label("Memory", classes="heading")
