@@ -16,7 +16,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,6 +24,7 @@ from typing import Any
 import psutil
 from textual import events
 
+from localchat.compute_thread import run_compute
 from localchat.conversation import Conversation
 from localchat.engine import Engine, LoadOptions, Sampling
 from localchat.kvstate import StateStore
@@ -77,35 +77,29 @@ def _startup_once(model_path: Path) -> float:
 
 def _headless_cpu(model_path: Path, max_tokens: int) -> tuple[float, float, int]:
     """(CPU seconds, tokens/s, tokens) of the turn with no UI: a conversation in a fresh store,
-    so saving the transcript and the KV state costs the same on both sides. It runs in a
-    thread of its own, as the app's generation does (llama.cpp's OpenMP pool is per thread)."""
-    result: list[tuple[float, float, int]] = []
+    so saving the transcript and the KV state costs the same on both sides. It runs on the
+    compute thread, as the app's turns do."""
+    return run_compute(_headless_turn, model_path, max_tokens)
 
-    def turn() -> None:
-        with tempfile.TemporaryDirectory(prefix="localchat-bench-ui-") as tmp:
-            engine = Engine(model_path, LoadOptions(n_ctx=UI_CTX))
-            store = Store(Path(tmp) / "db.sqlite3")
-            states = StateStore(Path(tmp) / "states")
-            conversation = Conversation.open(store, states, "bench", engine)
-            cpu = time.process_time()
-            wall = time.perf_counter()
-            reply = conversation.send(MESSAGE, Sampling(temperature=0.0), max_tokens)
-            for _ in reply:
-                pass
-            conversation.saver.wait()
-            cpu_used = time.process_time() - cpu
-            tokens = reply.stats.generated_tokens
-            result.append((cpu_used, tokens / (time.perf_counter() - wall), tokens))
-            conversation.close()
-            store.close()
-            engine.close()
 
-    worker = threading.Thread(target=turn)
-    worker.start()
-    worker.join()
-    if not result:
-        raise RuntimeError("the headless turn failed")
-    return result[0]
+def _headless_turn(model_path: Path, max_tokens: int) -> tuple[float, float, int]:
+    with tempfile.TemporaryDirectory(prefix="localchat-bench-ui-") as tmp:
+        engine = Engine(model_path, LoadOptions(n_ctx=UI_CTX))
+        store = Store(Path(tmp) / "db.sqlite3")
+        conversation = Conversation.open(store, StateStore(Path(tmp) / "states"), "bench", engine)
+        cpu = time.process_time()
+        wall = time.perf_counter()
+        reply = conversation.send(MESSAGE, Sampling(temperature=0.0), max_tokens)
+        for _ in reply:
+            pass
+        conversation.saver.wait()
+        cpu_used = time.process_time() - cpu
+        tokens = reply.stats.generated_tokens
+        rate = tokens / (time.perf_counter() - wall)
+        conversation.close()
+        store.close()
+        engine.close()
+    return cpu_used, rate, tokens
 
 
 async def _app_cpu(model_path: Path, max_tokens: int) -> tuple[float, float, int]:
