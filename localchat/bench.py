@@ -255,7 +255,8 @@ def bench_window(model_path: Path, progress: Progress = None) -> dict[str, Any]:
             for _ in turn:
                 pass
             turn_no += 1
-            total += len(turn.user.prompt.tokens or []) + turn.stats.generated_tokens
+            user_start, user_end = turn.prompt.spans[-1]
+            total += user_end - user_start + turn.stats.generated_tokens
             overflowed = bool(after) or turn.window.dropped_messages > 0
             if turn.window.dropped_messages:
                 modes.add(turn.window.mode)
@@ -263,8 +264,8 @@ def bench_window(model_path: Path, progress: Progress = None) -> dict[str, Any]:
                 before.append(turn.resume_ttft_s)
                 continue
             after.append(turn.resume_ttft_s)
-            header = len(engine.tokenize(turn.prompt.generation_header, special=True))
-            new_tokens.append(1 + closing + len(turn.user.prompt.tokens or []) + header)
+            header = turn.prompt.generation_header
+            new_tokens.append(1 + closing + user_end - user_start + header)
             evaluated.append(turn.stats.prompt_tokens_evaluated)
             if len(after) % 5 == 1:
                 _say(

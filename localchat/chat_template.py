@@ -1,27 +1,27 @@
 """Render a conversation with the model's own chat template (Jinja, from GGUF metadata).
 
-Templates run in Jinja's immutable sandbox: a template is data from a downloaded file, so it
-may not touch Python objects beyond what it is given.
+Rendering follows what llama.cpp's server does with a template (its minja engine, and
+transformers before it): ``trim_blocks``/``lstrip_blocks``, loop controls, ``tojson`` that
+keeps non-ASCII text and takes ``indent``, ``strftime_now`` and ``raise_exception``. Before a
+conversation is rendered the template's abilities are probed, as minja does: a template that
+rejects (or silently drops) a system role gets the system prompt folded into the first user
+message, and a template that demands alternating roles gets consecutive messages of one role
+merged. Templates run in Jinja's immutable sandbox: a template is data from a downloaded
+file, so it may not touch Python objects beyond what it is given.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
 from jinja2 import TemplateError
+from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from localchat.errors import ModelFileError
-
-# Used for models whose GGUF carries no template: a plain transcript any base model can follow.
-FALLBACK_TEMPLATE = (
-    "{% for message in messages %}"
-    "{{ message['role'] | capitalize }}: {{ message['content'] }}\n\n"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}Assistant:{% endif %}"
-)
 
 
 @dataclass(frozen=True)
@@ -30,38 +30,144 @@ class ChatMessage:
     content: str
 
 
+@dataclass(frozen=True)
+class TemplateCaps:
+    """What a template can take, found by rendering probes (as llama.cpp's minja does)."""
+
+    supports_system_role: bool = True
+    requires_alternation: bool = False
+
+
+_SYSTEM_NEEDLE = "<System Needle 7f3a>"
+
+
 def _raise_exception(message: str) -> None:
     raise TemplateError(message)
 
 
-def _strftime_now(fmt: str) -> str:
-    return datetime.now().strftime(fmt)
+def _tojson(
+    value: Any,
+    indent: int | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+    ensure_ascii: bool = False,
+) -> str:
+    """transformers' ``tojson``: plain JSON, no HTML escaping, non-ASCII kept as is."""
+    return json.dumps(
+        value, indent=indent, separators=separators, sort_keys=sort_keys, ensure_ascii=ensure_ascii
+    )
+
+
+def _environment() -> ImmutableSandboxedEnvironment:
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols]
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    return env
 
 
 class ChatTemplate:
-    """A compiled chat template; ``render`` gives the prompt text for a list of messages."""
+    """A compiled chat template; ``render`` gives the prompt text for a list of messages.
 
-    def __init__(self, source: str | None, bos_token: str = "", eos_token: str = "") -> None:
-        self.source = source or FALLBACK_TEMPLATE
-        self.is_fallback = source is None
+    ``name`` says where the template came from (for the model panel and ``ask --json``);
+    ``stop`` lists strings that end a reply (for formats without an end-of-turn token).
+    """
+
+    def __init__(
+        self,
+        source: str,
+        bos_token: str = "",
+        eos_token: str = "",
+        name: str = "the model's own",
+        stop: tuple[str, ...] = (),
+    ) -> None:
+        self.source = source
         self.bos_token = bos_token
         self.eos_token = eos_token
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        env.globals["raise_exception"] = _raise_exception
-        env.globals["strftime_now"] = _strftime_now
+        self.name = name
+        self.stop = stop
         try:
-            self._template = env.from_string(self.source)
+            self._template = _environment().from_string(source)
         except TemplateError as exc:
-            raise ModelFileError(f"the model's chat template does not compile: {exc}") from None
+            raise ModelFileError(f"the chat template {name!r} does not compile: {exc}") from None
+        self.caps = self._probe()
 
-    def render(self, messages: list[ChatMessage], add_generation_prompt: bool = True) -> str:
+    def _raw(self, messages: list[ChatMessage], add_generation_prompt: bool, now: datetime) -> str:
         context: dict[str, Any] = {
             "messages": [{"role": m.role, "content": m.content} for m in messages],
             "add_generation_prompt": add_generation_prompt,
             "bos_token": self.bos_token,
             "eos_token": self.eos_token,
+            "strftime_now": now.strftime,
         }
+        return self._template.render(**context)
+
+    def _renders(self, messages: list[ChatMessage], needle: str | None = None) -> bool:
         try:
-            return self._template.render(**context)
+            text = self._raw(messages, False, datetime.now())
+        except Exception:  # a probe: any failure means "not supported"
+            return False
+        return needle is None or needle in text
+
+    def _probe(self) -> TemplateCaps:
+        system = ChatMessage("system", _SYSTEM_NEEDLE)
+        user = ChatMessage("user", "Hey")
+        return TemplateCaps(
+            supports_system_role=self._renders([system, user], _SYSTEM_NEEDLE),
+            requires_alternation=not self._renders([user, user]),
+        )
+
+    def adapt(self, messages: list[ChatMessage]) -> list[ChatMessage]:
+        """The messages as this template can take them (llama.cpp's polyfills)."""
+        adapted = list(messages)
+        if not self.caps.supports_system_role:
+            adapted = _fold_system(adapted)
+        if self.caps.requires_alternation:
+            adapted = _merge_same_roles(adapted)
+        return adapted
+
+    def render(
+        self,
+        messages: list[ChatMessage],
+        add_generation_prompt: bool = True,
+        now: datetime | None = None,
+    ) -> str:
+        """The prompt text; ``now`` is what ``strftime_now`` reports (a conversation pins its
+        start, so a template that writes today's date gives the same text on every day)."""
+        try:
+            return self._raw(self.adapt(messages), add_generation_prompt, now or datetime.now())
         except TemplateError as exc:
-            raise ModelFileError(f"the model's chat template failed: {exc}") from None
+            raise ModelFileError(f"the chat template {self.name!r} failed: {exc}") from None
+
+
+def _fold_system(messages: list[ChatMessage]) -> list[ChatMessage]:
+    """System text goes to the start of the next user message (or becomes one)."""
+    out: list[ChatMessage] = []
+    pending = ""
+    for message in messages:
+        if message.role == "system":
+            pending = f"{pending}\n{message.content}" if pending else message.content
+            continue
+        if pending:
+            if message.role == "user":
+                content = f"{pending}\n{message.content}" if message.content else pending
+                message = ChatMessage("user", content)
+            else:
+                out.append(ChatMessage("user", pending))
+            pending = ""
+        out.append(message)
+    if pending:
+        out.append(ChatMessage("user", pending))
+    return out
+
+
+def _merge_same_roles(messages: list[ChatMessage]) -> list[ChatMessage]:
+    """Consecutive messages of one role become one (joined by a blank line)."""
+    out: list[ChatMessage] = []
+    for message in messages:
+        if out and out[-1].role == message.role:
+            out[-1] = ChatMessage(message.role, f"{out[-1].content}\n\n{message.content}")
+        else:
+            out.append(message)
+    return out

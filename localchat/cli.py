@@ -81,14 +81,34 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--model", metavar="NAME[:QUANT]", help="a catalog or hub model (downloaded if needed)"
     )
-    parser.add_argument("--ctx", type=_positive_int, default=4096, help="context size in tokens")
+    parser.add_argument(
+        "--ctx",
+        type=_positive_int,
+        default=None,
+        help="context size in tokens (default: 4096, or the model's trained context if smaller)",
+    )
+    parser.add_argument(
+        "--template",
+        metavar="NAME|FILE",
+        help="chat template: chatml, llama3, gemma, mistral, phi3, plain, or a .jinja file",
+    )
     sub = parser.add_subparsers(dest="command", parser_class=_Parser)
 
     ask = sub.add_parser("ask", help="one headless turn: stream a reply to stdout")
     ask.add_argument("message", help="what to say to the model")
     ask.add_argument("--model-path", type=Path, help="a local GGUF file (default: the demo model)")
     ask.add_argument("--system", default=None, help="system prompt")
-    ask.add_argument("--ctx", type=_positive_int, default=4096, help="context size in tokens")
+    ask.add_argument(
+        "--ctx",
+        type=_positive_int,
+        default=None,
+        help="context size in tokens (default: 4096, or the model's trained context if smaller)",
+    )
+    ask.add_argument(
+        "--template",
+        metavar="NAME|FILE",
+        help="chat template: chatml, llama3, gemma, mistral, phi3, plain, or a .jinja file",
+    )
     ask.add_argument(
         "--max-tokens",
         type=_positive_int,
@@ -193,7 +213,10 @@ def cmd_ask(args: argparse.Namespace, out: TextIO) -> int:
     settings = load_settings(app_paths().settings_file)
     kv_type = args.kv_type or settings.kv_type
     engine = Engine(
-        model_path, LoadOptions(n_ctx=args.ctx, n_threads=args.threads, kv_type=kv_type)
+        model_path,
+        LoadOptions(
+            n_ctx=args.ctx, n_threads=args.threads, kv_type=kv_type, template=args.template
+        ),
     )
     temperature = settings.temperature if args.temperature is None else args.temperature
     sampling = Sampling(temperature=temperature, seed=args.seed)
@@ -230,7 +253,7 @@ def _print_result(
     out: TextIO,
     args: argparse.Namespace,
     reply: str,
-    model: str,
+    engine: Engine,
     stats: dict[str, Any],
     notices: list[str],
 ) -> None:
@@ -240,7 +263,9 @@ def _print_result(
         payload = {
             "reply": reply,
             "conversation": args.conversation,
-            "model": model,
+            "model": engine.model_path.name,
+            "template": engine.template.name,
+            "n_ctx": engine.n_ctx,
             "stats": stats,
         }
         if notices:
@@ -262,9 +287,7 @@ def _ask_once(
     messages.append(ChatMessage("user", args.message))
     generation = engine.generate(engine.prompt_tokens(messages), sampling, args.max_tokens, cancel)
     interrupted = _stream(generation, args, cancel, out)
-    _print_result(
-        out, args, generation.text, engine.model_path.name, turn_stats_dict(generation.stats), []
-    )
+    _print_result(out, args, generation.text, engine, turn_stats_dict(generation.stats), [])
     return EXIT_INTERRUPTED if interrupted else 0
 
 
@@ -293,9 +316,7 @@ def _ask_in_conversation(
             notices = list(turn.notices)
             if conversation.saver.last_error:
                 notices.append(conversation.saver.last_error)
-            _print_result(
-                out, args, turn.generation.text, engine.model_path.name, turn.stats_dict(), notices
-            )
+            _print_result(out, args, turn.generation.text, engine, turn.stats_dict(), notices)
         finally:
             conversation.close()
     finally:
@@ -503,7 +524,13 @@ def cmd_bench(args: argparse.Namespace, out: TextIO) -> int:
 def cmd_app(args: argparse.Namespace, out: TextIO) -> int:
     from localchat.tui.app import run_app
 
-    return run_app(args.model_path, n_ctx=args.ctx, model_name=args.model, demo=args.demo)
+    return run_app(
+        args.model_path,
+        n_ctx=args.ctx,
+        model_name=args.model,
+        demo=args.demo,
+        template=args.template,
+    )
 
 
 def _progress(stream: TextIO) -> Callable[[str], None]:

@@ -12,27 +12,20 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Any
 
+from localchat.chat_template import ChatMessage
 from localchat.engine import LLAMA_CPP_VERSION, Engine, Generation, Sampling, TokenDelta, TurnStats
 from localchat.kvstate import BackgroundSaver, SavedState, StateKey, StateRejected, StateStore
 from localchat.locks import ConversationLock
-from localchat.prompt import BuiltPrompt, PromptMessage
+from localchat.prompt import BuiltPrompt, common_prefix
 from localchat.store import ConversationRecord, MessageRecord, Store
 from localchat.window import WindowPlan, WindowPolicy, plan_window, resolve_mode, shift_is_safe
 
 NO_STATE = "no saved state"
 # Re-tokenizing a cut message can take a few more tokens than counted; leave this much room.
 CUT_MARGIN_TOKENS = 8
-
-
-def common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 @dataclass
@@ -55,7 +48,7 @@ class Exchange:
     """A message as the conversation knows it: the stored record and its prompt form."""
 
     record: MessageRecord
-    prompt: PromptMessage
+    prompt: ChatMessage
 
 
 @dataclass
@@ -70,7 +63,7 @@ class ConversationTurn:
     restore: RestoreReport
     started_at: float
     window: WindowReport
-    messages: list[PromptMessage]  # what the prompt was built from (the window)
+    messages: list[ChatMessage]  # what the prompt was built from (the window)
     reply: Exchange | None = None
     notices: list[str] = field(default_factory=list)
 
@@ -90,7 +83,7 @@ class ConversationTurn:
         return self.restore.seconds + self.generation.stats.ttft_s
 
     def stats_dict(self) -> dict[str, Any]:
-        return turn_stats_dict(self.generation.stats, self.restore, self.window)
+        return turn_stats_dict(self.generation.stats, self.restore, self.window, self.prompt)
 
 
 @dataclass(frozen=True)
@@ -104,11 +97,15 @@ class WindowReport:
 
 
 def turn_stats_dict(
-    stats: TurnStats, restore: RestoreReport | None = None, window: WindowReport | None = None
+    stats: TurnStats,
+    restore: RestoreReport | None = None,
+    window: WindowReport | None = None,
+    prompt: BuiltPrompt | None = None,
 ) -> dict[str, Any]:
     """A turn's figures as ``ask --json`` and the stored message report them."""
     restore = restore or RestoreReport()
     window = window or WindowReport()
+    prompt = prompt or BuiltPrompt([])
     return {
         "prompt_tokens": stats.prompt_tokens,
         "prompt_tokens_evaluated": stats.prompt_tokens_evaluated + restore.replayed,
@@ -125,6 +122,8 @@ def turn_stats_dict(
         "window_dropped_tokens": window.dropped_tokens,
         "window_cut_tokens": window.cut_tokens,
         "window_mode": window.mode,
+        "history_reevaluated_tokens": prompt.discarded,
+        "history_reevaluated_reason": prompt.discarded_reason,
         "stop_reason": stats.stop_reason,
     }
 
@@ -156,7 +155,11 @@ class Conversation:
         self.key = StateKey(
             self.fingerprint, engine.n_ctx, engine.options.kv_type, LLAMA_CPP_VERSION
         )
-        self.builder = engine.prompt_builder()
+        # A template that writes today's date writes the conversation's first day, so the
+        # history reads the same (and its saved cache stays valid) on any later day.
+        self.builder = engine.prompt_builder(datetime.fromtimestamp(record.created_at))
+        # A saved state read to learn what the cache holds, kept for the restore.
+        self._loaded: tuple[SavedState | StateRejected, float] | None = None
         self.exchanges = self._load_exchanges()
         first_seq = store.window_start(record.id, self.fingerprint)
         self.window_first = next(
@@ -192,26 +195,39 @@ class Conversation:
     # -- transcript ----------------------------------------------------------------------
     def _load_exchanges(self) -> list[Exchange]:
         records = self.store.messages(self.record.id)
-        known = self.store.message_tokens(self.record.id, self.fingerprint)
-        return [Exchange(r, PromptMessage(r.role, r.content, known.get(r.id))) for r in records]
+        return [Exchange(r, ChatMessage(r.role, r.content)) for r in records]
 
-    def system_messages(self) -> list[PromptMessage]:
+    def system_messages(self) -> list[ChatMessage]:
         if not self.record.system_prompt:
             return []
-        return [PromptMessage("system", self.record.system_prompt)]
+        return [ChatMessage("system", self.record.system_prompt)]
 
-    def window_messages(self, first: int | None = None) -> list[PromptMessage]:
+    def window_messages(self, first: int | None = None) -> list[ChatMessage]:
         """The system prompt and the messages from ``first`` (default: the window's start)."""
         first = self.window_first if first is None else first
         return self.system_messages() + [e.prompt for e in self.exchanges[first:]]
 
-    def _persist_new_tokens(self, before: dict[int, bool]) -> None:
-        """Token ids computed for this model by the last build are stored for exact reuse."""
-        for exchange in self.exchanges:
-            if not before.get(exchange.record.id) and exchange.prompt.tokens is not None:
-                self.store.set_message_tokens(
-                    exchange.record.id, self.fingerprint, exchange.prompt.tokens
-                )
+    def _held_tokens(self, fresh: bool) -> list[int]:
+        """What this conversation's cache holds as evaluated: the warm cache, else the saved
+        state (kept for the restore that follows), else the record a replay rebuilds from."""
+        self._loaded = None
+        if self.engine.cache_owner == self.record.id and not fresh:
+            return self.engine.cached_tokens
+        if not fresh:
+            self._loaded = self._load_state()
+        if self._loaded is not None and isinstance(self._loaded[0], SavedState):
+            return list(self._loaded[0].tokens)
+        record = self.store.eval_batches(self.record.id, self.fingerprint)
+        return record[0] if record is not None else []
+
+    def _load_state(self) -> tuple[SavedState | StateRejected, float]:
+        """The saved state (or why there is none) and the seconds reading it took."""
+        start = time.perf_counter()
+        try:
+            loaded: SavedState | StateRejected = self.states.load(self.record.id, self.key)
+        except StateRejected as exc:
+            loaded = exc
+        return loaded, time.perf_counter() - start
 
     # -- a turn ----------------------------------------------------------------------------
     def send(
@@ -225,15 +241,13 @@ class Conversation:
         """Commit the user's message, prepare the cache, and start the reply."""
         started = time.perf_counter()
         record = self.store.add_message(self.record.id, "user", text)
-        user = Exchange(record, PromptMessage("user", text))
+        user = Exchange(record, ChatMessage("user", text))
         self.exchanges.append(user)
         try:
-            had_tokens = {e.record.id: e.prompt.tokens is not None for e in self.exchanges}
             messages = self.window_messages()
-            prompt = self.builder.build(messages)
-            self._persist_new_tokens(had_tokens)
+            prompt = self.builder.build(messages, self._held_tokens(fresh))
             plan = self._plan(prompt, len(messages) - len(self.system_messages()), max_tokens)
-            if plan is None or not (plan.moved or plan.cut_tokens):
+            if not (plan.moved or plan.cut_tokens):
                 window = WindowReport()
                 restore = self._prepare_cache(prompt.tokens, fresh)
             else:
@@ -283,14 +297,12 @@ class Conversation:
         self.record = self.store.get(self.record.name)
 
     # -- the context window ---------------------------------------------------------------
-    def _plan(self, prompt: BuiltPrompt, n_window: int, max_tokens: int) -> WindowPlan | None:
-        """Plan the window from the prompt's per-message spans (None: template not incremental)."""
-        if not prompt.exact:
-            return None
+    def _plan(self, prompt: BuiltPrompt, n_window: int, max_tokens: int) -> WindowPlan:
+        """Plan the window from the prompt's per-message spans."""
         n_system = len(prompt.spans) - n_window
         spans = prompt.spans[n_system:]
         head = spans[0][0] if spans else len(prompt.tokens)
-        header = len(prompt.tokens) - (spans[-1][1] if spans else head)
+        header = prompt.generation_header
         window = self.exchanges[self.window_first :]
         counts = [
             (e.prompt.role, end - start) for e, (start, end) in zip(window, spans, strict=True)
@@ -300,7 +312,7 @@ class Conversation:
 
     def _move_window(
         self, old_prompt: BuiltPrompt, plan: WindowPlan, fresh: bool
-    ) -> tuple[list[PromptMessage], BuiltPrompt, WindowReport, RestoreReport]:
+    ) -> tuple[list[ChatMessage], BuiltPrompt, WindowReport, RestoreReport]:
         """Move the window's start, cut an over-long newest message, and make the cache follow:
         shifted in place where that is safe, else re-evaluated from the text."""
         engine = self.engine
@@ -308,11 +320,11 @@ class Conversation:
         messages = self.window_messages(new_first)
         if plan.cut_tokens:
             messages[-1] = self._cut_message(messages[-1], plan.cut_tokens)
-        prompt = self.builder.build(messages)
         info = engine.info
         safe = shift_is_safe(info.architecture, info.sliding_window, engine.can_shift())
         mode = resolve_mode(self.window_mode, safe) if plan.moved else "none"
         restore = RestoreReport()
+        held: list[int] = []
         if mode == "shift" and not fresh:
             restore = self._prepare_cache(old_prompt.tokens, fresh=False)
             n_system = len(self.system_messages())
@@ -320,22 +332,26 @@ class Conversation:
             span = old_prompt.tokens[head : head + plan.dropped_tokens]
             if engine.cached_tokens[head : head + plan.dropped_tokens] == span:
                 engine.drop_span(head, plan.dropped_tokens)
+                held = engine.cached_tokens
             else:  # the cache does not hold the old window: nothing to shift
                 mode = "exact"
         if mode == "exact" or (mode == "shift" and fresh):
             mode = "exact"
             engine.reset()
         elif mode == "none":
+            held = self._held_tokens(fresh)
+        prompt = self.builder.build(messages, held)
+        if mode == "none":
             restore = self._prepare_cache(prompt.tokens, fresh)
         self.window_first = new_first
         report = WindowReport(mode, plan.dropped_messages, plan.dropped_tokens, plan.cut_tokens)
         return messages, prompt, report, restore
 
-    def _cut_message(self, message: PromptMessage, cut_tokens: int) -> PromptMessage:
+    def _cut_message(self, message: ChatMessage, cut_tokens: int) -> ChatMessage:
         """The message without its first ``cut_tokens`` tokens (plus a margin for re-tokenizing)."""
         tokens = self.engine.tokenize(message.content)
         keep = max(1, len(tokens) - cut_tokens - CUT_MARGIN_TOKENS)
-        return PromptMessage(message.role, self.engine.detokenize(tokens[-keep:]).lstrip())
+        return ChatMessage(message.role, self.engine.detokenize(tokens[-keep:]).lstrip())
 
     def _prepare_cache(self, prompt: list[int], fresh: bool) -> RestoreReport:
         """Restore the saved state, reuse the warm cache, or rebuild it from the transcript."""
@@ -345,16 +361,17 @@ class Conversation:
         held = common_prefix(engine.cached_tokens, prompt)
         if engine.cache_owner == self.record.id and held > 0:
             return RestoreReport()  # warm: this process's cache already holds the conversation
-        start = time.perf_counter()
-        try:
-            state = self.states.load(self.record.id, self.key)
-        except StateRejected as exc:
-            if str(exc) == NO_STATE:
+        loaded, load_seconds = self._loaded or self._load_state()
+        self._loaded = None
+        start = time.perf_counter() - load_seconds
+        if isinstance(loaded, StateRejected):
+            if str(loaded) == NO_STATE:
                 return self._replay(prompt)
             self.states.discard(self.record.id, self.fingerprint)
             return self._replay(
-                prompt, f"saved KV cache dropped ({exc}); re-evaluating the conversation"
+                prompt, f"saved KV cache dropped ({loaded}); re-evaluating the conversation"
             )
+        state = loaded
         usable = common_prefix(state.tokens, prompt)
         if usable == 0:
             self.states.discard(self.record.id, self.fingerprint)
@@ -411,19 +428,18 @@ class Conversation:
 
     def _finish(self, turn: ConversationTurn) -> Exchange:
         generation = turn.generation
-        reply_prompt = PromptMessage("assistant", generation.text)
-        reply_prompt.tokens = self.builder.reply_tokens(
-            turn.messages, reply_prompt, generation.tokens, turn.prompt.generation_header
-        )
+        reply_prompt = ChatMessage("assistant", generation.text)
         stats = turn.stats_dict()
-        status = "complete" if generation.stats.stop_reason in ("eos", "length") else "partial"
+        status = (
+            "complete" if generation.stats.stop_reason in ("eos", "length", "stop") else "partial"
+        )
         record = self.store.add_message(
             self.record.id,
             "assistant",
             generation.text,
             status=status,
             stats=stats,
-            tokens=reply_prompt.tokens,
+            tokens=generation.tokens,
             model_fingerprint=self.fingerprint,
         )
         self.store.update_conversation(self.record.id, model=self.engine.model_path.name)

@@ -17,17 +17,20 @@ import time
 from collections import deque
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 import llama_cpp
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
+from localchat.chat_formats import ChatFormat, detect_format, format_from_override
 from localchat.chat_template import ChatMessage, ChatTemplate
 from localchat.errors import ModelLoadError, UsageError
 from localchat.gguf_info import GGUFInfo, file_fingerprint, read_gguf
 from localchat.hardware import physical_cores
-from localchat.prompt import PromptBuilder, PromptMessage
+from localchat.prompt import PromptBuilder
+from localchat.stops import StopFilter
 
 LLAMA_CPP_VERSION: str = llama_cpp.__version__
 
@@ -48,6 +51,8 @@ QUANT_FTYPES: dict[str, int] = {
 }
 
 MIN_CTX = 32
+# The context used when none is asked for (capped at the model's trained context).
+DEFAULT_CTX = 4096
 
 # llama.cpp's log lines, kept (not printed) so a failure can name its cause in one line.
 _LOG_LINES: deque[str] = deque(maxlen=64)
@@ -101,13 +106,15 @@ def kv_bytes_per_token(info: GGUFInfo, kv_type: str = "f16") -> int:
 
 @dataclass(frozen=True)
 class LoadOptions:
-    """How to load a model: context size, threads, GPU layers and the KV cache type."""
+    """How to load a model: context size, threads, GPU layers, the KV cache type, and the
+    chat template (``None``: the model's own, else one detected from its vocabulary)."""
 
-    n_ctx: int = 4096
+    n_ctx: int | None = None  # None: DEFAULT_CTX, capped at the model's trained context
     n_threads: int | None = None
     n_gpu_layers: int = 0
     kv_type: str = "f16"
     n_batch: int = 512
+    template: str | None = None  # a built-in format name or a .jinja file
 
 
 @dataclass(frozen=True)
@@ -139,9 +146,11 @@ class TurnStats:
 
 @dataclass(frozen=True)
 class TokenDelta:
-    """One generated token and the text it completes (empty mid-way through a UTF-8 char)."""
+    """One generated token and the text it completes (empty mid-way through a UTF-8 char,
+    or while it may be the start of a stop string). ``token`` is None for held-back text
+    released when the reply ends."""
 
-    token: int
+    token: int | None
     text: str
 
 
@@ -204,6 +213,8 @@ class Generation:
             repeat_penalty=self._sampling.repeat_penalty,
         )
         stats.stop_reason = "length"
+        stops = StopFilter(engine.template.stop)
+        strip_space = engine.strips_reply_space(self._tokens[-1])
         try:
             for token in stream:
                 now = time.perf_counter()
@@ -221,10 +232,21 @@ class Generation:
                     break
                 self.tokens.append(token)
                 piece = decoder.decode(llm.detokenize([token]))
+                if strip_space and piece:
+                    # SentencePiece writes a space after a control token that the reply's
+                    # text does not have: re-rendered, the template gives it back.
+                    piece = piece.removeprefix(" ")
+                    strip_space = False
+                piece, stopped = stops.feed(piece)
                 self.text += piece
                 stats.generated_tokens = len(self.tokens)
                 if len(self.tokens) > 1 and now > first_at:
                     stats.gen_tps = (len(self.tokens) - 1) / (now - first_at)
+                if stopped:
+                    stats.stop_reason = "stop"
+                    if piece:
+                        yield TokenDelta(token, piece)
+                    break
                 yield TokenDelta(token, piece)
                 if self._cancel is not None and self._cancel.is_set():
                     stats.stop_reason = "cancelled"
@@ -234,10 +256,15 @@ class Generation:
                 if llm.n_tokens >= engine.n_ctx - 1:
                     stats.stop_reason = "context"
                     break
+            held_back = stops.flush()
+            if held_back:
+                self.text += held_back
+                yield TokenDelta(None, held_back)
         finally:
             # Bytes of a character the reply never finished are dropped, not shown as "?":
             # the text is exactly what was streamed.
             stream.close()
+            engine.hold(self._tokens + self.tokens)
             stats.kv_bytes_used = engine.kv_bytes_used
             stats.kv_bytes_allocated = engine.kv_bytes_allocated
 
@@ -253,8 +280,8 @@ class Engine:
             raise UsageError(
                 f"unknown KV cache type {self.options.kv_type!r}; choose one of {', '.join(KV_TYPES)}"
             )
-        n_ctx = self.options.n_ctx
         trained = self.info.context_length
+        n_ctx = self.options.n_ctx or (min(DEFAULT_CTX, trained) if trained else DEFAULT_CTX)
         if n_ctx < MIN_CTX:
             raise UsageError(f"context size {n_ctx} is too small; use at least {MIN_CTX}")
         if trained and n_ctx > trained:
@@ -289,6 +316,7 @@ class Engine:
         self.kv_bytes_per_token = kv_bytes_per_token(self.info, self.options.kv_type)
         # Which conversation the cache holds now (set by the conversation layer).
         self.cache_owner: str | None = None
+        self.template = self._chat_template()
         self._warm_up()
 
     def _warm_up(self) -> None:
@@ -328,26 +356,74 @@ class Engine:
     def add_bos(self) -> bool:
         return bool(self.info.metadata.get("tokenizer.ggml.add_bos_token", True))
 
-    def chat_template(self) -> ChatTemplate:
-        """The model's own template (or the plain fallback), with its BOS/EOS texts."""
+    @property
+    def add_space_prefix(self) -> bool:
+        """SentencePiece vocabularies that start every text after a control token with a space."""
+        default = self.info.metadata.get("tokenizer.ggml.model") == "llama"
+        return bool(self.info.metadata.get("tokenizer.ggml.add_space_prefix", default))
+
+    def _chat_template(self) -> ChatTemplate:
+        """The template in use: ``--template``, else the model's own, else the format its
+        vocabulary's control tokens name, else a plain transcript with stop strings."""
+        chosen: ChatFormat
+        if self.options.template:
+            chosen = format_from_override(self.options.template)
+            name = f"{chosen.name} (chosen)"
+        elif self.info.chat_template:
+            chosen = ChatFormat("the model's own", self.info.chat_template)
+            name = chosen.name
+        else:
+            chosen = detect_format(self.has_control_token)
+            name = f"{chosen.name} (no template in the file; detected from its vocabulary)"
+            if not chosen.markers:
+                name = f"{chosen.name} (no template in the file: a plain transcript)"
         return ChatTemplate(
-            self.info.chat_template,
+            chosen.source,
             bos_token=self.token_text(self.bos_token),
             eos_token=self.token_text(int(self._llm.token_eos())),
+            name=name,
+            stop=chosen.stop,
         )
 
-    def prompt_builder(self) -> PromptBuilder:
-        """Builds prompts for this model: its template, its tokenizer, its BOS rule."""
+    def has_control_token(self, text: str) -> bool:
+        """Whether ``text`` is one control token of this vocabulary."""
+        ids = self.tokenize(text, special=True)
+        vocab = self._llm._model.vocab
+        return len(ids) == 1 and bool(llama_cpp.llama_vocab_is_control(vocab, ids[0]))
+
+    def strips_reply_space(self, last_prompt_token: int) -> bool:
+        """Whether a reply's first space is the tokenizer's own (after a control token)."""
+        vocab = self._llm._model.vocab
+        return self.add_space_prefix and bool(
+            llama_cpp.llama_vocab_is_control(vocab, last_prompt_token)
+        )
+
+    def token_bytes(self, token: int) -> bytes:
+        """The bytes a token stands for, control tokens spelled out: the prompt builder
+        compares token sequences by what they say."""
+        vocab = self._llm._model.vocab
+        size = 64
+        while True:
+            buffer = ctypes.create_string_buffer(size)
+            n = llama_cpp.llama_token_to_piece(vocab, token, buffer, size, 0, True)
+            if n >= 0:
+                return buffer.raw[:n]
+            size = -n
+
+    def prompt_builder(self, now: datetime | None = None) -> PromptBuilder:
+        """Builds prompts for this model: its template, its tokenizer, its BOS rule.
+        ``now`` is the date the template may write (a conversation's start)."""
         return PromptBuilder(
-            self.chat_template(),
+            self.template,
             lambda text: self.tokenize(text, special=True),
             [self.bos_token] if self.add_bos else [],
+            self.token_bytes,
+            now,
         )
 
     def prompt_tokens(self, messages: list[ChatMessage]) -> list[int]:
         """The token ids asking for a reply to ``messages`` (a one-off exchange)."""
-        built = self.prompt_builder().build([PromptMessage(m.role, m.content) for m in messages])
-        return built.tokens
+        return self.prompt_builder().build(messages).tokens
 
     def is_end_of_generation(self, token: int) -> bool:
         return bool(llama_cpp.llama_vocab_is_eog(self._llm._model.vocab, token))
@@ -433,6 +509,16 @@ class Engine:
         for a, b in itertools.pairwise(bounds):
             self._llm.eval(list(tokens[a:b]))
         return True
+
+    def hold(self, sequence: Sequence[int]) -> None:
+        """Evaluate the end of ``sequence`` that the cache lacks, if the cache holds the rest:
+        a reply's last generated token is never evaluated by generation, and the next prompt
+        (and a saved state) should hold the reply as it was generated."""
+        cached = self._llm.n_tokens
+        if not cached < len(sequence) < self.n_ctx:
+            return
+        if [int(t) for t in self._llm.input_ids[:cached]] == list(sequence[:cached]):
+            self._llm.eval(list(sequence[cached:]))
 
     def save_sequence_state(self) -> bytes:
         """The raw KV state of sequence 0 (no logits array): what a state file stores."""

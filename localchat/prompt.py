@@ -1,33 +1,43 @@
-"""A conversation's prompt as token ids, built message by message.
+"""A conversation's prompt as token ids: exactly what llama.cpp's own chat path feeds.
 
-Each message keeps the token ids it was evaluated as, so the next turn's prompt starts with
-exactly the tokens the KV cache already holds: re-tokenizing a generated reply from its text
-can give other ids (and then the cache misses and the continuation differs). The chat
-template is rendered incrementally: message *k*'s segment is what rendering *k* messages adds
-to rendering *k - 1*. Templates where that does not hold (they rewrite earlier messages) fall
-back to tokenizing the whole rendered prompt.
+The reference is llama.cpp's server: the model's template rendered over the whole
+conversation and tokenized in one call (BOS per the vocabulary unless the template writes
+it). Tokenizing message by message is not the same: BPE merges across a boundary, and
+SentencePiece vocabularies with a space prefix start every separately tokenized piece with
+one more space.
+
+What the cache already holds is kept as it was evaluated: a reply's generated ids are not
+what re-tokenizing its text gives, and replacing them would miss the cache and change the
+continuation. So the prompt is the held tokens up to the point where the bytes they spell
+stop agreeing with the whole rendered prompt (at a token boundary of both), then the whole
+tokenization from there. Where a template rewrites history (the system prompt moved into
+the last user turn, reasoning stripped from earlier replies), the agreement ends there and
+the prompt says how many held tokens had to go and in which message.
 """
 
 from __future__ import annotations
 
+import bisect
+import codecs
+import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from datetime import datetime
 
 from localchat.chat_template import ChatMessage, ChatTemplate
 
 Tokenize = Callable[[str], list[int]]
+Piece = Callable[[int], bytes]
 
 
-@dataclass
-class PromptMessage:
-    """A message with the token ids of its whole template segment, once known."""
-
-    role: str
-    content: str
-    tokens: list[int] | None = None
-
-    def as_chat(self) -> ChatMessage:
-        return ChatMessage(self.role, self.content)
+def common_prefix(a: Sequence[object], b: Sequence[object]) -> int:
+    """How many leading items ``a`` and ``b`` share."""
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
 @dataclass
@@ -35,76 +45,130 @@ class BuiltPrompt:
     """The prompt for the next reply and where each message's tokens sit in it."""
 
     tokens: list[int]
-    # (start, end) of each message's segment within ``tokens``, in message order.
+    # (start, end) of each message within ``tokens``, in message order; the first message's
+    # span starts at 0 (it carries BOS and whatever the template writes before it).
     spans: list[tuple[int, int]] = field(default_factory=list)
-    generation_header: str = ""
-    exact: bool = True
+    # Of the held tokens: how many the prompt keeps, and how many of those it still needed
+    # had to be re-evaluated instead, and why.
+    reused: int = 0
+    discarded: int = 0
+    discarded_reason: str | None = None
+
+    @property
+    def generation_header(self) -> int:
+        """Tokens after the last message: the template's cue for the assistant's reply."""
+        return len(self.tokens) - (self.spans[-1][1] if self.spans else 0)
 
 
 class PromptBuilder:
-    """Renders messages with a template and tokenizes them, reusing recorded token ids."""
+    """Renders messages with a template and tokenizes them as llama.cpp's chat path does."""
 
-    def __init__(self, template: ChatTemplate, tokenize: Tokenize, bos: list[int]) -> None:
+    def __init__(
+        self,
+        template: ChatTemplate,
+        tokenize: Tokenize,
+        bos: list[int],
+        piece: Piece,
+        now: datetime | None = None,
+    ) -> None:
         self.template = template
         self.tokenize = tokenize
         self.bos = bos
+        self.piece = piece
+        self.now = now
+        self._pieces: dict[int, bytes] = {}
 
-    def _render(self, messages: Sequence[PromptMessage], generation_prompt: bool) -> str:
-        return self.template.render([m.as_chat() for m in messages], generation_prompt)
-
-    def segments(self, messages: Sequence[PromptMessage]) -> list[str] | None:
-        """Each message's text segment, or None if the template is not incremental."""
-        texts: list[str] = []
-        previous = self._render([], False) if messages else ""
-        for k in range(1, len(messages) + 1):
-            current = self._render(messages[:k], False)
-            if not current.startswith(previous):
-                return None
-            texts.append(current[len(previous) :])
-            previous = current
-        return texts
-
-    def build(self, messages: Sequence[PromptMessage]) -> BuiltPrompt:
-        """The token ids that ask the model for the next assistant reply."""
-        closed = self._render(messages, False)
-        opened = self._render(messages, True)
-        header = opened[len(closed) :] if opened.startswith(closed) else ""
-        segments = self.segments(messages)
-        bos = self._bos_for(opened)
-        if segments is None or not header:
-            return BuiltPrompt(bos + self.tokenize(opened), [], header, exact=False)
-        tokens = list(bos)
-        spans = []
-        for message, text in zip(messages, segments, strict=True):
-            if message.tokens is None:
-                message.tokens = self.tokenize(text)
-            spans.append((len(tokens), len(tokens) + len(message.tokens)))
-            tokens += message.tokens
-        tokens += self.tokenize(header)
-        return BuiltPrompt(tokens, spans, header)
-
-    def reply_tokens(
-        self,
-        messages: Sequence[PromptMessage],
-        reply: PromptMessage,
-        generated: list[int],
-        header: str,
-    ) -> list[int] | None:
-        """The reply's segment as evaluated: header ids + generated ids + the template's closing.
-
-        ``messages`` are those before the reply; ``header`` the generation prompt it answered.
-        None where the template is not incremental (the reply is then re-tokenized as text).
-        """
-        segments = self.segments([*messages, reply])
-        if segments is not None:
-            segment = segments[-1]
-            if segment.startswith(header + reply.content):
-                closing = segment[len(header) + len(reply.content) :]
-                return self.tokenize(header) + list(generated) + self.tokenize(closing)
-            return self.tokenize(segment)
-        return None
-
-    def _bos_for(self, text: str) -> list[int]:
-        """BOS is added unless the template writes it itself."""
+    def tokens_of(self, text: str) -> list[int]:
+        """``text`` tokenized in one call, with BOS unless the text starts with it."""
         bos_text = self.template.bos_token
-        return [] if bos_text and text.startswith(bos_text) else list(self.bos)
+        bos = [] if bos_text and text.startswith(bos_text) else self.bos
+        return list(bos) + self.tokenize(text)
+
+    def render(self, messages: Sequence[ChatMessage], generation_prompt: bool = True) -> str:
+        return self.template.render(list(messages), generation_prompt, self.now)
+
+    def build(self, messages: Sequence[ChatMessage], held: Sequence[int] = ()) -> BuiltPrompt:
+        """The token ids that ask the model for the next assistant reply.
+
+        ``held`` is what the cache (warm, saved or replayable) holds for this conversation.
+        """
+        whole = self.tokens_of(self.render(messages, True))
+        bounds = self._message_ends(messages, whole)
+        kept, at = self._agreement(held, whole)
+        tokens = list(held[:kept]) + whole[at:]
+        ends = [self._map(b, kept, at, held, whole) for b in bounds]
+        spans = list(itertools.pairwise([0, *ends]))
+        # Held tokens past the prompt's end (a regenerated reply, a shorter window) are not
+        # history the prompt needs; only those it had to replace count as discarded.
+        prompt = BuiltPrompt(tokens, spans, kept, min(len(held), len(whole)) - kept)
+        if prompt.discarded:
+            index = bisect.bisect_right(ends, kept)
+            where = (
+                f"message {index + 1} ({messages[index].role})"
+                if index < len(messages)
+                else "the reply's cue"
+            )
+            prompt.discarded_reason = f"the chat template renders {where} differently now"
+        return prompt
+
+    def _message_ends(self, messages: Sequence[ChatMessage], whole: list[int]) -> list[int]:
+        """Where each message ends in ``whole``: how far the tokens of the conversation up to
+        and including it agree with the whole prompt (never before the previous end)."""
+        ends: list[int] = []
+        previous = 0
+        for k in range(1, len(messages) + 1):
+            try:
+                upto = self.tokens_of(self.render(messages[:k], False))
+                previous = max(previous, common_prefix(upto, whole))
+            except Exception:  # a template that rejects this prefix: the end is unknown
+                pass
+            ends.append(previous)
+        return ends
+
+    def _bytes(self, token: int) -> bytes:
+        piece = self._pieces.get(token)
+        if piece is None:
+            piece = self._pieces[token] = self.piece(token)
+        return piece
+
+    def _spelled(self, tokens: Sequence[int]) -> tuple[str, list[int]]:
+        """The text ``tokens`` spell (as a reply's text is decoded: invalid UTF-8 becomes
+        U+FFFD) and the character offset of each token boundary; -1 where a boundary falls
+        inside a character."""
+        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        parts: list[str] = []
+        offsets = [0]
+        length = 0
+        for token in tokens:
+            text = decoder.decode(self._bytes(token))
+            parts.append(text)
+            length += len(text)
+            offsets.append(-1 if decoder.getstate()[0] else length)
+        return "".join(parts), offsets
+
+    def _agreement(self, held: Sequence[int], whole: list[int]) -> tuple[int, int]:
+        """(k, j): ``held[:k]`` spells the same text as ``whole[:j]``, both at token
+        boundaries, with k as large as possible. Text, not bytes: a reply whose generated
+        bytes were not valid UTF-8 is stored (and re-rendered) with U+FFFD, and its ids as
+        generated still stand for it."""
+        same = common_prefix(held, whole)
+        if same == len(held) or same == len(whole):
+            return same, same
+        held_text, held_at = self._spelled(held)
+        whole_text, whole_offsets = self._spelled(whole)
+        agree = common_prefix(held_text, whole_text)
+        whole_at = {offset: j for j, offset in enumerate(whole_offsets) if offset >= 0}
+        for k in range(len(held), same, -1):
+            if 0 <= held_at[k] <= agree and held_at[k] in whole_at:
+                return k, whole_at[held_at[k]]
+        return same, same
+
+    def _map(self, boundary: int, kept: int, at: int, held: Sequence[int], whole: list[int]) -> int:
+        """A token boundary of ``whole`` as a position in the built prompt."""
+        if boundary >= at:
+            return boundary - at + kept
+        if kept == at and held[:kept] == whole[:kept]:
+            return boundary
+        offset = self._spelled(whole[:boundary])[1][-1]
+        held_at = self._spelled(held[:kept])[1]
+        return max((k for k, o in enumerate(held_at) if 0 <= o <= offset), default=0)

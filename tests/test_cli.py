@@ -34,7 +34,9 @@ def test_ask_json_reports_reply_and_stats(
     assert isinstance(result["reply"], str) and result["reply"]
     assert stats["generated_tokens"] == 16
     assert stats["prompt_tokens"] == stats["prompt_tokens_evaluated"] > 5
-    assert stats["kv_bytes_used"] == (stats["prompt_tokens"] + 15) * 512
+    assert stats["kv_bytes_used"] == (stats["prompt_tokens"] + 16) * 512
+    assert result["template"] == "the model's own"
+    assert result["n_ctx"] == 4096  # the default, within the model's trained 4,096
     assert stats["kv_bytes_allocated"] == 4096 * 512
     assert stats["restored_from_state"] is False
     assert stats["window_dropped_messages"] == 0

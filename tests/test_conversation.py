@@ -12,7 +12,6 @@ from localchat.conversation import Conversation
 from localchat.engine import Engine, LoadOptions, Sampling
 from localchat.errors import UsageError
 from localchat.kvstate import StateStore
-from localchat.prompt import PromptMessage
 from localchat.store import Store
 
 GREEDY = Sampling(temperature=0.0)
@@ -56,25 +55,25 @@ def test_second_turn_evaluates_only_the_new_message(
     first = _turn(conversation, "hello there")
     second = _turn(conversation, "tell me more")
     generated = first.generation.tokens
-    assert first.reply is not None and first.reply.prompt.tokens is not None
-    ids = first.reply.prompt.tokens
-    assert any(ids[i : i + len(generated)] == generated for i in range(len(ids)))
-    assert second.prompt.tokens[: len(first.prompt.tokens)] == first.prompt.tokens
-    # Evaluated: the last generated token, the reply's closing, the new message, the header.
+    # The history is kept as evaluated: the first prompt, then the reply's ids as generated.
+    assert second.prompt.tokens[: len(first.prompt.tokens) + len(generated)] == (
+        first.prompt.tokens + generated
+    )
+    # Evaluated: the reply's closing, the new message, the header.
     new_text = "<|im_end|>\n<|im_start|>user\ntell me more<|im_end|>\n<|im_start|>assistant\n"
-    assert second.stats.prompt_tokens_evaluated == 1 + len(engine.tokenize(new_text, special=True))
+    assert second.stats.prompt_tokens_evaluated == len(engine.tokenize(new_text, special=True))
+    assert second.prompt.discarded == 0
     assert not second.restore.restored  # warm, no file read
 
 
-def test_token_ids_are_stored_per_model_and_reused(
+def test_generated_ids_are_stored_with_the_reply(
     conversation: Conversation, engine: Engine
 ) -> None:
-    _turn(conversation, "hello")
+    turn = _turn(conversation, "hello")
     stored = conversation.store.message_tokens(conversation.record.id, engine.fingerprint)
-    assert len(stored) == 2
     reply = conversation.exchanges[-1]
-    assert stored[reply.record.id] == reply.prompt.tokens
-    assert reply.record.token_count == len(reply.prompt.tokens)
+    assert stored == {reply.record.id: turn.generation.tokens}
+    assert reply.record.token_count == len(turn.generation.tokens)
 
 
 def test_cancelled_reply_is_kept_and_marked_partial(conversation: Conversation) -> None:
@@ -113,17 +112,3 @@ def test_a_message_longer_than_the_context_is_cut_and_kept_whole(
     assert turn.messages[-1].content.endswith("word1499")
     stored = conversation.store.messages(conversation.record.id)
     assert stored[0].content == text
-
-
-def test_prompt_segments_render_the_same_text_as_the_whole_template(engine: Engine) -> None:
-    builder = engine.prompt_builder()
-    messages = [
-        PromptMessage("system", "sys"),
-        PromptMessage("user", "question"),
-        PromptMessage("assistant", "answer"),
-        PromptMessage("user", "again"),
-    ]
-    segments = builder.segments(messages)
-    assert segments is not None
-    whole = builder.template.render([m.as_chat() for m in messages], add_generation_prompt=False)
-    assert "".join(segments) == whole

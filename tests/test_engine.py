@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from localchat.chat_template import ChatMessage, ChatTemplate
+from localchat.chat_template import ChatMessage
 from localchat.demo import SHAPES
 from localchat.engine import Engine, LoadOptions, Sampling, kv_bytes_per_token
 from localchat.errors import ModelLoadError, UsageError
@@ -97,8 +97,9 @@ def test_a_longer_prompt_reuses_the_cached_prefix(engine: Engine) -> None:
     first, _ = _run(engine, first_prompt, max_tokens=8)
     follow_up = first_prompt + first.tokens + engine.tokenize(" and more words", special=True)
     second, _ = _run(engine, follow_up, max_tokens=4)
-    # Everything the cache held is reused; only the new tail is computed.
-    held = len(first_prompt) + len(first.tokens) - 1
+    # Everything the cache held (the reply as generated, to its last token) is reused; only
+    # the new tail is computed.
+    held = len(first_prompt) + len(first.tokens)
     assert second.stats.prompt_tokens == len(follow_up)
     assert second.stats.prompt_tokens_evaluated == len(follow_up) - held
 
@@ -110,7 +111,8 @@ def test_kv_bytes_follow_tokens_times_per_token_bytes(engine: Engine, tiny_model
     engine.reset()
     generation, _ = _run(engine, _prompt(engine, "measure the cache"), max_tokens=12)
     cached = len(engine.cached_tokens)
-    assert cached == generation.stats.prompt_tokens + 12 - 1  # the last token is not yet evaluated
+    # The reply's last token is evaluated too: the cache holds the whole reply.
+    assert cached == generation.stats.prompt_tokens + 12
     assert generation.stats.kv_bytes_used == cached * per_token
     assert generation.stats.kv_bytes_allocated == engine.n_ctx * per_token
 
@@ -123,7 +125,7 @@ def test_kv_bytes_agree_with_llama_cpp_state_size(tiny_model: Path, kv_type: str
     for n in (20, 60, 140):
         engine.reset()
         _run(engine, list(range(300, 300 + n)), max_tokens=1)
-        assert len(engine.cached_tokens) == n
+        assert len(engine.cached_tokens) == n + 1
         sizes[n] = len(engine.save_sequence_state())
     growth = [(sizes[60] - sizes[20]) / 40, (sizes[140] - sizes[60]) / 80]
     assert growth[0] == growth[1]
@@ -143,20 +145,14 @@ def test_chat_template_from_the_model_is_applied(engine: Engine) -> None:
     messages = [ChatMessage("system", "be brief"), ChatMessage("user", "hi there")]
     tokens = engine.prompt_tokens(messages)
     text = "".join(engine.token_text(t) for t in tokens)
-    assert text == "<s>" + engine.chat_template().render(messages)
+    assert text == "<s>" + engine.template.render(messages)
+    assert engine.template.name == "the model's own"
     assert text.endswith(
         "<|im_start|>system\nbe brief<|im_end|>\n<|im_start|>user\nhi there<|im_end|>\n<|im_start|>assistant\n"
     )
     im_start = engine.tokenize("<|im_start|>", special=True)
     assert len(im_start) == 1, "control tokens are parsed as single tokens"
     assert tokens.count(im_start[0]) == 3  # system, user, and the generation prompt
-
-
-def test_fallback_template_for_models_without_one() -> None:
-    template = ChatTemplate(None)
-    assert template.is_fallback
-    rendered = template.render([ChatMessage("user", "hello")])
-    assert rendered == "User: hello\n\nAssistant:"
 
 
 def test_state_round_trip_continues_identically(engine: Engine, tiny_model: Path) -> None:

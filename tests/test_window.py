@@ -37,11 +37,15 @@ def _turn(conversation: Conversation, text: str, max_tokens: int = 24):
 
 
 def _new_tokens(engine: Engine, turn) -> int:
-    """What a turn should evaluate: the last reply token, the reply's closing, the user's
-    segment and the generation header — nothing of the history."""
-    closing = engine.tokenize("<|im_end|>\n", special=True)
-    header = engine.tokenize(turn.prompt.generation_header, special=True)
-    return 1 + len(closing) + len(turn.user.prompt.tokens) + len(header)
+    """What a turn should evaluate: the reply's closing, the user's segment and the
+    generation header — nothing of the history."""
+    text = turn.user.record.content
+    new = f"<|im_end|>\n<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n"
+    return len(engine.tokenize(new, special=True))
+
+
+def _spelled(engine: Engine, tokens: list[int]) -> str:
+    return b"".join(engine.token_bytes(t) for t in tokens).decode("utf-8", errors="replace")
 
 
 def _message(i: int) -> str:
@@ -64,10 +68,11 @@ def test_a_conversation_of_five_contexts_runs_to_the_end(tmp_path: Path, tiny_mo
         cached = engine.cached_tokens
         # The system prompt stays at the head of the window after every move.
         assert cached[: len(head)] == head
-        # The cache is exactly the window's messages, as the prompt builder renders them.
-        rebuilt = engine.prompt_builder().build(turn.messages).tokens
-        assert turn.prompt.tokens == rebuilt
-        assert cached == rebuilt + turn.generation.tokens[:-1]
+        # The cache is exactly the window's messages as the template renders them, then the
+        # reply as generated.
+        rendered = "<s>" + conversation.builder.render(turn.messages)
+        assert _spelled(engine, turn.prompt.tokens) == rendered
+        assert cached == turn.prompt.tokens + turn.generation.tokens
         assert len(cached) < CTX
     assert len(moves) >= 3
     for turn in moves:

@@ -114,16 +114,18 @@ class LocalChatApp(App[int]):
     def __init__(
         self,
         model_path: Path | None = None,
-        n_ctx: int = 4096,
+        n_ctx: int | None = None,
         max_tokens: int | None = None,
         sampling: Sampling | None = None,
         conversation_name: str | None = None,
         system_prompt: str | None = None,
         model_name: str | None = None,
         demo: bool = False,
+        template: str | None = None,
     ) -> None:
         super().__init__()
         self.model_path = model_path
+        self.template = template
         self.model_name = model_name
         self.demo = demo
         self.n_ctx = n_ctx
@@ -221,7 +223,9 @@ class LocalChatApp(App[int]):
     @work(thread=True, exclusive=True, group="model")
     def load_model(self, path: Path) -> None:
         start = time.perf_counter()
-        options = LoadOptions(n_ctx=self.n_ctx, kv_type=self.settings.kv_type)
+        options = LoadOptions(
+            n_ctx=self.n_ctx, kv_type=self.settings.kv_type, template=self.template
+        )
         try:
             engine = run_compute(Engine, path, options)
         except LocalchatError as exc:
@@ -586,13 +590,19 @@ def describe_turn_start(turn: ConversationTurn) -> str:
 
 def run_app(
     model_path: Path | None = None,
-    n_ctx: int = 4096,
+    n_ctx: int | None = None,
     conversation: str | None = None,
     model_name: str | None = None,
     demo: bool = False,
+    template: str | None = None,
 ) -> int:
     app = LocalChatApp(
-        model_path, n_ctx=n_ctx, conversation_name=conversation, model_name=model_name, demo=demo
+        model_path,
+        n_ctx=n_ctx,
+        conversation_name=conversation,
+        model_name=model_name,
+        demo=demo,
+        template=template,
     )
     app.run()
     return app.return_code or 0
