@@ -77,6 +77,7 @@ class PromptBuilder:
         self.piece = piece
         self.now = now
         self._pieces: dict[int, bytes] = {}
+        self._preamble_tokens: list[int] | None = None
 
     def tokens_of(self, text: str) -> list[int]:
         """``text`` tokenized in one call, with BOS unless the text starts with it."""
@@ -96,8 +97,13 @@ class PromptBuilder:
         bounds = self._message_ends(messages, whole)
         kept, at = self._agreement(held, whole)
         tokens = list(held[:kept]) + whole[at:]
+        start = 0
+        if messages and messages[0].role == "user":
+            preamble = self._preamble()
+            if whole[: len(preamble)] == preamble:
+                start = self._map(len(preamble), kept, at, held, whole)
         ends = [self._map(b, kept, at, held, whole) for b in bounds]
-        spans = list(itertools.pairwise([0, *ends]))
+        spans = list(itertools.pairwise([start, *ends]))
         # Held tokens past the prompt's end (a regenerated reply, a shorter window) are not
         # history the prompt needs; only those it had to replace count as discarded.
         prompt = BuiltPrompt(tokens, spans, kept, min(len(held), len(whole)) - kept)
@@ -110,6 +116,31 @@ class PromptBuilder:
             )
             prompt.discarded_reason = f"the chat template renders {where} differently now"
         return prompt
+
+    def _preamble(self) -> list[int]:
+        """What the template writes before a first user message (BOS, a default system
+        prompt, a date header): it stays at the head of the window like a system prompt.
+
+        Found with probes: two conversations that differ only in the first user message's
+        text agree up to that text; the user header's own length is measured where a user
+        message follows a reply."""
+        if self._preamble_tokens is None:
+            self._preamble_tokens = []
+
+            def probe(*texts: str) -> list[int]:
+                roles = ("user", "assistant")
+                chat = [ChatMessage(roles[i % 2], t) for i, t in enumerate(texts)]
+                return self.tokens_of(self.render(chat, False))
+
+            try:
+                one, other = probe("\x01 a"), probe("\x02 b")
+                replied = probe("\x01 a", "ok", "\x01 a")
+                reply_end = common_prefix(probe("\x01 a", "ok"), replied)
+                header = common_prefix(replied, probe("\x01 a", "ok", "\x02 b")) - reply_end
+                self._preamble_tokens = one[: max(0, common_prefix(one, other) - header)]
+            except Exception:  # a template that rejects the probes: no preamble is known
+                pass
+        return self._preamble_tokens
 
     def _message_ends(self, messages: Sequence[ChatMessage], whole: list[int]) -> list[int]:
         """Where each message ends in ``whole``: how far the tokens of the conversation up to

