@@ -79,11 +79,13 @@ PHI3 = ChatFormat(
 )
 
 # A base model's transcript: it has no end-of-turn token, so the reply is stopped where the
-# model starts writing the user's next turn.
+# model starts writing the user's next turn. A reply follows "Assistant:" as the model wrote
+# it (its own leading space included), so re-rendered it reads exactly as generated.
 PLAIN = ChatFormat(
     "plain",
     "{% for message in messages %}"
-    "{{ message['role'] | capitalize }}: {{ message['content'] }}\n\n"
+    "{% if message['role'] == 'assistant' %}Assistant:{{ message['content'] }}"
+    "{% else %}{{ message['role'] | capitalize }}: {{ message['content'] }}{% endif %}\n\n"
     "{% endfor %}"
     "{% if add_generation_prompt %}Assistant:{% endif %}",
     stop=("\nUser:", "\nSystem:", "\nAssistant:"),

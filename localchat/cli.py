@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
 from localchat import __version__
-from localchat.demo import QUANTS, SHAPES, ensure_demo_model, make_demo_model
+from localchat.demo import QUANTS, SHAPES, TOKENIZERS, ensure_demo_model, make_demo_model
 from localchat.errors import LocalchatError, UsageError
 from localchat.paths import app_paths
 from localchat.text import printable
@@ -159,6 +159,12 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--shape", default="tiny", choices=list(SHAPES))
     demo.add_argument("--quant", default="Q4_K_M", choices=list(QUANTS))
     demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument(
+        "--tokenizer",
+        default="spm",
+        choices=list(TOKENIZERS),
+        help="spm, spm-space: SentencePiece; gpt2, llama3, qwen2: byte-level BPE",
+    )
 
     hw = sub.add_parser("hw", help="this machine (or a given one) and what runs on it")
     hw.add_argument("--json", action="store_true", help="print one JSON object")
@@ -497,7 +503,7 @@ def cmd_add(args: argparse.Namespace, out: TextIO) -> int:
 
 
 def cmd_demo_model(args: argparse.Namespace, out: TextIO) -> int:
-    path = make_demo_model(args.out, args.shape, args.quant, args.seed)
+    path = make_demo_model(args.out, args.shape, args.quant, args.seed, tokenizer=args.tokenizer)
     out.write(
         f"wrote {path} ({path.stat().st_size / 2**20:.1f} MiB, {args.shape}, {args.quant}, seed {args.seed})\n"
     )

@@ -2,13 +2,17 @@
 
 Random weights talk nonsense but give real speed, memory and KV-cache behaviour, so tests,
 benchmarks and users without a network all get a model that llama.cpp really runs. The
-tokenizer is a real SentencePiece-style vocabulary (byte fallback, BOS/EOS, ChatML control
-tokens) and the file carries a chat template. Quantized variants come from llama.cpp's own
-quantizer. The same shape, quant and seed always give the same bytes.
+tokenizer is real, in one of the kinds in ``TOKENIZERS``: a SentencePiece-style vocabulary
+(byte fallback, BOS/EOS, ChatML control tokens) without or with the space prefix, or a GPT-2
+style byte-level BPE vocabulary with merges under the GPT-2, Llama 3 or Qwen2 pre-tokenizer.
+Every kind carries the ChatML control tokens and chat template, so tests can check prompt
+tokenization against llama.cpp for each kind. Quantized variants come from llama.cpp's own
+quantizer. The same shape, quant, seed and tokenizer always give the same bytes.
 """
 
 from __future__ import annotations
 
+import math
 import string
 import tempfile
 from collections.abc import Iterator
@@ -29,6 +33,34 @@ CHATML_TEMPLATE = (
 
 # Quality order, best first: the planner walks it in this order.
 QUANTS: tuple[str, ...] = ("F16", "Q8_0", "Q6_K", "Q5_K_M", "Q4_K_M", "Q3_K_M", "Q2_K")
+
+# The tokenizer kinds, named after the models whose tokenizer they stand for. "spm" is the
+# original demo vocabulary (no space prefix); "spm-space" is the same one with the Llama 2 /
+# Mistral space prefix; the rest share one byte-level BPE vocabulary and differ in llama.cpp's
+# pre-tokenizer (how text is split into words before the merges run).
+TOKENIZERS: tuple[str, ...] = ("spm", "spm-space", "gpt2", "llama3", "qwen2")
+
+# ``tokenizer.ggml.pre`` of each BPE kind: the names llama.cpp's loader knows. It spells GPT-2's
+# "gpt-2" ("gpt2" is refused as an unknown pre-tokenizer) and Llama 3's "llama-bpe" (what
+# convert_hf_to_gguf.py writes for Llama 3 models).
+_BPE_PRE: dict[str, str] = {"gpt2": "gpt-2", "llama3": "llama-bpe", "qwen2": "qwen2"}
+
+# BOS of each BPE kind and whether prompts start with it, as in the real models: Llama 3 adds
+# <|begin_of_text|>; GPT-2 and Qwen2 name <|endoftext|> (which llama.cpp also counts as an
+# end-of-generation token) and add nothing.
+_BPE_BOS: dict[str, tuple[str, bool]] = {
+    "gpt2": ("<|endoftext|>", False),
+    "llama3": ("<|begin_of_text|>", True),
+    "qwen2": ("<|endoftext|>", False),
+}
+
+# Control tokens of the BPE vocabulary, ids 0..3; <|im_end|> is EOS so replies end there.
+BPE_CONTROL_TOKENS: tuple[str, ...] = (
+    "<|endoftext|>",
+    "<|begin_of_text|>",
+    "<|im_start|>",
+    "<|im_end|>",
+)
 
 _COMMON_WORDS = tuple(
     """
@@ -128,11 +160,149 @@ def _candidate_pieces() -> Iterator[str]:
                 yield "▁" + a + b + c
 
 
-def _write_f16(shape: ModelShape, seed: int, out: Path) -> None:
+def bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte-to-character table: printable bytes stand for themselves, the others
+    (space, control bytes) for characters from U+0100 on, so every token is visible text and
+    every byte has a token ("Ġ" is the space, "Ċ" the newline)."""
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
+    table = {b: chr(b) for b in printable}
+    shifted = 0
+    for b in range(256):
+        if b not in table:
+            table[b] = chr(256 + shifted)
+            shifted += 1
+    return table
+
+
+def bpe_split(word: str, ranks: dict[tuple[str, str], int]) -> list[str]:
+    """Byte-level BPE of one pre-tokenized word (in ``bytes_to_unicode`` characters):
+    repeatedly merge the adjacent pair of the lowest rank (leftmost on ties), as llama.cpp
+    does; the factory plans its merges with it, tests compare llama.cpp against it."""
+    parts = list(word)
+    while len(parts) > 1:
+        best_rank, best = math.inf, -1
+        for i in range(len(parts) - 1):
+            rank = ranks.get((parts[i], parts[i + 1]), math.inf)
+            if rank < best_rank:
+                best_rank, best = rank, i
+        if best < 0:
+            break
+        parts[best : best + 2] = [parts[best] + parts[best + 1]]
+    return parts
+
+
+def build_bpe_vocab(n_vocab: int) -> tuple[list[str], list[int], list[str]]:
+    """A byte-level BPE vocabulary: control tokens, the 256 byte tokens (in byte order), then
+    merge results in merge order. Returns tokens, token types and merges ("left right").
+
+    Merges come in left-to-right chains ("t h", "th e"; "Ġ t", "Ġt h", "Ġth e"), planned
+    with ``bpe_split`` so every common word, bare and with its leading space, really
+    becomes one token under BPE (in the tiny vocabulary too); digit pairs follow, then letter
+    bigrams and trigrams fill the vocabulary up.
+    """
+    tokens = list(BPE_CONTROL_TOKENS)
+    types = [int(TokenType.CONTROL)] * len(tokens)
+    byte_chars = bytes_to_unicode()
+    tokens += [byte_chars[b] for b in range(256)]
+    types += [int(TokenType.NORMAL)] * 256
+    seen = set(tokens)
+    merges: list[str] = []
+    ranks: dict[tuple[str, str], int] = {}
+    for target in _bpe_targets():
+        # A merge joins the first two parts BPE leaves; being the newest (highest rank) it
+        # fires only after all older merges did, so earlier words keep their single tokens.
+        parts = bpe_split(target, ranks)
+        while len(parts) > 1 and len(tokens) < n_vocab:
+            left, right = parts[0], parts[1]
+            ranks[(left, right)] = len(merges)
+            merges.append(f"{left} {right}")
+            if left + right not in seen:
+                seen.add(left + right)
+                tokens.append(left + right)
+                types.append(int(TokenType.NORMAL))
+            parts = bpe_split(target, ranks)
+        if len(tokens) >= n_vocab:
+            break
+    if len(tokens) < n_vocab:
+        raise UsageError(f"cannot build a BPE vocabulary of {n_vocab} tokens")
+    return tokens, types, merges
+
+
+def _bpe_targets() -> Iterator[str]:
+    """Words the BPE vocabulary makes single tokens, in merge-priority order ("Ġ" is the
+    space): each character after a space, common words, digit pairs (so the pre-tokenizers'
+    different digit rules give different tokens), then letter bigrams and trigrams."""
+    chars = string.ascii_lowercase + string.ascii_uppercase + string.digits + string.punctuation
+    for ch in chars:
+        yield "Ġ" + ch
+    for word in _COMMON_WORDS:
+        yield word
+        yield "Ġ" + word
+    for a in string.digits:
+        for b in string.digits:
+            yield a + b
+    letters = string.ascii_lowercase
+    for a in letters:
+        for b in letters:
+            yield a + b
+            yield "Ġ" + a + b
+    for a in letters:
+        for b in letters:
+            for c in letters:
+                yield a + b + c
+                yield "Ġ" + a + b + c
+
+
+def _check_tokenizer(tokenizer: str) -> None:
+    """Refuse an unknown kind in one line before any file or cache path is made for it."""
+    if tokenizer not in TOKENIZERS:
+        raise UsageError(f"unknown tokenizer {tokenizer!r}; choose one of {', '.join(TOKENIZERS)}")
+
+
+def _add_spm_tokenizer(writer: GGUFWriter, n_vocab: int, space_prefix: bool) -> None:
+    """The SentencePiece vocabulary ("llama" model) with BOS added to every prompt."""
+    tokens, scores, types = build_vocab(n_vocab)
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(tokens)
+    writer.add_token_scores(scores)
+    writer.add_token_types(types)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(tokens.index("<|im_end|>"))
+    writer.add_unk_token_id(0)
+    writer.add_add_bos_token(True)
+    writer.add_add_eos_token(False)
+    # Without the prefix (like Qwen's and Llama 3's tokenizers) no space is invented after
+    # control tokens, so the rendered template and the tokens say exactly the same thing;
+    # with it (Llama 2, Mistral) llama.cpp starts the text after every control token, and
+    # the prompt's first text, with a space.
+    writer.add_add_space_prefix(space_prefix)
+
+
+def _add_bpe_tokenizer(writer: GGUFWriter, n_vocab: int, tokenizer: str) -> None:
+    """The byte-level BPE vocabulary ("gpt2" model) under this kind's pre-tokenizer."""
+    tokens, types, merges = build_bpe_vocab(n_vocab)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre(_BPE_PRE[tokenizer])
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    writer.add_token_merges(merges)
+    bos, add_bos = _BPE_BOS[tokenizer]
+    writer.add_bos_token_id(tokens.index(bos))
+    writer.add_eos_token_id(tokens.index("<|im_end|>"))
+    writer.add_add_bos_token(add_bos)
+    writer.add_add_eos_token(False)
+
+
+def _write_f16(shape: ModelShape, seed: int, out: Path, tokenizer: str = "spm") -> None:
     """Write the unquantized model (F16 matrices, F32 norms) with seeded random weights."""
     rng = np.random.default_rng(seed)
     writer = GGUFWriter(str(out), "llama")
-    writer.add_name(f"localchat-demo-{shape.name}")
+    suffix = "" if tokenizer == "spm" else f"-{tokenizer}"
+    writer.add_name(f"localchat-demo-{shape.name}{suffix}")
     writer.add_file_type(LlamaFileType.MOSTLY_F16)
     writer.add_context_length(shape.context_length)
     writer.add_embedding_length(shape.n_embd)
@@ -144,19 +314,10 @@ def _write_f16(shape: ModelShape, seed: int, out: Path) -> None:
     writer.add_rope_dimension_count(shape.head_dim)
     writer.add_rope_freq_base(shape.rope_freq_base)
     writer.add_vocab_size(shape.n_vocab)
-    tokens, scores, types = build_vocab(shape.n_vocab)
-    writer.add_tokenizer_model("llama")
-    writer.add_token_list(tokens)
-    writer.add_token_scores(scores)
-    writer.add_token_types(types)
-    writer.add_bos_token_id(1)
-    writer.add_eos_token_id(tokens.index("<|im_end|>"))
-    writer.add_unk_token_id(0)
-    writer.add_add_bos_token(True)
-    writer.add_add_eos_token(False)
-    # Like Qwen's and Llama 3's tokenizers: no space is invented after control tokens, so
-    # the rendered template and the tokens say exactly the same thing.
-    writer.add_add_space_prefix(False)
+    if tokenizer in _BPE_PRE:
+        _add_bpe_tokenizer(writer, shape.n_vocab, tokenizer)
+    else:
+        _add_spm_tokenizer(writer, shape.n_vocab, space_prefix=tokenizer == "spm-space")
     writer.add_chat_template(CHATML_TEMPLATE)
 
     def matrix(rows: int, cols: int) -> np.ndarray:
@@ -190,17 +351,25 @@ def _write_f16(shape: ModelShape, seed: int, out: Path) -> None:
     writer.close()
 
 
-def make_demo_model(out: Path, shape: str = "tiny", quant: str = "Q4_K_M", seed: int = 0) -> Path:
+def make_demo_model(
+    out: Path,
+    shape: str = "tiny",
+    quant: str = "Q4_K_M",
+    seed: int = 0,
+    *,
+    tokenizer: str = "spm",
+) -> Path:
     """Write a demo model to ``out``; returns ``out``. Same arguments, same bytes."""
     if shape not in SHAPES:
         raise UsageError(f"unknown shape {shape!r}; choose one of {', '.join(SHAPES)}")
     if quant not in QUANTS:
         raise UsageError(f"unknown quant {quant!r}; choose one of {', '.join(QUANTS)}")
+    _check_tokenizer(tokenizer)
     out.parent.mkdir(parents=True, exist_ok=True)
     model_shape = SHAPES[shape]
     if quant == "F16":
         tmp = out.with_name(f".{out.name}.tmp")
-        _write_f16(model_shape, seed, tmp)
+        _write_f16(model_shape, seed, tmp, tokenizer)
         tmp.replace(out)
         return out
     # Imported here: the quantizer lives in the engine, the one module that touches llama_cpp.
@@ -208,7 +377,7 @@ def make_demo_model(out: Path, shape: str = "tiny", quant: str = "Q4_K_M", seed:
 
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp_dir:
         f16 = Path(tmp_dir) / "f16.gguf"
-        _write_f16(model_shape, seed, f16)
+        _write_f16(model_shape, seed, f16, tokenizer)
         staged = Path(tmp_dir) / out.name
         quantize_model(f16, staged, quant)
         staged.replace(out)
@@ -216,17 +385,30 @@ def make_demo_model(out: Path, shape: str = "tiny", quant: str = "Q4_K_M", seed:
 
 
 def demo_model_path(
-    directory: Path, shape: str = "tiny", quant: str = "Q4_K_M", seed: int = 0
+    directory: Path,
+    shape: str = "tiny",
+    quant: str = "Q4_K_M",
+    seed: int = 0,
+    *,
+    tokenizer: str = "spm",
 ) -> Path:
-    """Where the cached demo model of these arguments lives."""
-    return directory / f"demo-{shape}-{quant}-s{seed}.gguf"
+    """Where the cached demo model of these arguments lives (the default tokenizer keeps the
+    name it always had, so caches made before tokenizer kinds existed stay valid)."""
+    _check_tokenizer(tokenizer)
+    suffix = "" if tokenizer == "spm" else f"-{tokenizer}"
+    return directory / f"demo-{shape}-{quant}-s{seed}{suffix}.gguf"
 
 
 def ensure_demo_model(
-    directory: Path, shape: str = "tiny", quant: str = "Q4_K_M", seed: int = 0
+    directory: Path,
+    shape: str = "tiny",
+    quant: str = "Q4_K_M",
+    seed: int = 0,
+    *,
+    tokenizer: str = "spm",
 ) -> Path:
     """The cached demo model, generated on first use."""
-    path = demo_model_path(directory, shape, quant, seed)
+    path = demo_model_path(directory, shape, quant, seed, tokenizer=tokenizer)
     if not path.exists():
-        make_demo_model(path, shape, quant, seed)
+        make_demo_model(path, shape, quant, seed, tokenizer=tokenizer)
     return path

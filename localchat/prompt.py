@@ -108,7 +108,9 @@ class PromptBuilder:
         # history the prompt needs; only those it had to replace count as discarded.
         prompt = BuiltPrompt(tokens, spans, kept, min(len(held), len(whole)) - kept)
         if prompt.discarded:
-            index = bisect.bisect_right(ends, kept)
+            # An end that falls exactly where the agreement stops is where that message began
+            # to read differently (its end was found by the same comparison).
+            index = bisect.bisect_left(ends, kept)
             where = (
                 f"message {index + 1} ({messages[index].role})"
                 if index < len(messages)

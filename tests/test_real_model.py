@@ -12,7 +12,7 @@ import llama_cpp
 import pytest
 from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 from textual.message import Message
-from textual.widgets import Markdown
+from textual.widgets import Markdown, Static
 
 from localchat.chat_template import ChatMessage
 from localchat.cli import main
@@ -132,5 +132,7 @@ async def test_the_app_streams_a_markdown_code_block(smollm2: Path) -> None:
         assert "```python" in reply.raw and "def " in reply.raw
         assert finished.stats.generated_tokens > 10
         markdown = reply.query_one(Markdown)
-        fences = [b for b in markdown.query("MarkdownFence")]
+        fences = list(markdown.query("MarkdownFence"))
         assert fences, "the reply's code block is drawn as a code block"
+        model_info = str(app.query_one("#model-info", Static).render())
+        assert "template: the model's own" in model_info

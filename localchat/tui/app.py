@@ -317,6 +317,7 @@ class LocalChatApp(App[int]):
             message.engine.options.kv_type,
             message.engine.n_ctx,
             message.engine.options.n_gpu_layers,
+            message.engine.template.name,
         )
         self._show_cache(0)
         panel.show_turn_start(f"model loaded in {message.load_s:.2f} s")
@@ -578,6 +579,9 @@ def describe_turn_start(turn: ConversationTurn) -> str:
     stats = turn.stats
     restore = turn.restore
     evaluated = f"evaluated {count(stats.prompt_tokens_evaluated, 'token')} in {stats.ttft_s:.2f} s"
+    if turn.prompt.discarded:
+        # The template rewrote part of the history (see the stats' reason).
+        evaluated += f"\n({count(turn.prompt.discarded, 'history token')} re-read: template)"
     if restore.restored:
         restored = count(restore.tokens, "token")
         return f"restored {restored} from saved cache in {restore.seconds:.2f} s\n{evaluated}"

@@ -43,10 +43,13 @@ class StatsPanel(Vertical):
         repaint of their own lines is enough, without a layout of the whole screen."""
         self.query_one(f"#{widget_id}", Static).update(Text(text), layout=layout)
 
-    def show_model(self, name: str, quant: str, kv_type: str, n_ctx: int, gpu_layers: int) -> None:
+    def show_model(
+        self, name: str, quant: str, kv_type: str, n_ctx: int, gpu_layers: int, template: str
+    ) -> None:
         self._set(
             "model-info",
-            f"{name}\n{quant} · KV {kv_type} · ctx {n_ctx}\nGPU layers {gpu_layers}",
+            f"{name}\n{quant} · KV {kv_type} · ctx {n_ctx}\nGPU layers {gpu_layers}"
+            f"\ntemplate: {template}",
             layout=True,
         )
 
