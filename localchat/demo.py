@@ -137,6 +137,20 @@ def build_vocab(n_vocab: int) -> tuple[list[str], list[float], list[int]]:
     return tokens, scores, [int(t) for t in types]
 
 
+def _letter_ngrams(word_start: str) -> Iterator[str]:
+    """Letter bigrams then trigrams, each also with the vocabulary's word-start marker."""
+    letters = string.ascii_lowercase
+    for a in letters:
+        for b in letters:
+            yield a + b
+            yield word_start + a + b
+    for a in letters:
+        for b in letters:
+            for c in letters:
+                yield a + b + c
+                yield word_start + a + b + c
+
+
 def _candidate_pieces() -> Iterator[str]:
     """Pieces in merge-priority order: characters, common words with their prefixes, n-grams."""
     chars = string.ascii_lowercase + string.ascii_uppercase + string.digits + string.punctuation
@@ -148,16 +162,7 @@ def _candidate_pieces() -> Iterator[str]:
         for end in range(2, len(word) + 1):
             yield word[:end]
             yield "▁" + word[:end]
-    letters = string.ascii_lowercase
-    for a in letters:
-        for b in letters:
-            yield a + b
-            yield "▁" + a + b
-    for a in letters:
-        for b in letters:
-            for c in letters:
-                yield a + b + c
-                yield "▁" + a + b + c
+    yield from _letter_ngrams("▁")
 
 
 def bytes_to_unicode() -> dict[int, str]:
@@ -245,16 +250,7 @@ def _bpe_targets() -> Iterator[str]:
     for a in string.digits:
         for b in string.digits:
             yield a + b
-    letters = string.ascii_lowercase
-    for a in letters:
-        for b in letters:
-            yield a + b
-            yield "Ġ" + a + b
-    for a in letters:
-        for b in letters:
-            for c in letters:
-                yield a + b + c
-                yield "Ġ" + a + b + c
+    yield from _letter_ngrams("Ġ")
 
 
 def _check_tokenizer(tokenizer: str) -> None:

@@ -370,7 +370,7 @@ class Downloader:
         problem = None
         if size != meta.size:
             problem = f"size {size} bytes, the hub says {meta.size}"
-        elif meta.sha256 is not None and _sha256(partial) != meta.sha256:
+        elif meta.sha256 is not None and file_sha256(partial) != meta.sha256:
             problem = "sha256 does not match the hub's"
         if problem is None:
             try:
@@ -405,7 +405,8 @@ def _size(path: Path) -> int:
         return 0
 
 
-def _sha256(path: Path) -> str:
+def file_sha256(path: Path) -> str:
+    """A file's sha256, read in chunks (the hub's LFS id of a model file)."""
     digest = hashlib.sha256()
     with path.open("rb") as handle:
         for chunk in iter(lambda: handle.read(CHUNK_BYTES * 4), b""):

