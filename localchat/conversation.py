@@ -254,6 +254,7 @@ class Conversation:
                 messages, prompt, window, restore = self._move_window(prompt, plan, fresh)
             generation = self.engine.generate(prompt.tokens, sampling, max_tokens, cancel)
         except BaseException:
+            self._loaded = None
             # The turn never started: the message is handed back to the caller, not kept twice.
             self.exchanges.remove(user)
             self.store.delete_messages_from(self.record.id, record.seq)
@@ -338,6 +339,7 @@ class Conversation:
         if mode == "exact" or (mode == "shift" and fresh):
             mode = "exact"
             engine.reset()
+            self._loaded = None  # re-evaluated from the text: the saved state is not needed
         elif mode == "none":
             held = self._held_tokens(fresh)
         prompt = self.builder.build(messages, held)

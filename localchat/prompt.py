@@ -78,6 +78,12 @@ class PromptBuilder:
         self.now = now
         self._pieces: dict[int, bytes] = {}
         self._preamble_tokens: list[int] | None = None
+        # The last build's messages, whole prompt and per-prefix agreements (see _message_ends).
+        self._last_ends: tuple[tuple[ChatMessage, ...], list[int], list[int | None]] = (
+            (),
+            [],
+            [],
+        )
 
     def tokens_of(self, text: str) -> list[int]:
         """``text`` tokenized in one call, with BOS unless the text starts with it."""
@@ -106,7 +112,9 @@ class PromptBuilder:
         spans = list(itertools.pairwise([start, *ends]))
         # Held tokens past the prompt's end (a regenerated reply, a shorter window) are not
         # history the prompt needs; only those it had to replace count as discarded.
-        prompt = BuiltPrompt(tokens, spans, kept, min(len(held), len(whole)) - kept)
+        # (Never below 0: held ids may spell the prompt's text in more tokens than it has.)
+        discarded = max(0, min(len(held), len(whole)) - kept)
+        prompt = BuiltPrompt(tokens, spans, kept, discarded)
         if prompt.discarded:
             # An end that falls exactly where the agreement stops is where that message began
             # to read differently (its end was found by the same comparison).
@@ -146,16 +154,32 @@ class PromptBuilder:
 
     def _message_ends(self, messages: Sequence[ChatMessage], whole: list[int]) -> list[int]:
         """Where each message ends in ``whole``: how far the tokens of the conversation up to
-        and including it agree with the whole prompt (never before the previous end)."""
+        and including it agree with the whole prompt (never before the previous end).
+
+        Tokenizing every prefix costs O(n²) in the conversation's length, so the last build's
+        agreements are kept: a prefix of unchanged messages whose agreement ended before the
+        point where this whole prompt first differs from the last one agrees just as far."""
+        last_messages, last_whole, last_raw = self._last_ends
+        unchanged = common_prefix(last_messages, messages)
+        same_until = common_prefix(last_whole, whole)
+        raw: list[int | None] = []
         ends: list[int] = []
         previous = 0
         for k in range(1, len(messages) + 1):
-            try:
-                upto = self.tokens_of(self.render(messages[:k], False))
-                previous = max(previous, common_prefix(upto, whole))
-            except Exception:  # a template that rejects this prefix: the end is unknown
-                pass
+            agreed: int | None = None
+            known = last_raw[k - 1] if k <= unchanged else None
+            if known is not None and known < same_until:
+                agreed = known
+            else:
+                try:
+                    upto = self.tokens_of(self.render(messages[:k], False))
+                    agreed = common_prefix(upto, whole)
+                except Exception:  # a template that rejects this prefix: the end is unknown
+                    agreed = None
+            raw.append(agreed)
+            previous = max(previous, agreed or 0)
             ends.append(previous)
+        self._last_ends = (tuple(messages), whole, raw)
         return ends
 
     def _bytes(self, token: int) -> bytes:
