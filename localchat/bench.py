@@ -265,7 +265,7 @@ def bench_window(model_path: Path, progress: Progress = None) -> dict[str, Any]:
                 continue
             after.append(turn.resume_ttft_s)
             header = turn.prompt.generation_header
-            new_tokens.append(1 + closing + user_end - user_start + header)
+            new_tokens.append(closing + user_end - user_start + header)
             evaluated.append(turn.stats.prompt_tokens_evaluated)
             if len(after) % 5 == 1:
                 _say(
