@@ -245,13 +245,14 @@ class Conversation:
         self.exchanges.append(user)
         try:
             messages = self.window_messages()
-            prompt = self.builder.build(messages, self._held_tokens(fresh))
+            held = self._held_tokens(fresh)
+            prompt = self.builder.build(messages, held)
             plan = self._plan(prompt, len(messages) - len(self.system_messages()), max_tokens)
             if not (plan.moved or plan.cut_tokens):
                 window = WindowReport()
                 restore = self._prepare_cache(prompt.tokens, fresh)
             else:
-                messages, prompt, window, restore = self._move_window(prompt, plan, fresh)
+                messages, prompt, window, restore = self._move_window(prompt, plan, fresh, held)
             generation = self.engine.generate(prompt.tokens, sampling, max_tokens, cancel)
         except BaseException:
             self._loaded = None
@@ -312,10 +313,11 @@ class Conversation:
         return plan_window(head, counts, 0, self.engine.n_ctx, reserve, self.window_policy, header)
 
     def _move_window(
-        self, old_prompt: BuiltPrompt, plan: WindowPlan, fresh: bool
+        self, old_prompt: BuiltPrompt, plan: WindowPlan, fresh: bool, old_held: list[int]
     ) -> tuple[list[ChatMessage], BuiltPrompt, WindowReport, RestoreReport]:
         """Move the window's start, cut an over-long newest message, and make the cache follow:
-        shifted in place where that is safe, else re-evaluated from the text."""
+        shifted in place where that is safe, else re-evaluated from the text. ``old_held`` is
+        what the cache held when ``old_prompt`` was built."""
         engine = self.engine
         new_first = self.window_first + plan.first
         messages = self.window_messages(new_first)
@@ -341,7 +343,7 @@ class Conversation:
             engine.reset()
             self._loaded = None  # re-evaluated from the text: the saved state is not needed
         elif mode == "none":
-            held = self._held_tokens(fresh)
+            held = old_held
         prompt = self.builder.build(messages, held)
         if mode == "none":
             restore = self._prepare_cache(prompt.tokens, fresh)

@@ -346,18 +346,6 @@ class Store:
             stats or {},
         )
 
-    def set_message_tokens(
-        self, message_id: int, model_fingerprint: str, tokens: Sequence[int]
-    ) -> None:
-        with self.transaction() as db:
-            db.execute(
-                "INSERT OR REPLACE INTO message_tokens VALUES (?, ?, ?)",
-                (message_id, model_fingerprint, _pack_tokens(tokens)),
-            )
-            db.execute(
-                "UPDATE messages SET token_count = ? WHERE id = ?", (len(tokens), message_id)
-            )
-
     def messages(self, conversation_id: str) -> builtins.list[MessageRecord]:
         rows = self._read(
             "SELECT * FROM messages WHERE conversation_id = ? ORDER BY seq", (conversation_id,)
