@@ -215,6 +215,8 @@ class Generation:
         stats.stop_reason = "length"
         stops = StopFilter(engine.template.stop)
         strip_space = engine.strips_reply_space(self._tokens[-1])
+        raw_length = 0
+        raw_ends: list[int] = []  # the reply's length in characters after each token
         try:
             for token in stream:
                 now = time.perf_counter()
@@ -237,6 +239,8 @@ class Generation:
                     # text does not have: re-rendered, the template gives it back.
                     piece = piece.removeprefix(" ")
                     strip_space = False
+                raw_length += len(piece)
+                raw_ends.append(raw_length)
                 piece, stopped = stops.feed(piece)
                 self.text += piece
                 stats.generated_tokens = len(self.tokens)
@@ -244,6 +248,9 @@ class Generation:
                     stats.gen_tps = (len(self.tokens) - 1) / (now - first_at)
                 if stopped:
                     stats.stop_reason = "stop"
+                    # The reply is the tokens whose text came before the stop string.
+                    kept = bisect.bisect_right(raw_ends, len(self.text))
+                    del self.tokens[kept:]
                     if piece:
                         yield TokenDelta(token, piece)
                     break
@@ -261,6 +268,8 @@ class Generation:
                 self.text += held_back
                 yield TokenDelta(None, held_back)
         finally:
+            # Closed before the end (the reader stopped): held-back text is still the reply's.
+            self.text += stops.flush()
             # Bytes of a character the reply never finished are dropped, not shown as "?":
             # the text is exactly what was streamed.
             stream.close()
@@ -511,14 +520,26 @@ class Engine:
         return True
 
     def hold(self, sequence: Sequence[int]) -> None:
-        """Evaluate the end of ``sequence`` that the cache lacks, if the cache holds the rest:
-        a reply's last generated token is never evaluated by generation, and the next prompt
-        (and a saved state) should hold the reply as it was generated."""
+        """Make the cache hold exactly ``sequence`` where it holds a prefix of it or it is a
+        prefix of the cache: a reply's last generated token is never evaluated by generation,
+        and tokens generated past a stop string are not part of the reply. The next prompt
+        (and a saved state) then hold the reply as it stands."""
         cached = self._llm.n_tokens
-        if not cached < len(sequence) < self.n_ctx:
+        n = len(sequence)
+        common = min(cached, n)
+        if n >= self.n_ctx or [int(t) for t in self._llm.input_ids[:common]] != list(
+            sequence[:common]
+        ):
             return
-        if [int(t) for t in self._llm.input_ids[:cached]] == list(sequence[:cached]):
+        if cached < n:
             self._llm.eval(list(sequence[cached:]))
+        elif n < cached:
+            memory = llama_cpp.llama_get_memory(self._llm.ctx)
+            if llama_cpp.llama_memory_seq_rm(memory, 0, n, -1):
+                self._llm.n_tokens = n
+                starts = self._llm.batch_starts
+                if starts is not None:
+                    del starts[bisect.bisect_left(starts, n) :]
 
     def save_sequence_state(self) -> bytes:
         """The raw KV state of sequence 0 (no logits array): what a state file stores."""

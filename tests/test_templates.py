@@ -231,14 +231,24 @@ def test_a_transcript_model_stops_where_the_users_next_turn_begins(
     conversation = _open(tmp_path, smollm2, "plain")
     assert conversation.engine.template.stop == PLAIN.stop
     stopped = []
+    after_stop = []
+    previous = None
     for question in ("Hi!", "What is 2+2?", "And 3+3?", "Thanks. What is 5+5?"):
         turn = conversation.send(question, GREEDY, 100)
         deltas = [d.text for d in turn]
         assert "".join(deltas) == turn.generation.text
+        if stopped and stopped[-1] is previous:
+            after_stop.append(turn)
         if turn.stats.stop_reason == "stop":
             stopped.append(turn)
+            # The cache holds the reply up to the stop, not the tokens that spelled it.
+            held = conversation.engine.cached_tokens
+            assert held == turn.prompt.tokens + turn.generation.tokens
+            assert turn.stats.generated_tokens >= len(turn.generation.tokens)
         assert "\nUser:" not in turn.generation.text
         assert turn.prompt.discarded <= 3  # replies re-render as generated
+        previous = turn
+    assert after_stop and all(t.prompt.discarded == 0 for t in after_stop)
     assert stopped, "no reply reached the user's next turn"
     record = conversation.store.messages(conversation.record.id)[-1]
     assert record.status == "complete"
