@@ -21,7 +21,7 @@ from localchat.paths import app_paths
 from localchat.text import printable
 
 if TYPE_CHECKING:
-    from localchat.engine import Engine, Sampling, TokenDelta
+    from localchat.engine import Engine, Generation, Sampling, TokenDelta
     from localchat.kvstate import StateStore
     from localchat.library import Library
     from localchat.settings import Settings
@@ -149,6 +149,9 @@ def build_parser() -> argparse.ArgumentParser:
     export = sub.add_parser("export", help="print a conversation as Markdown or JSON")
     export.add_argument("name")
     export.add_argument("--format", choices=["md", "json"], default="md")
+    export.add_argument(
+        "--reasoning", action="store_true", help="include a reasoning model's thinking"
+    )
     rm_conv = sub.add_parser(
         "rm-conversation", help="delete a conversation and its saved KV states"
     )
@@ -240,13 +243,21 @@ def cmd_ask(args: argparse.Namespace, out: TextIO) -> int:
 def _stream(
     deltas: Iterable[TokenDelta], args: argparse.Namespace, cancel: threading.Event, out: TextIO
 ) -> bool:
-    """Write deltas to ``out`` (unless --json); returns True if Ctrl-C stopped the reply."""
+    """Write deltas to ``out`` (unless --json): the answer to ``out``, a reasoning model's
+    thinking to stderr (dimmed on a terminal). Returns True if Ctrl-C stopped the reply."""
     safe = out.isatty()
+    dim = sys.stderr.isatty()
     try:
         for delta in deltas:
-            if not args.json:
-                out.write(printable(delta.text) if safe else delta.text)
-                out.flush()
+            if args.json:
+                continue
+            if delta.reasoning:
+                text = printable(delta.text) if dim else delta.text
+                sys.stderr.write(f"\x1b[2m{text}\x1b[0m" if dim else text)
+                sys.stderr.flush()
+                continue
+            out.write(printable(delta.text) if safe else delta.text)
+            out.flush()
     except KeyboardInterrupt:
         cancel.set()
         return True
@@ -258,7 +269,7 @@ def _stream(
 def _print_result(
     out: TextIO,
     args: argparse.Namespace,
-    reply: str,
+    generation: Generation,
     engine: Engine,
     stats: dict[str, Any],
     notices: list[str],
@@ -267,7 +278,8 @@ def _print_result(
         print(f"localchat: notice: {notice}", file=sys.stderr)
     if args.json:
         payload = {
-            "reply": reply,
+            "reply": generation.answer,
+            "reasoning": generation.reasoning or None,
             "conversation": args.conversation,
             "model": engine.model_path.name,
             "template": engine.template.name,
@@ -293,7 +305,7 @@ def _ask_once(
     messages.append(ChatMessage("user", args.message))
     generation = engine.generate(engine.prompt_tokens(messages), sampling, args.max_tokens, cancel)
     interrupted = _stream(generation, args, cancel, out)
-    _print_result(out, args, generation.text, engine, turn_stats_dict(generation.stats), [])
+    _print_result(out, args, generation, engine, turn_stats_dict(generation.stats), [])
     return EXIT_INTERRUPTED if interrupted else 0
 
 
@@ -322,7 +334,7 @@ def _ask_in_conversation(
             notices = list(turn.notices)
             if conversation.saver.last_error:
                 notices.append(conversation.saver.last_error)
-            _print_result(out, args, turn.generation.text, engine, turn.stats_dict(), notices)
+            _print_result(out, args, turn.generation, engine, turn.stats_dict(), notices)
         finally:
             conversation.close()
     finally:
@@ -379,7 +391,7 @@ def cmd_export(args: argparse.Namespace, out: TextIO) -> int:
         messages = store.messages(record.id)
     finally:
         store.close()
-    out.write(export_conversation(record, messages, args.format))
+    out.write(export_conversation(record, messages, args.format, args.reasoning))
     return 0
 
 

@@ -30,6 +30,7 @@ from localchat.errors import ModelLoadError, UsageError
 from localchat.gguf_info import GGUFInfo, file_fingerprint, read_gguf
 from localchat.hardware import physical_cores
 from localchat.prompt import PromptBuilder
+from localchat.reasoning import ReasoningStream, opens_reasoning, split_reasoning
 from localchat.stops import StopFilter
 
 LLAMA_CPP_VERSION: str = llama_cpp.__version__
@@ -152,6 +153,7 @@ class TokenDelta:
 
     token: int | None
     text: str
+    reasoning: bool = False  # part of a <think> block, not the answer
 
 
 class _CountingLlama(llama_cpp.Llama):
@@ -194,6 +196,27 @@ class Generation:
     def __iter__(self) -> Iterator[TokenDelta]:
         return self._run()
 
+    @property
+    def opened_reasoning(self) -> bool:
+        """Whether the prompt itself opened a reasoning block (the reply starts inside it)."""
+        return opens_reasoning(self._engine.detokenize(self._tokens[-8:], special=True))
+
+    @property
+    def reasoning(self) -> str:
+        """The reply's reasoning (its ``<think>`` block), apart from the answer."""
+        return split_reasoning(self.text, self.opened_reasoning)[0]
+
+    @property
+    def answer(self) -> str:
+        """The reply without its reasoning."""
+        return split_reasoning(self.text, self.opened_reasoning)[1]
+
+    def _deltas(self, token: int | None, parts: list[tuple[bool, str]]) -> Iterator[TokenDelta]:
+        """One delta per part of the piece (the first carries the token)."""
+        for is_reasoning, text in parts:
+            yield TokenDelta(token, text, is_reasoning)
+            token = None
+
     def _run(self) -> Iterator[TokenDelta]:
         engine = self._engine
         llm = engine._llm
@@ -214,6 +237,7 @@ class Generation:
         )
         stats.stop_reason = "length"
         stops = StopFilter(engine.template.stop)
+        reasoning = ReasoningStream(self.opened_reasoning)
         strip_space = engine.strips_reply_space(self._tokens[-1])
         raw_length = 0
         raw_ends: list[int] = []  # the reply's length in characters after each token
@@ -251,10 +275,9 @@ class Generation:
                     # The reply is the tokens whose text came before the stop string.
                     kept = bisect.bisect_right(raw_ends, len(self.text))
                     del self.tokens[kept:]
-                    if piece:
-                        yield TokenDelta(token, piece)
+                    yield from self._deltas(token, reasoning.feed(piece))
                     break
-                yield TokenDelta(token, piece)
+                yield from self._deltas(token, reasoning.feed(piece))
                 if self._cancel is not None and self._cancel.is_set():
                     stats.stop_reason = "cancelled"
                     break
@@ -264,9 +287,8 @@ class Generation:
                     stats.stop_reason = "context"
                     break
             held_back = stops.flush()
-            if held_back:
-                self.text += held_back
-                yield TokenDelta(None, held_back)
+            self.text += held_back
+            yield from self._deltas(None, [*reasoning.feed(held_back), *reasoning.flush()])
         finally:
             # Closed before the end (the reader stopped): held-back text is still the reply's.
             self.text += stops.flush()
@@ -446,8 +468,10 @@ class Engine:
         """Token ids of ``text``; ``special`` parses control tokens such as ``<|im_end|>``."""
         return list(self._llm.tokenize(text.encode("utf-8"), add_bos=add_bos, special=special))
 
-    def detokenize(self, tokens: Sequence[int]) -> str:
-        return bytes(self._llm.detokenize(list(tokens))).decode("utf-8", errors="replace")
+    def detokenize(self, tokens: Sequence[int], special: bool = False) -> str:
+        """Text of ``tokens``; ``special`` spells control tokens out."""
+        data = self._llm.detokenize(list(tokens), special=special)
+        return bytes(data).decode("utf-8", errors="replace")
 
     # -- the KV cache ------------------------------------------------------------------
     @property

@@ -13,13 +13,16 @@ class StopFilter:
     def __init__(self, stops: tuple[str, ...]) -> None:
         self.stops = tuple(s for s in stops if s)
         self.pending = ""
+        self.after = ""  # once stopped: the text that followed the stop string
 
     def feed(self, piece: str) -> tuple[str, bool]:
         text = self.pending + piece
-        hits = [i for i in (text.find(stop) for stop in self.stops) if i >= 0]
+        hits = [(i, stop) for stop in self.stops if (i := text.find(stop)) >= 0]
         if hits:
+            at, stop = min(hits)
             self.pending = ""
-            return text[: min(hits)], True
+            self.after = text[at + len(stop) :]
+            return text[:at], True
         hold = max((_overlap(text, stop) for stop in self.stops), default=0)
         self.pending = text[len(text) - hold :] if hold else ""
         return text[: len(text) - hold], False

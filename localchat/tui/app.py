@@ -30,6 +30,7 @@ from localchat.hub import DownloadCancelled, HubError
 from localchat.kvstate import StateStore
 from localchat.library import Library
 from localchat.paths import app_paths
+from localchat.reasoning import split_reasoning
 from localchat.settings import Settings, load_settings
 from localchat.store import Store
 from localchat.tui.messages import (
@@ -247,20 +248,26 @@ class LocalChatApp(App[int]):
         except Exception as exc:  # the app stays up whatever the runtime raises
             self.post_message(ReplyFailed(f"unexpected error: {exc}", text))
             return
-        pending = ""
+        pending = thinking = ""
         last_post = time.perf_counter()
         engine = conversation.engine
         try:
             for delta in turn:
-                pending += delta.text
+                if delta.reasoning:
+                    thinking += delta.text
+                else:
+                    pending += delta.text
                 now = time.perf_counter()
                 if now - last_post >= CHUNK_INTERVAL_S:
-                    self.post_message(ReplyChunk(pending, turn.stats, len(engine.cached_tokens)))
-                    pending, last_post = "", now
+                    kv_tokens = len(engine.cached_tokens)
+                    self.post_message(ReplyChunk(pending, turn.stats, kv_tokens, thinking))
+                    pending = thinking = ""
+                    last_post = now
         except Exception as exc:
             self.notify(f"generation failed: {exc}", severity="error", timeout=15)
-        if pending:
-            self.post_message(ReplyChunk(pending, turn.stats, len(engine.cached_tokens)))
+        if pending or thinking:
+            kv_tokens = len(engine.cached_tokens)
+            self.post_message(ReplyChunk(pending, turn.stats, kv_tokens, thinking))
         self.post_message(ReplyFinished(turn.stats, len(engine.cached_tokens), turn))
 
     # -- model lifecycle (app thread) ----------------------------------------------------
@@ -369,8 +376,12 @@ class LocalChatApp(App[int]):
                 await log.mount(UserMessage(exchange.record.content))
             elif exchange.record.role == "assistant":
                 view = AssistantMessage()
+                thought, answer = split_reasoning(exchange.record.content)
                 await log.mount(view)
-                await view.markdown.update(view.append(exchange.record.content))
+                if thought:
+                    view.append_reasoning(thought)
+                    view.collapse_reasoning()
+                await view.markdown.update(view.append(answer))
         log.scroll_end(animate=False)
 
     # -- a turn ---------------------------------------------------------------------------
@@ -409,6 +420,8 @@ class LocalChatApp(App[int]):
     async def on_reply_chunk(self, message: ReplyChunk) -> None:
         if self._reply is None:
             return
+        if message.reasoning:
+            self._reply.append_reasoning(message.reasoning)
         self._undrawn += self._reply.append(message.text)
         if self._pacer is not None and self._pacer.frame_due():
             await self._draw_reply()
@@ -427,6 +440,8 @@ class LocalChatApp(App[int]):
     async def on_reply_finished(self, message: ReplyFinished) -> None:
         await self._draw_reply()
         await self._end_stream()
+        if self._reply is not None and self._reply.raw.strip():
+            self._reply.collapse_reasoning()  # the answer is what is read now
         stats = message.stats
         panel = self.query_one(StatsPanel)
         panel.show_speed(stats, final=True)

@@ -25,11 +25,13 @@ class ModelLoadFailed(Message):
 
 @dataclass
 class ReplyChunk(Message):
-    """Text generated since the last chunk, with the stats so far."""
+    """Text generated since the last chunk (the answer, and a reasoning model's thinking
+    apart), with the stats so far."""
 
     text: str
     stats: TurnStats
     kv_tokens: int
+    reasoning: str = ""
 
 
 @dataclass

@@ -8,7 +8,7 @@ from markdown_it import MarkdownIt
 from rich.text import Text
 from textual.app import ComposeResult
 from textual.containers import Vertical
-from textual.widgets import Label, Markdown, Static
+from textual.widgets import Collapsible, Label, Markdown, Static
 
 from localchat.text import printable
 
@@ -48,15 +48,30 @@ class AssistantMessage(Vertical):
 
     def __init__(self) -> None:
         super().__init__(classes="message assistant")
-        self.raw = ""
+        self.raw = ""  # the answer as the model wrote it
+        self.reasoning = ""  # a reasoning model's thinking, shown dimmed and collapsible
 
     def compose(self) -> ComposeResult:
         yield Label("model", classes="role")
+        with Collapsible(title="reasoning", collapsed=False, classes="reasoning"):
+            yield Static(classes="reasoning-text")
         yield Markdown(classes="body", parser_factory=markdown_parser)
 
     @property
     def markdown(self) -> Markdown:
         return self.query_one(Markdown)
+
+    def append_reasoning(self, text: str) -> None:
+        """Show more of the thinking (as text: never markup)."""
+        self.reasoning += text
+        self.query_one(".reasoning-text", Static).update(Text(printable(self.reasoning.strip())))
+        self.query_one(Collapsible).display = bool(self.reasoning.strip())
+
+    def collapse_reasoning(self) -> None:
+        self.query_one(Collapsible).collapsed = True
+
+    def on_mount(self) -> None:
+        self.query_one(Collapsible).display = bool(self.reasoning.strip())
 
     def append(self, text: str) -> str:
         """Record ``text`` and return its safe form for the Markdown stream."""
