@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from localchat.chat_formats import BUILTIN
 from localchat.demo import QUANTS
 from localchat.errors import UsageError
 from localchat.estimate import ModelDims
@@ -39,6 +40,7 @@ class CatalogModel:
     dims: ModelDims
     files: tuple[QuantFile, ...]  # in quality order, best first
     source: str
+    template: str | None = None  # a built-in chat format or a .jinja file overriding the GGUF's
 
     def file_for(self, quant: str) -> QuantFile | None:
         return next((f for f in self.files if f.quant == quant), None)
@@ -95,8 +97,14 @@ def _parse_model(path: Path, index: int, raw: Any) -> CatalogModel:
         raw["context_length"],
         window,
     )
+    template = raw.get("template")
+    if template is not None:
+        if not isinstance(template, str) or not template.strip():
+            raise _fail(path, entry, "template", "must be a format name or a .jinja file")
+        if template not in BUILTIN:
+            template = str((path.parent / template).expanduser())  # relative to the catalog
     return CatalogModel(
-        raw["name"], raw["repo"], raw["architecture"], dims, tuple(files), str(path)
+        raw["name"], raw["repo"], raw["architecture"], dims, tuple(files), str(path), template
     )
 
 
@@ -128,6 +136,19 @@ def load_catalog(
         for model in load_catalog_file(user_catalog):
             models[model.name] = model
     return list(models.values())
+
+
+def catalog_template(model_file: Path, user_catalog: Path | None) -> str | None:
+    """The template a catalog entry names for this downloaded file, if any. A catalog that
+    cannot be read names none here (listing and planning report it)."""
+    try:
+        models = load_catalog(user_catalog)
+    except CatalogError:
+        return None
+    for model in models:
+        if model.template and any(f.file == model_file.name for f in model.files):
+            return model.template
+    return None
 
 
 def find_model(models: list[CatalogModel], name: str) -> CatalogModel:

@@ -217,15 +217,15 @@ def cmd_ask(args: argparse.Namespace, out: TextIO) -> int:
             f"localchat: no --model-path given; using the offline demo model {model_path}",
             file=sys.stderr,
         )
+    from localchat.catalog import catalog_template
     from localchat.settings import load_settings
 
     settings = load_settings(app_paths().settings_file)
     kv_type = args.kv_type or settings.kv_type
+    template = args.template or catalog_template(model_path, app_paths().user_catalog)
     engine = Engine(
         model_path,
-        LoadOptions(
-            n_ctx=args.ctx, n_threads=args.threads, kv_type=kv_type, template=args.template
-        ),
+        LoadOptions(n_ctx=args.ctx, n_threads=args.threads, kv_type=kv_type, template=template),
     )
     temperature = settings.temperature if args.temperature is None else args.temperature
     sampling = Sampling(temperature=temperature, seed=args.seed)

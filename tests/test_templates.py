@@ -259,3 +259,51 @@ def test_a_transcript_model_stops_where_the_users_next_turn_begins(
 def test_an_unknown_template_name_is_a_clear_error(tiny_model: Path) -> None:
     with pytest.raises(UsageError, match="unknown template 'nope'; use one of chatml"):
         Engine(tiny_model, LoadOptions(n_ctx=256, template="nope"))
+
+
+def _catalog_entry(file_name: str, template: str) -> str:
+    return f"""
+[[model]]
+name = "mine"
+repo = "me/mine-GGUF"
+architecture = "llama"
+n_layer = 2
+n_embd = 128
+n_head = 4
+n_head_kv = 2
+head_dim = 32
+n_vocab = 1024
+context_length = 4096
+template = "{template}"
+[model.files]
+Q4_K_M = {{ file = "{file_name}", size = 1000 }}
+"""
+
+
+def test_a_catalog_entry_names_the_template(tiny_model: Path, capsys) -> None:
+    from localchat.cli import main
+    from localchat.paths import app_paths
+
+    catalog = app_paths().user_catalog
+    catalog.parent.mkdir(parents=True, exist_ok=True)
+    catalog.write_text(_catalog_entry(tiny_model.name, "plain"))
+    args = ["ask", "hi", "--model-path", str(tiny_model), "--max-tokens", "2", "--json"]
+    assert main(args) == 0
+    assert json.loads(capsys.readouterr().out)["template"] == "plain (chosen)"
+    # --template still wins over the catalog.
+    assert main([*args, "--template", "chatml"]) == 0
+    assert json.loads(capsys.readouterr().out)["template"] == "chatml (chosen)"
+    # A file beside the catalog, named relatively.
+    (catalog.parent / "mine.jinja").write_text((TEMPLATES / "eos_when_closed.jinja").read_text())
+    catalog.write_text(_catalog_entry(tiny_model.name, "mine.jinja"))
+    assert main(args) == 0
+    assert json.loads(capsys.readouterr().out)["template"] == "mine.jinja (chosen)"
+
+
+def test_a_bad_catalog_template_field_names_the_entry(tmp_path: Path) -> None:
+    from localchat.catalog import CatalogError, load_catalog_file
+
+    path = tmp_path / "models.toml"
+    path.write_text(_catalog_entry("x.gguf", "").replace('template = ""', "template = 3"))
+    with pytest.raises(CatalogError, match=r"model 'mine': field 'template' must be"):
+        load_catalog_file(path)

@@ -20,6 +20,7 @@ from textual.screen import Screen
 from textual.widgets import Footer, Header, Markdown
 from textual.widgets.markdown import MarkdownStream
 
+from localchat.catalog import catalog_template
 from localchat.compute_thread import run_compute
 from localchat.conversation import Conversation, ConversationTurn
 from localchat.demo import ensure_demo_model
@@ -224,9 +225,8 @@ class LocalChatApp(App[int]):
     @work(thread=True, exclusive=True, group="model")
     def load_model(self, path: Path) -> None:
         start = time.perf_counter()
-        options = LoadOptions(
-            n_ctx=self.n_ctx, kv_type=self.settings.kv_type, template=self.template
-        )
+        template = self.template or catalog_template(path, app_paths().user_catalog)
+        options = LoadOptions(n_ctx=self.n_ctx, kv_type=self.settings.kv_type, template=template)
         try:
             engine = run_compute(Engine, path, options)
         except LocalchatError as exc:
