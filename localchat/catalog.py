@@ -12,9 +12,9 @@ from pathlib import Path
 from typing import Any
 
 from localchat.chat_formats import BUILTIN
-from localchat.demo import QUANTS
 from localchat.errors import UsageError
 from localchat.estimate import ModelDims
+from localchat.quants import parse_tag, quality_rank
 
 REPO_CATALOG = Path(__file__).resolve().parent.parent / "models.toml"
 
@@ -74,17 +74,21 @@ def _parse_model(path: Path, index: int, raw: Any) -> CatalogModel:
         raise _fail(path, entry, "files", "must be a table of quant = { file, size }")
     files = []
     for quant, spec in files_raw.items():
-        if quant not in QUANTS:
+        tag = parse_tag(quant)
+        if tag is None:
             raise _fail(
-                path, entry, f"files.{quant}", f"is not a known quant ({', '.join(QUANTS)})"
+                path,
+                entry,
+                f"files.{quant}",
+                "is not a quant tag llama.cpp knows (e.g. Q4_K_M, IQ4_XS, UD-Q4_K_XL)",
             )
         if not isinstance(spec, dict) or not isinstance(spec.get("file"), str):
             raise _fail(path, entry, f"files.{quant}.file", "must be a file name")
         size = spec.get("size")
         if not isinstance(size, int) or isinstance(size, bool) or size <= 0:
             raise _fail(path, entry, f"files.{quant}.size", "must be a positive number of bytes")
-        files.append(QuantFile(quant, spec["file"], size))
-    files.sort(key=lambda f: QUANTS.index(f.quant))
+        files.append(QuantFile(tag.tag, spec["file"], size))
+    files.sort(key=lambda f: quality_rank(f.quant))
     head_dim = raw["head_dim"]
     dims = ModelDims(
         raw["n_layer"],

@@ -29,19 +29,15 @@ from huggingface_hub.file_download import repo_folder_name
 from huggingface_hub.utils import build_hf_headers
 
 from localchat.catalog import CatalogModel, find_model
-from localchat.demo import QUANTS
 from localchat.errors import LocalchatError, ModelFileError, UsageError
 from localchat.gguf_info import read_gguf
+from localchat.quants import parse_tag, quality_rank, tag_of_file
 from localchat.units import format_bytes
 
 CHUNK_BYTES = 1024 * 1024
 RETRIES = 3
 DISK_MARGIN_BYTES = 256 * 1024 * 1024
 SPLIT_RE = re.compile(r"-(\d{5})-of-(\d{5})\.gguf$")
-QUANT_RE = re.compile(
-    r"(?<![A-Za-z0-9])(F16|BF16|F32|Q8_0|Q6_K|Q5_K_M|Q5_K_S|Q4_K_M|Q4_K_S|Q4_0|Q3_K_M|Q3_K_L|Q3_K_S|Q2_K|IQ4_XS|IQ4_NL)(?![A-Za-z0-9])",
-    re.I,
-)
 
 
 class HubError(LocalchatError):
@@ -100,8 +96,20 @@ ProgressCallback = Callable[[Progress], object]
 
 
 def quant_of(filename: str) -> str:
-    match = QUANT_RE.search(filename)
-    return match.group(1).upper() if match else "unknown"
+    """The file's quant tag as published (``UD-Q4_K_XL``, ``BF16``…), or "unknown"."""
+    tag = tag_of_file(filename)
+    return tag.tag if tag else "unknown"
+
+
+def is_projector(filename: str) -> bool:
+    """A vision projector (``mmproj-*``): it goes with a chat model, it is not one."""
+    return filename.rsplit("/", 1)[-1].lower().startswith("mmproj")
+
+
+def normal_tag(quant: str) -> str:
+    """A quant the user typed, spelled as tags are compared (exactly, any case)."""
+    tag = parse_tag(quant)
+    return tag.tag if tag else quant.upper()
 
 
 def _hub_error(exc: Exception, what: str) -> LocalchatError:
@@ -127,7 +135,7 @@ def list_gguf_files(repo: str, revision: str = "main") -> list[RemoteFile]:
     files = []
     for sibling in info.siblings or []:
         name = sibling.rfilename
-        if not name.endswith(".gguf"):
+        if not name.endswith(".gguf") or is_projector(name):
             continue
         split = SPLIT_RE.search(name)
         if split and split.group(1) != "00001":
@@ -166,7 +174,7 @@ class ModelSpec:
 def parse_spec(text: str, catalog: list[CatalogModel]) -> ModelSpec:
     """``name[:QUANT]`` or ``org/repo[:QUANT]``; unknown names list the closest ones."""
     name, _, quant_text = text.partition(":")
-    quant = quant_text.upper() or None
+    quant = normal_tag(quant_text) if quant_text else None
     if "/" in name:
         entry = next((m for m in catalog if m.repo == name), None)
         return ModelSpec(name, quant, entry)
@@ -216,7 +224,13 @@ class HubCache:
                 blob = link.resolve()
                 link.unlink()
                 removed.append(link)
-                if blob.exists() and blob.parent.name == "blobs":
+                # The same bytes under another name (or revision) share the blob: it stays.
+                shared = any(
+                    other.resolve() == blob
+                    for other in repo_dir.glob("snapshots/*/**/*")
+                    if other.is_symlink()
+                )
+                if blob.exists() and blob.parent.name == "blobs" and not shared:
                     blob.unlink()
                     removed.append(blob)
         return removed
@@ -422,9 +436,7 @@ def choose_file(files: list[RemoteFile], quant: str | None, preferred: list[str]
         for remote in files:
             if remote.quant == quant:
                 return remote
-        available = sorted(
-            {f.quant for f in files}, key=lambda q: QUANTS.index(q) if q in QUANTS else 99
-        )
+        available = sorted({f.quant for f in files}, key=lambda q: (quality_rank(q), q))
         raise UsageError(f"no {quant} file in {files[0].repo}; it has {', '.join(available)}")
     for wanted in preferred:
         for remote in files:

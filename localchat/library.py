@@ -28,6 +28,7 @@ from localchat.hub import (
     hub_endpoint,
     list_gguf_files,
     parse_spec,
+    quant_of,
 )
 from localchat.paths import AppPaths
 from localchat.planner import DEFAULT_CTX, Plan, fit_label, plan_model, sized_candidates
@@ -145,7 +146,7 @@ class Library:
         targets = [
             (repo, name)
             for repo, name, _path in self.cache.downloaded()
-            if repo == spec.repo and (spec.quant is None or spec.quant.lower() in name.lower())
+            if repo == spec.repo and (spec.quant is None or quant_of(name) == spec.quant)
         ]
         if not targets:
             raise UsageError(f"{text} is not downloaded; `localchat models` shows what is")

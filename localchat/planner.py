@@ -24,10 +24,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from localchat.catalog import CatalogModel
-from localchat.demo import QUANTS
 from localchat.estimate import LayerWeights, MemoryEstimate, ModelDims, estimate_memory
 from localchat.gguf_info import read_gguf
 from localchat.hardware import GPU_NONE, Hardware, repacked_weight_types
+from localchat.quants import is_good_enough, parse_tag, quality_rank
 from localchat.units import format_bytes
 
 CTX_FLOOR = 2048
@@ -36,8 +36,6 @@ RAM_HEADROOM_SHARE = 0.10
 RAM_HEADROOM_BYTES = 512 * 1024 * 1024
 VRAM_HEADROOM_BYTES = 512 * 1024 * 1024
 KV_TYPES_TRIED = ("f16", "q8_0")
-GOOD_QUANTS = QUANTS[: QUANTS.index("Q4_K_M") + 1]
-LOW_QUANTS = QUANTS[QUANTS.index("Q4_K_M") + 1 :]
 
 
 @dataclass(frozen=True)
@@ -135,10 +133,11 @@ def plan_model(
 ) -> Plan:
     """The best configuration of one model on ``hardware`` (see the module's policy)."""
     wanted = min(wanted_ctx, dims.context_length) if dims.context_length else wanted_ctx
-    by_quant = {c.quant: c for c in candidates}
-    good = [by_quant[q] for q in GOOD_QUANTS if q in by_quant]
-    low = [by_quant[q] for q in LOW_QUANTS if q in by_quant]
-    others = [c for c in candidates if c.quant not in QUANTS]  # a local file's own quant
+    ranked = sorted(candidates, key=lambda c: quality_rank(c.quant))
+    known = [c for c in ranked if parse_tag(c.quant) is not None]
+    good = [c for c in known if is_good_enough(c.quant)]
+    low = [c for c in known if not is_good_enough(c.quant)]
+    others = [c for c in ranked if parse_tag(c.quant) is None]  # a local file's own quant
     contexts = _contexts(wanted)
     passes: list[list[tuple[Candidate, int]]] = [
         [(c, wanted) for c in good + others],

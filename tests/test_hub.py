@@ -25,6 +25,17 @@ from .hubserver import HubServer, HubState
 
 GIB = 1024**3
 REPO = "demo/small-GGUF"
+# A repo laid out like unsloth's and bartowski's: vendor tags, BF16 beside F16, a projector.
+ZOO = "acme/zoo-GGUF"
+ZOO_FILES = (
+    "zoo-UD-Q4_K_XL.gguf",
+    "zoo-F16.gguf",
+    "zoo-BF16.gguf",
+    "zoo-IQ4_XS.gguf",
+    "zoo-Q5_0.gguf",
+    "zoo.i1-Q4_K_M.gguf",
+    "mmproj-zoo-F16.gguf",
+)
 
 
 @pytest.fixture
@@ -43,7 +54,13 @@ def hub(
     split.mkdir(parents=True)
     shutil.copy(tiny_model, split / "tiny-Q4_K_M-00001-of-00002.gguf")
     make_demo_model(split / "tiny-Q4_K_M-00002-of-00002.gguf", "tiny", "Q4_K_M", seed=5)
-    state = HubState({REPO: repo_dir, "demo/no-gguf": empty, "demo/split-GGUF": split})
+    zoo = tmp_path / "hub" / ZOO
+    zoo.mkdir(parents=True)
+    for seed, name in enumerate(ZOO_FILES, start=10):
+        make_demo_model(zoo / name, "tiny", "F16", seed=seed)
+    shutil.copy(zoo / "zoo-Q5_0.gguf", zoo / "zoo-Q4_0.gguf")  # the same bytes: one blob
+    repos = {REPO: repo_dir, "demo/no-gguf": empty, "demo/split-GGUF": split, ZOO: zoo}
+    state = HubState(repos)
     server = HubServer(state).start()
     monkeypatch.setenv("HF_ENDPOINT", server.endpoint)
     yield state
@@ -201,3 +218,42 @@ def test_models_lists_downloads_and_rm_removes_them(
     rows = json.loads(capsys.readouterr().out)
     assert not [r for r in rows if r["source"] != "catalog"]
     assert main(["rm", f"{REPO}:Q4_K_M"]) == 2
+
+
+def test_each_tag_pulls_exactly_its_file(hub: HubState) -> None:
+    library = _library()
+    for asked, name in [
+        ("F16", "zoo-F16.gguf"),
+        ("bf16", "zoo-BF16.gguf"),
+        ("ud-q4_k_xl", "zoo-UD-Q4_K_XL.gguf"),
+        ("IQ4_XS", "zoo-IQ4_XS.gguf"),
+        ("Q5_0", "zoo-Q5_0.gguf"),
+        ("i1-Q4_K_M", "zoo.i1-Q4_K_M.gguf"),
+    ]:
+        assert library.pull(f"{ZOO}:{asked}").name == name
+    snapshot = next((app_paths().hub_cache).glob("models--acme--zoo-GGUF/snapshots/*"))
+    assert not (snapshot / "mmproj-zoo-F16.gguf").exists()  # the projector is not a chat model
+    with pytest.raises(UsageError, match="it has BF16, F16, Q5_0, UD-Q4_K_XL, i1-Q4_K_M, IQ4_XS, Q4_0$"):
+        library.pull(f"{ZOO}:Q6_K")
+
+
+def test_the_listing_shows_tags_and_never_the_projector(hub: HubState) -> None:
+    from localchat.hub import list_gguf_files
+
+    files = list_gguf_files(ZOO)
+    assert sorted(f.quant for f in files) == sorted(
+        ["UD-Q4_K_XL", "F16", "BF16", "IQ4_XS", "Q5_0", "i1-Q4_K_M", "Q4_0"]
+    )
+    assert not [f for f in files if "mmproj" in f.filename]
+
+
+def test_rm_removes_exactly_the_named_file_and_keeps_shared_blobs(hub: HubState) -> None:
+    library = _library()
+    for tag in ("F16", "BF16", "Q5_0", "Q4_0"):
+        library.pull(f"{ZOO}:{tag}")
+    library.remove(f"{ZOO}:f16")
+    left = {Path(name).name for _repo, name, _path in library.cache.downloaded()}
+    assert left == {"zoo-BF16.gguf", "zoo-Q5_0.gguf", "zoo-Q4_0.gguf"}
+    library.remove(f"{ZOO}:Q5_0")
+    kept = [p for _r, name, p in library.cache.downloaded() if name == "zoo-Q4_0.gguf"]
+    assert kept and kept[0].read_bytes()[:4] == b"GGUF"  # its blob was shared and stays

@@ -1,0 +1,59 @@
+"""Quant tags as files on the hub are named: exact, any case, vendor variants included."""
+
+from __future__ import annotations
+
+import pytest
+
+from localchat.hub import is_projector, normal_tag, quant_of
+from localchat.quants import QUALITY_ORDER, parse_tag, quality_rank, tag_of_file
+
+
+@pytest.mark.parametrize(
+    ("filename", "tag", "base"),
+    [
+        ("Qwen3-8B-UD-Q4_K_XL.gguf", "UD-Q4_K_XL", "Q4_K_M"),
+        ("Meta-Llama-3.1-8B-Instruct-Q4_K_L.gguf", "Q4_K_L", "Q4_K_M"),
+        ("Mistral-Nemo.i1-Q4_K_M.gguf", "i1-Q4_K_M", "Q4_K_M"),
+        ("gemma-3-4b-it-bf16.gguf", "BF16", "BF16"),
+        ("gemma-3-4b-it-f16.gguf", "F16", "F16"),
+        ("model-BF16-00001-of-00002.gguf", "BF16", "BF16"),
+        ("phi-4-IQ3_M.gguf", "IQ3_M", "IQ3_M"),
+        ("phi-4-IQ2_XXS.gguf", "IQ2_XXS", "IQ2_XXS"),
+        ("tiny-q5_0.gguf", "Q5_0", "Q5_0"),
+        ("gpt-oss-20b-MXFP4.gguf", "MXFP4", "MXFP4"),
+        ("bitnet-TQ1_0.gguf", "TQ1_0", "TQ1_0"),
+        ("llama-Q3_K_L.gguf", "Q3_K_L", "Q3_K_L"),  # an official type, not a vendor size
+        ("Qwen2.5-Coder-7B-Q2_K_S.gguf", "Q2_K_S", "Q2_K_S"),
+        ("org/repo/sub/model-IQ4_NL.gguf", "IQ4_NL", "IQ4_NL"),
+    ],
+)
+def test_tags_are_read_from_file_names(filename: str, tag: str, base: str) -> None:
+    parsed = tag_of_file(filename)
+    assert parsed is not None and (parsed.tag, parsed.base) == (tag, base)
+    assert quant_of(filename) == tag
+
+
+def test_unknown_names_have_no_tag() -> None:
+    for name in ("model.gguf", "Q4-model.gguf", "model-Q9_K_M.gguf", "FF16.gguf"):
+        assert quant_of(name) == "unknown"
+
+
+def test_matching_is_exact_and_case_insensitive() -> None:
+    assert normal_tag("f16") == "F16" != normal_tag("bf16")
+    assert normal_tag("ud-q4_k_xl") == "UD-Q4_K_XL"
+    assert normal_tag("I1-q4_k_m") == "i1-Q4_K_M"
+    assert parse_tag("Q4_K") is None
+
+
+def test_every_type_ranks_and_vendor_variants_sit_beside_their_type() -> None:
+    for name in QUALITY_ORDER:
+        assert parse_tag(name) is not None
+    assert quality_rank("F16") < quality_rank("Q8_0") < quality_rank("Q4_K_M")
+    assert quality_rank("UD-Q4_K_XL") == quality_rank("Q4_K_M") < quality_rank("IQ3_M")
+    assert quality_rank("mystery") == len(QUALITY_ORDER)
+
+
+def test_projectors_are_not_chat_models() -> None:
+    assert is_projector("mmproj-gemma-3-4b-F16.gguf")
+    assert is_projector("vision/MMPROJ-model-f16.gguf")
+    assert not is_projector("gemma-3-4b-F16.gguf")
