@@ -233,7 +233,9 @@ def test_each_tag_pulls_exactly_its_file(hub: HubState) -> None:
         assert library.pull(f"{ZOO}:{asked}").name == name
     snapshot = next((app_paths().hub_cache).glob("models--acme--zoo-GGUF/snapshots/*"))
     assert not (snapshot / "mmproj-zoo-F16.gguf").exists()  # the projector is not a chat model
-    with pytest.raises(UsageError, match="it has BF16, F16, Q5_0, UD-Q4_K_XL, i1-Q4_K_M, IQ4_XS, Q4_0$"):
+    with pytest.raises(
+        UsageError, match=r"it has BF16, F16, Q5_0, UD-Q4_K_XL, i1-Q4_K_M, IQ4_XS, Q4_0$"
+    ):
         library.pull(f"{ZOO}:Q6_K")
 
 
