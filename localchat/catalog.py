@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import tomllib
 from dataclasses import dataclass
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +17,9 @@ from localchat.errors import UsageError
 from localchat.estimate import ModelDims
 from localchat.quants import parse_tag, quality_rank
 
-REPO_CATALOG = Path(__file__).resolve().parent.parent / "models.toml"
+# The repo's top-level models.toml is the source; the package holds it (a link in the source
+# tree, a copy in every built wheel), so every install reads the same catalog.
+REPO_CATALOG = Path(str(resources.files("localchat") / "models.toml"))
 
 _INT_FIELDS = ("n_layer", "n_embd", "n_head", "n_head_kv", "head_dim", "n_vocab", "context_length")
 
