@@ -497,6 +497,8 @@ def cmd_models(args: argparse.Namespace, out: TextIO) -> int:
         mark = "yes" if r.downloaded else ""
         if r.source != "catalog":
             mark = f"{r.source}: {r.path}"
+        if r.problem:
+            mark += f" — unusable: {r.problem}"
         out.write(
             f"{r.model[:28]:28} {r.quant:8} {format_bytes(r.size_bytes):>10} {needs:>10} {r.fit:8} {mark}\n"
         )

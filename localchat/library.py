@@ -15,7 +15,7 @@ from pathlib import Path
 
 from localchat.atomic import write_atomic
 from localchat.catalog import CatalogModel, load_catalog
-from localchat.errors import UsageError
+from localchat.errors import ModelFileError, UsageError
 from localchat.estimate import LayerWeights, ModelDims
 from localchat.gguf_info import read_gguf, read_gguf_url
 from localchat.hardware import Hardware, repacked_weight_types
@@ -47,6 +47,11 @@ class ModelRow:
     downloaded: bool
     path: str | None
     source: str  # "catalog" | "hub cache" | "local" | "demo"
+    problem: str | None = None  # why the file cannot be used (moved, truncated, corrupt…)
+
+    @property
+    def usable(self) -> bool:
+        return self.downloaded and self.path is not None and self.problem is None
 
 
 class Library:
@@ -187,10 +192,11 @@ class Library:
     def _file_row(self, model: str, name: str, path: Path, source: str, n_ctx: int) -> ModelRow:
         try:
             info = read_gguf(path)
-        except UsageError:
+        except (ModelFileError, UsageError) as exc:  # one row that says why; the rest stand
             return ModelRow(
-                model, "unknown", name, 0, None, "unknown", path.exists(), str(path), source
-            )
+                model, "unknown", name, 0, None, "unknown", path.exists(), str(path), source,
+                str(exc),
+            )  # fmt: skip
         dims = ModelDims.from_gguf(info)
         weights = LayerWeights.from_gguf(info, repacked_weight_types())
         ctx = min(n_ctx, dims.context_length) if dims.context_length else n_ctx

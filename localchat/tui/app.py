@@ -214,7 +214,12 @@ class LocalChatApp(App[int]):
         if self.store is not None:
             recent = self.store.list()
             last_model = recent[0].model if recent else None
-        rows = [r for r in library.rows() if r.downloaded and r.path]
+        found = [r for r in library.rows() if r.downloaded and r.path]
+        for row in found:
+            if row.problem:  # one broken file never stops the start: the next one is used
+                message = f"skipped {row.model}: {row.problem}"
+                self.call_from_thread(self.notify, message, severity="warning", markup=False)
+        rows = [r for r in found if r.usable]
         for row in rows:
             if last_model and Path(row.path or "").name == last_model:
                 return Path(row.path or "")

@@ -93,9 +93,11 @@ class ModelsScreen(ModalScreen[Path | None]):
         table.clear()
         for index, row in enumerate(self.rows):
             needs = format_bytes(row.estimated_bytes) if row.estimated_bytes else "-"
-            on_disk = "✓" if row.downloaded else ""
+            on_disk: str | Text = "✓" if row.downloaded else ""
             if row.source in ("local", "demo"):
                 on_disk = "added" if row.source == "local" else "demo"
+            if row.problem:
+                on_disk = Text(f"unusable: {row.problem}")  # a file name is never markup
             table.add_row(
                 row.model,
                 row.quant,
