@@ -71,44 +71,47 @@ class _Parser(argparse.ArgumentParser):
         self.exit(EXIT_USAGE, f"localchat: error: {message} (see `{self.prog} --help`)\n")
 
 
+def _model_flags(parser: argparse.ArgumentParser, default: Any = None) -> None:
+    """The flags that choose and load a model, defined once for the app and for ``ask``."""
+    parser.add_argument(
+        "--model-path", type=Path, default=default, help="a local GGUF file to chat with"
+    )
+    parser.add_argument(
+        "--model",
+        metavar="NAME[:QUANT]",
+        default=default,
+        help="a catalog or hub model (downloaded if needed)",
+    )
+    parser.add_argument(
+        "--ctx",
+        type=_positive_int,
+        default=default,
+        help="context size in tokens (default: 4096, or the model's trained context if smaller)",
+    )
+    parser.add_argument(
+        "--template",
+        metavar="NAME|FILE",
+        default=default,
+        help="chat template: chatml, llama3, gemma, mistral, phi3, plain, or a .jinja file",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="localchat", description="Chat with quantized local LLMs.")
     parser.add_argument("--version", action="version", version=f"localchat {__version__}")
-    parser.add_argument("--model-path", type=Path, help="a local GGUF file to chat with")
     parser.add_argument(
         "--demo", action="store_true", help="open the app on the offline demo model"
     )
-    parser.add_argument(
-        "--model", metavar="NAME[:QUANT]", help="a catalog or hub model (downloaded if needed)"
-    )
-    parser.add_argument(
-        "--ctx",
-        type=_positive_int,
-        default=None,
-        help="context size in tokens (default: 4096, or the model's trained context if smaller)",
-    )
-    parser.add_argument(
-        "--template",
-        metavar="NAME|FILE",
-        help="chat template: chatml, llama3, gemma, mistral, phi3, plain, or a .jinja file",
-    )
+    _model_flags(parser)
     sub = parser.add_subparsers(dest="command", parser_class=_Parser)
 
     ask = sub.add_parser("ask", help="one headless turn: stream a reply to stdout")
-    ask.add_argument("message", help="what to say to the model")
-    ask.add_argument("--model-path", type=Path, help="a local GGUF file (default: the demo model)")
+    ask.add_argument(
+        "message", nargs="?", help="what to say to the model (- or nothing: read it from stdin)"
+    )
+    # The same flags as before the subcommand: given on either side, they count.
+    _model_flags(ask, default=argparse.SUPPRESS)
     ask.add_argument("--system", default=None, help="system prompt")
-    ask.add_argument(
-        "--ctx",
-        type=_positive_int,
-        default=None,
-        help="context size in tokens (default: 4096, or the model's trained context if smaller)",
-    )
-    ask.add_argument(
-        "--template",
-        metavar="NAME|FILE",
-        help="chat template: chatml, llama3, gemma, mistral, phi3, plain, or a .jinja file",
-    )
     ask.add_argument(
         "--max-tokens",
         type=_positive_int,
@@ -178,6 +181,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     pull = sub.add_parser("pull", help="download a model from the hub (resumes, verifies)")
     pull.add_argument("model", help="catalog name or org/repo, optionally :QUANT")
+    pull.add_argument("--json", action="store_true", help="progress events as JSON lines")
     models = sub.add_parser("models", help="catalog models, downloads and local files, with fit")
     models.add_argument("--json", action="store_true", help="print JSON")
     models.add_argument("--ctx", type=_positive_int, default=8192, help="context size to fit")
@@ -210,7 +214,10 @@ def cmd_ask(args: argparse.Namespace, out: TextIO) -> int:
 
     if args.fresh and not args.conversation:
         raise UsageError("--fresh needs --conversation NAME (a one-off ask has no saved state)")
+    args.message = _message_text(args.message, sys.stdin)
     model_path = args.model_path
+    if model_path is None and args.model:
+        model_path = _library().path_of(args.model) or _pull(args.model, json_lines=False)
     if model_path is None:
         model_path = default_model()
         print(
@@ -238,6 +245,18 @@ def cmd_ask(args: argparse.Namespace, out: TextIO) -> int:
         return _ask_once(args, engine, sampling, cancel, out)
     finally:
         engine.close()
+
+
+def _message_text(message: str | None, stdin: TextIO) -> str:
+    """The message: as given, or read from stdin for ``-`` or when none is given."""
+    if message is not None and message != "-":
+        return message
+    if message is None and stdin.isatty():
+        raise UsageError('no message: give one (`localchat ask "hi"`) or pipe it in')
+    text = stdin.read()
+    if not text.strip():
+        raise UsageError("the message read from stdin is empty")
+    return text.rstrip("\n")
 
 
 def _stream(
@@ -449,36 +468,64 @@ def _library() -> Library:
     return Library(app_paths(), detect_hardware())
 
 
-def cmd_pull(args: argparse.Namespace, out: TextIO) -> int:
-    from localchat.hub import DownloadCancelled, Progress
+def _pull(model: str, json_lines: bool, out: TextIO | None = None) -> Path:
+    """Download ``model`` with progress on stderr: a redrawn line on a terminal, plain lines
+    otherwise, or JSON lines on ``out``. Ctrl-C stops it (the next pull resumes)."""
+    from localchat.hub import Progress
 
-    library = _library()
     cancel = threading.Event()
-    last_draw = [0.0]
-    drawn = [False]
+    terminal = sys.stderr.isatty()
+    last: dict[str, Any] = {"at": 0.0, "state": None, "drawn": False}
 
     def draw(progress: Progress) -> None:
         now = time.monotonic()
-        if progress.state == "downloading" and now - last_draw[0] < 0.2:
+        changed = progress.state != last["state"]
+        if not changed and now - last["at"] < (0.2 if terminal or json_lines else 2.0):
             return
-        last_draw[0] = now
-        drawn[0] = True
-        sys.stderr.write(f"\r{progress.name}: {progress.summary()}   ")
-        sys.stderr.flush()
+        last.update(at=now, state=progress.state, drawn=True)
+        if json_lines and out is not None:
+            event = {
+                "event": progress.state,
+                "name": progress.name,
+                "bytes_done": progress.bytes_done,
+                "bytes_total": progress.bytes_total,
+                "bytes_per_s": round(progress.speed, 1),
+                "eta_s": None if progress.eta_s is None else round(progress.eta_s, 1),
+            }
+            out.write(json.dumps(event) + "\n")
+            out.flush()
+        elif terminal:
+            sys.stderr.write(f"\r{progress.name}: {progress.summary()}   ")
+            sys.stderr.flush()
+        else:
+            sys.stderr.write(f"{progress.name}: {progress.summary()}\n")
+            sys.stderr.flush()
 
     try:
-        path = library.pull(args.model, draw, cancel)
+        return _library().pull(model, draw, cancel)
     except KeyboardInterrupt:
         cancel.set()
-        sys.stderr.write("\nlocalchat: download stopped; run the same pull again to resume\n")
+        raise
+    finally:
+        if last["drawn"] and terminal and not json_lines:
+            sys.stderr.write("\n")
+
+
+def cmd_pull(args: argparse.Namespace, out: TextIO) -> int:
+    from localchat.hub import DownloadCancelled
+
+    try:
+        path = _pull(args.model, args.json, out)
+    except KeyboardInterrupt:
+        sys.stderr.write("localchat: download stopped; run the same pull again to resume\n")
         return EXIT_INTERRUPTED
     except DownloadCancelled as exc:
-        sys.stderr.write(f"\nlocalchat: {exc}\n")
+        sys.stderr.write(f"localchat: {exc}\n")
         return EXIT_INTERRUPTED
-    finally:
-        if drawn[0]:
-            sys.stderr.write("\n")
-    out.write(f"{path}\n")
+    if args.json:
+        out.write(json.dumps({"event": "done", "path": str(path)}) + "\n")
+    else:
+        out.write(f"{path}\n")
     return 0
 
 

@@ -71,11 +71,13 @@ class Progress:
     state: str = "queued"  # queued | downloading | verifying | done | failed | cancelled
     started_at: float = 0.0
     error: str = ""
+    bytes_at_start: int = 0  # already on disk when this run began (a resumed download)
 
     @property
     def speed(self) -> float:
+        """This run's transfer rate: bytes a resumed download already had do not count."""
         elapsed = time.monotonic() - self.started_at if self.started_at else 0.0
-        return self.bytes_done / elapsed if elapsed > 0 else 0.0
+        return (self.bytes_done - self.bytes_at_start) / elapsed if elapsed > 0 else 0.0
 
     @property
     def eta_s(self) -> float | None:
@@ -295,7 +297,7 @@ class Downloader:
                 f"not enough disk space for {filename}: it needs {format_bytes(needed)} more,"
                 f" {format_bytes(free)} is free in {self.cache.root}"
             )
-        progress.bytes_done = done_bytes + partial_bytes
+        progress.bytes_done = progress.bytes_at_start = done_bytes + partial_bytes
         progress.state = "downloading"
         progress.started_at = time.monotonic()
         report(progress)

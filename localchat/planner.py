@@ -71,6 +71,9 @@ class Plan:
             "n_ctx": self.n_ctx,
             "kv_type": self.kv_type,
             "estimated_bytes": self.estimated_bytes,
+            # What must be free: RAM without the reclaimable mapped pages, and VRAM.
+            "required_bytes": self.estimate.ram_required if self.estimate else None,
+            "required_vram_bytes": self.estimate.vram if self.estimate else None,
             "fits": self.fits,
             "explanation": self.explanation,
         }

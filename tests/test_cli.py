@@ -155,3 +155,49 @@ def test_ctrl_c_during_ask_stops_cleanly(small_model: Path) -> None:
     _out, err = proc.communicate(timeout=60)
     assert proc.returncode == 130
     assert b"Traceback" not in err
+
+
+def test_model_flags_count_before_or_after_the_subcommand(
+    tiny_model: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    for argv in (
+        ["--model-path", str(tiny_model), "--ctx", "1024", "ask", "hi"],
+        ["ask", "hi", "--model-path", str(tiny_model), "--ctx", "1024"],
+        ["--ctx", "2048", "ask", "hi", "--model-path", str(tiny_model), "--ctx", "1024"],
+    ):
+        assert main([*argv, "--max-tokens", "2", "--json"]) == 0
+        result = json.loads(capsys.readouterr().out)
+        assert (result["n_ctx"], result["model"]) == (1024, tiny_model.name), argv
+
+
+def test_ask_reads_the_message_from_stdin(
+    tiny_model: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import io
+
+    base = ["--model-path", str(tiny_model), "--max-tokens", "2", "--json", "--temperature", "0"]
+    monkeypatch.setattr("sys.stdin", io.StringIO("hello there\n"))
+    assert main(["ask", "-", *base]) == 0
+    piped = json.loads(capsys.readouterr().out)
+    assert main(["ask", "hello there", *base]) == 0
+    given = json.loads(capsys.readouterr().out)
+    assert given["reply"] == piped["reply"]
+    assert given["stats"]["prompt_tokens"] == piped["stats"]["prompt_tokens"]
+    monkeypatch.setattr("sys.stdin", io.StringIO("hello there"))
+    assert main(["ask", *base]) == 0  # piped with no message at all
+    again = json.loads(capsys.readouterr().out)
+    assert again["stats"]["prompt_tokens"] == piped["stats"]["prompt_tokens"]
+    assert again["reply"] == piped["reply"]
+    monkeypatch.setattr("sys.stdin", io.StringIO("  \n"))
+    assert main(["ask", "-", *base]) == 2
+    assert "the message read from stdin is empty" in capsys.readouterr().err
+
+
+def test_hw_json_says_what_must_be_free(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["hw", "--json", "--ram", "16GiB"]) == 0
+    plans = json.loads(capsys.readouterr().out)["plans"]
+    fitting = [p for p in plans if p["fits"]]
+    assert fitting
+    for plan in fitting:
+        assert 0 < plan["required_bytes"] <= plan["estimated_bytes"]
+        assert plan["required_vram_bytes"] == 0

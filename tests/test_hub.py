@@ -259,3 +259,30 @@ def test_rm_removes_exactly_the_named_file_and_keeps_shared_blobs(hub: HubState)
     library.remove(f"{ZOO}:Q5_0")
     kept = [p for _r, name, p in library.cache.downloaded() if name == "zoo-Q4_0.gguf"]
     assert kept and kept[0].read_bytes()[:4] == b"GGUF"  # its blob was shared and stays
+
+
+def test_pull_json_prints_progress_events_and_plain_progress_has_no_carriage_returns(
+    hub: HubState, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["pull", f"{REPO}:Q8_0", "--json"]) == 0
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert lines[0]["event"] == "downloading" and lines[0]["bytes_total"] > 0
+    assert {"verifying", "done"} <= {e["event"] for e in lines}
+    assert lines[-1]["path"].endswith("small-Q8_0.gguf")
+    assert main(["pull", f"{REPO}:Q4_K_M"]) == 0
+    captured = capsys.readouterr()
+    assert "\r" not in captured.err and "downloading" in captured.err  # stderr is no terminal
+    assert captured.out.strip().endswith("small-Q4_K_M.gguf")
+
+
+def test_ask_takes_a_model_name_and_pulls_it(
+    hub: HubState, capsys: pytest.CaptureFixture[str]
+) -> None:
+    args = ["ask", "hi", "--model", f"{REPO}:Q4_K_M", "--max-tokens", "3", "--json"]
+    assert main(args) == 0
+    result = json.loads(capsys.readouterr().out.splitlines()[-1])
+    assert result["model"] == "small-Q4_K_M.gguf"
+    # Downloaded now: the second ask reads it from the cache without a transfer.
+    before = len(hub.requests)
+    assert main(args) == 0
+    assert not [r for r in hub.requests[before:] if ".gguf" in r[1]]

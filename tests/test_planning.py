@@ -278,7 +278,7 @@ def test_hw_json_for_a_given_machine(capsys: pytest.CaptureFixture[str]) -> None
     plan = payload["plans"][0]
     assert set(plan) == {
         "model", "quant", "file", "n_gpu_layers", "n_layers", "n_ctx", "kv_type", "estimated_bytes",
-        "fits", "explanation",
+        "required_bytes", "required_vram_bytes", "fits", "explanation",
     }  # fmt: skip
     assert all(p["n_ctx"] <= 4096 for p in payload["plans"])
 
