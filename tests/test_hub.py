@@ -116,9 +116,16 @@ def test_cancel_leaves_a_partial_file_that_the_next_pull_resumes(hub: HubState) 
     assert 0 < kept < (hub.repos[REPO] / "small-Q8_0.gguf").stat().st_size
     assert library.path_of(f"{REPO}:Q8_0") is None, "a partial file is never offered for loading"
     hub.requests.clear()
-    path = library.pull(f"{REPO}:Q8_0")
+    resumed: list[Progress] = []
+    path = library.pull(f"{REPO}:Q8_0", resumed.append)
     assert path.read_bytes() == (hub.repos[REPO] / "small-Q8_0.gguf").read_bytes()
     assert any(r == f"bytes={kept}-" for _, _, r in hub.requests)
+    # The speed and time left count only this run's bytes, not those the partial file had.
+    progress = resumed[-1]
+    assert progress.bytes_at_start == kept
+    progress.started_at -= 100.0  # as if this run took 100 s more
+    expected = (progress.bytes_done - kept) / 100.0
+    assert expected * 0.99 <= progress.speed <= expected * 1.01
 
 
 def test_corrupted_bytes_are_detected_and_never_loaded(hub: HubState) -> None:
