@@ -185,6 +185,14 @@ def build_parser() -> argparse.ArgumentParser:
     models = sub.add_parser("models", help="catalog models, downloads and local files, with fit")
     models.add_argument("--json", action="store_true", help="print JSON")
     models.add_argument("--ctx", type=_positive_int, default=8192, help="context size to fit")
+    models.add_argument(
+        "--scan",
+        metavar="DIR",
+        type=Path,
+        action="append",
+        default=[],
+        help="also list the GGUF files in this folder, from now on (repeatable)",
+    )
     rm = sub.add_parser("rm", help="delete a downloaded model (or forget an added file)")
     rm.add_argument("model", help="catalog name or org/repo, optionally :QUANT; or an added name")
     add = sub.add_parser("add", help="register a local GGUF file")
@@ -534,7 +542,10 @@ def cmd_models(args: argparse.Namespace, out: TextIO) -> int:
 
     from localchat.units import format_bytes
 
-    rows = _library().rows(args.ctx)
+    library = _library()
+    for folder in args.scan:
+        library.add_scan_dir(folder)
+    rows = library.rows(args.ctx)
     if args.json:
         out.write(json.dumps([asdict(r) for r in rows], indent=2) + "\n")
         return 0

@@ -9,6 +9,7 @@ a huge allocation.
 from __future__ import annotations
 
 import hashlib
+import re
 import struct
 import urllib.error
 import urllib.request
@@ -350,6 +351,21 @@ def parse_header(source: ByteSource, label: str) -> GGUFInfo:
         raise ModelFileError(f"{label}: corrupt GGUF header (alignment {alignment})")
     data_offset = -(-reader.position // alignment) * alignment
     return GGUFInfo(label, version, metadata, tuple(tensors), data_offset, lengths)
+
+
+# Split GGUF sets: ``name-00001-of-00003.gguf`` … (llama.cpp loads a set from its first part).
+SPLIT_RE = re.compile(r"-(\d{5})-of-(\d{5})\.gguf$")
+
+
+def is_later_split_part(filename: str) -> bool:
+    """A split set's second or later part: the set is listed and loaded by its first."""
+    match = SPLIT_RE.search(filename)
+    return match is not None and match.group(1) != "00001"
+
+
+def is_projector(filename: str) -> bool:
+    """A vision projector (``mmproj-*``): it goes with a chat model, it is not one."""
+    return filename.rsplit("/", 1)[-1].lower().startswith("mmproj")
 
 
 def read_gguf(path: Path) -> GGUFInfo:

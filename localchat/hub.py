@@ -30,14 +30,13 @@ from huggingface_hub.utils import build_hf_headers
 
 from localchat.catalog import CatalogModel, find_model
 from localchat.errors import LocalchatError, ModelFileError, UsageError
-from localchat.gguf_info import read_gguf
+from localchat.gguf_info import SPLIT_RE, is_projector, read_gguf
 from localchat.quants import parse_tag, quality_rank, tag_of_file
 from localchat.units import format_bytes
 
 CHUNK_BYTES = 1024 * 1024
 RETRIES = 3
 DISK_MARGIN_BYTES = 256 * 1024 * 1024
-SPLIT_RE = re.compile(r"-(\d{5})-of-(\d{5})\.gguf$")
 
 
 class HubError(LocalchatError):
@@ -101,11 +100,6 @@ def quant_of(filename: str) -> str:
     """The file's quant tag as published (``UD-Q4_K_XL``, ``BF16``…), or "unknown"."""
     tag = tag_of_file(filename)
     return tag.tag if tag else "unknown"
-
-
-def is_projector(filename: str) -> bool:
-    """A vision projector (``mmproj-*``): it goes with a chat model, it is not one."""
-    return filename.rsplit("/", 1)[-1].lower().startswith("mmproj")
 
 
 def normal_tag(quant: str) -> str:

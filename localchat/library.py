@@ -17,6 +17,7 @@ from localchat.atomic import write_atomic
 from localchat.catalog import CatalogModel, load_catalog
 from localchat.errors import ModelFileError, UsageError
 from localchat.estimate import LayerWeights, ModelDims
+from localchat.external_models import ExternalModel, discover
 from localchat.gguf_info import read_gguf, read_gguf_url
 from localchat.hardware import Hardware, repacked_weight_types
 from localchat.hub import (
@@ -46,7 +47,7 @@ class ModelRow:
     fit: str  # "GPU" | "RAM" | "too big" | "unknown"
     downloaded: bool
     path: str | None
-    source: str  # "catalog" | "hub cache" | "local" | "demo"
+    source: str  # "catalog" | "hub cache" | "local" | "demo" | "lm studio" | "ollama" | "folder"
     problem: str | None = None  # why the file cannot be used (moved, truncated, corrupt…)
 
     @property
@@ -71,6 +72,31 @@ class Library:
         except (OSError, ValueError) as exc:
             raise UsageError(f"{path}: unreadable ({exc}); fix or delete it") from None
         return {str(k): str(v) for k, v in data.items()}
+
+    # -- models other tools keep, and folders the user named ---------------------------------
+    def scan_dirs(self) -> list[Path]:
+        path = self.paths.scan_dirs
+        if not path.exists():
+            return []
+        try:
+            return [Path(p) for p in json.loads(path.read_text())]
+        except (OSError, ValueError, TypeError) as exc:
+            raise UsageError(f"{path}: unreadable ({exc}); fix or delete it") from None
+
+    def add_scan_dir(self, folder: Path) -> Path:
+        """List the GGUF files in ``folder`` from now on (the files stay where they are)."""
+        folder = folder.expanduser().resolve()
+        if not folder.is_dir():
+            raise UsageError(f"{folder} is not a folder; give a folder of .gguf files")
+        folders = self.scan_dirs()
+        if folder not in folders:
+            folders.append(folder)
+            payload = json.dumps([str(f) for f in folders], indent=2).encode()
+            write_atomic(self.paths.scan_dirs, payload)
+        return folder
+
+    def external_models(self) -> list[ExternalModel]:
+        return discover(self.paths.other_tools_home, self.scan_dirs())
 
     def add_local(self, path: Path, name: str | None = None) -> str:
         info = read_gguf(path)  # refuses anything that is not a readable GGUF
@@ -132,12 +158,15 @@ class Library:
         local = self.local_models()
         if text in local:
             return Path(local[text])
+        external = {m.name: m.path for m in self.external_models()}
+        if text in external:
+            return external[text]
         spec = parse_spec(text, self.catalog)
         for repo, filename, path in self.cache.downloaded():
             if repo != spec.repo:
                 continue
             quant = spec.quant or (self._planned_quant(spec.catalog) if spec.catalog else None)
-            if quant is None or quant.lower() in filename.lower():
+            if quant is None or quant_of(filename) == quant:
                 return path
         return None
 
@@ -185,6 +214,7 @@ class Library:
             (name, Path(path).name, Path(path), "local")
             for name, path in self.local_models().items()
         ]
+        extra += [(m.name, m.path.name, m.path, m.source) for m in self.external_models()]
         for model, name, path, source in extra:
             rows.append(self._file_row(model, name, path, source, n_ctx))
         return rows

@@ -52,6 +52,18 @@ class AppPaths:
         return self.data_dir / "local-models.json"
 
     @property
+    def other_tools_home(self) -> Path:
+        """Where other tools' model folders are looked for (LM Studio's, Ollama's): the
+        user's home, or LOCALCHAT_HOME in an isolated run (which then sees only its own)."""
+        isolated = os.environ.get(HOME_ENV)
+        return Path(isolated).expanduser() if isolated else Path.home()
+
+    @property
+    def scan_dirs(self) -> Path:
+        """Folders of GGUF files the user asked to be listed (``localchat models --scan``)."""
+        return self.config_dir / "scan-dirs.json"
+
+    @property
     def hub_cache(self) -> Path:
         """huggingface-hub's cache, shared with other tools (inside LOCALCHAT_HOME if set)."""
         if os.environ.get(HOME_ENV):

@@ -14,6 +14,7 @@ def isolated_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """Every test gets its own LOCALCHAT_HOME: nothing leaks into the user's real data."""
     home = tmp_path / "home"
     monkeypatch.setenv("LOCALCHAT_HOME", str(home))
+    monkeypatch.delenv("OLLAMA_MODELS", raising=False)  # other tools' folders: inside home
     return home
 
 

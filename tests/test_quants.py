@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from localchat.hub import is_projector, normal_tag, quant_of
+from localchat.gguf_info import is_projector
+from localchat.hub import normal_tag, quant_of
 from localchat.quants import QUALITY_ORDER, parse_tag, quality_rank, tag_of_file
 
 
