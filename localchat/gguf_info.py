@@ -11,8 +11,7 @@ from __future__ import annotations
 import hashlib
 import re
 import struct
-import urllib.error
-import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -76,18 +75,19 @@ class FileSource:
         self._handle.close()
 
 
+# Fetch ``length`` bytes at ``start`` of a remote file: (the bytes, the file's size if known).
+# The hub module supplies it (huggingface_hub's session: token, proxies, retries, offline).
+RangeFetch = Callable[[int, int], tuple[bytes, int | None]]
+
+
 class HttpRangeSource:
     """A remote file read with HTTP range requests, a chunk at a time: planning a download
     costs the header's bytes, not the model's."""
 
     CHUNK = 1024 * 1024
 
-    def __init__(
-        self, url: str, headers: dict[str, str] | None = None, timeout: float = 30.0
-    ) -> None:
-        self.url = url
-        self.headers = headers or {}
-        self.timeout = timeout
+    def __init__(self, fetch: RangeFetch) -> None:
+        self._fetch_range = fetch
         self._buffer = b""
         self._buffer_start = 0
         self._position = 0
@@ -95,25 +95,11 @@ class HttpRangeSource:
         self.requests = 0
 
     def _fetch(self, start: int, length: int) -> bytes:
-        request = urllib.request.Request(
-            self.url, headers={**self.headers, "Range": f"bytes={start}-{start + length - 1}"}
-        )
         self.requests += 1
-        try:
-            with urllib.request.urlopen(request, timeout=self.timeout) as response:
-                if response.status != 206:
-                    raise ModelFileError(f"{self.url}: the server does not answer range requests")
-                content_range = response.headers.get("Content-Range", "")
-                if "/" in content_range and content_range.rsplit("/", 1)[1].isdigit():
-                    self._size = int(content_range.rsplit("/", 1)[1])
-                return bytes(response.read(length))
-        except urllib.error.HTTPError as exc:
-            if exc.code == 416:  # past the end of the file
-                return b""
-            raise ModelFileError(f"{self.url}: HTTP {exc.code} {exc.reason}") from None
-        except (urllib.error.URLError, OSError) as exc:
-            reason = getattr(exc, "reason", exc)
-            raise ModelFileError(f"{self.url}: cannot reach the server ({reason})") from None
+        data, size = self._fetch_range(start, length)
+        if size is not None:
+            self._size = size
+        return data[:length]
 
     def read(self, n: int) -> bytes:
         end = self._position + n
@@ -388,9 +374,9 @@ def read_gguf(path: Path) -> GGUFInfo:
     return info
 
 
-def read_gguf_url(url: str, headers: dict[str, str] | None = None) -> GGUFInfo:
+def read_gguf_url(url: str, fetch: RangeFetch) -> GGUFInfo:
     """Inspect a GGUF file on a server (the hub) from its header alone."""
-    source = HttpRangeSource(url, headers)
+    source = HttpRangeSource(fetch)
     info = parse_header(source, url)
     size = source.size()
     if size is not None and info.end_of_data > size:

@@ -23,14 +23,20 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import httpx2 as httpx  # huggingface-hub 2.x ships httpx2, its fork of httpx
+from filelock import FileLock
 from huggingface_hub import HfApi, constants, get_hf_file_metadata, get_session, hf_hub_url
 from huggingface_hub.errors import EntryNotFoundError, HfHubHTTPError, RepositoryNotFoundError
 from huggingface_hub.file_download import repo_folder_name
-from huggingface_hub.utils import build_hf_headers
+from huggingface_hub.utils import (
+    OfflineModeIsEnabled,
+    build_hf_headers,
+    hf_raise_for_status,
+    http_backoff,
+)
 
 from localchat.catalog import CatalogModel, find_model
 from localchat.errors import LocalchatError, ModelFileError, UsageError
-from localchat.gguf_info import SPLIT_RE, is_projector, read_gguf
+from localchat.gguf_info import SPLIT_RE, GGUFInfo, is_projector, read_gguf, read_gguf_url
 from localchat.quants import parse_tag, quality_rank, tag_of_file
 from localchat.units import format_bytes
 
@@ -108,7 +114,20 @@ def normal_tag(quant: str) -> str:
     return tag.tag if tag else quant.upper()
 
 
+def offline() -> bool:
+    """HF_HUB_OFFLINE, read at call time (huggingface_hub reads it once, at import)."""
+    return os.environ.get("HF_HUB_OFFLINE", "").upper() in {"1", "ON", "YES", "TRUE"}
+
+
+OFFLINE_MESSAGE = (
+    "offline mode is on (HF_HUB_OFFLINE=1): unset it to reach the hub,"
+    " or use a model on disk (`localchat models` lists them)"
+)
+
+
 def _hub_error(exc: Exception, what: str) -> LocalchatError:
+    if isinstance(exc, OfflineModeIsEnabled) or offline():
+        return HubError(f"{what}: {OFFLINE_MESSAGE}")
     if isinstance(exc, RepositoryNotFoundError):
         return HubError(f"{what}: no such repository on the hub ({hub_endpoint()})")
     if isinstance(exc, EntryNotFoundError):
@@ -121,8 +140,38 @@ def _hub_error(exc: Exception, what: str) -> LocalchatError:
     return HubError(f"{what}: the hub answered {exc}")
 
 
+def remote_gguf_header(repo: str, filename: str, revision: str = "main") -> GGUFInfo:
+    """A GGUF file's header on the hub, read with range requests through huggingface_hub's
+    own session (HF_TOKEN, proxies, retries on 5xx/429): planning costs the header's bytes."""
+    what = f"{repo}/{filename}"
+    if offline():
+        raise HubError(f"{what}: {OFFLINE_MESSAGE}")
+    url = hf_hub_url(repo, filename, revision=revision, endpoint=hub_endpoint())
+    headers = build_hf_headers()
+
+    def fetch(start: int, length: int) -> tuple[bytes, int | None]:
+        ranged = {**headers, "Range": f"bytes={start}-{start + length - 1}"}
+        try:
+            response = http_backoff(
+                "GET", url, headers=ranged, follow_redirects=True, max_retries=3
+            )
+            if response.status_code == 416:  # past the end of the file
+                return b"", None
+            hf_raise_for_status(response)
+        except (HfHubHTTPError, httpx.HTTPError, OSError) as exc:
+            raise _hub_error(exc, what) from None
+        if response.status_code != 206:
+            raise ModelFileError(f"{what}: the server does not answer range requests")
+        total = response.headers.get("Content-Range", "").rpartition("/")[2]
+        return response.content, int(total) if total.isdigit() else None
+
+    return read_gguf_url(url, fetch)
+
+
 def list_gguf_files(repo: str, revision: str = "main") -> list[RemoteFile]:
     """The repo's GGUF files with sizes (split files are listed by their first part)."""
+    if offline():
+        raise HubError(f"{repo}: {OFFLINE_MESSAGE}")
     api = HfApi(endpoint=hub_endpoint())
     try:
         info = api.model_info(repo, revision=revision, files_metadata=True)
@@ -297,11 +346,19 @@ class Downloader:
         report(progress)
         try:
             for meta in pending:
-                self._transfer(meta, blobs, progress, report, cancel)
-            progress.state = "verifying"
-            report(progress)
-            for meta in pending:
-                self._verify(meta, blobs)
+                # huggingface_hub's own per-file lock: two processes never write one file.
+                lock = (
+                    self.cache.root / ".locks" / repo_folder_name(repo_id=repo, repo_type="model")
+                )
+                lock.mkdir(parents=True, exist_ok=True)
+                with FileLock(lock / f"{meta.etag}.lock"):
+                    if (blobs / meta.etag).exists():
+                        continue  # the other process finished it meanwhile
+                    progress.state = "downloading"
+                    self._transfer(meta, blobs, progress, report, cancel)
+                    progress.state = "verifying"
+                    report(progress)
+                    self._verify(meta, blobs)
             for meta in metas:
                 self._link(repo_dir, meta, revision)
         except DownloadCancelled:

@@ -18,7 +18,7 @@ from localchat.catalog import CatalogModel, load_catalog
 from localchat.errors import ModelFileError, UsageError
 from localchat.estimate import LayerWeights, ModelDims
 from localchat.external_models import ExternalModel, discover
-from localchat.gguf_info import read_gguf, read_gguf_url
+from localchat.gguf_info import read_gguf
 from localchat.hardware import Hardware, repacked_weight_types
 from localchat.hub import (
     Downloader,
@@ -26,10 +26,10 @@ from localchat.hub import (
     ProgressCallback,
     RemoteFile,
     choose_file,
-    hub_endpoint,
     list_gguf_files,
     parse_spec,
     quant_of,
+    remote_gguf_header,
 )
 from localchat.paths import AppPaths
 from localchat.planner import DEFAULT_CTX, Plan, fit_label, plan_model, sized_candidates
@@ -131,8 +131,7 @@ class Library:
     def _planned_order(self, repo: str, files: list[RemoteFile]) -> list[str]:
         """The planner's pick for a repo outside the catalog, from one file's remote header."""
         smallest = min(files, key=lambda f: f.size)
-        url = f"{hub_endpoint()}/{repo}/resolve/main/{smallest.filename}"
-        dims = ModelDims.from_gguf(read_gguf_url(url))
+        dims = ModelDims.from_gguf(remote_gguf_header(repo, smallest.filename))
         plan = self._fitting_plan(repo, dims, ((f.quant, f.filename, f.size) for f in files))
         return [plan.quant]
 

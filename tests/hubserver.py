@@ -28,6 +28,7 @@ class HubState:
     cut_after_bytes: int | None = None  # end the next full download after this many bytes
     corrupt: set[str] = field(default_factory=set)  # file names served with flipped bytes
     requests: list[tuple[str, str, str]] = field(default_factory=list)  # (method, path, range)
+    authorizations: list[str] = field(default_factory=list)  # each request's Authorization
 
     def files(self, repo: str) -> dict[str, Path]:
         root = self.repos[repo]
@@ -71,6 +72,7 @@ class _Handler(BaseHTTPRequestHandler):
         state = self.server.state
         path = unquote(self.path.split("?", 1)[0])
         state.requests.append((self.command, path, self.headers.get("Range", "")))
+        state.authorizations.append(self.headers.get("Authorization", ""))
         info = re.fullmatch(r"/api/models/([^/]+/[^/]+)(?:/revision/([^/]+))?", path)
         if info:
             repo = info.group(1)

@@ -293,3 +293,26 @@ def test_ask_takes_a_model_name_and_pulls_it(
     before = len(hub.requests)
     assert main(args) == 0
     assert not [r for r in hub.requests[before:] if ".gguf" in r[1]]
+
+
+def test_two_pulls_of_one_file_at_once_write_it_once(hub: HubState) -> None:
+    results: list[Path] = []
+    errors: list[BaseException] = []
+
+    def pull() -> None:
+        try:
+            results.append(_library().pull(f"{REPO}:Q8_0"))
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=pull) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert not errors and len(results) == 2 and results[0] == results[1]
+    assert results[0].read_bytes() == (hub.repos[REPO] / "small-Q8_0.gguf").read_bytes()
+    full = [r for m, p, r in hub.requests if m == "GET" and p.endswith("small-Q8_0.gguf")]
+    assert len(full) == 1, "the second waited for the first and found the file done"
+    locks = list((app_paths().hub_cache / ".locks" / "models--demo--small-GGUF").glob("*.lock"))
+    assert locks

@@ -11,7 +11,7 @@ from localchat import engine as engine_module
 from localchat.catalog import CatalogError, load_catalog, load_catalog_file
 from localchat.cli import main
 from localchat.engine import Engine, LoadOptions
-from localchat.errors import ModelFileError, UsageError
+from localchat.errors import UsageError
 from localchat.estimate import (
     LayerWeights,
     ModelDims,
@@ -19,8 +19,9 @@ from localchat.estimate import (
     estimate_memory,
     kv_cache_bytes,
 )
-from localchat.gguf_info import read_gguf, read_gguf_url
+from localchat.gguf_info import read_gguf
 from localchat.hardware import GPU_APPLE, GPU_NONE, GPU_NVIDIA, Hardware, detect_hardware
+from localchat.hub import HubError, list_gguf_files, remote_gguf_header
 from localchat.planner import plan_catalog
 from localchat.units import count, parse_size
 
@@ -145,22 +146,35 @@ def test_offloaded_layers_move_weights_and_cache_to_vram(small_model: Path) -> N
     assert full.weights_ram == weights.embeddings
 
 
-def test_remote_header_read_uses_range_requests(tmp_path: Path, small_model: Path) -> None:
+def test_remote_header_read_uses_range_requests(
+    tmp_path: Path, small_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     repo = tmp_path / "org" / "repo"
     repo.mkdir(parents=True)
     (repo / "model.gguf").write_bytes(small_model.read_bytes())
     state = HubState({"org/repo": repo})
     server = HubServer(state).start()
+    monkeypatch.setenv("HF_ENDPOINT", server.endpoint)
+    monkeypatch.setenv("HF_TOKEN", "hf_test_token")
     try:
-        info = read_gguf_url(f"{server.endpoint}/org/repo/resolve/main/model.gguf")
+        info = remote_gguf_header("org/repo", "model.gguf")
         local = read_gguf(small_model)
         assert info.metadata == local.metadata and info.tensors == local.tensors
         ranges = [r for _, _, r in state.requests]
         assert ranges and all(r.startswith("bytes=") for r in ranges)
         fetched = sum(int(r.split("-")[1]) - int(r.split("=")[1].split("-")[0]) + 1 for r in ranges)
         assert fetched < small_model.stat().st_size / 4, "only the header is read"
-        with pytest.raises(ModelFileError, match="HTTP 404"):
-            read_gguf_url(f"{server.endpoint}/org/repo/resolve/main/missing.gguf")
+        # Through huggingface_hub's session: the user's token goes with every request.
+        assert state.authorizations and set(state.authorizations) == {"Bearer hf_test_token"}
+        with pytest.raises(HubError, match="no such file on the hub"):
+            remote_gguf_header("org/repo", "missing.gguf")
+        monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+        state.requests.clear()
+        with pytest.raises(HubError, match=r"offline mode is on \(HF_HUB_OFFLINE=1\)"):
+            remote_gguf_header("org/repo", "model.gguf")
+        with pytest.raises(HubError, match="offline mode is on"):
+            list_gguf_files("org/repo")
+        assert state.requests == []
     finally:
         server.stop()
 
