@@ -332,7 +332,7 @@ class Downloader:
         blobs.mkdir(parents=True, exist_ok=True)
         pending = [m for m in metas if not (blobs / m.etag).exists()]
         done_bytes = sum(m.size for m in metas if m not in pending)
-        partial_bytes = sum(_size(blobs / f"{m.etag}.incomplete") for m in pending)
+        partial_bytes = sum(file_size(blobs / f"{m.etag}.incomplete") for m in pending)
         needed = sum(m.size for m in pending) - partial_bytes
         free = shutil.disk_usage(blobs).free
         if needed + DISK_MARGIN_BYTES > free:
@@ -388,7 +388,7 @@ class Downloader:
         partial = blobs / f"{meta.etag}.incomplete"
         headers = build_hf_headers(token=self.token)
         for attempt in range(RETRIES + 1):
-            have = _size(partial)
+            have = file_size(partial)
             if have >= meta.size:
                 return
             request_headers = {**headers, "Range": f"bytes={have}-"}
@@ -418,7 +418,7 @@ class Downloader:
                         if cancel is not None and cancel.is_set():
                             raise DownloadCancelled(
                                 f"download of {meta.filename} stopped; run the pull again to resume"
-                                f" ({format_bytes(_size(partial) + 0)} kept)"
+                                f" ({format_bytes(file_size(partial) + 0)} kept)"
                             )
             except (httpx.TransportError, OSError) as exc:
                 if attempt == RETRIES:
@@ -426,14 +426,14 @@ class Downloader:
                 time.sleep(
                     0.2 * (attempt + 1)
                 )  # the connection dropped: resume from the partial file
-        if _size(partial) < meta.size:
+        if file_size(partial) < meta.size:
             raise HubError(
                 f"{meta.filename}: the transfer kept ending early; run the pull again to resume"
             )
 
     def _verify(self, meta: _FileMeta, blobs: Path) -> None:
         partial = blobs / f"{meta.etag}.incomplete"
-        size = _size(partial)
+        size = file_size(partial)
         problem = None
         if size != meta.size:
             problem = f"size {size} bytes, the hub says {meta.size}"
@@ -465,10 +465,11 @@ class Downloader:
             (refs / revision).write_text(meta.commit)
 
 
-def _size(path: Path) -> int:
+def file_size(path: Path) -> int:
+    """A file's size, 0 when it is not there."""
     try:
         return path.stat().st_size
-    except FileNotFoundError:
+    except OSError:
         return 0
 
 

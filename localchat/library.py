@@ -18,7 +18,7 @@ from localchat.catalog import CatalogModel, load_catalog
 from localchat.errors import ModelFileError, UsageError
 from localchat.estimate import LayerWeights, ModelDims
 from localchat.external_models import ExternalModel, discover
-from localchat.gguf_info import read_gguf
+from localchat.gguf_info import is_later_split_part, is_projector, read_gguf
 from localchat.hardware import Hardware, repacked_weight_types
 from localchat.hub import (
     Downloader,
@@ -26,6 +26,7 @@ from localchat.hub import (
     ProgressCallback,
     RemoteFile,
     choose_file,
+    file_size,
     list_gguf_files,
     parse_spec,
     quant_of,
@@ -49,6 +50,7 @@ class ModelRow:
     path: str | None
     source: str  # "catalog" | "hub cache" | "local" | "demo" | "lm studio" | "ollama" | "folder"
     problem: str | None = None  # why the file cannot be used (moved, truncated, corrupt…)
+    file_type: str | None = None  # the weights' type from the file's metadata, when read
 
     @property
     def usable(self) -> bool:
@@ -179,10 +181,17 @@ class Library:
         targets = [
             (repo, name)
             for repo, name, _path in self.cache.downloaded()
-            if repo == spec.repo and (spec.quant is None or quant_of(name) == spec.quant)
+            if repo == spec.repo
+            and (spec.quant is None or quant_of(name) == spec.quant)
+            # A split set goes with its first part; a projector is not the model named.
+            and not is_later_split_part(name)
+            and not is_projector(name)
         ]
         if not targets:
             raise UsageError(f"{text} is not downloaded; `localchat models` shows what is")
+        if spec.quant is None and len(targets) > 1:
+            names = ", ".join(f"{spec.repo}:{quant_of(name)}" for _repo, name in targets)
+            raise UsageError(f"{text} names {len(targets)} downloads; say which: {names}")
         removed: list[Path] = []
         for repo, name in targets:
             removed += self.cache.remove(repo, name)
@@ -208,7 +217,11 @@ class Library:
                         path is not None, str(path) if path else None, "catalog",
                     )
                 )  # fmt: skip
-        extra = [(repo, name, path, "hub cache") for (repo, name), path in downloaded.items()]
+        extra = [
+            (repo, name, path, "hub cache")
+            for (repo, name), path in downloaded.items()
+            if not is_later_split_part(name)  # a split set is one model, listed by its first
+        ]
         extra += [
             (name, Path(path).name, Path(path), "local")
             for name, path in self.local_models().items()
@@ -219,6 +232,12 @@ class Library:
         return rows
 
     def _file_row(self, model: str, name: str, path: Path, source: str, n_ctx: int) -> ModelRow:
+        tag = quant_of(name)
+        if is_projector(name):
+            return ModelRow(
+                model, tag, name, file_size(path), None, "projector", path.exists(),
+                str(path), source, "a vision projector: it goes with a chat model, it is not one",
+            )  # fmt: skip
         try:
             info = read_gguf(path)
         except (ModelFileError, UsageError) as exc:  # one row that says why; the rest stand
@@ -231,4 +250,8 @@ class Library:
         ctx = min(n_ctx, dims.context_length) if dims.context_length else n_ctx
         fit, estimate = fit_label(dims, weights, self.hardware, ctx)
         size = path.stat().st_size
-        return ModelRow(model, info.file_type, name, size, estimate, fit, True, str(path), source)
+        # The tag as published (UD-Q4_K_XL…), else the type the file says it holds.
+        quant = tag if tag != "unknown" else info.file_type
+        return ModelRow(
+            model, quant, name, size, estimate, fit, True, str(path), source, None, info.file_type
+        )

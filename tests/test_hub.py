@@ -316,3 +316,32 @@ def test_two_pulls_of_one_file_at_once_write_it_once(hub: HubState) -> None:
     assert len(full) == 1, "the second waited for the first and found the file done"
     locks = list((app_paths().hub_cache / ".locks" / "models--demo--small-GGUF").glob("*.lock"))
     assert locks
+
+
+def test_listing_shows_tags_split_sets_once_and_projectors_as_such(
+    hub: HubState, tiny_model: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    library = _library()
+    library.pull("demo/split-GGUF:Q4_K_M")
+    library.pull(f"{ZOO}:UD-Q4_K_XL")
+    library.pull(f"{ZOO}:F16")
+    snapshot = next(app_paths().hub_cache.glob("models--acme--zoo-GGUF/snapshots/*"))
+    shutil.copy(tiny_model, snapshot / "mmproj-zoo-F16.gguf")  # as another tool might leave it
+    capsys.readouterr()
+    assert main(["models", "--json"]) == 0
+    rows = [r for r in json.loads(capsys.readouterr().out) if r["source"] == "hub cache"]
+    split = [r for r in rows if r["model"] == "demo/split-GGUF"]
+    assert [r["file"] for r in split] == ["tiny-Q4_K_M-00001-of-00002.gguf"]
+    zoo = {r["file"]: r for r in rows if r["model"] == ZOO}
+    assert (zoo["zoo-UD-Q4_K_XL.gguf"]["quant"], zoo["zoo-UD-Q4_K_XL.gguf"]["file_type"]) == (
+        "UD-Q4_K_XL",
+        "F16",  # the demo file behind the tag holds F16 weights: the listing says both
+    )
+    projector = zoo["mmproj-zoo-F16.gguf"]
+    assert projector["fit"] == "projector" and "vision projector" in projector["problem"]
+    # A name that fits several downloads is refused with the candidates.
+    assert main(["rm", ZOO]) == 2
+    err = capsys.readouterr().err
+    assert f"{ZOO}:UD-Q4_K_XL" in err and f"{ZOO}:F16" in err and "say which" in err
+    assert main(["rm", "demo/split-GGUF"]) == 0  # one download: no doubt
+    assert not [p for _r, n, p in library.cache.downloaded() if n.startswith("tiny-Q4_K_M-0000")]
