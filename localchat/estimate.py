@@ -25,6 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from localchat.gguf_info import GGUFInfo
+from localchat.quants import parse_tag
 
 MIB = 1024 * 1024
 N_UBATCH = 512
@@ -117,7 +118,9 @@ class LayerWeights:
         embeddings = int(total * dims.n_vocab * dims.n_embd / max(1, _approx_params(dims)))
         output = embeddings
         layer = max(0, total - embeddings - output) // max(1, dims.n_layer)
-        share = REPACKED_SHARE_BY_QUANT.get(quant, 0.0) if repacks else 0.0
+        tag = parse_tag(quant)  # a vendor tag (UD-Q4_K_XL) repacks like the type it builds on
+        base = tag.base if tag else quant
+        share = REPACKED_SHARE_BY_QUANT.get(base, 0.0) if repacks else 0.0
         repacked_layer = int(layer * share)
         return cls(
             tuple([layer] * dims.n_layer),
