@@ -58,3 +58,12 @@ def test_projectors_are_not_chat_models() -> None:
     assert is_projector("mmproj-gemma-3-4b-F16.gguf")
     assert is_projector("vision/MMPROJ-model-f16.gguf")
     assert not is_projector("gemma-3-4b-F16.gguf")
+
+
+def test_a_vendor_tag_is_sized_like_the_type_it_builds_on() -> None:
+    from localchat.estimate import LayerWeights, ModelDims
+
+    dims = ModelDims(24, 896, 14, 2, 64, 64, 151936, 32768, 0)
+    plain = LayerWeights.from_total(491_400_032, dims, "Q4_K_M", repacks=True)
+    vendor = LayerWeights.from_total(491_400_032, dims, "UD-Q4_K_XL", repacks=True)
+    assert vendor == plain and plain.repacked_per_layer[0] > 0
