@@ -1,6 +1,7 @@
 """The ``localchat`` command: the app by default, headless subcommands for everything else.
 
-Every error a user can cause ends as one line on stderr and exit code 2, never a traceback.
+Every error ends as one line on stderr, never a traceback: exit code 2 for the user's
+mistakes, 1 when the network, a server or the disk failed.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 
 from localchat import __version__
 from localchat.demo import QUANTS, SHAPES, TOKENIZERS, ensure_demo_model, make_demo_model
-from localchat.errors import LocalchatError, UsageError
+from localchat.errors import LocalchatError, UsageError, WorldError
 from localchat.paths import app_paths
 from localchat.text import printable
 
@@ -27,7 +28,8 @@ if TYPE_CHECKING:
     from localchat.settings import Settings
     from localchat.store import Store
 
-EXIT_USAGE = 2
+EXIT_USAGE = 2  # the user's mistake: a bad flag, an unknown name, an unusable file
+EXIT_WORLD = 1  # the world failed: network, server, disk
 EXIT_INTERRUPTED = 130
 
 # The model used when none is named and nothing has been downloaded: generated offline.
@@ -639,6 +641,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return COMMANDS[args.command](args, sys.stdout)
+    except WorldError as exc:
+        print(f"localchat: error: {exc}", file=sys.stderr)
+        return EXIT_WORLD
     except LocalchatError as exc:
         print(f"localchat: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
@@ -647,6 +652,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_INTERRUPTED
     except BrokenPipeError:
         return 0
+    except OSError as exc:  # the disk or the system failed: one line, never a traceback
+        where = f" ({exc.filename})" if exc.filename else ""
+        print(f"localchat: error: {exc.strerror or exc}{where}", file=sys.stderr)
+        return EXIT_WORLD
 
 
 if __name__ == "__main__":

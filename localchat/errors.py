@@ -17,3 +17,7 @@ class ModelLoadError(LocalchatError):
 
 class UsageError(LocalchatError):
     """An argument or setting has a value localchat cannot use."""
+
+
+class WorldError(LocalchatError):
+    """Not the user's mistake: the network, a server or the disk failed (exit code 1)."""

@@ -35,7 +35,7 @@ from huggingface_hub.utils import (
 )
 
 from localchat.catalog import CatalogModel, find_model
-from localchat.errors import LocalchatError, ModelFileError, UsageError
+from localchat.errors import LocalchatError, ModelFileError, UsageError, WorldError
 from localchat.gguf_info import SPLIT_RE, GGUFInfo, is_projector, read_gguf, read_gguf_url
 from localchat.quants import parse_tag, quality_rank, tag_of_file
 from localchat.units import format_bytes
@@ -45,7 +45,7 @@ RETRIES = 3
 DISK_MARGIN_BYTES = 256 * 1024 * 1024
 
 
-class HubError(LocalchatError):
+class HubError(WorldError):
     """The hub could not be reached or refused; the message says what to do."""
 
 
@@ -336,7 +336,7 @@ class Downloader:
         needed = sum(m.size for m in pending) - partial_bytes
         free = shutil.disk_usage(blobs).free
         if needed + DISK_MARGIN_BYTES > free:
-            raise UsageError(
+            raise WorldError(
                 f"not enough disk space for {filename}: it needs {format_bytes(needed)} more,"
                 f" {format_bytes(free)} is free in {self.cache.root}"
             )

@@ -252,8 +252,11 @@ class BackgroundSaver:
     def save(self, conversation_id: str, state: SavedState) -> None:
         self._queue.put((conversation_id, state))
 
-    def wait(self) -> None:
-        self._queue.join()
+    def wait(self, timeout: float | None = 60.0) -> bool:
+        """Block until the queued saves are on disk; False if ``timeout`` passed first."""
+        done = self._queue.all_tasks_done
+        with done:
+            return done.wait_for(lambda: self._queue.unfinished_tasks == 0, timeout)
 
     def close(self) -> None:
         self.wait()
@@ -269,10 +272,9 @@ class BackgroundSaver:
                 conversation_id, state = item
                 try:
                     self.states.save(conversation_id, state)
-                except OSError as exc:
-                    self.last_error = (
-                        f"KV state not saved ({exc.strerror or exc}); the transcript is safe"
-                    )
+                except Exception as exc:  # the saver must outlive any failure: report, go on
+                    reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
+                    self.last_error = f"KV state not saved ({reason}); the transcript is safe"
                     if self.on_error is not None:
                         self.on_error(self.last_error)
             finally:

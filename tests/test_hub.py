@@ -15,7 +15,7 @@ from huggingface_hub import hf_hub_download
 
 from localchat.cli import main
 from localchat.demo import make_demo_model
-from localchat.errors import ModelFileError, UsageError
+from localchat.errors import ModelFileError, UsageError, WorldError
 from localchat.hardware import Hardware
 from localchat.hub import DownloadCancelled, HubError, Progress
 from localchat.library import Library
@@ -179,6 +179,9 @@ def test_server_down_names_the_endpoint_and_suggests_model_path(
         HubError, match=r"cannot reach the hub at http://127.0.0.1:9 .*--model-path"
     ):
         _library().pull("demo/anything:Q4_K_M")
+    # Exit codes: the world failing is 1, the user's mistakes are 2.
+    assert main(["pull", "demo/anything:Q4_K_M"]) == 1
+    assert main(["pull", "no-such-catalog-name"]) == 2
 
 
 def test_disk_too_small_refuses_before_downloading(
@@ -194,9 +197,10 @@ def test_disk_too_small_refuses_before_downloading(
     try:
         monkeypatch.setenv("LOCALCHAT_HOME", str(mount_point))
         with pytest.raises(
-            UsageError, match=r"not enough disk space for small-Q4_K_M.gguf: it needs .* free"
+            WorldError, match=r"not enough disk space for small-Q4_K_M.gguf: it needs .* free"
         ):
             _library().pull(f"{REPO}:Q4_K_M")
+        assert main(["pull", f"{REPO}:Q4_K_M"]) == 1  # the disk, not the user: exit code 1
         assert not [
             path for method, path, _ in hub.requests if method == "GET" and "resolve" in path
         ]

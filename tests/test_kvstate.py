@@ -113,3 +113,48 @@ def test_kill_9_mid_save_leaves_a_valid_state(tmp_path: Path, delay_s: float) ->
     generation = loaded.tokens[0]
     assert loaded.tokens == [generation] * 1000
     assert loaded.payload == bytes([generation % 256]) * 40_000_000
+
+
+def test_the_background_saver_survives_any_failure(tmp_path: Path) -> None:
+    """A save that raises something other than OSError used to end the saver's thread, and
+    the next wait() then hung forever."""
+    from localchat.kvstate import BackgroundSaver
+
+    states = StateStore(tmp_path / "states")
+    real_save = states.save
+    calls = []
+
+    def flaky(conversation_id: str, state: SavedState) -> Path:
+        calls.append(conversation_id)
+        if len(calls) == 1:
+            raise ValueError("a bug somewhere below")
+        return real_save(conversation_id, state)
+
+    states.save = flaky  # type: ignore[method-assign]
+    notices: list[str] = []
+    saver = BackgroundSaver(states, notices.append)
+    saver.save("first", _state())
+    assert saver.wait(timeout=10)
+    assert notices and "a bug somewhere below" in notices[0] and "transcript is safe" in notices[0]
+    saver.save("second", _state())
+    assert saver.wait(timeout=10)  # alive: the next save is written
+    assert states.load("second", KEY).tokens == list(range(100))
+    saver.close()
+
+
+def test_wait_gives_up_after_its_timeout(tmp_path: Path) -> None:
+    import threading
+
+    from localchat.kvstate import BackgroundSaver
+
+    states = StateStore(tmp_path / "states")
+    release = threading.Event()
+    states.save = lambda conversation_id, state: release.wait(5)  # type: ignore[method-assign,assignment,return-value]
+    saver = BackgroundSaver(states)
+    saver.save("slow", _state())
+    started = time.perf_counter()
+    assert saver.wait(timeout=0.2) is False
+    assert time.perf_counter() - started < 2
+    release.set()
+    assert saver.wait(timeout=10)
+    saver.close()
