@@ -73,6 +73,40 @@ async def test_second_message_reuses_the_cache(tiny_model: Path) -> None:
         assert "reused" in _text(app, "#turn-start")
 
 
+@pytest.mark.parametrize("how", ["ctrl+q", "exit"])
+async def test_quitting_mid_reply_keeps_the_partial_reply(
+    small_model: Path, isolated_home: Path, how: str
+) -> None:
+    """Ctrl+Q (or SIGTERM/SIGHUP, which call exit) while the model answers: the reply so far
+    is committed and its state saved before the app is gone."""
+    from localchat.kvstate import StateStore
+    from localchat.paths import app_paths
+    from localchat.store import Store
+
+    seen: list[Message] = []
+    app = LocalChatApp(small_model, n_ctx=4096, max_tokens=3000, sampling=GREEDY)
+    async with app.run_test(message_hook=seen.append) as pilot:
+        await ready(pilot, app, seen)
+        await pilot.press(*"story", "enter")
+        await wait_for(pilot, seen, ReplyChunk)
+        name = app.conversation.record.name
+        fingerprint = app.conversation.fingerprint
+        if how == "ctrl+q":
+            await pilot.press("ctrl+q")
+        else:
+            app.exit()
+    assert not any(isinstance(m, ReplyFinished) for m in seen)  # it quit mid-reply
+    store = Store(app_paths().database)
+    conversation_id = store.get(name).id
+    messages = store.messages(conversation_id)
+    store.close()
+    assert [m.role for m in messages] == ["user", "assistant"]
+    assert messages[-1].content and messages[-1].status == "partial"
+    # And the state holding that partial reply was written before the process could end.
+    saved = StateStore(app_paths().states_dir).path_for(conversation_id, fingerprint)
+    assert saved.exists()
+
+
 async def test_escape_stops_generation_and_keeps_the_partial_reply(small_model: Path) -> None:
     seen: list[Message] = []
     app = LocalChatApp(small_model, n_ctx=4096, max_tokens=3000, sampling=GREEDY)

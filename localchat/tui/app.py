@@ -6,11 +6,12 @@ workers that only post typed messages; every widget change happens on the app's 
 
 from __future__ import annotations
 
+import signal
 import threading
 import time
 from collections.abc import Iterable
 from pathlib import Path
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from textual import on, work
 from textual.app import App, ComposeResult, SystemCommand
@@ -62,6 +63,8 @@ from localchat.tui.widgets.prompt_input import PromptInput
 from localchat.tui.widgets.stats_panel import StatsPanel
 from localchat.units import count
 
+# How long quitting waits for a reply being written to stop and be committed.
+QUIT_WAIT_S = 10.0
 # The worker posts text at most this often; the pacer decides which chunks get drawn at once.
 # The stats panel's speed and cache lines change less often still.
 CHUNK_INTERVAL_S = MIN_INTERVAL_S
@@ -141,6 +144,9 @@ class LocalChatApp(App[int]):
         self.store: Store | None = None
         self.states: StateStore | None = None
         self._cancel = threading.Event()
+        # Set while no turn runs: quitting waits on it, so a reply being written is committed.
+        self._turn_idle = threading.Event()
+        self._turn_idle.set()
         self._generating = False
         self._reply: AssistantMessage | None = None
         self._user_view: UserMessage | None = None
@@ -245,6 +251,12 @@ class LocalChatApp(App[int]):
 
     def _run_turn(self, conversation: Conversation, text: str) -> None:
         """One turn, on the compute thread: posts the reply as it comes, in chunks."""
+        try:
+            self._stream_turn(conversation, text)
+        finally:
+            self._turn_idle.set()
+
+    def _stream_turn(self, conversation: Conversation, text: str) -> None:
         try:
             turn = conversation.send(text, self.sampling, self.max_tokens or 512, self._cancel)
         except LocalchatError as exc:
@@ -413,6 +425,7 @@ class LocalChatApp(App[int]):
         # A steady cursor while the model answers: each blink is a repaint taken from generation.
         self.query_one(PromptInput).cursor_blink = False
         self._cancel.clear()
+        self._turn_idle.clear()
         self._generating = True
         # The message is drawn first, then the model starts: that frame does not compete
         # with generation for the cores.
@@ -576,8 +589,17 @@ class LocalChatApp(App[int]):
             tokens * engine.kv_bytes_per_token, engine.kv_bytes_allocated, tokens, engine.n_ctx
         )
 
-    def on_unmount(self) -> None:
+    def exit(self, *args: Any, **kwargs: Any) -> None:
+        """Quitting stops a reply at once (the turn then commits what was written)."""
         self._cancel.set()
+        super().exit(*args, **kwargs)
+
+    def on_unmount(self) -> None:
+        # Quit (Ctrl+Q, SIGTERM, a closed terminal) mid-reply: stop the model, and let the
+        # turn commit the partial reply before the conversation closes (bounded wait).
+        self._cancel.set()
+        if not self._turn_idle.wait(QUIT_WAIT_S):
+            self.log.warning("the reply did not stop in time; it may be incomplete")
         if self.conversation is not None:
             self.conversation.close()  # waits for the last state save
         if self.store is not None:
@@ -612,6 +634,14 @@ def describe_turn_start(turn: ConversationTurn) -> str:
     return evaluated + (f"\nreused {reused:,} from the cache" if reused else "")
 
 
+def _exit_on_signals(app: LocalChatApp) -> None:
+    """SIGTERM and SIGHUP (the terminal closed) quit as Ctrl+Q does: the reply is kept."""
+    for name in ("SIGTERM", "SIGHUP"):
+        number = getattr(signal, name, None)
+        if number is not None:
+            signal.signal(number, lambda _signum, _frame: app.exit())
+
+
 def run_app(
     model_path: Path | None = None,
     n_ctx: int | None = None,
@@ -628,5 +658,6 @@ def run_app(
         demo=demo,
         template=template,
     )
+    _exit_on_signals(app)
     app.run()
     return app.return_code or 0
