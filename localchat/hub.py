@@ -299,6 +299,9 @@ class Downloader:
         self.token = token
 
     def _meta(self, repo: str, filename: str, revision: str) -> _FileMeta:
+        # Everything the hub sends becomes a path in the cache: it is checked first, as
+        # huggingface_hub's own downloader does, so a hostile hub writes nowhere else.
+        _check_name(repo, filename)
         url = hf_hub_url(repo, filename, revision=revision, endpoint=hub_endpoint())
         try:
             meta = get_hf_file_metadata(url, token=self.token, endpoint=hub_endpoint())
@@ -306,6 +309,12 @@ class Downloader:
             raise _hub_error(exc, f"{repo}/{filename}") from None
         if meta.size is None or meta.etag is None or meta.commit_hash is None:
             raise HubError(f"{repo}/{filename}: the hub did not say the file's size and checksum")
+        if not re.fullmatch(r"[0-9a-f]{40}|[0-9a-f]{64}", meta.etag):
+            raise HubError(f"{repo}: the hub sent an ETag that is not a checksum ({meta.etag!r})")
+        if not re.fullmatch(r"[0-9a-f]{40}", meta.commit_hash):
+            raise HubError(
+                f"{repo}: the hub sent a commit that is not a hash ({meta.commit_hash!r})"
+            )
         sha = meta.etag if re.fullmatch(r"[0-9a-f]{64}", meta.etag) else None
         return _FileMeta(
             filename, meta.location or url, meta.size, sha, meta.etag, meta.commit_hash
@@ -463,6 +472,19 @@ class Downloader:
         refs.mkdir(exist_ok=True)
         if not re.fullmatch(r"[0-9a-f]{40}", revision):
             (refs / revision).write_text(meta.commit)
+
+
+def _check_name(repo: str, filename: str) -> None:
+    """A file name from the hub must stay inside the repo's snapshot folder."""
+    parts = filename.split("/")
+    if (
+        not filename
+        or filename.startswith("/")
+        or "\\" in filename
+        or "\0" in filename
+        or any(part in ("", ".", "..") for part in parts)
+    ):
+        raise HubError(f"{repo}: the hub listed a file name that leaves the cache ({filename!r})")
 
 
 def file_size(path: Path) -> int:

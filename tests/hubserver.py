@@ -29,10 +29,17 @@ class HubState:
     corrupt: set[str] = field(default_factory=set)  # file names served with flipped bytes
     requests: list[tuple[str, str, str]] = field(default_factory=list)  # (method, path, range)
     authorizations: list[str] = field(default_factory=list)  # each request's Authorization
+    # A hostile hub: names listed for files that are not where they say, and a forged ETag.
+    aliases: dict[str, tuple[str, str]] = field(default_factory=dict)  # name -> (repo, real)
+    forged_etag: str | None = None
 
     def files(self, repo: str) -> dict[str, Path]:
         root = self.repos[repo]
-        return {p.relative_to(root).as_posix(): p for p in sorted(root.rglob("*")) if p.is_file()}
+        files = {p.relative_to(root).as_posix(): p for p in sorted(root.rglob("*")) if p.is_file()}
+        for alias, (alias_repo, real) in self.aliases.items():
+            if alias_repo == repo:
+                files[alias] = root / real
+        return files
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -130,9 +137,10 @@ class _Handler(BaseHTTPRequestHandler):
         self.send_header("Content-Type", "application/octet-stream")
         self.send_header("Content-Length", str(length))
         self.send_header("Accept-Ranges", "bytes")
-        self.send_header("ETag", f'"{file_sha256(data_path)}"')
+        etag = state.forged_etag or file_sha256(data_path)
+        self.send_header("ETag", f'"{etag}"')
         self.send_header("X-Repo-Commit", COMMIT)
-        self.send_header("X-Linked-Etag", f'"{file_sha256(data_path)}"')
+        self.send_header("X-Linked-Etag", f'"{etag}"')
         self.send_header("X-Linked-Size", str(size))
         if ranged:
             self.send_header("Content-Range", f"bytes {start}-{end}/{size}")

@@ -349,3 +349,22 @@ def test_listing_shows_tags_split_sets_once_and_projectors_as_such(
     assert f"{ZOO}:UD-Q4_K_XL" in err and f"{ZOO}:F16" in err and "say which" in err
     assert main(["rm", "demo/split-GGUF"]) == 0  # one download: no doubt
     assert not [p for _r, n, p in library.cache.downloaded() if n.startswith("tiny-Q4_K_M-0000")]
+
+
+def test_a_hostile_hub_cannot_write_outside_the_cache(hub: HubState, tmp_path: Path) -> None:
+    outside = tmp_path / "outside"
+    escape = "../../../../../../../../" + str(outside).lstrip("/") + "/escaped-Q5_K_S.gguf"
+    hub.aliases[escape] = (REPO, "small-Q4_K_M.gguf")
+    library = _library()
+    with pytest.raises(
+        HubError, match=rf"{REPO}: the hub listed a file name that leaves the cache"
+    ):
+        library.pull(f"{REPO}:Q5_K_S")
+    del hub.aliases[escape]
+    hub.forged_etag = "../../../../" + str(outside).lstrip("/") + "/blob"
+    with pytest.raises(HubError, match=rf"{REPO}: the hub sent an ETag that is not a checksum"):
+        library.pull(f"{REPO}:Q4_K_M")
+    assert not outside.exists()
+    cache = app_paths().hub_cache.resolve()
+    for path in cache.rglob("*"):
+        assert path.resolve().is_relative_to(cache) or not path.exists()
