@@ -14,6 +14,7 @@ from localchat.engine import Engine, Sampling
 from localchat.text import printable
 from localchat.tui.app import LocalChatApp
 from localchat.tui.messages import (
+    ModelLoaded,
     ModelLoadFailed,
     ReplyChunk,
     ReplyFailed,
@@ -281,3 +282,21 @@ async def test_pasting_100_kb_is_cut_to_fit_with_a_notice(tiny_model: Path) -> N
         assert any("longer than the context" in str(n.render()) for n in app.query(Notice))
         stored = app.conversation.store.messages(app.conversation.record.id)
         assert stored[0].content == pasted  # the transcript keeps every byte
+
+
+async def test_after_demo_a_plain_start_reopens_the_demo_model(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(app_module, "DEMO_SHAPE", "tiny")
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # a download attempt would fail
+    seen: list[Message] = []
+    first = LocalChatApp(demo=True, n_ctx=512, max_tokens=4, sampling=GREEDY)
+    async with first.run_test(message_hook=seen.append) as pilot:
+        await ready(pilot, first, seen)
+        await say(pilot, seen, "hello")
+        demo_path = first.engine.model_path
+    seen.clear()
+    second = LocalChatApp(n_ctx=512, max_tokens=4, sampling=GREEDY)
+    async with second.run_test(message_hook=seen.append) as pilot:
+        loaded = await wait_for(pilot, seen, ModelLoaded)
+        assert loaded.engine.model_path == demo_path

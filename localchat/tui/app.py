@@ -24,7 +24,7 @@ from textual.widgets.markdown import MarkdownStream
 from localchat.catalog import catalog_template
 from localchat.compute_thread import run_compute
 from localchat.conversation import Conversation, ConversationTurn
-from localchat.demo import ensure_demo_model
+from localchat.demo import demo_model_path, ensure_demo_model
 from localchat.engine import Engine, LoadOptions, Sampling
 from localchat.errors import LocalchatError
 from localchat.hardware import detect_hardware
@@ -220,6 +220,10 @@ class LocalChatApp(App[int]):
         if self.store is not None:
             recent = self.store.list()
             last_model = recent[0].model if recent else None
+        # After --demo, a plain start reopens the demo model the last conversation used.
+        demo = demo_model_path(app_paths().demo_models_dir, DEMO_SHAPE, DEMO_QUANT)
+        if last_model == demo.name and demo.exists():
+            return demo
         found = [r for r in library.rows() if r.downloaded and r.path]
         for row in found:
             if row.problem:  # one broken file never stops the start: the next one is used
@@ -229,9 +233,7 @@ class LocalChatApp(App[int]):
         for row in rows:
             if last_model and Path(row.path or "").name == last_model:
                 return Path(row.path or "")
-        # The demo model is only reopened for a conversation that used it.
-        real = [r for r in rows if r.source != "demo"]
-        return Path(real[0].path or "") if real else None
+        return Path(rows[0].path or "") if rows else None
 
     @work(thread=True, exclusive=True, group="model")
     def load_model(self, path: Path) -> None:
