@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 from rich.text import Text
 from textual.pilot import Pilot
 from textual.widgets import DataTable, Sparkline, Static
@@ -19,6 +20,7 @@ from localchat.tui.app import LocalChatApp
 from localchat.tui.screens.conversations import ConversationsScreen
 from localchat.tui.screens.models import ModelsScreen
 from localchat.tui.widgets.prompt_input import PromptInput
+from localchat.tui.widgets.stats_panel import StatsPanel
 
 SIZE = (120, 36)
 GIB = 1024**3
@@ -42,6 +44,17 @@ def _freeze_figures(app: LocalChatApp) -> None:
     screen.query_one("#turn-start", Static).update(Text("evaluated 10 tokens in 0.01 s"))
     screen.query_one("#ram", Static).update(Text("process 100.0 MiB\nfree RAM 20.0 GiB"))
     screen.query_one(Sparkline).data = [1.0, 2.0, 3.0]
+
+
+@pytest.fixture(autouse=True)
+def _fixed_memory_figures(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The panel re-reads process memory every second; in a snapshot it shows fixed text
+    (a refresh between freezing the figures and the screenshot made the test flaky)."""
+
+    def fixed(panel: StatsPanel) -> None:
+        panel.query_one("#ram", Static).update(Text("process 100.0 MiB\nfree RAM 20.0 GiB"))
+
+    monkeypatch.setattr(StatsPanel, "refresh_memory", fixed)
 
 
 def _app(model: Path, name: str = "snapshot") -> LocalChatApp:

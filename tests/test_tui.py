@@ -14,7 +14,6 @@ from localchat.engine import Engine, Sampling
 from localchat.text import printable
 from localchat.tui.app import LocalChatApp
 from localchat.tui.messages import (
-    ModelLoaded,
     ModelLoadFailed,
     ReplyChunk,
     ReplyFailed,
@@ -298,5 +297,6 @@ async def test_after_demo_a_plain_start_reopens_the_demo_model(
     seen.clear()
     second = LocalChatApp(n_ctx=512, max_tokens=4, sampling=GREEDY)
     async with second.run_test(message_hook=seen.append) as pilot:
-        loaded = await wait_for(pilot, seen, ModelLoaded)
-        assert loaded.engine.model_path == demo_path
+        await ready(pilot, second, seen)  # loaded and the conversation shown, no download
+        assert second.engine is not None and second.engine.model_path == demo_path
+        assert second.conversation is not None and len(second.conversation.exchanges) == 2

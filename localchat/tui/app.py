@@ -394,13 +394,8 @@ class LocalChatApp(App[int]):
             if exchange.record.role == "user":
                 await log.mount(UserMessage(exchange.record.content))
             elif exchange.record.role == "assistant":
-                view = AssistantMessage()
                 thought, answer = split_reasoning(exchange.record.content)
-                await log.mount(view)
-                if thought:
-                    view.append_reasoning(thought)
-                    view.collapse_reasoning()
-                await view.markdown.update(view.append(answer))
+                await log.mount(AssistantMessage(answer, thought))
         log.scroll_end(animate=False)
 
     # -- a turn ---------------------------------------------------------------------------

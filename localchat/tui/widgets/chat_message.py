@@ -46,16 +46,18 @@ class UserMessage(Vertical):
 class AssistantMessage(Vertical):
     """Model output is text: control characters are made visible before rendering."""
 
-    def __init__(self) -> None:
+    def __init__(self, text: str = "", reasoning: str = "") -> None:
+        """A reply being streamed (empty), or a stored one with its answer and thinking."""
         super().__init__(classes="message assistant")
-        self.raw = ""  # the answer as the model wrote it
-        self.reasoning = ""  # a reasoning model's thinking, shown dimmed and collapsible
+        self.raw = text  # the answer as the model wrote it
+        self.reasoning = reasoning  # a reasoning model's thinking, dimmed and collapsible
 
     def compose(self) -> ComposeResult:
         yield Label("model", classes="role")
-        with Collapsible(title="reasoning", collapsed=False, classes="reasoning"):
-            yield Static(classes="reasoning-text")
-        yield Markdown(classes="body", parser_factory=markdown_parser)
+        # A stored reply's thinking starts folded: its answer is what is read.
+        with Collapsible(title="reasoning", collapsed=bool(self.raw.strip()), classes="reasoning"):
+            yield Static(Text(printable(self.reasoning.strip())), classes="reasoning-text")
+        yield Markdown(printable(self.raw), classes="body", parser_factory=markdown_parser)
 
     @property
     def markdown(self) -> Markdown:
