@@ -184,6 +184,9 @@ def build_parser() -> argparse.ArgumentParser:
     pull = sub.add_parser("pull", help="download a model from the hub (resumes, verifies)")
     pull.add_argument("model", help="catalog name or org/repo, optionally :QUANT")
     pull.add_argument("--json", action="store_true", help="progress events as JSON lines")
+    pull.add_argument(
+        "--mmproj", action="store_true", help="also fetch the repo's vision projector for it"
+    )
     models = sub.add_parser("models", help="catalog models, downloads and local files, with fit")
     models.add_argument("--json", action="store_true", help="print JSON")
     models.add_argument("--ctx", type=_positive_int, default=8192, help="context size to fit")
@@ -197,6 +200,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     rm = sub.add_parser("rm", help="delete a downloaded model (or forget an added file)")
     rm.add_argument("model", help="catalog name or org/repo, optionally :QUANT; or an added name")
+    rm.add_argument("--mmproj", action="store_true", help="delete the model's vision projector")
     add = sub.add_parser("add", help="register a local GGUF file")
     add.add_argument("path", type=Path)
     add.add_argument("--name", help="the name to list it under (default: the file name)")
@@ -227,7 +231,7 @@ def cmd_ask(args: argparse.Namespace, out: TextIO) -> int:
     args.message = _message_text(args.message, sys.stdin)
     model_path = args.model_path
     if model_path is None and args.model:
-        model_path = _library().path_of(args.model) or _pull(args.model, json_lines=False)
+        model_path = _library().path_of(args.model) or _pull(args.model, json_lines=False)[0]
     if model_path is None:
         model_path = default_model()
         print(
@@ -478,7 +482,9 @@ def _library() -> Library:
     return Library(app_paths(), detect_hardware())
 
 
-def _pull(model: str, json_lines: bool, out: TextIO | None = None) -> Path:
+def _pull(
+    model: str, json_lines: bool, out: TextIO | None = None, projector: bool = False
+) -> list[Path]:
     """Download ``model`` with progress on stderr: a redrawn line on a terminal, plain lines
     otherwise, or JSON lines on ``out``. Ctrl-C stops it (the next pull resumes)."""
     from localchat.hub import Progress
@@ -512,7 +518,12 @@ def _pull(model: str, json_lines: bool, out: TextIO | None = None) -> Path:
             sys.stderr.flush()
 
     try:
-        return _library().pull(model, draw, cancel)
+        library = _library()
+        wanted = library.projector_for(model) if projector else None  # refused before a byte
+        paths = [library.pull(model, draw, cancel)]
+        if wanted is not None:
+            paths.append(library.pull_projector(wanted, draw, cancel))
+        return paths
     except KeyboardInterrupt:
         cancel.set()
         raise
@@ -525,17 +536,18 @@ def cmd_pull(args: argparse.Namespace, out: TextIO) -> int:
     from localchat.hub import DownloadCancelled
 
     try:
-        path = _pull(args.model, args.json, out)
+        paths = _pull(args.model, args.json, out, args.mmproj)
     except KeyboardInterrupt:
         sys.stderr.write("localchat: download stopped; run the same pull again to resume\n")
         return EXIT_INTERRUPTED
     except DownloadCancelled as exc:
         sys.stderr.write(f"localchat: {exc}\n")
         return EXIT_INTERRUPTED
-    if args.json:
-        out.write(json.dumps({"event": "done", "path": str(path)}) + "\n")
-    else:
-        out.write(f"{path}\n")
+    for path in paths:
+        if args.json:
+            out.write(json.dumps({"event": "done", "path": str(path)}) + "\n")
+        else:
+            out.write(f"{path}\n")
     return 0
 
 
@@ -566,7 +578,7 @@ def cmd_models(args: argparse.Namespace, out: TextIO) -> int:
 
 
 def cmd_rm(args: argparse.Namespace, out: TextIO) -> int:
-    removed = _library().remove(args.model)
+    removed = _library().remove(args.model, args.mmproj)
     out.write(f"removed {args.model} ({len(removed)} files)\n")
     return 0
 

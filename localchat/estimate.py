@@ -25,7 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from localchat.gguf_info import GGUFInfo
-from localchat.quants import parse_tag
+from localchat.quants import bytes_per_weight, parse_tag
 
 MIB = 1024 * 1024
 N_UBATCH = 512
@@ -129,6 +129,13 @@ class LayerWeights:
             tuple([repacked_layer] * dims.n_layer),
             int(output * share),
         )
+
+
+def file_bytes_from_type(dims: ModelDims, quant: str) -> int:
+    """A file's size from its shape and its type's bytes per weight, for listings that give
+    no size; 0 for a type the tables do not know."""
+    per_weight = bytes_per_weight(quant)
+    return int(_approx_params(dims) * per_weight) if per_weight else 0
 
 
 def _approx_params(dims: ModelDims) -> int:

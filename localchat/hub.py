@@ -24,7 +24,14 @@ from pathlib import Path
 
 import httpx2 as httpx  # huggingface-hub 2.x ships httpx2, its fork of httpx
 from filelock import FileLock
-from huggingface_hub import HfApi, constants, get_hf_file_metadata, get_session, hf_hub_url
+from huggingface_hub import (
+    HfApi,
+    constants,
+    get_hf_file_metadata,
+    get_session,
+    hf_hub_url,
+    scan_cache_dir,
+)
 from huggingface_hub.errors import EntryNotFoundError, HfHubHTTPError, RepositoryNotFoundError
 from huggingface_hub.file_download import repo_folder_name
 from huggingface_hub.utils import (
@@ -34,6 +41,7 @@ from huggingface_hub.utils import (
     http_backoff,
 )
 
+from localchat.atomic import write_atomic
 from localchat.catalog import CatalogModel, find_model
 from localchat.errors import LocalchatError, ModelFileError, UsageError, WorldError
 from localchat.gguf_info import SPLIT_RE, GGUFInfo, is_projector, read_gguf, read_gguf_url
@@ -168,8 +176,11 @@ def remote_gguf_header(repo: str, filename: str, revision: str = "main") -> GGUF
     return read_gguf_url(url, fetch)
 
 
-def list_gguf_files(repo: str, revision: str = "main") -> list[RemoteFile]:
-    """The repo's GGUF files with sizes (split files are listed by their first part)."""
+def list_gguf_files(
+    repo: str, revision: str = "main", projectors: bool = False
+) -> list[RemoteFile]:
+    """The repo's GGUF chat models with sizes (split sets by their first part, sized whole),
+    or with ``projectors`` its vision projectors instead."""
     if offline():
         raise HubError(f"{repo}: {OFFLINE_MESSAGE}")
     api = HfApi(endpoint=hub_endpoint())
@@ -177,10 +188,11 @@ def list_gguf_files(repo: str, revision: str = "main") -> list[RemoteFile]:
         info = api.model_info(repo, revision=revision, files_metadata=True)
     except (HfHubHTTPError, httpx.HTTPError, OSError) as exc:
         raise _hub_error(exc, repo) from None
+    siblings = info.siblings or []
     files = []
-    for sibling in info.siblings or []:
+    for sibling in siblings:
         name = sibling.rfilename
-        if not name.endswith(".gguf") or is_projector(name):
+        if not name.endswith(".gguf") or is_projector(name) != projectors:
             continue
         split = SPLIT_RE.search(name)
         if split and split.group(1) != "00001":
@@ -190,11 +202,23 @@ def list_gguf_files(repo: str, revision: str = "main") -> list[RemoteFile]:
             prefix = name[: split.start()]
             size = sum(
                 s.size or 0
-                for s in info.siblings or []
+                for s in siblings
                 if s.rfilename.startswith(prefix) and SPLIT_RE.search(s.rfilename)
             )
         files.append(RemoteFile(repo, name, size, quant_of(name)))
     return files
+
+
+def choose_projector(repo: str, projectors: list[RemoteFile], model_quant: str) -> RemoteFile:
+    """The projector to go with a model: the model's own tag if published, else the best
+    of F16/BF16/F32 (what vision models ship), else the smallest."""
+    if not projectors:
+        raise UsageError(f"{repo} has no vision projector (mmproj-*.gguf) to fetch")
+    for wanted in (model_quant, "F16", "BF16", "F32"):
+        for remote in projectors:
+            if remote.quant == wanted:
+                return remote
+    return min(projectors, key=lambda f: f.size)
 
 
 def split_parts(filename: str) -> list[str]:
@@ -260,25 +284,73 @@ class HubCache:
                     found.append((repo, relative.as_posix(), path))
         return found
 
+    def _partial_records(self, repo: str) -> Path:
+        # Beside huggingface_hub's own per-file locks, a folder its cache scan skips.
+        return self.root / ".locks" / repo_folder_name(repo_id=repo, repo_type="model")
+
+    def note_partial(self, repo: str, etag: str, filename: str) -> None:
+        """Remember which file a ``<etag>.incomplete`` blob is, so that ``rm`` and ``models``
+        can name a partial download without asking the hub."""
+        records = self._partial_records(repo)
+        records.mkdir(parents=True, exist_ok=True)
+        write_atomic(records / f"{etag}.partial", filename.encode())
+
+    def forget_partial(self, repo: str, etag: str) -> None:
+        (self._partial_records(repo) / f"{etag}.partial").unlink(missing_ok=True)
+
+    def partials(self) -> list[PartialDownload]:
+        """Downloads that were stopped part way (the next pull of the same file resumes)."""
+        found = []
+        for record in sorted(self.root.glob(".locks/models--*/*.partial")):
+            repo = record.parent.name.removeprefix("models--").replace("--", "/", 1)
+            etag = record.name.removesuffix(".partial")
+            blob = self.repo_dir(repo) / "blobs" / f"{etag}.incomplete"
+            if blob.exists():
+                found.append(PartialDownload(repo, record.read_text(), etag, file_size(blob)))
+        return found
+
     def remove(self, repo: str, filename: str) -> list[Path]:
-        """Delete the file's snapshot links and blobs (and any partial download)."""
-        removed = []
-        repo_dir = self.repo_dir(repo)
-        for name in split_parts(filename):
-            for link in repo_dir.glob(f"snapshots/*/{name}"):
-                blob = link.resolve()
-                link.unlink()
-                removed.append(link)
-                # The same bytes under another name (or revision) share the blob: it stays.
-                shared = any(
-                    other.resolve() == blob
-                    for other in repo_dir.glob("snapshots/*/**/*")
-                    if other.is_symlink()
-                )
-                if blob.exists() and blob.parent.name == "blobs" and not shared:
-                    blob.unlink()
-                    removed.append(blob)
+        """Delete exactly this file (every part of a split set) through huggingface_hub's
+        cache API: a blob that another file or revision shares stays; a partial download of
+        the same file goes too."""
+        names = set(split_parts(filename))
+        removed: list[Path] = []
+        if self.root.exists():
+            info = scan_cache_dir(self.root)
+            files = [
+                cached
+                for cached_repo in info.repos
+                if cached_repo.repo_id == repo and cached_repo.repo_type == "model"
+                for revision in cached_repo.revisions
+                for cached in revision.files
+                if cached.file_path.relative_to(revision.snapshot_path).as_posix() in names
+            ]
+            strategy = info.delete_files(*files)
+            strategy.execute()
+            removed += sorted(strategy.files) + sorted(strategy.blobs)
+        # A repo the scan calls corrupt (a dangling link) is cleaned link by link.
+        for name in names:
+            for link in self.repo_dir(repo).glob(f"snapshots/*/{name}"):
+                if link.is_symlink() and not link.exists():
+                    link.unlink()
+                    removed.append(link)
+        for partial in self.partials():
+            if partial.repo == repo and partial.filename in names:
+                blob = self.repo_dir(repo) / "blobs" / f"{partial.etag}.incomplete"
+                blob.unlink(missing_ok=True)
+                self.forget_partial(repo, partial.etag)
+                removed.append(blob)
         return removed
+
+
+@dataclass(frozen=True)
+class PartialDownload:
+    """A ``<etag>.incomplete`` blob and the file it will become."""
+
+    repo: str
+    filename: str
+    etag: str
+    bytes_done: int
 
 
 @dataclass(frozen=True)
@@ -364,10 +436,12 @@ class Downloader:
                     if (blobs / meta.etag).exists():
                         continue  # the other process finished it meanwhile
                     progress.state = "downloading"
+                    self.cache.note_partial(repo, meta.etag, meta.filename)
                     self._transfer(meta, blobs, progress, report, cancel)
                     progress.state = "verifying"
                     report(progress)
                     self._verify(meta, blobs)
+                    self.cache.forget_partial(repo, meta.etag)
             for meta in metas:
                 self._link(repo_dir, meta, revision)
         except DownloadCancelled:

@@ -26,6 +26,7 @@ from localchat.hub import (
     ProgressCallback,
     RemoteFile,
     choose_file,
+    choose_projector,
     file_size,
     list_gguf_files,
     parse_spec,
@@ -34,6 +35,7 @@ from localchat.hub import (
 )
 from localchat.paths import AppPaths
 from localchat.planner import DEFAULT_CTX, Plan, fit_label, plan_model, sized_candidates
+from localchat.units import format_bytes
 
 
 @dataclass(frozen=True)
@@ -45,7 +47,7 @@ class ModelRow:
     file: str
     size_bytes: int
     estimated_bytes: int | None
-    fit: str  # "GPU" | "RAM" | "too big" | "unknown"
+    fit: str  # "GPU" | "RAM" | "too big" | "unknown" | "projector" | "partial"
     downloaded: bool
     path: str | None
     source: str  # "catalog" | "hub cache" | "local" | "demo" | "lm studio" | "ollama" | "folder"
@@ -154,6 +156,22 @@ class Library:
         repo, filename, _quant = self.resolve(text)
         return Downloader(self.cache).pull(repo, filename, on_progress=on_progress, cancel=cancel)
 
+    def projector_for(self, text: str) -> RemoteFile:
+        """The repo's vision projector that goes with the model ``text`` names."""
+        repo, _filename, quant = self.resolve(text)
+        return choose_projector(repo, list_gguf_files(repo, projectors=True), quant)
+
+    def pull_projector(
+        self,
+        projector: RemoteFile,
+        on_progress: ProgressCallback | None = None,
+        cancel: threading.Event | None = None,
+    ) -> Path:
+        """Fetch a projector: only when asked, never taken by a quant tag alone."""
+        return Downloader(self.cache).pull(
+            projector.repo, projector.filename, on_progress=on_progress, cancel=cancel
+        )
+
     def path_of(self, text: str) -> Path | None:
         """The downloaded (or added) file for a model name, if it is on disk."""
         local = self.local_models()
@@ -171,22 +189,28 @@ class Library:
                 return path
         return None
 
-    def remove(self, text: str) -> list[Path]:
+    def remove(self, text: str, projector: bool = False) -> list[Path]:
+        """Delete exactly the download ``text`` names (its vision projector with
+        ``projector``); an ambiguous name is refused with the candidates."""
         local = self.local_models()
         if text in local:
             del local[text]
             write_atomic(self.paths.local_models, json.dumps(local, indent=2).encode())
             return [Path(text)]
         spec = parse_spec(text, self.catalog)
-        targets = [
-            (repo, name)
-            for repo, name, _path in self.cache.downloaded()
-            if repo == spec.repo
-            and (spec.quant is None or quant_of(name) == spec.quant)
-            # A split set goes with its first part; a projector is not the model named.
-            and not is_later_split_part(name)
-            and not is_projector(name)
-        ]
+        on_disk = [(repo, name) for repo, name, _path in self.cache.downloaded()]
+        on_disk += [(p.repo, p.filename) for p in self.cache.partials()]
+        targets = sorted(
+            {
+                (repo, name)
+                for repo, name in on_disk
+                if repo == spec.repo
+                and (spec.quant is None or quant_of(name) == spec.quant)
+                # A split set goes with its first part; a projector is not the model named.
+                and not is_later_split_part(name)
+                and is_projector(name) == projector
+            }
+        )
         if not targets:
             raise UsageError(f"{text} is not downloaded; `localchat models` shows what is")
         if spec.quant is None and len(targets) > 1:
@@ -229,6 +253,17 @@ class Library:
         extra += [(m.name, m.path.name, m.path, m.source) for m in self.external_models()]
         for model, name, path, source in extra:
             rows.append(self._file_row(model, name, path, source, n_ctx))
+        for partial in self.cache.partials():
+            tag = quant_of(partial.filename)
+            flag = " --mmproj" if is_projector(partial.filename) else ""
+            rows.append(
+                ModelRow(
+                    partial.repo, tag, partial.filename, partial.bytes_done, None, "partial",
+                    False, None, "hub cache",
+                    f"a stopped download ({format_bytes(partial.bytes_done)} so far):"
+                    f" `localchat pull {partial.repo}:{tag}{flag}` resumes it, `localchat rm` deletes it",
+                )
+            )  # fmt: skip
         return rows
 
     def _file_row(self, model: str, name: str, path: Path, source: str, n_ctx: int) -> ModelRow:

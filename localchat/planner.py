@@ -24,10 +24,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from localchat.catalog import CatalogModel
-from localchat.estimate import LayerWeights, MemoryEstimate, ModelDims, estimate_memory
+from localchat.estimate import (
+    LayerWeights,
+    MemoryEstimate,
+    ModelDims,
+    estimate_memory,
+    file_bytes_from_type,
+)
 from localchat.gguf_info import read_gguf
 from localchat.hardware import GPU_NONE, Hardware, repacked_weight_types
-from localchat.quants import is_good_enough, parse_tag, quality_rank
+from localchat.quants import bytes_per_weight, is_good_enough, parse_tag, quality_rank
 from localchat.units import format_bytes
 
 CTX_FLOOR = 2048
@@ -237,11 +243,26 @@ def _too_big(
 
 
 def sized_candidates(dims: ModelDims, files: Iterable[tuple[str, str, int]]) -> list[Candidate]:
-    """Candidates known only by (quant, file name, size): catalog entries and hub listings."""
+    """Candidates known only by (quant, file name, size): catalog entries and hub listings.
+    A file listed without a size is sized from a sibling's by their bytes per weight (or from
+    the shape alone when no sibling has a size)."""
     repacks = bool(repacked_weight_types())
+    listed = list(files)
+    reference = next(
+        ((q, size) for q, _n, size in listed if size > 0 and bytes_per_weight(q)), None
+    )
+
+    def size_of(quant: str, size: int) -> int:
+        per_weight = bytes_per_weight(quant)
+        if size > 0 or per_weight is None:
+            return size
+        if reference is not None:
+            return int(reference[1] * per_weight / (bytes_per_weight(reference[0]) or 1.0))
+        return file_bytes_from_type(dims, quant)
+
     return [
-        Candidate(quant, name, LayerWeights.from_total(size, dims, quant, repacks))
-        for quant, name, size in files
+        Candidate(quant, name, LayerWeights.from_total(size_of(quant, size), dims, quant, repacks))
+        for quant, name, size in listed
     ]
 
 

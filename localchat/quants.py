@@ -104,3 +104,61 @@ def quality_rank(tag: str) -> int:
 def is_good_enough(tag: str) -> bool:
     """Whether a tag keeps quality (Q4_K_M or better) rather than trading it for size."""
     return quality_rank(tag) <= QUALITY_ORDER.index(GOOD_ENOUGH)
+
+
+# Each ggml weight type's block: (weights, bytes). The same numbers as gguf's
+# GGML_QUANT_SIZES (a test holds them equal); kept here so this leaf loads no numpy.
+GGML_BLOCKS: dict[str, tuple[int, int]] = {
+    "F32": (1, 4),
+    "F16": (1, 2),
+    "BF16": (1, 2),
+    "Q8_0": (32, 34),
+    "Q6_K": (256, 210),
+    "Q5_K": (256, 176),
+    "Q5_1": (32, 24),
+    "Q5_0": (32, 22),
+    "Q4_K": (256, 144),
+    "Q4_1": (32, 20),
+    "Q4_0": (32, 18),
+    "MXFP4": (32, 17),
+    "IQ4_NL": (32, 18),
+    "IQ4_XS": (256, 136),
+    "Q3_K": (256, 110),
+    "IQ3_S": (256, 110),
+    "IQ3_XXS": (256, 98),
+    "Q2_K": (256, 84),
+    "IQ2_S": (256, 82),
+    "IQ2_XS": (256, 74),
+    "IQ2_XXS": (256, 66),
+    "TQ2_0": (256, 66),
+    "IQ1_M": (256, 56),
+    "TQ1_0": (256, 54),
+    "IQ1_S": (256, 50),
+}
+
+# The weight type most of a file type's matrices are in, as llama.cpp's quantizer picks it
+# (Q4_K_M: Q4_K, with attn_v and half of ffn_down a step up in Q6_K; IQ2_M: IQ2_S).
+MAIN_WEIGHT_TYPE: dict[str, str] = {
+    **{name: name for name in QUALITY_ORDER if name in GGML_BLOCKS},
+    "Q5_K_M": "Q5_K",
+    "Q5_K_S": "Q5_K",
+    "Q4_K_M": "Q4_K",
+    "Q4_K_S": "Q4_K",
+    "Q3_K_L": "Q3_K",
+    "Q3_K_M": "Q3_K",
+    "Q3_K_S": "Q3_K",
+    "IQ3_M": "IQ3_S",
+    "IQ3_XS": "IQ3_S",
+    "Q2_K_S": "Q2_K",
+    "IQ2_M": "IQ2_S",
+}
+
+
+def bytes_per_weight(tag: str) -> float | None:
+    """What one weight of a file type's main matrices takes (Q4_K_M: 0.5625), or None."""
+    parsed = parse_tag(tag)
+    weight_type = MAIN_WEIGHT_TYPE.get(parsed.base if parsed else tag.upper())
+    if weight_type is None:
+        return None
+    weights, size = GGML_BLOCKS[weight_type]
+    return size / weights

@@ -368,3 +368,63 @@ def test_a_hostile_hub_cannot_write_outside_the_cache(hub: HubState, tmp_path: P
     cache = app_paths().hub_cache.resolve()
     for path in cache.rglob("*"):
         assert path.resolve().is_relative_to(cache) or not path.exists()
+
+
+def test_a_stopped_download_is_listed_and_rm_deletes_it(
+    hub: HubState, capsys: pytest.CaptureFixture[str]
+) -> None:
+    cancel = threading.Event()
+
+    def stop_after_first_chunk(progress: Progress) -> None:
+        if progress.state == "downloading" and progress.bytes_done > 0:
+            cancel.set()
+
+    library = _library()
+    library.pull(f"{REPO}:Q4_K_M")
+    with pytest.raises(DownloadCancelled):
+        library.pull(f"{REPO}:Q8_0", stop_after_first_chunk, cancel)
+    capsys.readouterr()
+    assert main(["models", "--json"]) == 0
+    rows = [r for r in json.loads(capsys.readouterr().out) if r["model"] == REPO]
+    partial = next(r for r in rows if r["file"] == "small-Q8_0.gguf")
+    assert partial["fit"] == "partial" and not partial["downloaded"]
+    assert f"localchat pull {REPO}:Q8_0` resumes it" in partial["problem"]
+    assert main(["rm", f"{REPO}:Q8_0"]) == 0
+    assert not list(app_paths().hub_cache.rglob("*.incomplete"))
+    assert not library.cache.partials()
+    # The finished download beside it is untouched.
+    assert library.path_of(f"{REPO}:Q4_K_M") is not None
+
+
+def test_rm_of_a_finished_file_takes_its_leftover_partial_too(hub: HubState) -> None:
+    library = _library()
+    path = library.pull(f"{REPO}:Q8_0")
+    blob = path.resolve()
+    leftover = blob.with_name(blob.name + ".incomplete")  # a crash during a re-download
+    leftover.write_bytes(b"GGUF")
+    library.cache.note_partial(REPO, blob.name, "small-Q8_0.gguf")
+    library.remove(f"{REPO}:Q8_0")
+    assert not blob.exists() and not leftover.exists()
+
+
+def test_a_projector_is_fetched_only_when_asked_and_removed_apart(
+    hub: HubState, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["pull", f"{ZOO}:BF16"]) == 0
+    assert [Path(p).name for p in capsys.readouterr().out.split()] == ["zoo-BF16.gguf"]
+    # Asked: the model's own tag has no projector, so the F16 one (what vision repos ship).
+    assert main(["pull", f"{ZOO}:BF16", "--mmproj"]) == 0
+    out = capsys.readouterr().out.split()
+    assert [Path(p).name for p in out] == ["zoo-BF16.gguf", "mmproj-zoo-F16.gguf"]
+    library = _library()
+    names = {Path(n).name for _r, n, _p in library.cache.downloaded()}
+    assert names == {"zoo-BF16.gguf", "mmproj-zoo-F16.gguf"}
+    # `rm ZOO:F16` names no model (the F16 file is a projector's); --mmproj names it.
+    assert main(["rm", f"{ZOO}:F16"]) == 2
+    assert "is not downloaded" in capsys.readouterr().err
+    assert main(["rm", ZOO, "--mmproj"]) == 0
+    names = {Path(n).name for _r, n, _p in library.cache.downloaded()}
+    assert names == {"zoo-BF16.gguf"}
+    assert main(["pull", f"{REPO}:Q8_0", "--mmproj"]) == 2
+    assert f"{REPO} has no vision projector" in capsys.readouterr().err
+    assert library.path_of(f"{REPO}:Q8_0") is None, "refused before the model was fetched"

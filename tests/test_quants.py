@@ -67,3 +67,36 @@ def test_a_vendor_tag_is_sized_like_the_type_it_builds_on() -> None:
     plain = LayerWeights.from_total(491_400_032, dims, "Q4_K_M", repacks=True)
     vendor = LayerWeights.from_total(491_400_032, dims, "UD-Q4_K_XL", repacks=True)
     assert vendor == plain and plain.repacked_per_layer[0] > 0
+
+
+def test_block_tables_are_ggufs_own_and_every_ranked_type_has_a_size() -> None:
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    from localchat.quants import GGML_BLOCKS, bytes_per_weight
+
+    for name, block in GGML_BLOCKS.items():
+        assert GGML_QUANT_SIZES[GGMLQuantizationType[name]] == block, name
+    for tag in QUALITY_ORDER:
+        assert bytes_per_weight(tag) is not None, tag
+    assert bytes_per_weight("Q4_K_M") == 144 / 256
+    assert bytes_per_weight("UD-Q4_K_XL") == bytes_per_weight("Q4_K_M")
+    assert bytes_per_weight("F16") == 2.0 and bytes_per_weight("Q8_0") == 34 / 32
+    assert bytes_per_weight("nonsense") is None
+    assert bytes_per_weight("IQ2_M") == 82 / 256  # IQ2_M's matrices are mostly IQ2_S
+
+
+def test_a_listing_without_sizes_is_planned_from_bytes_per_weight() -> None:
+    from localchat.catalog import load_catalog
+    from localchat.planner import sized_candidates
+
+    for name in ("qwen2.5-7b-instruct", "mistral-7b-instruct-v0.3"):
+        entry = next(m for m in load_catalog() if m.name == name)
+        listed = {f.quant: f.size for f in entry.files}
+        # One sibling has a size (the hub lists most): the others scale from it.
+        files = [("Q8_0", "q8.gguf", listed["Q8_0"]), ("Q4_K_M", "q4.gguf", 0), ("Q6_K", "q6", 0)]
+        sized = {c.quant: c.weights.total for c in sized_candidates(entry.dims, files)}
+        for quant in ("Q4_K_M", "Q6_K"):
+            assert 0.85 * listed[quant] <= sized[quant] <= 1.15 * listed[quant], (name, quant)
+        # None has one: the shape and the type alone, roughly.
+        alone = sized_candidates(entry.dims, [("Q4_K_M", "q4.gguf", 0)])[0].weights.total
+        assert 0.6 * listed["Q4_K_M"] <= alone <= 1.4 * listed["Q4_K_M"], name
