@@ -215,3 +215,24 @@ async def test_first_start_downloads_the_default_model_with_a_progress_screen(
         )
         assert app.engine is not None
         assert app.engine.model_path.is_relative_to(app_paths().hub_cache)
+
+
+async def test_models_screen_never_loads_a_projector_and_says_why(tiny_model: Path) -> None:
+    snapshot = app_paths().hub_cache / "models--acme--vision-GGUF" / "snapshots" / ("a" * 40)
+    snapshot.mkdir(parents=True)
+    shutil.copy(tiny_model, snapshot / "mmproj-vision-F16.gguf")
+    seen: list[Message] = []
+    app = LocalChatApp(tiny_model, n_ctx=1024, max_tokens=8, sampling=GREEDY)
+    async with app.run_test(size=(120, 36), message_hook=seen.append) as pilot:
+        await ready(pilot, app, seen)
+        mark = len(seen)
+        await pilot.press("ctrl+o")
+        await wait_for(pilot, seen, RowsLoaded, after=mark)
+        screen = app.screen
+        assert isinstance(screen, ModelsScreen)
+        screen.query_one(DataTable).move_cursor(row=_row_index(screen, "acme/vision-GGUF"))
+        await pilot.press("enter")
+        await pilot.pause(0.3)
+        assert app.screen is screen, "the projector was not taken as a chat model"
+        assert app.engine is not None and app.engine.model_path == tiny_model
+        assert any("vision projector" in n.message for n in app._notifications)

@@ -20,6 +20,7 @@ from textual.screen import ModalScreen
 from textual.widgets import DataTable, Label, ProgressBar, Static
 
 from localchat.errors import LocalchatError
+from localchat.gguf_info import is_projector
 from localchat.hardware import Hardware, detect_hardware
 from localchat.hub import DownloadCancelled, Progress
 from localchat.library import Library, ModelRow
@@ -118,10 +119,14 @@ class ModelsScreen(ModalScreen[Path | None]):
         row = self._selected()
         if row is None or self.downloading:
             return
-        if row.downloaded and row.path:
+        if row.usable and row.path:
             self.dismiss(Path(row.path))
             return
-        if row.source != "catalog":
+        resumable = row.fit == "partial" and not is_projector(row.file)
+        if row.problem and not resumable:  # a projector, a broken file: say why, load nothing
+            self.notify(row.problem, severity="warning", timeout=10)
+            return
+        if row.source != "catalog" and not resumable:
             return
         self.downloading = True
         self.cancel.clear()
