@@ -22,7 +22,7 @@ from typing import Any
 from localchat import __version__
 from localchat.hardware import physical_cores
 
-PARTS: tuple[str, ...] = ("engine", "resume", "window", "estimate", "ui")
+PARTS: tuple[str, ...] = ("engine", "resume", "window", "estimate", "ui", "plan")
 
 ENGINE_CTX = 2048
 ENGINE_PROMPT_TOKENS = 256
@@ -53,6 +53,7 @@ TARGETS: dict[str, tuple[str, float]] = {
     "estimate_max_error": ("<=", 0.10),
     "ui_cpu_overhead": ("<=", 0.10),
     "startup_s": ("<=", 1.5),
+    "speed_prediction_max_error": ("<=", 0.25),
 }
 
 ESTIMATE_CTX = 2048
@@ -60,6 +61,17 @@ ESTIMATE_CTX = 2048
 ESTIMATE_MODELS: tuple[tuple[str, str], ...] = tuple(
     (shape, quant) for shape in ("small", "0.5b", "1b") for quant in ("Q8_0", "Q4_K_M", "Q2_K")
 )
+
+# The planner's speed predictions against real turns: two shapes at five quants.
+PLAN_MODELS: tuple[tuple[str, str], ...] = tuple(
+    (shape, quant)
+    for shape in ("0.5b", "1b")
+    for quant in ("F16", "Q8_0", "Q6_K", "Q4_K_M", "Q2_K")
+)
+PLAN_CTX = 2048
+PLAN_PROMPT_TOKENS = 448  # with the reply, about the fill predictions are made for
+PLAN_GEN_TOKENS = 64
+PLAN_ROUNDS = 3
 
 Progress = Callable[[str], None] | None
 
@@ -358,12 +370,67 @@ def bench_ui(model_path: Path, progress: Progress = None) -> dict[str, Any]:
     return measure_ui(tiny, model_path)
 
 
+def bench_plan(model_path: Path, progress: Progress = None) -> dict[str, Any]:
+    """Predicted tokens/s (the planner's, from this machine's calibration) against what a
+    real turn through the engine measures, for each demo shape and quant."""
+    from localchat.calibrate import speed_model
+    from localchat.demo import ensure_demo_model
+    from localchat.engine import Engine, LoadOptions, Sampling, synthetic_prompt
+    from localchat.hardware import detect_hardware
+    from localchat.paths import app_paths
+    from localchat.planner import plan_file
+
+    paths = app_paths()
+    speed = speed_model(paths, progress)
+    hardware = detect_hardware()
+    rows: dict[str, dict[str, float]] = {}
+    for shape, quant in PLAN_MODELS:
+        _say(progress, f"plan: {shape} {quant}")
+        path = ensure_demo_model(paths.demo_models_dir, shape, quant)
+        plan = plan_file(path, hardware, PLAN_CTX, speed)
+        engine = Engine(path, LoadOptions(n_ctx=PLAN_CTX, n_threads=physical_cores()))
+        gen: list[float] = []
+        prompt_tps: list[float] = []
+        try:
+            prompt = synthetic_prompt(engine.bos_token, engine.n_vocab, PLAN_PROMPT_TOKENS)
+            for _ in range(PLAN_ROUNDS):
+                engine.reset()
+                generation = engine.generate(prompt, Sampling(temperature=0.0), PLAN_GEN_TOKENS)
+                for _delta in generation:
+                    pass
+                gen.append(generation.stats.gen_tps)
+                prompt_tps.append(generation.stats.prompt_tps)
+        finally:
+            engine.close()
+        measured = statistics.median(gen)
+        predicted = plan.predicted_gen_tps or 0.0
+        rows[f"{shape} {quant}"] = {
+            "predicted_gen_tps": round(predicted, 1),
+            "measured_gen_tps": round(measured, 1),
+            "gen_error": round(abs(predicted - measured) / measured, 3),
+            "predicted_prompt_tps": round(plan.predicted_prompt_tps or 0.0, 1),
+            "measured_prompt_tps": round(statistics.median(prompt_tps), 1),
+        }
+        _say(progress, f"plan: {shape} {quant}: predicted {predicted:.1f}, measured {measured:.1f}")
+    prompt_errors = [
+        abs(r["predicted_prompt_tps"] - r["measured_prompt_tps"]) / r["measured_prompt_tps"]
+        for r in rows.values()
+    ]
+    return {
+        "speed_calibration": speed.machine,
+        "speed_predictions": rows,
+        "speed_prediction_max_error": max(r["gen_error"] for r in rows.values()),
+        "prompt_prediction_max_error": round(max(prompt_errors), 3),
+    }
+
+
 BENCHES: dict[str, Callable[[Path, Progress], dict[str, Any]]] = {
     "engine": bench_engine,
     "resume": bench_resume,
     "window": bench_window,
     "estimate": bench_estimate,
     "ui": bench_ui,
+    "plan": bench_plan,
 }
 
 

@@ -180,6 +180,11 @@ def build_parser() -> argparse.ArgumentParser:
     hw.add_argument("--vram", type=_size, help="plan for a GPU with this much memory (e.g. 6GiB)")
     hw.add_argument("--ctx", type=_positive_int, default=8192, help="wanted context size")
     hw.add_argument("--model-path", type=Path, help="plan for this local GGUF file alone")
+    hw.add_argument(
+        "--calibrate",
+        action="store_true",
+        help="measure this machine's speed again (it is measured once, then kept)",
+    )
 
     pull = sub.add_parser("pull", help="download a model from the hub (resumes, verifies)")
     pull.add_argument("model", help="catalog name or org/repo, optionally :QUANT")
@@ -463,10 +468,16 @@ def cmd_hw(args: argparse.Namespace, out: TextIO) -> int:
             gpu_offload=bool(args.vram),
             notes=(),
         )
+    from localchat.calibrate import speed_model
+    from localchat.settings import load_settings
+
+    min_tps = load_settings(app_paths().settings_file).min_tokens_per_s
+    speed = speed_model(app_paths(), _progress(sys.stderr, "localchat"), again=args.calibrate)
     if args.model_path is not None:
-        plans = [plan_file(args.model_path, hardware, args.ctx)]
+        plans = [plan_file(args.model_path, hardware, args.ctx, speed, min_tps)]
     else:
-        plans = plan_catalog(load_catalog(app_paths().user_catalog), hardware, args.ctx)
+        catalog = load_catalog(app_paths().user_catalog)
+        plans = plan_catalog(catalog, hardware, args.ctx, speed, min_tps)
     if args.json:
         payload = {"hardware": hardware_json(hardware), "plans": [plan.as_json() for plan in plans]}
         out.write(json.dumps(payload, indent=2) + "\n")
@@ -478,8 +489,10 @@ def cmd_hw(args: argparse.Namespace, out: TextIO) -> int:
 def _library() -> Library:
     from localchat.hardware import detect_hardware
     from localchat.library import Library
+    from localchat.settings import load_settings
 
-    return Library(app_paths(), detect_hardware())
+    min_tps = load_settings(app_paths().settings_file).min_tokens_per_s
+    return Library(app_paths(), detect_hardware(), min_tps=min_tps)
 
 
 def _pull(
@@ -563,17 +576,24 @@ def cmd_models(args: argparse.Namespace, out: TextIO) -> int:
     if args.json:
         out.write(json.dumps([asdict(r) for r in rows], indent=2) + "\n")
         return 0
-    out.write(f"{'MODEL':28} {'QUANT':8} {'SIZE':>10} {'NEEDS':>10} {'FIT':8} DOWNLOADED\n")
+    out.write(
+        f"{'MODEL':28} {'QUANT':10} {'SIZE':>10} {'NEEDS':>10} {'SPEED':>9} {'FIT':8} DOWNLOADED\n"
+    )
     for r in rows:
         needs = format_bytes(r.estimated_bytes) if r.estimated_bytes else "-"
+        speed = f"~{r.predicted_gen_tps:.0f} t/s" if r.predicted_gen_tps else "-"
+        quant = f"{r.quant}*" if r.planned else r.quant
         mark = "yes" if r.downloaded else ""
         if r.source != "catalog":
             mark = f"{r.source}: {r.path}"
         if r.problem:
             mark += f" — unusable: {r.problem}"
         out.write(
-            f"{r.model[:28]:28} {r.quant:8} {format_bytes(r.size_bytes):>10} {needs:>10} {r.fit:8} {mark}\n"
+            f"{r.model[:28]:28} {quant:10} {format_bytes(r.size_bytes):>10} {needs:>10}"
+            f" {speed:>9} {r.fit:8} {mark}\n"
         )
+    if any(r.planned for r in rows):
+        out.write("* the planner's pick for this machine (speed: predicted tokens/s here)\n")
     return 0
 
 
@@ -625,9 +645,9 @@ def cmd_app(args: argparse.Namespace, out: TextIO) -> int:
     )
 
 
-def _progress(stream: TextIO) -> Callable[[str], None]:
+def _progress(stream: TextIO, label: str = "bench") -> Callable[[str], None]:
     def report(line: str) -> None:
-        stream.write(f"bench: {line}\n")
+        stream.write(f"{label}: {line}\n")
         stream.flush()
 
     return report

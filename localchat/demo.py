@@ -32,7 +32,9 @@ CHATML_TEMPLATE = (
 )
 
 # Quality order, best first: the planner walks it in this order.
-QUANTS: tuple[str, ...] = ("F16", "Q8_0", "Q6_K", "Q5_K_M", "Q4_K_M", "Q3_K_M", "Q2_K")
+QUANTS: tuple[str, ...] = (
+    "F16", "Q8_0", "Q6_K", "Q5_K_M", "Q4_K_M", "Q3_K_M", "Q2_K", "Q5_0", "Q4_0", "IQ4_XS"
+)  # fmt: skip
 
 # The tokenizer kinds, named after the models whose tokenizer they stand for. "spm" is the
 # original demo vocabulary (no space prefix); "spm-space" is the same one with the Llama 2 /
@@ -88,19 +90,32 @@ class ModelShape:
     n_vocab: int
     context_length: int
     rope_freq_base: float
+    architecture: str = "llama"
+    sliding_window: int = 0  # gemma3: 5 of every 6 layers attend this many positions back
+    head_dim_set: int = 0  # when it is not n_embd / n_head (Gemma 3)
 
     @property
     def head_dim(self) -> int:
-        return self.n_embd // self.n_head
+        return self.head_dim_set or self.n_embd // self.n_head
 
 
 SHAPES: dict[str, ModelShape] = {
     "tiny": ModelShape("tiny", 2, 128, 4, 2, 256, 1024, 4096, 10000.0),
     "small": ModelShape("small", 4, 512, 8, 4, 1408, 8192, 8192, 10000.0),
+    # The speed calibration's shape: big enough that its weights stream from RAM, not cache.
+    "calib": ModelShape("calib", 8, 1024, 16, 4, 4096, 8192, 8192, 10000.0),
     # Qwen2.5-0.5B dimensions.
     "0.5b": ModelShape("0.5b", 24, 896, 14, 2, 4864, 32000, 32768, 1_000_000.0),
     # Llama-3.2-1B dimensions (vocabulary kept at 32k so the file stays laptop-sized).
     "1b": ModelShape("1b", 16, 2048, 32, 8, 8192, 32000, 131072, 500_000.0),
+    # Sliding-window attention as Gemma 3 has it (gemma3 architecture, window 64 here).
+    "swa-tiny": ModelShape(
+        "swa-tiny", 6, 128, 4, 2, 256, 1024, 8192, 1_000_000.0, "gemma3", 64, 32
+    ),
+    # Gemma-3-270M's dimensions (vocabulary kept at 32k so the file stays small).
+    "gemma3": ModelShape(
+        "gemma3", 18, 640, 4, 1, 2048, 32000, 32768, 1_000_000.0, "gemma3", 512, 256
+    ),
 }
 
 
@@ -296,7 +311,7 @@ def _add_bpe_tokenizer(writer: GGUFWriter, n_vocab: int, tokenizer: str) -> None
 def _write_f16(shape: ModelShape, seed: int, out: Path, tokenizer: str = "spm") -> None:
     """Write the unquantized model (F16 matrices, F32 norms) with seeded random weights."""
     rng = np.random.default_rng(seed)
-    writer = GGUFWriter(str(out), "llama")
+    writer = GGUFWriter(str(out), shape.architecture)
     suffix = "" if tokenizer == "spm" else f"-{tokenizer}"
     writer.add_name(f"localchat-demo-{shape.name}{suffix}")
     writer.add_file_type(LlamaFileType.MOSTLY_F16)
@@ -310,6 +325,11 @@ def _write_f16(shape: ModelShape, seed: int, out: Path, tokenizer: str = "spm") 
     writer.add_rope_dimension_count(shape.head_dim)
     writer.add_rope_freq_base(shape.rope_freq_base)
     writer.add_vocab_size(shape.n_vocab)
+    gemma3 = shape.architecture == "gemma3"
+    if gemma3:
+        writer.add_key_length(shape.head_dim)
+        writer.add_value_length(shape.head_dim)
+        writer.add_sliding_window(shape.sliding_window)
     if tokenizer in _BPE_PRE:
         _add_bpe_tokenizer(writer, shape.n_vocab, tokenizer)
     else:
@@ -322,8 +342,8 @@ def _write_f16(shape: ModelShape, seed: int, out: Path, tokenizer: str = "spm") 
         std = np.float32(1.0 / np.sqrt(cols))
         return (rng.standard_normal((rows, cols), dtype=np.float32) * std).astype(np.float16)
 
-    def norm() -> np.ndarray:
-        return np.ones(shape.n_embd, dtype=np.float32)
+    def norm(size: int = shape.n_embd) -> np.ndarray:
+        return np.ones(size, dtype=np.float32)
 
     hd = shape.head_dim
     writer.add_tensor("token_embd.weight", matrix(shape.n_vocab, shape.n_embd))
@@ -341,6 +361,11 @@ def _write_f16(shape: ModelShape, seed: int, out: Path, tokenizer: str = "spm") 
         writer.add_tensor(f"blk.{i}.ffn_gate.weight", matrix(shape.n_ff, shape.n_embd))
         writer.add_tensor(f"blk.{i}.ffn_up.weight", matrix(shape.n_ff, shape.n_embd))
         writer.add_tensor(f"blk.{i}.ffn_down.weight", matrix(shape.n_embd, shape.n_ff))
+        if gemma3:  # Gemma 3's extra norms: per-head q/k, and after attention and the FFN
+            writer.add_tensor(f"blk.{i}.attn_q_norm.weight", norm(hd))
+            writer.add_tensor(f"blk.{i}.attn_k_norm.weight", norm(hd))
+            writer.add_tensor(f"blk.{i}.post_attention_norm.weight", norm())
+            writer.add_tensor(f"blk.{i}.post_ffw_norm.weight", norm())
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -405,6 +430,17 @@ def ensure_demo_model(
 ) -> Path:
     """The cached demo model, generated on first use."""
     path = demo_model_path(directory, shape, quant, seed, tokenizer=tokenizer)
-    if not path.exists():
-        make_demo_model(path, shape, quant, seed, tokenizer=tokenizer)
+    if path.exists():
+        return path
+    f16 = demo_model_path(directory, shape, "F16", seed, tokenizer=tokenizer)
+    if quant != "F16" and f16.exists() and quant in QUANTS:
+        # The same weights already written once: quantize them (the bytes are the same).
+        from localchat.engine import quantize_model
+
+        with tempfile.TemporaryDirectory(dir=directory) as tmp_dir:
+            staged = Path(tmp_dir) / path.name
+            quantize_model(f16, staged, quant)
+            staged.replace(path)
+        return path
+    make_demo_model(path, shape, quant, seed, tokenizer=tokenizer)
     return path

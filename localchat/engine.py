@@ -49,6 +49,9 @@ QUANT_FTYPES: dict[str, int] = {
     "Q4_K_M": llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_K_M,
     "Q3_K_M": llama_cpp.LLAMA_FTYPE_MOSTLY_Q3_K_M,
     "Q2_K": llama_cpp.LLAMA_FTYPE_MOSTLY_Q2_K,
+    "Q5_0": llama_cpp.LLAMA_FTYPE_MOSTLY_Q5_0,
+    "Q4_0": llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_0,
+    "IQ4_XS": llama_cpp.LLAMA_FTYPE_MOSTLY_IQ4_XS,
 }
 
 MIN_CTX = 32

@@ -150,6 +150,13 @@ def padded_ctx(n_ctx: int) -> int:
     return -(-n_ctx // CTX_PADDING) * CTX_PADDING
 
 
+def kv_bytes_per_token(dims: ModelDims, kv_type: str = "f16") -> int:
+    """What one position of KV cache takes over all layers (what a generated token reads
+    for each position behind it)."""
+    per_position = dims.n_head_kv * (dims.head_dim_k + dims.head_dim_v)
+    return int(dims.n_layer * per_position * KV_BYTES_PER_VALUE[kv_type])
+
+
 def kv_cache_bytes(
     dims: ModelDims, n_ctx: int, kv_type: str = "f16", n_layers: int | None = None
 ) -> int:

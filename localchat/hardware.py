@@ -29,6 +29,7 @@ class Hardware:
     gpu: str = GPU_NONE
     gpu_name: str = ""
     gpu_offload: bool = False  # this llama.cpp build can offload layers to that GPU
+    gpu_bandwidth_bytes_per_s: float = 0.0  # the GPU's peak memory bandwidth; 0 if unknown
     notes: tuple[str, ...] = field(default_factory=tuple)
 
     @property
@@ -46,7 +47,7 @@ def detect_hardware() -> Hardware:
     """This machine, as well as it can be told; never raises."""
     memory = psutil.virtual_memory()
     notes: list[str] = []
-    gpu, name, total, free = _detect_nvidia(notes)
+    gpu, name, total, free, bandwidth = _detect_nvidia(notes)
     if gpu == GPU_NONE and platform.system() == "Darwin" and platform.machine() == "arm64":
         # Metal can use about three quarters of unified memory for the GPU.
         gpu, name = GPU_APPLE, "Apple Silicon (Metal)"
@@ -64,6 +65,7 @@ def detect_hardware() -> Hardware:
         gpu,
         name,
         offload,
+        bandwidth,
         tuple(notes),
     )
 
@@ -77,8 +79,9 @@ def _llama_gpu_offload() -> bool:
         return False
 
 
-def _detect_nvidia(notes: list[str]) -> tuple[str, str, int, int]:
-    """VRAM of the first NVIDIA GPU: NVML (nvidia-ml-py) if installed, else nvidia-smi."""
+def _detect_nvidia(notes: list[str]) -> tuple[str, str, int, int, float]:
+    """VRAM of the first NVIDIA GPU: NVML (nvidia-ml-py) if installed, else nvidia-smi;
+    with its peak memory bandwidth where NVML tells it (bus width x memory clock)."""
     try:
         import pynvml  # nvidia-ml-py, optional
 
@@ -88,7 +91,7 @@ def _detect_nvidia(notes: list[str]) -> tuple[str, str, int, int]:
             info = pynvml.nvmlDeviceGetMemoryInfo(handle)
             name = pynvml.nvmlDeviceGetName(handle)
             name = name.decode() if isinstance(name, bytes) else str(name)
-            return GPU_NVIDIA, name, int(info.total), int(info.free)
+            return GPU_NVIDIA, name, int(info.total), int(info.free), _nvml_bandwidth(handle)
         finally:
             pynvml.nvmlShutdown()
     except ImportError:
@@ -98,7 +101,7 @@ def _detect_nvidia(notes: list[str]) -> tuple[str, str, int, int]:
     smi = shutil.which("nvidia-smi")
     if smi is None:
         notes.append("no NVIDIA GPU (nvidia-smi not found)")
-        return GPU_NONE, "", 0, 0
+        return GPU_NONE, "", 0, 0, 0.0
     try:
         output = subprocess.run(
             [smi, "--query-gpu=name,memory.total,memory.free", "--format=csv,noheader,nounits"],
@@ -108,10 +111,22 @@ def _detect_nvidia(notes: list[str]) -> tuple[str, str, int, int]:
             check=True,
         ).stdout
         name, total_mib, free_mib = (part.strip() for part in output.splitlines()[0].split(","))
-        return GPU_NVIDIA, name, int(float(total_mib)) * 2**20, int(float(free_mib)) * 2**20
+        return GPU_NVIDIA, name, int(float(total_mib)) * 2**20, int(float(free_mib)) * 2**20, 0.0
     except (OSError, subprocess.SubprocessError, ValueError, IndexError) as exc:
         notes.append(f"nvidia-smi failed: {exc}")
-        return GPU_NONE, "", 0, 0
+        return GPU_NONE, "", 0, 0, 0.0
+
+
+def _nvml_bandwidth(handle: object) -> float:
+    """Peak bytes/s: the bus width in bytes x the memory clock x 2 (double data rate)."""
+    try:
+        import pynvml
+
+        bus_bits = pynvml.nvmlDeviceGetMemoryBusWidth(handle)
+        clock_mhz = pynvml.nvmlDeviceGetMaxClockInfo(handle, pynvml.NVML_CLOCK_MEM)
+        return float(bus_bits / 8 * clock_mhz * 1e6 * 2)
+    except Exception:  # an older driver or library without these calls: unknown
+        return 0.0
 
 
 X86_REPACKED = frozenset({"Q4_0", "Q4_K", "Q2_K", "IQ4_NL"})

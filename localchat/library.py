@@ -34,7 +34,17 @@ from localchat.hub import (
     remote_gguf_header,
 )
 from localchat.paths import AppPaths
-from localchat.planner import DEFAULT_CTX, Plan, fit_label, plan_model, sized_candidates
+from localchat.planner import (
+    DEFAULT_CTX,
+    MIN_TOKENS_PER_S,
+    Candidate,
+    Plan,
+    fit_label,
+    plan_model,
+    predict_speed,
+    sized_candidates,
+)
+from localchat.speed import SpeedModel, load_speed_model
 from localchat.units import format_bytes
 
 
@@ -53,6 +63,8 @@ class ModelRow:
     source: str  # "catalog" | "hub cache" | "local" | "demo" | "lm studio" | "ollama" | "folder"
     problem: str | None = None  # why the file cannot be used (moved, truncated, corrupt…)
     file_type: str | None = None  # the weights' type from the file's metadata, when read
+    predicted_gen_tps: float | None = None  # on this machine's calibration
+    planned: bool = False  # the planner's pick for its model here
 
     @property
     def usable(self) -> bool:
@@ -60,9 +72,18 @@ class ModelRow:
 
 
 class Library:
-    def __init__(self, paths: AppPaths, hardware: Hardware) -> None:
+    def __init__(
+        self,
+        paths: AppPaths,
+        hardware: Hardware,
+        speed: SpeedModel | None = None,
+        min_tps: float = MIN_TOKENS_PER_S,
+    ) -> None:
+        """``speed`` defaults to this machine's saved calibration (none: plans by memory)."""
         self.paths = paths
         self.hardware = hardware
+        self.speed = speed or load_speed_model(paths.speed_calibration)
+        self.min_tps = min_tps
         self.catalog = load_catalog(paths.user_catalog)
         self.cache = HubCache(paths.hub_cache)
 
@@ -142,7 +163,10 @@ class Library:
     def _fitting_plan(
         self, name: str, dims: ModelDims, files: Iterable[tuple[str, str, int]]
     ) -> Plan:
-        plan = plan_model(name, dims, sized_candidates(dims, files), self.hardware, DEFAULT_CTX)
+        candidates = sized_candidates(dims, files)
+        plan = plan_model(
+            name, dims, candidates, self.hardware, DEFAULT_CTX, self.speed, self.min_tps
+        )
         if not plan.fits:
             raise UsageError(f"{name} does not fit this machine: {plan.explanation}")
         return plan
@@ -224,21 +248,24 @@ class Library:
     # -- models ------------------------------------------------------------------------------
     def rows(self, n_ctx: int = DEFAULT_CTX) -> list[ModelRow]:
         downloaded = {(repo, name): path for repo, name, path in self.cache.downloaded()}
-        repacks = bool(repacked_weight_types())
         rows = []
         for entry in self.catalog:
-            for quant_file in entry.files:
-                weights = LayerWeights.from_total(
-                    quant_file.size, entry.dims, quant_file.quant, repacks
-                )
-                fit, estimate = fit_label(
-                    entry.dims, weights, self.hardware, min(n_ctx, entry.dims.context_length)
-                )
+            ctx = min(n_ctx, entry.dims.context_length)
+            files = [(f.quant, f.file, f.size) for f in entry.files]
+            candidates = sized_candidates(entry.dims, files)
+            plan = plan_model(
+                entry.name, entry.dims, candidates, self.hardware, ctx, self.speed, self.min_tps
+            )
+            for quant_file, candidate in zip(entry.files, candidates, strict=True):
+                fit, estimate = fit_label(entry.dims, candidate.weights, self.hardware, ctx)
+                speed = predict_speed(entry.dims, candidate, self.hardware, ctx, self.speed)
                 path = downloaded.pop((entry.repo, quant_file.file), None)
                 rows.append(
                     ModelRow(
                         entry.name, quant_file.quant, quant_file.file, quant_file.size, estimate, fit,
                         path is not None, str(path) if path else None, "catalog",
+                        predicted_gen_tps=round(speed.gen_tps, 1) if speed else None,
+                        planned=plan.fits and plan.quant == quant_file.quant,
                     )
                 )  # fmt: skip
         extra = [
@@ -284,9 +311,12 @@ class Library:
         weights = LayerWeights.from_gguf(info, repacked_weight_types())
         ctx = min(n_ctx, dims.context_length) if dims.context_length else n_ctx
         fit, estimate = fit_label(dims, weights, self.hardware, ctx)
+        candidate = Candidate(info.file_type, name, weights, info.bytes_read_per_token())
+        speed = predict_speed(dims, candidate, self.hardware, ctx, self.speed)
         size = path.stat().st_size
         # The tag as published (UD-Q4_K_XL…), else the type the file says it holds.
         quant = tag if tag != "unknown" else info.file_type
         return ModelRow(
-            model, quant, name, size, estimate, fit, True, str(path), source, None, info.file_type
-        )
+            model, quant, name, size, estimate, fit, True, str(path), source, None, info.file_type,
+            round(speed.gen_tps, 1) if speed else None,
+        )  # fmt: skip

@@ -30,6 +30,11 @@ class AppPaths:
         return self.cache_dir / "demo-models"
 
     @property
+    def speed_calibration(self) -> Path:
+        """This machine's measured speed per weight type (``localchat hw --calibrate``)."""
+        return self.cache_dir / "speed.json"
+
+    @property
     def database(self) -> Path:
         return self.data_dir / "conversations.sqlite3"
 

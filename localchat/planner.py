@@ -20,7 +20,7 @@ returns a plan that does not fit; when nothing fits it says what the smallest op
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from localchat.catalog import CatalogModel
@@ -30,10 +30,12 @@ from localchat.estimate import (
     ModelDims,
     estimate_memory,
     file_bytes_from_type,
+    kv_bytes_per_token,
 )
 from localchat.gguf_info import read_gguf
 from localchat.hardware import GPU_NONE, Hardware, repacked_weight_types
 from localchat.quants import bytes_per_weight, is_good_enough, parse_tag, quality_rank
+from localchat.speed import SpeedModel, SpeedPrediction, bytes_by_type_of_size
 from localchat.units import format_bytes
 
 CTX_FLOOR = 2048
@@ -42,6 +44,12 @@ RAM_HEADROOM_SHARE = 0.10
 RAM_HEADROOM_BYTES = 512 * 1024 * 1024
 VRAM_HEADROOM_BYTES = 512 * 1024 * 1024
 KV_TYPES_TRIED = ("f16", "q8_0")
+# Generation speed a plan should reach (about reading speed), unless a setting says otherwise.
+MIN_TOKENS_PER_S = 8.0
+# Speeds are predicted for a conversation's early turns: this many positions of KV behind.
+PREDICT_FILL = 512
+# Types that buy nothing measurable over Q8_0 (llama.cpp's KL-divergence tables).
+ABOVE_Q8_0 = ("F32", "BF16", "F16")
 
 
 @dataclass(frozen=True)
@@ -51,6 +59,14 @@ class Candidate:
     quant: str
     file: str
     weights: LayerWeights
+    read_by_type: dict[str, int] | None = None  # a local file's own tensors; else by its type
+
+    def bytes_read(self) -> dict[str, int]:
+        """What generating a token reads, by weight type."""
+        if self.read_by_type is not None:
+            return self.read_by_type
+        read = self.weights.total - self.weights.embeddings
+        return bytes_by_type_of_size(self.quant, read)
 
 
 @dataclass(frozen=True)
@@ -66,6 +82,8 @@ class Plan:
     fits: bool
     explanation: str
     estimate: MemoryEstimate | None = None
+    predicted_gen_tps: float | None = None  # on this machine's calibration; None without one
+    predicted_prompt_tps: float | None = None
 
     def as_json(self) -> dict[str, object]:
         return {
@@ -81,8 +99,14 @@ class Plan:
             "required_bytes": self.estimate.ram_required if self.estimate else None,
             "required_vram_bytes": self.estimate.vram if self.estimate else None,
             "fits": self.fits,
+            "predicted_gen_tps": _rounded(self.predicted_gen_tps),
+            "predicted_prompt_tps": _rounded(self.predicted_prompt_tps),
             "explanation": self.explanation,
         }
+
+
+def _rounded(value: float | None) -> float | None:
+    return None if value is None else round(value, 1)
 
 
 def _budgets(hardware: Hardware) -> tuple[int, int]:
@@ -139,10 +163,15 @@ def plan_model(
     candidates: list[Candidate],
     hardware: Hardware,
     wanted_ctx: int = DEFAULT_CTX,
+    speed: SpeedModel | None = None,
+    min_tps: float = MIN_TOKENS_PER_S,
 ) -> Plan:
-    """The best configuration of one model on ``hardware`` (see the module's policy)."""
+    """The best configuration of one model on ``hardware`` (see the module's policy): the
+    best quality that fits and, with a calibration, generates at ``min_tps`` or faster."""
     wanted = min(wanted_ctx, dims.context_length) if dims.context_length else wanted_ctx
     ranked = sorted(candidates, key=lambda c: quality_rank(c.quant))
+    if any(_base(c.quant) == "Q8_0" for c in ranked):
+        ranked = [c for c in ranked if _base(c.quant) not in ABOVE_Q8_0] or ranked
     known = [c for c in ranked if parse_tag(c.quant) is not None]
     good = [c for c in known if is_good_enough(c.quant)]
     low = [c for c in known if not is_good_enough(c.quant)]
@@ -153,23 +182,126 @@ def plan_model(
         [(c, ctx) for ctx in contexts[1:] for c in good + others],
         [(c, ctx) for ctx in contexts for c in low],
     ]
+    planner = _Planner(name, dims, hardware, speed, min_tps)
     if hardware.gpu_offload and hardware.vram_free_bytes and not hardware.unified_memory:
-        for candidate in good + others:
-            for kv_type in KV_TYPES_TRIED:
-                fitted = _fit(
-                    dims, candidate.weights, wanted, kv_type, hardware, full_gpu_only=True
-                )
-                if fitted is not None:
-                    layers, estimate = fitted
-                    return _plan(name, dims, candidate, wanted, kv_type, layers, estimate, hardware)
+        chosen = planner.first_fast([(c, wanted) for c in good + others], full_gpu_only=True)
+        if chosen is not None:
+            return chosen
     for attempts in passes:
-        for candidate, n_ctx in attempts:
-            for kv_type in KV_TYPES_TRIED:
-                fitted = _fit(dims, candidate.weights, n_ctx, kv_type, hardware)
-                if fitted is not None:
-                    layers, estimate = fitted
-                    return _plan(name, dims, candidate, n_ctx, kv_type, layers, estimate, hardware)
+        chosen = planner.first_fast(attempts)
+        if chosen is not None:
+            return chosen
     return _too_big(name, dims, candidates, hardware, contexts[-1])
+
+
+def _base(quant: str) -> str:
+    parsed = parse_tag(quant)
+    return parsed.base if parsed else quant
+
+
+@dataclass(frozen=True)
+class _Planner:
+    name: str
+    dims: ModelDims
+    hardware: Hardware
+    speed: SpeedModel | None
+    min_tps: float
+
+    def first_fast(
+        self, attempts: list[tuple[Candidate, int]], full_gpu_only: bool = False
+    ) -> Plan | None:
+        """The first attempt that fits and is fast enough; else the fastest that fits (with
+        why); None when none fits. Says why it passed over the next better quant."""
+        passed_over: str | None = None
+        slow: list[Plan] = []
+        for candidate, n_ctx in attempts:
+            plan = self._fit_plan(candidate, n_ctx, full_gpu_only)
+            if plan is None:
+                passed_over = f"{candidate.quant} does not fit"
+                continue
+            tps = plan.predicted_gen_tps
+            if tps is None or tps >= self.min_tps:
+                return _with_note(plan, f"{passed_over}" if passed_over else None)
+            slow.append(plan)
+            passed_over = f"{candidate.quant} would be ~{format_tps(tps)} tok/s"
+        if not slow:
+            return None
+        fastest = max(slow, key=lambda p: p.predicted_gen_tps or 0.0)
+        note = (
+            f"under the {self.min_tps:g} tok/s wanted: the fastest that fits"
+            " of the quants that keep quality"
+        )
+        return _with_note(fastest, note)
+
+    def _fit_plan(self, candidate: Candidate, n_ctx: int, full_gpu_only: bool) -> Plan | None:
+        for kv_type in KV_TYPES_TRIED:
+            fitted = _fit(
+                self.dims, candidate.weights, n_ctx, kv_type, self.hardware, full_gpu_only
+            )
+            if fitted is not None:
+                layers, estimate = fitted
+                prediction = self._predict(candidate, kv_type, estimate)
+                return _plan(
+                    self.name, self.dims, candidate, n_ctx, kv_type, layers, estimate,
+                    self.hardware, prediction,
+                )  # fmt: skip
+        return None
+
+    def _predict(
+        self, candidate: Candidate, kv_type: str, estimate: MemoryEstimate
+    ) -> SpeedPrediction | None:
+        return _predict(self.speed, self.dims, candidate, kv_type, estimate, self.hardware)
+
+
+def _predict(
+    speed: SpeedModel | None,
+    dims: ModelDims,
+    candidate: Candidate,
+    kv_type: str,
+    estimate: MemoryEstimate,
+    hardware: Hardware,
+) -> SpeedPrediction | None:
+    """The calibrated speed of a candidate placed as ``estimate`` says (GPU layers at the
+    GPU's bandwidth), with PREDICT_FILL positions of KV behind each token."""
+    if speed is None:
+        return None
+    read = candidate.bytes_read()
+    total = max(1, sum(read.values()))
+    on_gpu = min(estimate.weights_vram, total)
+    cpu_share = (total - on_gpu) / total
+    return speed.predict(
+        {t: int(n * cpu_share) for t, n in read.items()},
+        kv_bytes_per_token(dims, kv_type),
+        PREDICT_FILL,
+        on_gpu,
+        hardware.gpu_bandwidth_bytes_per_s,
+    )
+
+
+def predict_speed(
+    dims: ModelDims,
+    candidate: Candidate,
+    hardware: Hardware,
+    n_ctx: int,
+    speed: SpeedModel | None,
+) -> SpeedPrediction | None:
+    """What one file would run at here, placed as the planner would place it (for listings)."""
+    for kv_type in KV_TYPES_TRIED:
+        fitted = _fit(dims, candidate.weights, n_ctx, kv_type, hardware)
+        if fitted is not None:
+            return _predict(speed, dims, candidate, kv_type, fitted[1], hardware)
+    return None
+
+
+def format_tps(tps: float) -> str:
+    """Speeds near the wanted one keep a decimal (7.6 must not read as 8)."""
+    return f"{tps:.1f}" if tps < 10 else f"{tps:.0f}"
+
+
+def _with_note(plan: Plan, note: str | None) -> Plan:
+    if not note:
+        return plan
+    return replace(plan, explanation=f"{plan.explanation}; {note}")
 
 
 def _free_text(hardware: Hardware, estimate: MemoryEstimate, layers: int) -> str:
@@ -192,6 +324,7 @@ def _plan(
     layers: int,
     estimate: MemoryEstimate,
     hardware: Hardware,
+    prediction: SpeedPrediction | None = None,
 ) -> Plan:
     if layers == 0:
         placement = "CPU only"
@@ -200,6 +333,8 @@ def _plan(
     parts = [candidate.quant, placement, f"ctx {n_ctx}"]
     if kv_type != "f16":
         parts.append(f"KV {kv_type}")
+    if prediction is not None:
+        parts.append(f"~{format_tps(prediction.gen_tps)} tok/s here")
     parts.append(_free_text(hardware, estimate, layers))
     return Plan(
         name,
@@ -213,6 +348,8 @@ def _plan(
         True,
         " · ".join(parts),
         estimate,
+        prediction.gen_tps if prediction else None,
+        prediction.prompt_tps if prediction else None,
     )
 
 
@@ -267,7 +404,11 @@ def sized_candidates(dims: ModelDims, files: Iterable[tuple[str, str, int]]) -> 
 
 
 def plan_catalog(
-    models: list[CatalogModel], hardware: Hardware, wanted_ctx: int = DEFAULT_CTX
+    models: list[CatalogModel],
+    hardware: Hardware,
+    wanted_ctx: int = DEFAULT_CTX,
+    speed: SpeedModel | None = None,
+    min_tps: float = MIN_TOKENS_PER_S,
 ) -> list[Plan]:
     """A plan for every catalog model (from catalog numbers: nothing is downloaded)."""
     return [
@@ -277,17 +418,26 @@ def plan_catalog(
             sized_candidates(model.dims, ((f.quant, f.file, f.size) for f in model.files)),
             hardware,
             wanted_ctx,
+            speed,
+            min_tps,
         )
         for model in models
     ]
 
 
-def plan_file(path: Path, hardware: Hardware, wanted_ctx: int = DEFAULT_CTX) -> Plan:
+def plan_file(
+    path: Path,
+    hardware: Hardware,
+    wanted_ctx: int = DEFAULT_CTX,
+    speed: SpeedModel | None = None,
+    min_tps: float = MIN_TOKENS_PER_S,
+) -> Plan:
     """The plan for one local GGUF file; its quant is the file's own."""
     info = read_gguf(path)
     weights = LayerWeights.from_gguf(info, repacked_weight_types())
-    candidate = Candidate(info.file_type, path.name, weights)
-    return plan_model(path.name, ModelDims.from_gguf(info), [candidate], hardware, wanted_ctx)
+    candidate = Candidate(info.file_type, path.name, weights, info.bytes_read_per_token())
+    dims = ModelDims.from_gguf(info)
+    return plan_model(path.name, dims, [candidate], hardware, wanted_ctx, speed, min_tps)
 
 
 def fit_label(

@@ -9,6 +9,7 @@ from pathlib import Path
 from localchat.errors import UsageError
 from localchat.estimate import KV_BYTES_PER_VALUE
 from localchat.kvstate import DEFAULT_BUDGET_BYTES
+from localchat.planner import MIN_TOKENS_PER_S
 from localchat.units import parse_size
 from localchat.window import WINDOW_MODES
 
@@ -29,6 +30,10 @@ class Settings:
     kv_type: str = "f16"
     """KV cache type: "q8_0" halves the cache in memory and its saved state files on disk
     (at a small quality cost); "q4_0" quarters them."""
+
+    min_tokens_per_s: float = MIN_TOKENS_PER_S
+    """Generation speed a model plan should reach on this machine (about reading speed): the
+    planner takes the best quant that is predicted to generate at least this fast."""
 
     window_mode: str = "auto"
     """When old messages leave the context: "shift" the KV cache in place (fast), "exact"

@@ -50,3 +50,23 @@ def smollm2() -> Path:
         return fetch(SMOLLM2)
     except RuntimeError as exc:
         pytest.skip(f"SmolLM2 not available: {exc}")
+
+
+@pytest.fixture(scope="session")
+def speed_calibration(models_dir: Path) -> object:
+    """A real (shortened) calibration of this machine, measured once per test session."""
+    from localchat.calibrate import calibrate
+    from localchat.speed import machine_name
+
+    return calibrate(models_dir / "calibration", machine_name(), None, ("F16", "Q8_0"), 1)
+
+
+@pytest.fixture
+def calibrated(speed_calibration: object, isolated_home: Path) -> object:
+    """This test's LOCALCHAT_HOME already has the machine's calibration (no re-measuring)."""
+    from localchat.paths import app_paths
+    from localchat.speed import SpeedModel
+
+    assert isinstance(speed_calibration, SpeedModel)
+    speed_calibration.save(app_paths().speed_calibration)
+    return speed_calibration

@@ -67,7 +67,7 @@ def test_each_broken_file_is_one_row_that_says_why(
 
 
 async def test_the_app_starts_on_the_next_usable_model(
-    tmp_path: Path, tiny_model: Path, capsys
+    tmp_path: Path, tiny_model: Path, capsys, calibrated: object
 ) -> None:
     good = _library_with_broken_files(tmp_path, tiny_model, capsys)
     seen: list[Message] = []

@@ -193,7 +193,9 @@ def test_ask_reads_the_message_from_stdin(
     assert "the message read from stdin is empty" in capsys.readouterr().err
 
 
-def test_hw_json_says_what_must_be_free(capsys: pytest.CaptureFixture[str]) -> None:
+def test_hw_json_says_what_must_be_free(
+    capsys: pytest.CaptureFixture[str], calibrated: object
+) -> None:
     assert main(["hw", "--json", "--ram", "16GiB"]) == 0
     plans = json.loads(capsys.readouterr().out)["plans"]
     fitting = [p for p in plans if p["fits"]]

@@ -26,16 +26,19 @@ def test_same_seed_same_bytes_other_seed_other_bytes(tmp_path: Path) -> None:
 
 
 def test_quantized_variants_shrink_in_quality_order_and_load(tmp_path: Path) -> None:
-    sizes = []
+    sizes = {}
     for quant in QUANTS:
         path = make_demo_model(tmp_path / f"tiny-{quant}.gguf", "tiny", quant)
         info = read_gguf(path)
         assert info.file_type == quant
-        sizes.append(path.stat().st_size)
+        sizes[quant] = path.stat().st_size
         engine = Engine(path, LoadOptions(n_ctx=64))
         assert engine.n_vocab == SHAPES["tiny"].n_vocab
         engine.close()
-    assert sizes == sorted(sizes, reverse=True)
+    k_quants = [sizes[q] for q in ("F16", "Q8_0", "Q6_K", "Q5_K_M", "Q4_K_M", "Q3_K_M", "Q2_K")]
+    assert k_quants == sorted(k_quants, reverse=True)
+    assert sizes["Q5_0"] > sizes["Q4_0"]
+    sizes = list(sizes.values())
     assert len(set(sizes)) == len(sizes)
     assert max(sizes) < 2 * 1024 * 1024, "tiny must stay under 2 MB"
 

@@ -150,7 +150,9 @@ async def test_models_screen_downloads_with_progress_and_switches(
         assert len(states) == 2
 
 
-async def test_first_start_without_network_offers_the_demo(monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_first_start_without_network_offers_the_demo(
+    monkeypatch: pytest.MonkeyPatch, calibrated: object
+) -> None:
     monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")
     seen: list[Message] = []
     app = LocalChatApp(n_ctx=1024, max_tokens=8, sampling=GREEDY)
@@ -195,7 +197,7 @@ def default_model_hub(
 
 
 async def test_first_start_downloads_the_default_model_with_a_progress_screen(
-    default_model_hub: HubState,
+    default_model_hub: HubState, calibrated: object
 ) -> None:
     seen: list[Message] = []
     screens: list[str] = []

@@ -21,6 +21,7 @@ from textual.screen import Screen
 from textual.widgets import Footer, Header, Markdown
 from textual.widgets.markdown import MarkdownStream
 
+from localchat.calibrate import speed_model
 from localchat.catalog import catalog_template
 from localchat.compute_thread import run_compute
 from localchat.conversation import Conversation, ConversationTurn
@@ -43,6 +44,7 @@ from localchat.tui.messages import (
     ReplyChunk,
     ReplyFailed,
     ReplyFinished,
+    StartupNotice,
     StartupProgress,
 )
 from localchat.tui.pacing import MIN_INTERVAL_S, FramePacer
@@ -199,8 +201,13 @@ class LocalChatApp(App[int]):
             elif self.demo:
                 path = ensure_demo_model(paths.demo_models_dir, DEMO_SHAPE, DEMO_QUANT)
             else:
-                library = Library(paths, detect_hardware())
-                path = self._model_on_disk(library) or library.pull(
+                library = Library(paths, detect_hardware(), min_tps=self.settings.min_tokens_per_s)
+                found = self._model_on_disk(library)
+                if found is None and library.speed is None:
+                    # The first download's quant follows the speed this machine gives.
+                    self.post_message(StartupNotice("measuring this machine's speed (once)…"))
+                    library.speed = run_compute(speed_model, paths)
+                path = found or library.pull(
                     self.model_name or DEFAULT_MODEL,
                     lambda p: self.post_message(StartupProgress(p)),
                     self._startup_cancel,
@@ -290,6 +297,9 @@ class LocalChatApp(App[int]):
         self.post_message(ReplyFinished(turn.stats, len(engine.cached_tokens), turn))
 
     # -- model lifecycle (app thread) ----------------------------------------------------
+    def on_startup_notice(self, message: StartupNotice) -> None:
+        self.sub_title = message.text
+
     def on_startup_progress(self, message: StartupProgress) -> None:
         progress = message.progress
         total = max(1, progress.bytes_total)

@@ -64,6 +64,13 @@ class ModelMissing(Message):
 
 
 @dataclass
+class StartupNotice(Message):
+    """A step of the first start that is not a download (measuring the machine's speed)."""
+
+    text: str
+
+
+@dataclass
 class StartupProgress(Message):
     """The first start's download, as it goes."""
 

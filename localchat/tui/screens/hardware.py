@@ -16,6 +16,7 @@ from localchat.catalog import load_catalog
 from localchat.hardware import detect_hardware
 from localchat.paths import app_paths
 from localchat.planner import format_hardware_report, plan_catalog
+from localchat.speed import load_speed_model
 
 
 class HardwareScreen(ModalScreen[None]):
@@ -38,9 +39,12 @@ class HardwareScreen(ModalScreen[None]):
     @work(thread=True, exclusive=True)
     def detect(self) -> None:
         hardware = detect_hardware()
-        report = format_hardware_report(
-            hardware, plan_catalog(load_catalog(app_paths().user_catalog), hardware)
-        )
+        paths = app_paths()
+        speed = load_speed_model(paths.speed_calibration)
+        plans = plan_catalog(load_catalog(paths.user_catalog), hardware, speed=speed)
+        report = format_hardware_report(hardware, plans)
+        if speed is None:
+            report += "\n(speeds not measured yet: `localchat hw` measures them once)\n"
         self.app.call_from_thread(self.query_one("#hardware-report", Static).update, Text(report))
 
     def action_close(self) -> None:

@@ -25,6 +25,7 @@ from localchat.hardware import Hardware, detect_hardware
 from localchat.hub import DownloadCancelled, Progress
 from localchat.library import Library, ModelRow
 from localchat.paths import app_paths
+from localchat.planner import format_tps
 from localchat.tui.screens.text_prompt import TextPromptScreen
 from localchat.units import format_bytes
 
@@ -67,13 +68,14 @@ class ModelsScreen(ModalScreen[Path | None]):
             yield ProgressBar(total=1, id="download-bar", show_eta=False)
             yield Static("", id="download-status")
             yield Label(
-                "Enter downloads or switches · Ctrl+A adds a local GGUF · Esc cancels / closes",
+                "★ the planner's pick here · Speed: predicted generation on this machine ·"
+                " Enter downloads or switches · Ctrl+A adds a local GGUF · Esc cancels / closes",
                 classes="dialog-hint",
             )
 
     def on_mount(self) -> None:
         table = self.query_one(DataTable)
-        table.add_columns("Model", "Quant", "Size", "Needs", "Fit", "On disk")
+        table.add_columns("Model", "Quant", "Size", "Needs", "Speed", "Fit", "On disk")
         self.query_one("#download-bar").display = False
         table.focus()
         self.load_rows()
@@ -99,11 +101,13 @@ class ModelsScreen(ModalScreen[Path | None]):
                 on_disk = "added" if row.source == "local" else "demo"
             if row.problem:
                 on_disk = Text(f"unusable: {row.problem}")  # a file name is never markup
+            speed = f"~{format_tps(row.predicted_gen_tps)} tok/s" if row.predicted_gen_tps else "-"
             table.add_row(
                 row.model,
-                row.quant,
+                f"{row.quant} ★" if row.planned else row.quant,  # the planner's pick here
                 format_bytes(row.size_bytes),
                 needs,
+                speed,
                 row.fit,
                 on_disk,
                 key=str(index),

@@ -1,0 +1,169 @@
+"""Plans that know speed: a calibrated cost per weight type, predictions, and the policy."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from localchat.calibrate import solve_costs
+from localchat.catalog import find_model, load_catalog
+from localchat.cli import main
+from localchat.demo import make_demo_model
+from localchat.hardware import GPU_NVIDIA, Hardware
+from localchat.paths import app_paths
+from localchat.planner import plan_catalog, plan_file, plan_model, sized_candidates
+from localchat.speed import SpeedModel, load_speed_model, machine_name
+
+GIB = 1024**3
+LAPTOP = Hardware(24 * GIB, 23 * GIB, 2)
+NS = 1e-9
+
+
+def _speed(**gen_ns_per_byte: float) -> SpeedModel:
+    """A calibration with the given costs (ns per byte); prefill ten times cheaper."""
+    gen = {t: ns * NS for t, ns in gen_ns_per_byte.items()}
+    return SpeedModel(gen, 1e-4, {t: c / 10 for t, c in gen.items()}, 1e-5, machine_name(), 2)
+
+
+# Costs of the kind measured on two cores: F16 streams, K-quants pay for dequantization.
+TWO_CORES = _speed(F16=0.037, Q8_0=0.05, Q6_K=0.07, Q5_K=0.07, Q4_K=0.052, Q2_K=0.074)
+
+
+def test_costs_are_solved_one_type_at_a_time() -> None:
+    true = {"F16": 2.0, "Q8_0": 3.0, "Q6_K": 5.0, "Q4_K": 4.0, "Q2_K": 7.0, "Q3_K": 7.0}
+    overhead = 10.0
+    files = [
+        {"F16": 100},
+        {"Q8_0": 60, "F32": 1},  # a norm's bytes are too few to solve from
+        {"Q6_K": 40},
+        {"Q4_K": 30, "Q6_K": 10},
+        {"Q2_K": 20, "Q3_K": 15, "Q6_K": 3},  # the tied pair
+    ]
+    timed = [(f, overhead + sum(n * true.get(t, 0.0) for t, n in f.items())) for f in files]
+    solved = solve_costs(list(reversed(timed)), overhead)  # any order: each waits its turn
+    for weight_type, cost in true.items():
+        assert solved[weight_type] == pytest.approx(cost, rel=0.05), weight_type
+    with pytest.raises(ValueError, match="one weight type at a time"):
+        solve_costs([({"Q4_K": 30, "Q6_K": 10}, 100.0)], overhead)
+
+
+def test_a_real_calibration_predicts_every_catalog_plan(
+    speed_calibration: SpeedModel,
+) -> None:
+    assert speed_calibration.gen_s_per_byte["F16"] > 0
+    assert speed_calibration.gen_s_per_byte["Q8_0"] > 0
+    assert set(speed_calibration.measured) == {"F16", "Q8_0"}
+    plans = plan_catalog(load_catalog(), LAPTOP, 8192, speed_calibration)
+    assert all(p.predicted_gen_tps and p.predicted_gen_tps > 0 for p in plans if p.fits)
+    assert all(p.predicted_prompt_tps and p.predicted_prompt_tps > 0 for p in plans if p.fits)
+    assert all("tok/s here" in p.explanation for p in plans if p.fits)
+    # Bigger models of one family read more bytes per token: they are predicted slower.
+    qwen = {p.model: p.predicted_gen_tps or 0.0 for p in plans if p.model.startswith("qwen")}
+    assert qwen["qwen2.5-0.5b-instruct"] > qwen["qwen2.5-3b-instruct"] > 0
+
+
+def test_no_catalog_model_is_planned_at_f16_on_a_big_cpu_machine() -> None:
+    for speed in (None, TWO_CORES):
+        for plan in plan_catalog(load_catalog(), LAPTOP, 8192, speed):
+            assert plan.fits and plan.quant not in ("F16", "BF16"), plan.explanation
+
+
+def test_the_best_quant_that_is_fast_enough_and_why_not_the_next_better() -> None:
+    entry = find_model(load_catalog(), "qwen2.5-3b-instruct")
+    candidates = sized_candidates(entry.dims, [(f.quant, f.file, f.size) for f in entry.files])
+    fast = plan_model(entry.name, entry.dims, candidates, LAPTOP, 8192, TWO_CORES, min_tps=1.0)
+    assert fast.quant == "Q8_0"  # everything is fast enough: the best quality, never F16
+    wanted = 9.0
+    plan = plan_model(entry.name, entry.dims, candidates, LAPTOP, 8192, TWO_CORES, wanted)
+    assert plan.predicted_gen_tps is not None and plan.predicted_gen_tps >= wanted
+    assert plan.quant != "Q8_0"
+    better = [f.quant for f in entry.files]
+    next_better = better[better.index(plan.quant) - 1]
+    assert f"; {next_better} would be ~" in plan.explanation, plan.explanation
+    # Nothing meets it: the fastest of the quants that keep quality, saying so.
+    slow = plan_model(entry.name, entry.dims, candidates, LAPTOP, 8192, TWO_CORES, 500.0)
+    assert slow.quant in ("Q4_K_M", "Q5_K_M") and slow.fits
+    assert "under the 500 tok/s wanted: the fastest that fits" in slow.explanation
+    assert slow.quant != "Q2_K", "speed never buys a quant below Q4_K_M"
+
+
+def test_f16_is_planned_when_it_is_all_there_is(tmp_path: Path) -> None:
+    path = make_demo_model(tmp_path / "only-F16.gguf", "tiny", "F16")
+    plan = plan_file(path, LAPTOP, 2048, TWO_CORES)
+    assert plan.fits and plan.quant == "F16" and plan.predicted_gen_tps
+
+
+def test_gpu_layers_are_predicted_from_the_gpus_bandwidth() -> None:
+    entry = find_model(load_catalog(), "qwen2.5-7b-instruct")
+    candidates = sized_candidates(entry.dims, [(f.quant, f.file, f.size) for f in entry.files])
+    gpu = Hardware(16 * GIB, 16 * GIB, 8, 12 * GIB, 12 * GIB, GPU_NVIDIA, "RTX", True)
+    unknown = plan_model(entry.name, entry.dims, candidates, gpu, 4096, TWO_CORES)
+    assert unknown.n_gpu_layers > 0 and unknown.predicted_gen_tps is None
+    known = Hardware(16 * GIB, 16 * GIB, 8, 12 * GIB, 12 * GIB, GPU_NVIDIA, "RTX", True, 360e9)
+    plan = plan_model(entry.name, entry.dims, candidates, known, 4096, TWO_CORES)
+    cpu = plan_model(entry.name, entry.dims, candidates, LAPTOP, 4096, TWO_CORES, 1.0)
+    assert plan.predicted_gen_tps and cpu.predicted_gen_tps
+    assert plan.predicted_gen_tps > 5 * cpu.predicted_gen_tps
+
+
+def test_a_calibration_from_another_machine_or_damaged_is_measured_again(
+    calibrated: SpeedModel,
+) -> None:
+    path = app_paths().speed_calibration
+    assert load_speed_model(path) == calibrated
+    data = json.loads(path.read_text())
+    path.write_text(json.dumps({**data, "machine": "someone else's laptop"}))
+    assert load_speed_model(path) is None
+    path.write_text("{not json")
+    assert load_speed_model(path) is None
+    assert path.stat().st_mode & 0o777 == 0o600
+
+
+def test_hw_measures_once_keeps_it_and_calibrate_measures_again(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr("localchat.calibrate.CALIBRATION_QUANTS", ("F16",))
+    monkeypatch.setattr("localchat.calibrate.ROUNDS", 1)
+    assert main(["hw", "--json"]) == 0
+    first = capsys.readouterr()
+    assert "measuring this machine's speed (once" in first.err
+    plans = json.loads(first.out)["plans"]
+    assert all(p["predicted_gen_tps"] > 0 for p in plans if p["fits"])
+    saved = app_paths().speed_calibration.read_text()
+    assert main(["hw"]) == 0
+    again = capsys.readouterr()
+    assert "measuring" not in again.err and "tok/s here" in again.out
+    assert app_paths().speed_calibration.read_text() == saved
+    assert main(["hw", "--calibrate", "--json"]) == 0
+    assert "measuring this machine's speed" in capsys.readouterr().err
+
+
+def test_models_lists_predicted_speeds_and_marks_the_pick(
+    calibrated: SpeedModel, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["models", "--json"]) == 0
+    rows = [r for r in json.loads(capsys.readouterr().out) if r["source"] == "catalog"]
+    for name in {r["model"] for r in rows}:
+        mine = [r for r in rows if r["model"] == name]
+        assert sum(r["planned"] for r in mine) == 1, name
+        assert all(r["predicted_gen_tps"] for r in mine if r["fit"] != "too big"), name
+    assert main(["models"]) == 0
+    table = capsys.readouterr().out
+    assert "t/s" in table and "* the planner's pick" in table
+
+
+def test_the_speed_setting_is_read_and_checked(
+    calibrated: SpeedModel, capsys: pytest.CaptureFixture[str]
+) -> None:
+    settings = app_paths().settings_file
+    settings.parent.mkdir(parents=True, exist_ok=True)
+    settings.write_text("min_tokens_per_s = 0.5\n")
+    assert main(["hw", "--json"]) == 0
+    plans = json.loads(capsys.readouterr().out)["plans"]
+    # Everything is fast enough at half a token a second: the best quality, Q8_0, each time.
+    assert all(p["quant"] == "Q8_0" for p in plans if p["fits"])
+    settings.write_text('min_tokens_per_s = "fast"\n')
+    assert main(["hw"]) == 2
+    assert "min_tokens_per_s must be a non-negative number" in capsys.readouterr().err
