@@ -65,6 +65,7 @@ class ModelRow:
     file_type: str | None = None  # the weights' type from the file's metadata, when read
     predicted_gen_tps: float | None = None  # on this machine's calibration
     planned: bool = False  # the planner's pick for its model here
+    plan: str | None = None  # the planner's pick for its model and why (catalog rows)
 
     @property
     def usable(self) -> bool:
@@ -148,6 +149,15 @@ class Library:
         preferred = [] if spec.quant else self._planned_order(spec.repo, files)
         chosen = choose_file(files, spec.quant, preferred)
         return chosen.repo, chosen.filename, chosen.quant
+
+    def plan_of(self, text: str) -> Plan | None:
+        """The planner's pick for a catalog name, with why (None for other names)."""
+        spec = parse_spec(text, self.catalog)
+        if spec.catalog is None or spec.quant is not None:
+            return None
+        entry = spec.catalog
+        files = ((f.quant, f.file, f.size) for f in entry.files)
+        return self._fitting_plan(entry.name, entry.dims, files)
 
     def _planned_quant(self, entry: CatalogModel) -> str:
         files = ((f.quant, f.file, f.size) for f in entry.files)
@@ -266,6 +276,7 @@ class Library:
                         path is not None, str(path) if path else None, "catalog",
                         predicted_gen_tps=round(speed.gen_tps, 1) if speed else None,
                         planned=plan.fits and plan.quant == quant_file.quant,
+                        plan=plan.explanation,
                     )
                 )  # fmt: skip
         extra = [

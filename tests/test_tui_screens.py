@@ -15,8 +15,15 @@ from textual.widgets import DataTable, TextArea
 from localchat.engine import Sampling
 from localchat.paths import app_paths
 from localchat.tui.app import LocalChatApp
-from localchat.tui.messages import ModelLoaded, ModelMissing, ReplyFinished, StartupProgress
+from localchat.tui.messages import (
+    ModelLoaded,
+    ModelMissing,
+    ReplyFinished,
+    StartupNotice,
+    StartupProgress,
+)
 from localchat.tui.screens.conversations import ConversationsScreen
+from localchat.tui.screens.download import DownloadScreen
 from localchat.tui.screens.models import (
     DownloadFinished,
     DownloadProgress,
@@ -201,10 +208,13 @@ async def test_first_start_downloads_the_default_model_with_a_progress_screen(
 ) -> None:
     seen: list[Message] = []
     screens: list[str] = []
+    plans: list[str] = []
     app = LocalChatApp(n_ctx=1024, max_tokens=8, sampling=GREEDY)
     async with app.run_test(size=(120, 36), message_hook=seen.append) as pilot:
         for _ in range(400):
             screens.append(type(app.screen).__name__)
+            if isinstance(app.screen, DownloadScreen):
+                plans += [str(w.render()) for w in app.screen.query("#startup-plan")]
             if app.conversation is not None:
                 break
             await pilot.pause(0.02)
@@ -212,6 +222,10 @@ async def test_first_start_downloads_the_default_model_with_a_progress_screen(
         progress = [m.progress for m in seen if isinstance(m, StartupProgress)]
         assert progress and progress[-1].state == "done"
         assert "DownloadScreen" in screens
+        # The screen says which quant the planner chose here and how fast it will run.
+        notices = [m.text for m in seen if isinstance(m, StartupNotice)]
+        assert any("tok/s here" in n for n in notices), notices
+        assert any("tok/s here" in p for p in plans), plans
         assert type(app.screen).__name__ == "Screen", (
             "the progress screen closes when the model loads"
         )

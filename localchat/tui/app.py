@@ -158,6 +158,7 @@ class LocalChatApp(App[int]):
         self._stats_shown_at = 0.0
         self._startup_cancel = threading.Event()
         self._download_screen: DownloadScreen | None = None
+        self._startup_notice = ""  # the first download's plan, shown on its screen
 
     def compose(self) -> ComposeResult:
         yield Header()
@@ -207,8 +208,12 @@ class LocalChatApp(App[int]):
                     # The first download's quant follows the speed this machine gives.
                     self.post_message(StartupNotice("measuring this machine's speed (once)…"))
                     library.speed = run_compute(speed_model, paths)
+                wanted = self.model_name or DEFAULT_MODEL
+                plan = None if found else library.plan_of(wanted)
+                if plan is not None:  # the download screen says which quant, and why
+                    self.post_message(StartupNotice(f"{plan.model}: {plan.explanation}"))
                 path = found or library.pull(
-                    self.model_name or DEFAULT_MODEL,
+                    wanted,
                     lambda p: self.post_message(StartupProgress(p)),
                     self._startup_cancel,
                 )
@@ -299,13 +304,16 @@ class LocalChatApp(App[int]):
     # -- model lifecycle (app thread) ----------------------------------------------------
     def on_startup_notice(self, message: StartupNotice) -> None:
         self.sub_title = message.text
+        self._startup_notice = message.text
 
     def on_startup_progress(self, message: StartupProgress) -> None:
         progress = message.progress
         total = max(1, progress.bytes_total)
         self.sub_title = f"downloading {progress.name}: {100 * progress.bytes_done / total:.0f}%"
         if self._download_screen is None:
-            self._download_screen = DownloadScreen(progress.name, self._startup_cancel)
+            self._download_screen = DownloadScreen(
+                progress.name, self._startup_cancel, self._startup_notice
+            )
             self.push_screen(self._download_screen)
         if self._download_screen.is_mounted:
             self._download_screen.show(progress)

@@ -20,10 +20,11 @@ class DownloadScreen(ModalScreen[None]):
         Binding("escape", "stop", "Stop the download", id="download-stop"),
     ]
 
-    def __init__(self, name: str, cancel: threading.Event) -> None:
+    def __init__(self, name: str, cancel: threading.Event, plan: str = "") -> None:
         super().__init__(classes="dialog-screen")
         self.model_name = name
         self.cancel = cancel
+        self.plan = plan  # which quant the planner chose for this machine, and why
 
     def compose(self) -> ComposeResult:
         with Vertical(classes="dialog"):
@@ -32,6 +33,8 @@ class DownloadScreen(ModalScreen[None]):
                 "The first model is being fetched from the hub. It is verified before it is used,"
                 " and a stopped download resumes where it left off."
             )
+            if self.plan:
+                yield Static(Text(self.plan), id="startup-plan")
             yield ProgressBar(total=1, id="startup-bar", show_eta=False)
             yield Static("", id="startup-status")
             yield Label("Esc stops the download", classes="dialog-hint")

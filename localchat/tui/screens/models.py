@@ -113,6 +113,12 @@ class ModelsScreen(ModalScreen[Path | None]):
                 key=str(index),
             )
 
+    def on_data_table_row_highlighted(self, event: DataTable.RowHighlighted) -> None:
+        """The highlighted model's plan here, and why, under the table."""
+        row = self._selected()
+        if row is not None and row.plan and not self.downloading:
+            self.query_one("#download-status", Static).update(Text(f"{row.model}: {row.plan}"))
+
     def _selected(self) -> ModelRow | None:
         table = self.query_one(DataTable)
         if not self.rows or table.row_count == 0:
