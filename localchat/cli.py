@@ -251,7 +251,13 @@ def cmd_ask(args: argparse.Namespace, out: TextIO) -> int:
     template = args.template or catalog_template(model_path, app_paths().user_catalog)
     engine = Engine(
         model_path,
-        LoadOptions(n_ctx=args.ctx, n_threads=args.threads, kv_type=kv_type, template=template),
+        LoadOptions(
+            n_ctx=args.ctx,
+            n_threads=args.threads,
+            kv_type=kv_type,
+            template=template,
+            swa_cache=settings.swa_cache,
+        ),
     )
     temperature = settings.temperature if args.temperature is None else args.temperature
     sampling = Sampling(temperature=temperature, seed=args.seed)

@@ -30,6 +30,7 @@ from localchat.errors import ModelLoadError, UsageError
 from localchat.gguf_info import GGUFInfo, file_fingerprint, read_gguf
 from localchat.hardware import physical_cores
 from localchat.prompt import PromptBuilder
+from localchat.quants import SWA_CACHE_MODES
 from localchat.reasoning import ReasoningStream, opens_reasoning, split_reasoning
 from localchat.stops import StopFilter
 
@@ -63,10 +64,18 @@ _LOG_LINES: deque[str] = deque(maxlen=64)
 _LOG_LOCK = threading.Lock()
 
 
+# Lines where llama.cpp says what it allocated, kept whole from the last load.
+_BUFFER_LINES: list[str] = []
+_BUFFER_LINE_RE = re.compile(r"buffer size =|llama_kv_cache: size =")
+
+
 @llama_cpp.llama_log_callback
 def _capture_log(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
+    line = text.decode("utf-8", errors="replace")
     with _LOG_LOCK:
-        _LOG_LINES.append(text.decode("utf-8", errors="replace"))
+        _LOG_LINES.append(line)
+        if _BUFFER_LINE_RE.search(line):
+            _BUFFER_LINES.append(line)
 
 
 llama_cpp.llama_log_set(_capture_log, ctypes.c_void_p(0))
@@ -81,6 +90,61 @@ def _last_error_line() -> str:
         return lines[-1] if lines else "no details from llama.cpp"
     # The first error is the cause; later ones are callers reporting that it failed.
     return re.sub(r"^(\w+: )+", "", errors[0])
+
+
+@dataclass(frozen=True)
+class KVCacheBuffer:
+    """One KV cache llama.cpp allocated (a sliding-window model has two)."""
+
+    cells: int
+    layers: int
+    bytes: int
+
+
+@dataclass(frozen=True)
+class Buffers:
+    """What llama.cpp allocated for a model and its context, as it reported it."""
+
+    weights: dict[str, int]  # by buffer type: CPU_Mapped, CPU_REPACK, CUDA0, …
+    kv: tuple[KVCacheBuffer, ...]
+    compute: dict[str, int]
+    output: int
+
+    @property
+    def kv_bytes(self) -> int:
+        return sum(cache.bytes for cache in self.kv)
+
+    def kv_bytes_for(self, n_tokens: int) -> int:
+        """Bytes the caches hold for ``n_tokens`` positions: a window cache never holds more
+        than its cells."""
+        return sum(c.bytes * min(n_tokens, c.cells) // max(1, c.cells) for c in self.kv)
+
+
+_MIB = 1024 * 1024
+_BUFFER_RE = re.compile(r"(\S+) +(model|compute|output) buffer size = +([\d.]+) MiB")
+_KV_RE = re.compile(r"llama_kv_cache: size = +([\d.]+) MiB \( *(\d+) cells, +(\d+) layers")
+
+
+def _parse_buffers(lines: list[str], kv_bytes_per_cell_layer: int) -> Buffers:
+    weights: dict[str, int] = {}
+    compute: dict[str, int] = {}
+    output = 0
+    kv: list[KVCacheBuffer] = []
+    for line in lines:
+        if match := _KV_RE.search(line):
+            _size, cells, layers = match.groups()
+            size_bytes = int(cells) * int(layers) * kv_bytes_per_cell_layer
+            kv.append(KVCacheBuffer(int(cells), int(layers), size_bytes))
+        elif match := _BUFFER_RE.search(line):
+            device, kind, size = match.groups()
+            value = int(float(size) * _MIB)
+            if kind == "model":
+                weights[device] = weights.get(device, 0) + value
+            elif kind == "compute":
+                compute[device] = value  # the last reservation is the one kept
+            else:
+                output += value
+    return Buffers(weights, tuple(kv), compute, output)
 
 
 def reported_compute_buffer_bytes() -> int | None:
@@ -119,6 +183,7 @@ class LoadOptions:
     kv_type: str = "f16"
     n_batch: int = 512
     template: str | None = None  # a built-in format name or a .jinja file
+    swa_cache: str = "window"  # sliding-window layers: "window" (their window) or "full"
 
 
 @dataclass(frozen=True)
@@ -229,6 +294,7 @@ class Generation:
         llm.set_seed(self._sampling.seed)
         counted_before = llm.tokens_evaluated
         start = time.perf_counter()
+        engine.prepare_prefix(self._tokens)
         first_at = start
         stream = llm.generate(
             self._tokens,
@@ -327,8 +393,14 @@ class Engine:
         # How many threads generate: the app sizes its own CPU budget by it.
         self.threads = threads
         kv_id = KV_TYPES[self.options.kv_type]
+        if self.options.swa_cache not in SWA_CACHE_MODES:
+            raise UsageError(
+                f"unknown swa_cache {self.options.swa_cache!r}; choose one of"
+                f" {', '.join(SWA_CACHE_MODES)}"
+            )
         with _LOG_LOCK:
             _LOG_LINES.clear()
+            _BUFFER_LINES.clear()
         try:
             self._llm = _CountingLlama(
                 model_path=str(self.model_path),
@@ -341,6 +413,9 @@ class Engine:
                 type_v=kv_id,
                 # Quantized V caches need flash attention in llama.cpp.
                 flash_attn=self.options.kv_type != "f16",
+                # Sliding-window layers keep only their window (as llama-server runs them):
+                # a fraction of the full-size cache that llama.cpp's library default is.
+                swa_full=self.options.swa_cache == "full",
                 verbose=False,
             )
         except Exception as exc:  # llama-cpp-python raises ValueError/RuntimeError
@@ -348,6 +423,15 @@ class Engine:
                 f"{self.model_path}: llama.cpp could not load it: {_last_error_line()}"
             ) from exc
         self.kv_bytes_per_token = kv_bytes_per_token(self.info, self.options.kv_type)
+        with _LOG_LOCK:
+            lines = list(_BUFFER_LINES)
+        # The cells and layers of each cache llama.cpp made, times what one cell of one
+        # layer takes (its log rounds sizes to 0.01 MiB).
+        self.buffers = _parse_buffers(lines, self.kv_bytes_per_token // max(1, self.info.n_layer))
+        # Positions a sliding-window layer looks back; its cache keeps only those when the
+        # window cache is in use, so the cache cannot be cut back far (see ``keeps``).
+        self.n_swa = int(llama_cpp.llama_model_n_swa(self._llm.model))
+        self.windowed = self.n_swa > 0 and self.options.swa_cache == "window"
         # Which conversation the cache holds now (set by the conversation layer).
         self.cache_owner: str | None = None
         self.template = self._chat_template()
@@ -484,11 +568,60 @@ class Engine:
 
     @property
     def kv_bytes_used(self) -> int:
-        return int(self._llm.n_tokens) * self.kv_bytes_per_token
+        return self.kv_bytes_for(int(self._llm.n_tokens))
+
+    def kv_bytes_for(self, n_tokens: int) -> int:
+        """What the caches llama.cpp allocated hold for ``n_tokens`` positions."""
+        if self.buffers.kv:
+            return self.buffers.kv_bytes_for(n_tokens)
+        return n_tokens * self.kv_bytes_per_token
 
     @property
     def kv_bytes_allocated(self) -> int:
-        return self.kv_cells * self.kv_bytes_per_token
+        """The KV caches llama.cpp allocated (both caches of a sliding-window model)."""
+        return self.buffers.kv_bytes or self.kv_cells * self.kv_bytes_per_token
+
+    def keeps(self, n_tokens: int) -> bool:
+        """Whether the cache can be cut back to its first ``n_tokens`` and continue exactly.
+        A window cache has dropped positions its sliding-window layers no longer look at;
+        cut back past them, the next token would see too little (llama-server's rule)."""
+        if not self.windowed or n_tokens >= self._llm.n_tokens:
+            return True
+        memory = llama_cpp.llama_get_memory(self._llm.ctx)
+        pos_min = int(llama_cpp.llama_memory_seq_pos_min(memory, 0))
+        return pos_min <= max(0, n_tokens - self.n_swa)
+
+    def prepare_prefix(self, prompt: Sequence[int]) -> None:
+        """Before a generation: where it would cut the cache back further than a window
+        cache allows, rebuild that prefix instead (llama.cpp would not refuse the cut)."""
+        cached = self._llm.n_tokens
+        if not self.windowed or not cached:
+            return
+        held = self.cached_tokens
+        shared = 0
+        for a, b in zip(held, prompt, strict=False):
+            if a != b:
+                break
+            shared += 1
+        if shared == cached == len(prompt) and not self._llm._requires_eval:
+            return  # the prompt is the cache: generation samples at once
+        keep = shared - 1 if shared == len(prompt) else shared  # what llama-cpp-python keeps
+        if keep < cached and not self.keeps(keep):
+            self.cut_back(held[:keep])
+
+    def cut_back(self, tokens: Sequence[int]) -> None:
+        """Make the cache hold a prefix of ``tokens`` (itself a prefix of what it holds) where
+        it cannot simply be cut: replayed up to the last batch boundary in the batches that
+        first built it (the next evaluation then redoes the rest as the first one did, bit
+        for bit), else forgotten. Never a cache that would continue wrongly."""
+        starts = self._llm.batch_starts
+        cut = len(tokens)
+        if starts:
+            boundary = max((s for s in starts if s <= cut), default=0)
+            prefix = list(tokens[:boundary])
+            if boundary > 0 and self.replay(prefix, [s for s in starts if s < boundary]):
+                return
+        self.reset()
 
     @property
     def batch_starts(self) -> list[int] | None:
@@ -560,6 +693,8 @@ class Engine:
             return
         if cached < n:
             self._llm.eval(list(sequence[cached:]))
+        elif n < cached and not self.keeps(n):
+            self.cut_back(sequence)
         elif n < cached:
             memory = llama_cpp.llama_get_memory(self._llm.ctx)
             if llama_cpp.llama_memory_seq_rm(memory, 0, n, -1):

@@ -49,6 +49,9 @@ QUALITY_ORDER: tuple[str, ...] = (
     "IQ1_S",
 )
 
+# How sliding-window layers keep their cache: only their window, or every position.
+SWA_CACHE_MODES: tuple[str, ...] = ("window", "full")
+
 # The planner's line between the quants that keep a model's quality and those that trade it.
 GOOD_ENOUGH = "Q4_K_M"
 

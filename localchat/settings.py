@@ -10,6 +10,7 @@ from localchat.errors import UsageError
 from localchat.estimate import KV_BYTES_PER_VALUE
 from localchat.kvstate import DEFAULT_BUDGET_BYTES
 from localchat.planner import MIN_TOKENS_PER_S
+from localchat.quants import SWA_CACHE_MODES
 from localchat.units import parse_size
 from localchat.window import WINDOW_MODES
 
@@ -34,6 +35,11 @@ class Settings:
     min_tokens_per_s: float = MIN_TOKENS_PER_S
     """Generation speed a model plan should reach on this machine (about reading speed): the
     planner takes the best quant that is predicted to generate at least this fast."""
+
+    swa_cache: str = "window"
+    """Sliding-window models (Gemma 2/3, gpt-oss, Cohere 2): "window" keeps only the window
+    those layers look at (a fraction of the memory); "full" keeps every position, so that
+    an edit or regenerate far back never has to re-read the conversation."""
 
     window_mode: str = "auto"
     """When old messages leave the context: "shift" the KV cache in place (fast), "exact"
@@ -65,13 +71,17 @@ def load_settings(path: Path) -> Settings:
         raise UsageError(
             f"{path}: window_mode must be one of {', '.join(WINDOW_MODES)}, not {settings.window_mode!r}"
         )
+    if settings.swa_cache not in SWA_CACHE_MODES:
+        raise UsageError(
+            f"{path}: swa_cache must be one of {', '.join(SWA_CACHE_MODES)}, not {settings.swa_cache!r}"
+        )
     if settings.kv_type not in KV_CACHE_TYPES:
         raise UsageError(
             f"{path}: kv_type must be one of {', '.join(KV_CACHE_TYPES)}, not {settings.kv_type!r}"
         )
     for f in fields(Settings):
         value = getattr(settings, f.name)
-        if f.name in ("window_mode", "kv_type"):
+        if f.name in ("window_mode", "kv_type", "swa_cache"):
             continue
         if not isinstance(value, int | float) or isinstance(value, bool) or value < 0:
             raise UsageError(

@@ -251,7 +251,12 @@ class LocalChatApp(App[int]):
     def load_model(self, path: Path) -> None:
         start = time.perf_counter()
         template = self.template or catalog_template(path, app_paths().user_catalog)
-        options = LoadOptions(n_ctx=self.n_ctx, kv_type=self.settings.kv_type, template=template)
+        options = LoadOptions(
+            n_ctx=self.n_ctx,
+            kv_type=self.settings.kv_type,
+            template=template,
+            swa_cache=self.settings.swa_cache,
+        )
         try:
             engine = run_compute(Engine, path, options)
         except LocalchatError as exc:
@@ -601,7 +606,7 @@ class LocalChatApp(App[int]):
             return
         engine = self.engine
         self.query_one(StatsPanel).show_cache(
-            tokens * engine.kv_bytes_per_token, engine.kv_bytes_allocated, tokens, engine.n_ctx
+            engine.kv_bytes_for(tokens), engine.kv_bytes_allocated, tokens, engine.n_ctx
         )
 
     def exit(self, *args: Any, **kwargs: Any) -> None:
