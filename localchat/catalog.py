@@ -14,7 +14,7 @@ from typing import Any
 
 from localchat.chat_formats import BUILTIN
 from localchat.errors import UsageError
-from localchat.estimate import ModelDims
+from localchat.estimate import ModelDims, swa_pattern_of
 from localchat.quants import parse_tag, quality_rank
 
 # The repo's top-level models.toml is the source; the package holds it (a link in the source
@@ -103,6 +103,7 @@ def _parse_model(path: Path, index: int, raw: Any) -> CatalogModel:
         raw["n_vocab"],
         raw["context_length"],
         window,
+        swa_pattern_of(raw["architecture"]),
     )
     template = raw.get("template")
     if template is not None:

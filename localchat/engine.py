@@ -27,12 +27,14 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from localchat.chat_formats import ChatFormat, detect_format, format_from_override
 from localchat.chat_template import ChatMessage, ChatTemplate
 from localchat.errors import ModelLoadError, UsageError
+from localchat.estimate import preferred_flash_attn
 from localchat.gguf_info import GGUFInfo, file_fingerprint, read_gguf
 from localchat.hardware import physical_cores
 from localchat.prompt import PromptBuilder
 from localchat.quants import SWA_CACHE_MODES
 from localchat.reasoning import ReasoningStream, opens_reasoning, split_reasoning
 from localchat.stops import StopFilter
+from localchat.units import format_bytes
 
 LLAMA_CPP_VERSION: str = llama_cpp.__version__
 
@@ -184,6 +186,8 @@ class LoadOptions:
     n_batch: int = 512
     template: str | None = None  # a built-in format name or a .jinja file
     swa_cache: str = "window"  # sliding-window layers: "window" (their window) or "full"
+    flash_attn: bool | None = None  # None: where it costs nothing (``preferred_flash_attn``)
+    n_ubatch: int = 512  # the micro-batch: the compute buffer grows with it
 
 
 @dataclass(frozen=True)
@@ -393,6 +397,12 @@ class Engine:
         # How many threads generate: the app sizes its own CPU budget by it.
         self.threads = threads
         kv_id = KV_TYPES[self.options.kv_type]
+        # Quantized V caches need flash attention in llama.cpp; elsewhere the plan's rule.
+        self.flash_attn = self.options.kv_type != "f16" or (
+            self.options.flash_attn
+            if self.options.flash_attn is not None
+            else preferred_flash_attn(n_ctx, self.options.kv_type, self.options.n_gpu_layers > 0)
+        )
         if self.options.swa_cache not in SWA_CACHE_MODES:
             raise UsageError(
                 f"unknown swa_cache {self.options.swa_cache!r}; choose one of"
@@ -411,8 +421,8 @@ class Engine:
                 n_gpu_layers=self.options.n_gpu_layers,
                 type_k=kv_id,
                 type_v=kv_id,
-                # Quantized V caches need flash attention in llama.cpp.
-                flash_attn=self.options.kv_type != "f16",
+                flash_attn=self.flash_attn,
+                n_ubatch=self.options.n_ubatch,
                 # Sliding-window layers keep only their window (as llama-server runs them):
                 # a fraction of the full-size cache that llama.cpp's library default is.
                 swa_full=self.options.swa_cache == "full",
@@ -580,6 +590,18 @@ class Engine:
     def kv_bytes_allocated(self) -> int:
         """The KV caches llama.cpp allocated (both caches of a sliding-window model)."""
         return self.buffers.kv_bytes or self.kv_cells * self.kv_bytes_per_token
+
+    def buffers_summary(self) -> str:
+        """llama.cpp's own buffers in a line or two: weights, compute, the attention kernel,
+        and the window cache of a sliding-window model."""
+        weights = sum(self.buffers.weights.values())
+        compute = sum(self.buffers.compute.values())
+        kernel = "flash attention" if self.flash_attn else "no flash attention"
+        line = f"weights {format_bytes(weights)} · compute {format_bytes(compute)} · {kernel}"
+        window = [c for c in self.buffers.kv if c.cells < self.kv_cells]
+        if self.windowed and window:
+            line += f"\nwindow cache: {window[0].layers} layers keep {window[0].cells} cells"
+        return line
 
     def keeps(self, n_tokens: int) -> bool:
         """Whether the cache can be cut back to its first ``n_tokens`` and continue exactly.

@@ -25,12 +25,15 @@ from pathlib import Path
 
 from localchat.catalog import CatalogModel
 from localchat.estimate import (
+    N_UBATCH,
     LayerWeights,
     MemoryEstimate,
     ModelDims,
+    compute_buffer_bytes,
     estimate_memory,
     file_bytes_from_type,
     kv_bytes_per_token,
+    preferred_flash_attn,
 )
 from localchat.gguf_info import read_gguf
 from localchat.hardware import GPU_NONE, Hardware, repacked_weight_types
@@ -84,6 +87,8 @@ class Plan:
     estimate: MemoryEstimate | None = None
     predicted_gen_tps: float | None = None  # on this machine's calibration; None without one
     predicted_prompt_tps: float | None = None
+    flash_attn: bool = False
+    n_ubatch: int = N_UBATCH
 
     def as_json(self) -> dict[str, object]:
         return {
@@ -101,6 +106,8 @@ class Plan:
             "fits": self.fits,
             "predicted_gen_tps": _rounded(self.predicted_gen_tps),
             "predicted_prompt_tps": _rounded(self.predicted_prompt_tps),
+            "flash_attn": self.flash_attn,
+            "n_ubatch": self.n_ubatch,
             "explanation": self.explanation,
         }
 
@@ -124,6 +131,29 @@ def _contexts(wanted: int) -> list[int]:
     return contexts
 
 
+@dataclass(frozen=True)
+class Attention:
+    """The attention kernel and micro-batch a plan runs with (None: the engine's rule)."""
+
+    flash_attn: bool | None = None
+    n_ubatch: int = N_UBATCH
+
+
+# Tried in order until the plan fits: the engine's choice, then flash attention wherever
+# it is off, then a smaller micro-batch (each shrinks the compute buffer; the last costs a
+# little prefill speed).
+ATTENTION_TRIED = (Attention(), Attention(True), Attention(True, N_UBATCH // 2))
+# Memory-frugal steps in order: flash attention before a quantized KV cache (which costs a
+# little quality), the smaller micro-batch last.
+_CONFIGS_TRIED = (
+    (ATTENTION_TRIED[0], "f16"),
+    (ATTENTION_TRIED[1], "f16"),
+    (ATTENTION_TRIED[1], "q8_0"),
+    (ATTENTION_TRIED[2], "f16"),
+    (ATTENTION_TRIED[2], "q8_0"),
+)
+
+
 def _fit(
     dims: ModelDims,
     weights: LayerWeights,
@@ -131,27 +161,34 @@ def _fit(
     kv_type: str,
     hardware: Hardware,
     full_gpu_only: bool = False,
+    attention: Attention = ATTENTION_TRIED[0],
 ) -> tuple[int, MemoryEstimate] | None:
     """The most GPU layers that fit (all, fewer, none), or None if even CPU-only does not."""
     ram_budget, vram_budget = _budgets(hardware)
+
+    def sized(layers: int) -> MemoryEstimate:
+        return estimate_memory(
+            dims, weights, n_ctx, kv_type, layers, attention.flash_attn, attention.n_ubatch
+        )
+
     if full_gpu_only:
-        estimate = estimate_memory(dims, weights, n_ctx, kv_type, dims.n_layer + 1)
+        estimate = sized(dims.n_layer + 1)
         if vram_budget and estimate.vram <= vram_budget and estimate.ram_required <= ram_budget:
             return dims.n_layer + 1, estimate
         return None
     if hardware.unified_memory and hardware.gpu_offload:
-        estimate = estimate_memory(dims, weights, n_ctx, kv_type, dims.n_layer + 1)
+        estimate = sized(dims.n_layer + 1)
         shared = min(ram_budget, vram_budget)
         if estimate.total - estimate.reclaimable_ram <= shared:
             return dims.n_layer + 1, estimate
     elif vram_budget > 0:
         for layers in range(dims.n_layer + 1, 0, -1):
-            estimate = estimate_memory(dims, weights, n_ctx, kv_type, layers)
+            estimate = sized(layers)
             if estimate.vram <= vram_budget:
                 if estimate.ram_required <= ram_budget:
                     return layers, estimate
                 break  # fewer GPU layers only moves more into RAM
-    estimate = estimate_memory(dims, weights, n_ctx, kv_type, 0)
+    estimate = sized(0)
     if estimate.ram_required <= ram_budget:
         return 0, estimate
     return None
@@ -234,16 +271,17 @@ class _Planner:
         return _with_note(fastest, note)
 
     def _fit_plan(self, candidate: Candidate, n_ctx: int, full_gpu_only: bool) -> Plan | None:
-        for kv_type in KV_TYPES_TRIED:
+        for attention, kv_type in _CONFIGS_TRIED:
             fitted = _fit(
-                self.dims, candidate.weights, n_ctx, kv_type, self.hardware, full_gpu_only
-            )
+                self.dims, candidate.weights, n_ctx, kv_type, self.hardware, full_gpu_only,
+                attention,
+            )  # fmt: skip
             if fitted is not None:
                 layers, estimate = fitted
                 prediction = self._predict(candidate, kv_type, estimate)
                 return _plan(
                     self.name, self.dims, candidate, n_ctx, kv_type, layers, estimate,
-                    self.hardware, prediction,
+                    self.hardware, prediction, attention,
                 )  # fmt: skip
         return None
 
@@ -325,6 +363,7 @@ def _plan(
     estimate: MemoryEstimate,
     hardware: Hardware,
     prediction: SpeedPrediction | None = None,
+    attention: Attention = ATTENTION_TRIED[0],
 ) -> Plan:
     if layers == 0:
         placement = "CPU only"
@@ -333,6 +372,9 @@ def _plan(
     parts = [candidate.quant, placement, f"ctx {n_ctx}"]
     if kv_type != "f16":
         parts.append(f"KV {kv_type}")
+    preferred = preferred_flash_attn(n_ctx, kv_type, layers > 0)
+    flash_attn = attention.flash_attn if attention.flash_attn is not None else preferred
+    parts += _attention_notes(dims, n_ctx, kv_type, flash_attn, preferred, attention.n_ubatch)
     if prediction is not None:
         parts.append(f"~{format_tps(prediction.gen_tps)} tok/s here")
     parts.append(_free_text(hardware, estimate, layers))
@@ -350,7 +392,25 @@ def _plan(
         estimate,
         prediction.gen_tps if prediction else None,
         prediction.prompt_tps if prediction else None,
+        flash_attn,
+        attention.n_ubatch,
     )
+
+
+def _attention_notes(
+    dims: ModelDims, n_ctx: int, kv_type: str, flash_attn: bool, preferred: bool, n_ubatch: int
+) -> list[str]:
+    """Which attention kernel and micro-batch, and why, where it is worth saying."""
+    notes = []
+    if flash_attn:
+        saved = compute_buffer_bytes(dims, n_ctx, kv_type, False, n_ubatch) - (
+            compute_buffer_bytes(dims, n_ctx, kv_type, True, n_ubatch)
+        )
+        why = "to fit" if not preferred else f"saves {format_bytes(saved)}"
+        notes.append(f"flash attention ({why})" if saved > 16 * 2**20 or not preferred else "")
+    if n_ubatch != N_UBATCH:
+        notes.append(f"micro-batch {n_ubatch} (to fit)")
+    return [note for note in notes if note]
 
 
 def _too_big(

@@ -124,3 +124,54 @@ def test_turns_regenerate_and_resume_match_the_full_cache(swa_model: Path) -> No
     # The full cache was cut; the window cache was rebuilt up to the edit (in its batches).
     assert edit_cost["window"][0] > edit_cost["full"][0] + 200
     assert replies["window"][4] == replies["window"][3], "regenerate gives the same reply"
+
+
+@pytest.mark.parametrize("n_ctx", [2048, 8192])
+@pytest.mark.parametrize("swa_cache", ["window", "full"])
+def test_the_estimate_counts_window_caches_and_the_kernel(
+    swa_model: Path, n_ctx: int, swa_cache: str
+) -> None:
+    from localchat.estimate import ModelDims, compute_buffer_bytes, kv_cache_bytes
+    from localchat.gguf_info import read_gguf
+
+    dims = ModelDims.from_gguf(read_gguf(swa_model))
+    assert dims.swa_pattern == 6 and dims.window_layers() == 5
+    engine = Engine(swa_model, LoadOptions(n_ctx=n_ctx, swa_cache=swa_cache))
+    try:
+        assert engine.flash_attn == (n_ctx >= 8192)  # the plan's rule, applied by the engine
+        estimated = kv_cache_bytes(dims, n_ctx, "f16", swa_full=swa_cache == "full")
+        assert estimated == engine.kv_bytes_allocated
+        compute = compute_buffer_bytes(dims, n_ctx, "f16", engine.flash_attn)
+        reported = sum(engine.buffers.compute.values())
+        assert abs(compute - reported) <= 0.25 * reported + 8 * 2**20
+        summary = engine.buffers_summary()
+        assert "compute" in summary and ("window cache" in summary) == (swa_cache == "window")
+    finally:
+        engine.close()
+
+
+def test_plans_choose_the_attention_kernel_and_micro_batch_with_a_reason() -> None:
+    from localchat.catalog import find_model, load_catalog
+    from localchat.estimate import estimate_memory
+    from localchat.hardware import Hardware
+    from localchat.planner import plan_model, sized_candidates
+
+    gib = 1024**3
+    entry = find_model(load_catalog(), "llama-3.2-1b-instruct")
+    candidates = sized_candidates(entry.dims, [(f.quant, f.file, f.size) for f in entry.files])
+    roomy = Hardware(24 * gib, 23 * gib, 2)
+    short = plan_model(entry.name, entry.dims, candidates, roomy, 2048)
+    assert not short.flash_attn and short.n_ubatch == 512  # faster on a CPU at 2k
+    long = plan_model(entry.name, entry.dims, candidates, roomy, 32768)
+    assert long.flash_attn and "flash attention (saves" in long.explanation
+    # Memory between what Q8_0 needs as the engine would run it and with flash attention
+    # and half the micro-batch: those make the better quant fit, and the plan says so.
+    q8 = next(c for c in candidates if c.quant == "Q8_0")
+    default = estimate_memory(entry.dims, q8.weights, 2048, "f16", 0).ram_required
+    frugal = estimate_memory(entry.dims, q8.weights, 2048, "f16", 0, True, 256).ram_required
+    assert frugal < default
+    budget = (default + frugal) / 2
+    free = int((budget + 512 * 2**20) / 0.9)
+    tight = plan_model(entry.name, entry.dims, candidates, Hardware(free, free, 2), 2048)
+    assert tight.quant == "Q8_0" and tight.flash_attn and tight.n_ubatch == 256
+    assert "micro-batch 256 (to fit)" in tight.explanation

@@ -367,6 +367,7 @@ class LocalChatApp(App[int]):
             message.engine.n_ctx,
             message.engine.options.n_gpu_layers,
             message.engine.template.name,
+            message.engine.buffers_summary(),
         )
         self._show_cache(0)
         panel.show_turn_start(f"model loaded in {message.load_s:.2f} s")

@@ -44,12 +44,20 @@ class StatsPanel(Vertical):
         self.query_one(f"#{widget_id}", Static).update(Text(text), layout=layout)
 
     def show_model(
-        self, name: str, quant: str, kv_type: str, n_ctx: int, gpu_layers: int, template: str
+        self,
+        name: str,
+        quant: str,
+        kv_type: str,
+        n_ctx: int,
+        gpu_layers: int,
+        template: str,
+        buffers: str = "",
     ) -> None:
+        """``buffers``: what llama.cpp allocated besides the KV cache, as the engine says."""
         self._set(
             "model-info",
             f"{name}\n{quant} · KV {kv_type} · ctx {n_ctx}\nGPU layers {gpu_layers}"
-            f"\ntemplate: {template}",
+            f"\ntemplate: {template}" + (f"\n{buffers}" if buffers else ""),
             layout=True,
         )
 
