@@ -12,8 +12,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
+from localchat.cpu import physical_cores
 from localchat.gguf_info import read_gguf
-from localchat.hardware import physical_cores
 from localchat.paths import AppPaths
 from localchat.speed import SpeedModel, load_speed_model, machine_name
 

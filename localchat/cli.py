@@ -33,6 +33,7 @@ EXIT_WORLD = 1  # the world failed: network, server, disk
 EXIT_INTERRUPTED = 130
 
 # The model used when none is named and nothing has been downloaded: generated offline.
+DEFAULT_WAIT_S = 5.0  # ask --wait: a busy conversation is usually free within seconds
 DEFAULT_DEMO_SHAPE = "small"
 DEFAULT_DEMO_QUANT = "Q4_K_M"
 
@@ -141,6 +142,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--conversation", metavar="NAME", help="continue (or start) this saved conversation"
     )
     ask.add_argument("--fresh", action="store_true", help="ignore the saved KV cache; re-evaluate")
+    ask.add_argument(
+        "--wait",
+        metavar="SECONDS",
+        type=_non_negative_float,
+        default=DEFAULT_WAIT_S,
+        help=f"wait this long for a conversation another process is answering (default {DEFAULT_WAIT_S:g})",
+    )
     ask.add_argument(
         "--window",
         choices=["auto", "shift", "exact"],
@@ -367,8 +375,9 @@ def _ask_in_conversation(
     window_mode = args.window or settings.window_mode
     try:
         conversation = Conversation.open(
-            store, states, args.conversation, engine, args.system, window_mode=window_mode
-        )
+            store, states, args.conversation, engine, args.system, window_mode=window_mode,
+            wait_s=args.wait,
+        )  # fmt: skip
         try:
             turn = conversation.send(
                 args.message, sampling, args.max_tokens, cancel, fresh=args.fresh

@@ -140,7 +140,9 @@ class Conversation:
         saver: BackgroundSaver | None = None,
         window_mode: str = "auto",
         window_policy: WindowPolicy | None = None,
+        wait_s: float = 0.0,
     ) -> None:
+        """``wait_s``: how long to wait while another process answers in this conversation."""
         resolve_mode(window_mode, True)  # rejects an unknown mode before anything opens
         self.window_mode = window_mode
         self.window_policy = window_policy or WindowPolicy()
@@ -148,7 +150,7 @@ class Conversation:
         self.states = states
         self.record = record
         self.engine = engine
-        self._lock = ConversationLock(states.directory, record.id, record.name)
+        self._lock = ConversationLock(states.directory, record.id, record.name, wait_s)
         self.saver = saver or BackgroundSaver(states)
         self._owns_saver = saver is None
         self.fingerprint = engine.fingerprint
@@ -177,6 +179,7 @@ class Conversation:
         system_prompt: str | None = None,
         saver: BackgroundSaver | None = None,
         window_mode: str = "auto",
+        wait_s: float = 0.0,
     ) -> Conversation:
         """Open ``name``, creating it if new; a given system prompt replaces the stored one."""
         record = store.find(name)
@@ -185,7 +188,7 @@ class Conversation:
         elif system_prompt is not None and system_prompt != record.system_prompt:
             store.update_conversation(record.id, system_prompt=system_prompt)
             record = store.get(name)
-        return cls(store, states, record, engine, saver, window_mode)
+        return cls(store, states, record, engine, saver, window_mode, wait_s=wait_s)
 
     def close(self) -> None:
         if self._owns_saver:

@@ -22,16 +22,15 @@ from pathlib import Path
 from typing import Any
 
 import llama_cpp
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from localchat.chat_formats import ChatFormat, detect_format, format_from_override
 from localchat.chat_template import ChatMessage, ChatTemplate
+from localchat.cpu import physical_cores
 from localchat.errors import ModelLoadError, UsageError
 from localchat.estimate import preferred_flash_attn
 from localchat.gguf_info import GGUFInfo, file_fingerprint, read_gguf
-from localchat.hardware import physical_cores
 from localchat.prompt import PromptBuilder
-from localchat.quants import SWA_CACHE_MODES
+from localchat.quants import GGML_BLOCKS, SWA_CACHE_MODES
 from localchat.reasoning import ReasoningStream, opens_reasoning, split_reasoning
 from localchat.stops import StopFilter
 from localchat.units import format_bytes
@@ -162,7 +161,7 @@ def reported_compute_buffer_bytes() -> int | None:
 
 def kv_type_size(kv_type: str, n_elements: int) -> int:
     """Bytes that ``n_elements`` cache values take in the given KV type."""
-    block, size = GGML_QUANT_SIZES[GGMLQuantizationType[kv_type.upper()]]
+    block, size = GGML_BLOCKS[kv_type.upper()]
     return n_elements * size // block
 
 

@@ -30,7 +30,9 @@ from localchat.quants import bytes_per_weight, parse_tag
 MIB = 1024 * 1024
 N_UBATCH = 512
 CTX_PADDING = 256
-RUNTIME_OVERHEAD_BYTES = 24 * MIB
+# The interpreter-side arrays and llama.cpp allocations not reported as buffers (measured:
+# 3-6 MiB beyond the CPU work buffer, which is counted on its own).
+RUNTIME_OVERHEAD_BYTES = 8 * MIB
 # KV cache element sizes: bytes per value (q8_0: 34 bytes per 32, q4_0: 18 per 32).
 KV_BYTES_PER_VALUE = {"f16": 2.0, "q8_0": 34 / 32, "q4_0": 18 / 32}
 
@@ -95,6 +97,8 @@ def preferred_flash_attn(n_ctx: int, kv_type: str, on_gpu: bool) -> bool:
 
 # Share of a file's bytes in tensor types that get repacked, by quant (catalog entries carry
 # no tensor list): Q4_K_M keeps attn_v/ffn_down halves and the output in Q6_K, and so on.
+# A Q2_K file where Q2_K itself is not repacked (x86 without AVX-512): its Q4_K tensors are.
+Q2_K_SHARE_WITHOUT_ITS_KERNEL = 0.02
 REPACKED_SHARE_BY_QUANT = {"Q4_K_M": 0.70, "Q2_K": 0.55, "Q3_K_M": 0.05, "Q4_0": 0.95}
 
 
@@ -141,7 +145,11 @@ class LayerWeights:
 
     @classmethod
     def from_total(
-        cls, total: int, dims: ModelDims, quant: str = "", repacks: bool = False
+        cls,
+        total: int,
+        dims: ModelDims,
+        quant: str = "",
+        repacks: bool | frozenset[str] = False,
     ) -> LayerWeights:
         """An even split for catalog entries that give only the file size."""
         embeddings = int(total * dims.n_vocab * dims.n_embd / max(1, _approx_params(dims)))
@@ -150,6 +158,8 @@ class LayerWeights:
         tag = parse_tag(quant)  # a vendor tag (UD-Q4_K_XL) repacks like the type it builds on
         base = tag.base if tag else quant
         share = REPACKED_SHARE_BY_QUANT.get(base, 0.0) if repacks else 0.0
+        if base == "Q2_K" and isinstance(repacks, frozenset) and "Q2_K" not in repacks:
+            share = Q2_K_SHARE_WITHOUT_ITS_KERNEL
         repacked_layer = int(layer * share)
         return cls(
             tuple([layer] * dims.n_layer),
@@ -216,15 +226,19 @@ def compute_buffer_bytes(
     kv_type: str = "f16",
     flash_attn: bool | None = None,
     n_ubatch: int = N_UBATCH,
+    n_outputs: int | None = None,
 ) -> int:
     """The largest set of intermediates alive while evaluating one micro-batch (``flash_attn``
-    None: as a quantized cache forces it, else off)."""
+    None: as a quantized cache forces it, else off). llama.cpp reserves logits for every
+    token of a micro-batch (``n_outputs`` None); a chat computes them for the last token
+    only, so with ``n_outputs=1`` this is the part that becomes resident."""
     if flash_attn is None:
         flash_attn = kv_type != "f16"
     ctx = padded_ctx(n_ctx)
     ub = min(n_ubatch, ctx)
+    outputs = ub if n_outputs is None else min(n_outputs, ub)
     activations = 6 * dims.n_embd * ub * 4
-    logits_phase = dims.n_vocab * ub * 4 + 2 * dims.n_embd * ub * 4
+    logits_phase = dims.n_vocab * outputs * 4 + 2 * dims.n_embd * ub * 4
     if not flash_attn:  # the full attention-score matrix is built
         attention_phase = ctx * ub * (dims.n_head + 1) * 4 + activations
     else:  # flash attention: scores stay in tiles
@@ -234,6 +248,15 @@ def compute_buffer_bytes(
             + ctx * dims.n_head_kv * (dims.head_dim_k + dims.head_dim_v) * 2
         )
     return max(logits_phase, attention_phase)
+
+
+def cpu_work_bytes(dims: ModelDims, n_ctx: int, flash_attn: bool, n_ubatch: int = N_UBATCH) -> int:
+    """The CPU backend's work buffer, which llama.cpp does not report: without flash
+    attention the soft-maxed scores (context x micro-batch x heads) are converted to F16 for
+    the product with V (measured: 109 MiB at 8k for the 0.5b shape; 112 predicted)."""
+    if flash_attn:
+        return 0
+    return padded_ctx(n_ctx) * min(n_ubatch, padded_ctx(n_ctx)) * dims.n_head * 2
 
 
 @dataclass(frozen=True)
@@ -297,7 +320,7 @@ def estimate_memory(
     weights_ram = weights.total - weights_vram + repacked
     kv_vram = kv_cache_bytes(dims, n_ctx, kv_type, on_gpu, swa_full, n_ubatch)
     kv_ram = kv_cache_bytes(dims, n_ctx, kv_type, dims.n_layer - on_gpu, swa_full, n_ubatch)
-    compute = compute_buffer_bytes(dims, n_ctx, kv_type, flash_attn, n_ubatch)
+    compute = compute_buffer_bytes(dims, n_ctx, kv_type, flash_attn, n_ubatch, n_outputs=1)
     compute_vram = compute if on_gpu else 0
     # With everything offloaded the CPU keeps a small buffer for the embedding lookup.
     compute_ram = (
@@ -305,6 +328,8 @@ def estimate_memory(
     )
     output_buffer = dims.n_vocab * 4
     other_ram = output_buffer + RUNTIME_OVERHEAD_BYTES
+    if on_gpu < dims.n_layer:  # attention computed on the CPU for some layers
+        other_ram += cpu_work_bytes(dims, n_ctx, flash_attn, n_ubatch)
     return MemoryEstimate(
         weights_ram, weights_vram, kv_ram, kv_vram, compute_ram, compute_vram, other_ram, repacked
     )

@@ -16,9 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, LlamaFileType
-
 from localchat.errors import ModelFileError
+from localchat.quants import FILE_TYPE_IDS, GGML_BLOCKS, GGML_TYPE_IDS
 
 GGUF_MAGIC = b"GGUF"
 SUPPORTED_VERSIONS = (2, 3)
@@ -200,10 +199,9 @@ class GGUFInfo:
         if raw is None:
             return "unknown"
         try:
-            name = LlamaFileType(int(raw)).name
-        except ValueError:
+            return FILE_TYPE_IDS.get(int(raw), f"type-{raw}")
+        except (TypeError, ValueError):
             return f"type-{raw}"
-        return name.removeprefix("MOSTLY_").removeprefix("ALL_")
 
     @property
     def chat_template(self) -> str | None:
@@ -241,7 +239,7 @@ def _first_int(value: Any) -> int:
 
 
 def tensor_bytes(ggml_type: int, n_elements: int) -> int:
-    block_size, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(ggml_type)]
+    block_size, type_size = GGML_BLOCKS[GGML_TYPE_IDS[ggml_type]]
     return n_elements // block_size * type_size
 
 
@@ -333,15 +331,14 @@ def parse_header(source: ByteSource, label: str) -> GGUFInfo:
         shape = tuple(reader.u64() for _ in range(n_dims))
         type_id = reader.u32()
         offset = reader.u64()
-        try:
-            qtype = GGMLQuantizationType(type_id)
-        except ValueError:
-            raise ModelFileError(f"{label}: tensor {name} has unknown type {type_id}") from None
+        type_name = GGML_TYPE_IDS.get(type_id)
+        if type_name is None:
+            raise ModelFileError(f"{label}: tensor {name} has unknown type {type_id}")
         n_elements = 1
         for dim in shape:
             n_elements *= dim
         tensors.append(
-            TensorInfo(name, shape, qtype.name, offset, tensor_bytes(type_id, n_elements))
+            TensorInfo(name, shape, type_name, offset, tensor_bytes(type_id, n_elements))
         )
     alignment = int(metadata.get("general.alignment", DEFAULT_ALIGNMENT))
     if alignment <= 0 or alignment & (alignment - 1):

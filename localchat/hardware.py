@@ -5,7 +5,6 @@ Detection never fails: a missing tool or library means "no GPU", with a note say
 
 from __future__ import annotations
 
-import os
 import platform
 import shutil
 import subprocess
@@ -13,6 +12,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import psutil
+
+from localchat.cpu import physical_cores
 
 GPU_NONE = "none"
 GPU_NVIDIA = "nvidia"
@@ -36,11 +37,6 @@ class Hardware:
     def unified_memory(self) -> bool:
         """Apple Silicon: the GPU uses the same RAM, so RAM and VRAM are one budget."""
         return self.gpu == GPU_APPLE
-
-
-def physical_cores() -> int:
-    """Physical cores: llama.cpp runs fastest with one thread per physical core."""
-    return psutil.cpu_count(logical=False) or os.cpu_count() or 1
 
 
 def detect_hardware() -> Hardware:
@@ -129,7 +125,10 @@ def _nvml_bandwidth(handle: object) -> float:
         return 0.0
 
 
-X86_REPACKED = frozenset({"Q4_0", "Q4_K", "Q2_K", "IQ4_NL"})
+X86_REPACKED = frozenset({"Q4_0", "Q4_K", "IQ4_NL"})
+# Q2_K's interleaved kernels need AVX-512: with AVX2 alone llama.cpp leaves Q2_K as it is
+# (measured: 9 of a Q2_K file's 413 MiB went to CPU_REPACK, its Q4_K tensors).
+X86_AVX512_REPACKED = X86_REPACKED | {"Q2_K"}
 ARM_REPACKED = frozenset({"Q4_0", "IQ4_NL"})
 
 
@@ -138,7 +137,10 @@ def repacked_weight_types() -> frozenset[str]:
     need an interleaved copy). x86 with AVX2 and ARM with NEON dot products have them."""
     machine = platform.machine().lower()
     if machine in ("x86_64", "amd64"):
-        return X86_REPACKED if "avx2" in _cpu_flags() else frozenset()
+        flags = _cpu_flags()
+        if "avx512f" in flags:
+            return X86_AVX512_REPACKED
+        return X86_REPACKED if "avx2" in flags else frozenset()
     if machine in ("arm64", "aarch64"):
         return ARM_REPACKED
     return frozenset()

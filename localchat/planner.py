@@ -443,7 +443,7 @@ def sized_candidates(dims: ModelDims, files: Iterable[tuple[str, str, int]]) -> 
     """Candidates known only by (quant, file name, size): catalog entries and hub listings.
     A file listed without a size is sized from a sibling's by their bytes per weight (or from
     the shape alone when no sibling has a size)."""
-    repacks = bool(repacked_weight_types())
+    repacks = repacked_weight_types()
     listed = list(files)
     reference = next(
         ((q, size) for q, _n, size in listed if size > 0 and bytes_per_weight(q)), None

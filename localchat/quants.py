@@ -109,35 +109,60 @@ def is_good_enough(tag: str) -> bool:
     return quality_rank(tag) <= QUALITY_ORDER.index(GOOD_ENOUGH)
 
 
-# Each ggml weight type's block: (weights, bytes). The same numbers as gguf's
-# GGML_QUANT_SIZES (a test holds them equal); kept here so this leaf loads no numpy.
+# Each ggml type's block: (weights, bytes), by name, and the ids GGUF files use for the types
+# and for file types. The same numbers as gguf-py's GGML_QUANT_SIZES, GGMLQuantizationType
+# and LlamaFileType (a test holds them equal); kept here so readers load no numpy.
 GGML_BLOCKS: dict[str, tuple[int, int]] = {
     "F32": (1, 4),
     "F16": (1, 2),
-    "BF16": (1, 2),
-    "Q8_0": (32, 34),
-    "Q6_K": (256, 210),
-    "Q5_K": (256, 176),
-    "Q5_1": (32, 24),
-    "Q5_0": (32, 22),
-    "Q4_K": (256, 144),
-    "Q4_1": (32, 20),
     "Q4_0": (32, 18),
-    "MXFP4": (32, 17),
-    "IQ4_NL": (32, 18),
-    "IQ4_XS": (256, 136),
-    "Q3_K": (256, 110),
-    "IQ3_S": (256, 110),
-    "IQ3_XXS": (256, 98),
+    "Q4_1": (32, 20),
+    "Q5_0": (32, 22),
+    "Q5_1": (32, 24),
+    "Q8_0": (32, 34),
+    "Q8_1": (32, 40),
     "Q2_K": (256, 84),
-    "IQ2_S": (256, 82),
-    "IQ2_XS": (256, 74),
+    "Q3_K": (256, 110),
+    "Q4_K": (256, 144),
+    "Q5_K": (256, 176),
+    "Q6_K": (256, 210),
+    "Q8_K": (256, 292),
     "IQ2_XXS": (256, 66),
-    "TQ2_0": (256, 66),
-    "IQ1_M": (256, 56),
-    "TQ1_0": (256, 54),
+    "IQ2_XS": (256, 74),
+    "IQ3_XXS": (256, 98),
     "IQ1_S": (256, 50),
+    "IQ4_NL": (32, 18),
+    "IQ3_S": (256, 110),
+    "IQ2_S": (256, 82),
+    "IQ4_XS": (256, 136),
+    "I8": (1, 1),
+    "I16": (1, 2),
+    "I32": (1, 4),
+    "I64": (1, 8),
+    "F64": (1, 8),
+    "IQ1_M": (256, 56),
+    "BF16": (1, 2),
+    "TQ1_0": (256, 54),
+    "TQ2_0": (256, 66),
+    "MXFP4": (32, 17),
+    "NVFP4": (64, 36),
+    "Q1_0": (128, 18),
 }
+GGML_TYPE_IDS: dict[int, str] = {
+    0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0", 9: "Q8_1",
+    10: "Q2_K", 11: "Q3_K", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K", 15: "Q8_K", 16: "IQ2_XXS",
+    17: "IQ2_XS", 18: "IQ3_XXS", 19: "IQ1_S", 20: "IQ4_NL", 21: "IQ3_S", 22: "IQ2_S",
+    23: "IQ4_XS", 24: "I8", 25: "I16", 26: "I32", 27: "I64", 28: "F64", 29: "IQ1_M",
+    30: "BF16", 34: "TQ1_0", 35: "TQ2_0", 39: "MXFP4", 40: "NVFP4", 41: "Q1_0",
+}  # fmt: skip
+FILE_TYPE_IDS: dict[int, str] = {
+    0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 7: "Q8_0", 8: "Q5_0", 9: "Q5_1", 10: "Q2_K",
+    11: "Q3_K_S", 12: "Q3_K_M", 13: "Q3_K_L", 14: "Q4_K_S", 15: "Q4_K_M", 16: "Q5_K_S",
+    17: "Q5_K_M", 18: "Q6_K", 19: "IQ2_XXS", 20: "IQ2_XS", 21: "Q2_K_S", 22: "IQ3_XS",
+    23: "IQ3_XXS", 24: "IQ1_S", 25: "IQ4_NL", 26: "IQ3_S", 27: "IQ3_M", 28: "IQ2_S",
+    29: "IQ2_M", 30: "IQ4_XS", 31: "IQ1_M", 32: "BF16", 36: "TQ1_0", 37: "TQ2_0",
+    38: "MXFP4_MOE", 39: "NVFP4", 40: "Q1_0", 1024: "GUESSED",
+}  # fmt: skip
 
 # The weight type most of a file type's matrices are in, as llama.cpp's quantizer picks it
 # (Q4_K_M: Q4_K, with attn_v and half of ffn_down a step up in Q6_K; IQ2_M: IQ2_S).

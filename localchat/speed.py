@@ -21,7 +21,7 @@ from importlib import metadata
 from pathlib import Path
 
 from localchat.atomic import write_atomic
-from localchat.hardware import physical_cores
+from localchat.cpu import physical_cores
 from localchat.quants import MAIN_WEIGHT_TYPE, parse_tag
 
 SPEED_FILE_VERSION = 1

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from localchat.errors import LocalchatError, UsageError
+from localchat.locks import exclusive
 from localchat.paths import ensure_private_dir
 
 
@@ -55,10 +56,25 @@ class MessageRecord:
 
 
 def _run_script(db: sqlite3.Connection, script: str) -> None:
-    """Statement by statement: ``executescript`` would commit the migration's transaction."""
-    for statement in script.split(";"):
-        if statement.strip():
-            db.execute(statement)
+    """Statement by statement (``executescript`` would commit the migration's transaction),
+    each one whole as SQLite reads it: a ``;`` inside a string or a trigger body stays."""
+    for statement in sql_statements(script):
+        db.execute(statement)
+
+
+def sql_statements(script: str) -> list[str]:
+    """The complete statements of ``script``, in order."""
+    statements: list[str] = []
+    pending = ""
+    for piece in script.split(";"):
+        pending += piece + ";"
+        if sqlite3.complete_statement(pending):
+            if pending.strip(" \n\t;"):
+                statements.append(pending.strip())
+            pending = ""
+    if pending.strip(" \n\t;"):
+        raise ValueError(f"an incomplete SQL statement: {pending.strip()[:60]}")
+    return statements
 
 
 def _create_base(db: sqlite3.Connection) -> None:
@@ -166,19 +182,33 @@ class Store:
         self.path = path
         try:
             ensure_private_dir(path.parent)
-            if not path.exists():
-                # Created readable by the user only before SQLite opens it.
-                os.close(os.open(path, os.O_CREAT | os.O_WRONLY, 0o600))
-            self._lock = threading.RLock()
-            self.db = sqlite3.connect(
-                path, timeout=10.0, isolation_level=None, check_same_thread=False
-            )
-            self.db.row_factory = sqlite3.Row
-            self.db.execute("PRAGMA journal_mode=WAL")
-            self.db.execute("PRAGMA foreign_keys=ON")
-            self.db.execute("PRAGMA synchronous=NORMAL")
-            self._migrate()
-        except (OSError, sqlite3.Error) as exc:
+            # Two processes starting together on a new data directory: one creates the
+            # database and migrates it while the other waits (switching a new database to
+            # WAL is not covered by SQLite's busy timeout).
+            with exclusive(path.parent / f".{path.name}.lock"):
+                if not path.exists():
+                    # Created readable by the user only before SQLite opens it.
+                    os.close(os.open(path, os.O_CREAT | os.O_WRONLY, 0o600))
+                self._lock = threading.RLock()
+                self.db = sqlite3.connect(
+                    path, timeout=10.0, isolation_level=None, check_same_thread=False
+                )
+                self.db.row_factory = sqlite3.Row
+                self.db.execute("PRAGMA journal_mode=WAL")
+                self.db.execute("PRAGMA foreign_keys=ON")
+                self.db.execute("PRAGMA synchronous=NORMAL")
+                self._migrate()
+        except sqlite3.DatabaseError as exc:
+            if "not a database" in str(exc) or "malformed" in str(exc):
+                raise LocalchatError(
+                    f"the conversation database {path} is damaged ({exc}); it was left as it"
+                    " is — move it aside to start a new one, or restore it from a backup"
+                ) from None
+            raise LocalchatError(
+                f"cannot open the conversation database {path}: {exc}; check that the data"
+                " directory is writable (or set LOCALCHAT_HOME)"
+            ) from None
+        except OSError as exc:
             raise LocalchatError(
                 f"cannot open the conversation database {path}: {exc}; check that the data"
                 " directory is writable (or set LOCALCHAT_HOME)"

@@ -164,14 +164,27 @@ def test_plans_choose_the_attention_kernel_and_micro_batch_with_a_reason() -> No
     assert not short.flash_attn and short.n_ubatch == 512  # faster on a CPU at 2k
     long = plan_model(entry.name, entry.dims, candidates, roomy, 32768)
     assert long.flash_attn and "flash attention (saves" in long.explanation
-    # Memory between what Q8_0 needs as the engine would run it and with flash attention
-    # and half the micro-batch: those make the better quant fit, and the plan says so.
+    # Memory between what Q8_0 needs as the engine would run it and with flash attention:
+    # that makes the better quant fit, and the plan says so; tighter still, a q8_0 cache or
+    # half the micro-batch.
     q8 = next(c for c in candidates if c.quant == "Q8_0")
-    default = estimate_memory(entry.dims, q8.weights, 2048, "f16", 0).ram_required
-    frugal = estimate_memory(entry.dims, q8.weights, 2048, "f16", 0, True, 256).ram_required
-    assert frugal < default
-    budget = (default + frugal) / 2
-    free = int((budget + 512 * 2**20) / 0.9)
-    tight = plan_model(entry.name, entry.dims, candidates, Hardware(free, free, 2), 2048)
-    assert tight.quant == "Q8_0" and tight.flash_attn and tight.n_ubatch == 256
-    assert "micro-batch 256 (to fit)" in tight.explanation
+
+    def needs(flash_attn: bool | None, n_ubatch: int) -> int:
+        estimate = estimate_memory(entry.dims, q8.weights, 2048, "f16", 0, flash_attn, n_ubatch)
+        return estimate.ram_required
+
+    def machine(budget: float) -> Hardware:
+        free = int((budget + 512 * 2**20) / 0.9)
+        return Hardware(free, free, 2)
+
+    assert needs(True, 256) < needs(True, 512) < needs(None, 512)
+    fa = plan_model(
+        entry.name, entry.dims, candidates, machine((needs(None, 512) + needs(True, 512)) / 2), 2048
+    )
+    assert (fa.quant, fa.flash_attn, fa.n_ubatch) == ("Q8_0", True, 512)
+    assert "flash attention (to fit)" in fa.explanation
+    tighter = plan_model(
+        entry.name, entry.dims, candidates, machine((needs(True, 512) + needs(True, 256)) / 2), 2048
+    )
+    assert tighter.quant == "Q8_0" and (tighter.kv_type == "q8_0" or tighter.n_ubatch == 256)
+    assert "KV q8_0" in tighter.explanation or "micro-batch 256 (to fit)" in tighter.explanation
