@@ -62,7 +62,10 @@ def solve_costs(files: list[tuple[dict[str, int], float]], overhead_s: float) ->
         unknown = unknown_of(by_type)
         explained = sum(n * costs.get(t, 0.0) for t, n in by_type.items() if t not in unknown)
         if unknown:
-            cost = max(seconds - overhead_s - explained, 0.0) / sum(unknown.values())
+            left = seconds - overhead_s - explained
+            if left <= 0:  # a noisy round (a busy machine): never a free type, so no overhead
+                left = seconds * sum(unknown.values()) / max(1, sum(by_type.values()))
+            cost = left / sum(unknown.values())
             for weight_type in (*unknown, *(TIED_TYPES.get(t, t) for t in unknown)):
                 costs[weight_type] = cost
     return costs

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 
 from localchat import __version__
 from localchat.demo import QUANTS, SHAPES, TOKENIZERS, ensure_demo_model, make_demo_model
-from localchat.errors import LocalchatError, UsageError, WorldError
+from localchat.errors import LocalchatError, UsageError, WorldError, one_line
 from localchat.paths import app_paths
 from localchat.text import printable
 
@@ -700,8 +700,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BrokenPipeError:
         return 0
     except OSError as exc:  # the disk or the system failed: one line, never a traceback
-        where = f" ({exc.filename})" if exc.filename else ""
-        print(f"localchat: error: {exc.strerror or exc}{where}", file=sys.stderr)
+        print(f"localchat: error: {one_line(exc)}", file=sys.stderr)
         return EXIT_WORLD
 
 

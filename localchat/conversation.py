@@ -246,6 +246,7 @@ class Conversation:
         record = self.store.add_message(self.record.id, "user", text)
         user = Exchange(record, ChatMessage("user", text))
         self.exchanges.append(user)
+        window_before = self.window_first
         try:
             messages = self.window_messages()
             held = self._held_tokens(fresh)
@@ -259,9 +260,15 @@ class Conversation:
             generation = self.engine.generate(prompt.tokens, sampling, max_tokens, cancel)
         except BaseException:
             self._loaded = None
-            # The turn never started: the message is handed back to the caller, not kept twice.
+            # The turn never started: the message is handed back to the caller, not kept twice,
+            # and the window is where it was. A cache the window move shifted no longer holds
+            # what the transcript says: it is dropped (the saved state still holds the last
+            # turn, so the next one restores it).
             self.exchanges.remove(user)
             self.store.delete_messages_from(self.record.id, record.seq)
+            if self.window_first != window_before:
+                self.window_first = window_before
+                self.engine.reset()
             raise
         turn = ConversationTurn(self, user, prompt, generation, restore, started, window, messages)
         if window.dropped_messages:

@@ -21,3 +21,12 @@ class UsageError(LocalchatError):
 
 class WorldError(LocalchatError):
     """Not the user's mistake: the network, a server or the disk failed (exit code 1)."""
+
+
+def one_line(error: BaseException) -> str:
+    """What an error says, in one line: a system error with the file it is about."""
+    if isinstance(error, OSError) and not isinstance(error, LocalchatError):
+        where = f" ({error.filename})" if error.filename else ""
+        return f"{error.strerror or error}{where}"
+    text = " ".join(str(error).split())
+    return text or type(error).__name__

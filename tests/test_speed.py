@@ -160,10 +160,16 @@ def test_the_speed_setting_is_read_and_checked(
     settings = app_paths().settings_file
     settings.parent.mkdir(parents=True, exist_ok=True)
     settings.write_text("min_tokens_per_s = 0.5\n")
-    assert main(["hw", "--json"]) == 0
+    assert main(["hw", "--json", "--ram", "20GiB"]) == 0  # a given machine: every Q8_0 fits
     plans = json.loads(capsys.readouterr().out)["plans"]
     # Everything is fast enough at half a token a second: the best quality, Q8_0, each time.
     assert all(p["quant"] == "Q8_0" for p in plans if p["fits"])
     settings.write_text('min_tokens_per_s = "fast"\n')
     assert main(["hw"]) == 2
     assert "min_tokens_per_s must be a non-negative number" in capsys.readouterr().err
+
+
+def test_a_noisy_round_never_makes_a_weight_type_free() -> None:
+    # The fixed cost measured high (a busy moment): the files alone still price each type.
+    solved = solve_costs([({"F16": 100}, 5.0), ({"Q8_0": 50}, 2.0)], overhead_s=8.0)
+    assert solved["F16"] == pytest.approx(0.05) and solved["Q8_0"] == pytest.approx(0.04)

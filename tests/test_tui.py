@@ -300,3 +300,59 @@ async def test_after_demo_a_plain_start_reopens_the_demo_model(
         await ready(pilot, second, seen)  # loaded and the conversation shown, no download
         assert second.engine is not None and second.engine.model_path == demo_path
         assert second.conversation is not None and len(second.conversation.exchanges) == 2
+
+
+async def test_reply_messages_carry_copies_of_the_stats(tiny_model: Path) -> None:
+    seen: list[Message] = []
+    app = LocalChatApp(tiny_model, n_ctx=512, max_tokens=24, sampling=GREEDY)
+    async with app.run_test(message_hook=seen.append) as pilot:
+        await ready(pilot, app, seen)
+        finished = await say(pilot, seen, "hello there")
+        chunks = [m for m in seen if isinstance(m, ReplyChunk)]
+        assert chunks
+        live = finished.turn.stats
+        assert all(c.stats is not live for c in chunks) and finished.stats is not live
+        assert len({id(c.stats) for c in chunks}) == len(chunks)
+        assert finished.stats == live  # a copy of what the turn ended with
+
+
+async def test_a_broken_models_toml_on_f3_is_a_notice_not_an_exit(tiny_model: Path) -> None:
+    from localchat.paths import app_paths
+
+    catalog = app_paths().user_catalog
+    catalog.parent.mkdir(parents=True, exist_ok=True)
+    catalog.write_text('[[model]]\nname = "x"\nrepo = [broken\n')
+    seen: list[Message] = []
+    app = LocalChatApp(tiny_model, n_ctx=512, max_tokens=4, sampling=GREEDY)
+    async with app.run_test(message_hook=seen.append) as pilot:
+        await ready(pilot, app, seen)
+        await pilot.press("f3")
+        for _ in range(100):
+            await pilot.pause(0.05)
+            report = str(app.screen.query_one("#hardware-report", Static).render())
+            if "detecting" not in report:
+                break
+        assert app.is_running
+        assert "models.toml" in report, report
+
+
+async def test_a_worker_that_fails_unexpectedly_leaves_a_notice_and_the_app_up(
+    tiny_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def disk_failure(*_args: object, **_kwargs: object) -> object:
+        raise PermissionError(13, "Permission denied", "/data/[bold]models[/bold].toml")
+
+    monkeypatch.setattr("localchat.tui.screens.hardware.detect_hardware", disk_failure)
+    seen: list[Message] = []
+    app = LocalChatApp(tiny_model, n_ctx=512, max_tokens=4, sampling=GREEDY)
+    async with app.run_test(message_hook=seen.append) as pilot:
+        await ready(pilot, app, seen)
+        await pilot.press("f3")
+        for _ in range(100):
+            await pilot.pause(0.05)
+            if app._notifications:
+                break
+        assert app.is_running
+        notes = [n.message for n in app._notifications]
+        assert any("Permission denied (/data/[bold]models[/bold].toml)" in n for n in notes), notes
+        assert all(not n.markup for n in app._notifications)

@@ -173,3 +173,40 @@ def test_shift_is_only_used_where_safe() -> None:
     assert resolve_mode("shift", True) == "shift"
     with pytest.raises(UsageError, match="unknown window mode"):
         resolve_mode("sideways", True)
+
+
+def test_a_turn_that_fails_after_the_window_moved_leaves_everything_as_it_was(
+    tmp_path: Path, tiny_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from localchat.errors import ModelLoadError
+
+    steady = _open(tmp_path / "a", tiny_model, "steady")
+    failing = _open(tmp_path / "b", tiny_model, "failing")
+    i = 0
+    while True:  # both fill their window; the next message would move it
+        a, b = _turn(steady, _message(i)), _turn(failing, _message(i))
+        assert a.generation.text == b.generation.text
+        i += 1
+        if a.window.dropped_messages:
+            break
+    failing.saver.wait(30)  # the last turn's state is on disk, as seconds after a reply
+    before = (failing.window_first, len(failing.exchanges), failing.engine.cached_tokens)
+    stored = [m.content for m in failing.store.messages(failing.record.id)]
+    calls = {"n": 0}
+    real_generate = failing.engine.generate
+
+    def broken_generate(*args: object, **kwargs: object) -> object:
+        calls["n"] += 1
+        raise ModelLoadError("llama.cpp could not start the turn (injected)")
+
+    monkeypatch.setattr(failing.engine, "generate", broken_generate)
+    text = _message(i) + " " + "and a long tail of words that moves the window " * 4
+    with pytest.raises(ModelLoadError, match="injected"):
+        failing.send(text, GREEDY, 24)
+    assert calls["n"] == 1
+    assert (failing.window_first, len(failing.exchanges)) == before[:2]
+    assert [m.content for m in failing.store.messages(failing.record.id)] == stored
+    monkeypatch.setattr(failing.engine, "generate", real_generate)
+    # The retry gives what the conversation that never failed gives.
+    assert _turn(failing, text).generation.text == _turn(steady, text).generation.text
+    assert failing.window_first == steady.window_first

@@ -10,6 +10,7 @@ import signal
 import threading
 import time
 from collections.abc import Iterable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -17,6 +18,7 @@ from textual import on, work
 from textual.app import App, ComposeResult, SystemCommand
 from textual.binding import Binding, BindingType
 from textual.containers import Horizontal, Vertical, VerticalScroll
+from textual.notifications import SeverityLevel
 from textual.screen import Screen
 from textual.widgets import Footer, Header, Markdown
 from textual.widgets.markdown import MarkdownStream
@@ -27,7 +29,7 @@ from localchat.compute_thread import run_compute
 from localchat.conversation import Conversation, ConversationTurn
 from localchat.demo import demo_model_path, ensure_demo_model
 from localchat.engine import Engine, LoadOptions, Sampling
-from localchat.errors import LocalchatError
+from localchat.errors import LocalchatError, one_line
 from localchat.hardware import detect_hardware
 from localchat.hub import DownloadCancelled, HubError
 from localchat.kvstate import StateStore
@@ -63,6 +65,7 @@ from localchat.tui.widgets.chat_message import (
 )
 from localchat.tui.widgets.prompt_input import PromptInput
 from localchat.tui.widgets.stats_panel import StatsPanel
+from localchat.tui.worker_failures import ReportsWorkerFailures
 from localchat.units import count
 
 # How long quitting waits for a reply being written to stop and be committed.
@@ -113,7 +116,7 @@ _BINDINGS: list[Binding] = [
 _CHAT_ACTIONS = frozenset(b.action for b in _BINDINGS if b.action != "quit")
 
 
-class LocalChatApp(App[int]):
+class LocalChatApp(ReportsWorkerFailures, App[int]):
     CSS_PATH = "app.tcss"
     TITLE = "localchat"
     BINDINGS: ClassVar[list[BindingType]] = list(_BINDINGS)
@@ -187,12 +190,24 @@ class LocalChatApp(App[int]):
         self.choose_model()
         self.warm_up()
 
+    def notify(
+        self,
+        message: str,
+        *,
+        title: str = "",
+        severity: SeverityLevel = "information",
+        timeout: float | None = None,
+        markup: bool = False,
+    ) -> None:
+        """Notices carry outside text (errors, file names, model output): never markup."""
+        super().notify(message, title=title, severity=severity, timeout=timeout, markup=False)
+
     # -- workers (thread): they only post messages -------------------------------------
-    @work(thread=True, exclusive=True, group="warm-up")
+    @work(thread=True, exit_on_error=False, exclusive=True, group="warm-up")
     def warm_up(self) -> None:
         warm_up_markdown()
 
-    @work(thread=True, exclusive=True, group="model")
+    @work(thread=True, exit_on_error=False, exclusive=True, group="model")
     def choose_model(self) -> None:
         """Find the model to run: the one asked for, the last one used, or a first download."""
         paths = app_paths()
@@ -247,24 +262,24 @@ class LocalChatApp(App[int]):
                 return Path(row.path or "")
         return Path(rows[0].path or "") if rows else None
 
-    @work(thread=True, exclusive=True, group="model")
+    @work(thread=True, exit_on_error=False, exclusive=True, group="model")
     def load_model(self, path: Path) -> None:
         start = time.perf_counter()
-        template = self.template or catalog_template(path, app_paths().user_catalog)
-        options = LoadOptions(
-            n_ctx=self.n_ctx,
-            kv_type=self.settings.kv_type,
-            template=template,
-            swa_cache=self.settings.swa_cache,
-        )
         try:
+            template = self.template or catalog_template(path, app_paths().user_catalog)
+            options = LoadOptions(
+                n_ctx=self.n_ctx,
+                kv_type=self.settings.kv_type,
+                template=template,
+                swa_cache=self.settings.swa_cache,
+            )
             engine = run_compute(Engine, path, options)
-        except LocalchatError as exc:
-            self.post_message(ModelLoadFailed(str(exc)))
+        except (LocalchatError, OSError) as exc:  # a broken catalog, an unreadable file
+            self.post_message(ModelLoadFailed(one_line(exc)))
             return
         self.post_message(ModelLoaded(engine, time.perf_counter() - start))
 
-    @work(thread=True, exclusive=True, group="generate")
+    @work(thread=True, exit_on_error=False, exclusive=True, group="generate")
     def generate(self, conversation: Conversation, text: str) -> None:
         run_compute(self._run_turn, conversation, text)
 
@@ -296,15 +311,15 @@ class LocalChatApp(App[int]):
                 now = time.perf_counter()
                 if now - last_post >= CHUNK_INTERVAL_S:
                     kv_tokens = len(engine.cached_tokens)
-                    self.post_message(ReplyChunk(pending, turn.stats, kv_tokens, thinking))
+                    self.post_message(ReplyChunk(pending, replace(turn.stats), kv_tokens, thinking))
                     pending = thinking = ""
                     last_post = now
         except Exception as exc:
             self.notify(f"generation failed: {exc}", severity="error", timeout=15)
         if pending or thinking:
             kv_tokens = len(engine.cached_tokens)
-            self.post_message(ReplyChunk(pending, turn.stats, kv_tokens, thinking))
-        self.post_message(ReplyFinished(turn.stats, len(engine.cached_tokens), turn))
+            self.post_message(ReplyChunk(pending, replace(turn.stats), kv_tokens, thinking))
+        self.post_message(ReplyFinished(replace(turn.stats), len(engine.cached_tokens), turn))
 
     # -- model lifecycle (app thread) ----------------------------------------------------
     def on_startup_notice(self, message: StartupNotice) -> None:

@@ -26,7 +26,7 @@ class ModelLoadFailed(Message):
 @dataclass
 class ReplyChunk(Message):
     """Text generated since the last chunk (the answer, and a reasoning model's thinking
-    apart), with the stats so far."""
+    apart), with a copy of the stats so far (the worker keeps changing its own)."""
 
     text: str
     stats: TurnStats
@@ -36,6 +36,8 @@ class ReplyChunk(Message):
 
 @dataclass
 class ReplyFinished(Message):
+    """The turn is over; ``stats`` is a copy taken when it ended."""
+
     stats: TurnStats
     kv_tokens: int
     turn: ConversationTurn

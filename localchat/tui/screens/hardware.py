@@ -13,13 +13,15 @@ from textual.screen import ModalScreen
 from textual.widgets import Label, Static
 
 from localchat.catalog import load_catalog
+from localchat.errors import LocalchatError, one_line
 from localchat.hardware import detect_hardware
 from localchat.paths import app_paths
 from localchat.planner import format_hardware_report, plan_catalog
 from localchat.speed import load_speed_model
+from localchat.tui.worker_failures import ReportsWorkerFailures
 
 
-class HardwareScreen(ModalScreen[None]):
+class HardwareScreen(ReportsWorkerFailures, ModalScreen[None]):
     BINDINGS: ClassVar[list[BindingType]] = [
         Binding("escape", "close", "Close", id="hardware-close")
     ]
@@ -36,13 +38,18 @@ class HardwareScreen(ModalScreen[None]):
     def on_mount(self) -> None:
         self.detect()
 
-    @work(thread=True, exclusive=True)
+    @work(thread=True, exit_on_error=False, exclusive=True)
     def detect(self) -> None:
         hardware = detect_hardware()
         paths = app_paths()
         speed = load_speed_model(paths.speed_calibration)
-        plans = plan_catalog(load_catalog(paths.user_catalog), hardware, speed=speed)
-        report = format_hardware_report(hardware, plans)
+        try:
+            plans = plan_catalog(load_catalog(paths.user_catalog), hardware, speed=speed)
+        except (LocalchatError, OSError) as exc:  # a broken models.toml: say so, plan nothing
+            plans = []
+            report = format_hardware_report(hardware, plans) + f"\n{one_line(exc)}\n"
+        else:
+            report = format_hardware_report(hardware, plans)
         if speed is None:
             report += "\n(speeds not measured yet: `localchat hw` measures them once)\n"
         self.app.call_from_thread(self.query_one("#hardware-report", Static).update, Text(report))

@@ -27,6 +27,7 @@ from localchat.library import Library, ModelRow
 from localchat.paths import app_paths
 from localchat.planner import format_tps
 from localchat.tui.screens.text_prompt import TextPromptScreen
+from localchat.tui.worker_failures import ReportsWorkerFailures
 from localchat.units import format_bytes
 
 
@@ -46,7 +47,7 @@ class DownloadFinished(Message):
     error: str | None
 
 
-class ModelsScreen(ModalScreen[Path | None]):
+class ModelsScreen(ReportsWorkerFailures, ModalScreen[Path | None]):
     BINDINGS: ClassVar[list[BindingType]] = [
         Binding("escape", "close", "Close / cancel download", id="models-close"),
         Binding("enter", "pick", "Download or switch", id="models-pick", priority=True),
@@ -80,7 +81,7 @@ class ModelsScreen(ModalScreen[Path | None]):
         table.focus()
         self.load_rows()
 
-    @work(thread=True, exclusive=True, group="models-rows")
+    @work(thread=True, exit_on_error=False, exclusive=True, group="models-rows")
     def load_rows(self) -> None:
         try:
             self.library = self.library or Library(app_paths(), self.hardware or detect_hardware())
@@ -143,7 +144,7 @@ class ModelsScreen(ModalScreen[Path | None]):
         self.query_one("#download-bar").display = True
         self.download(f"{row.model}:{row.quant}")
 
-    @work(thread=True, exclusive=True, group="models-download")
+    @work(thread=True, exit_on_error=False, exclusive=True, group="models-download")
     def download(self, spec: str) -> None:
         assert self.library is not None
         try:
