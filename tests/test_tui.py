@@ -356,3 +356,28 @@ async def test_a_worker_that_fails_unexpectedly_leaves_a_notice_and_the_app_up(
         notes = [n.message for n in app._notifications]
         assert any("Permission denied (/data/[bold]models[/bold].toml)" in n for n in notes), notes
         assert all(not n.markup for n in app._notifications)
+
+
+async def test_the_hardware_screen_plans_with_the_speed_setting(
+    tiny_model: Path, calibrated: object
+) -> None:
+    from localchat.paths import app_paths
+
+    reports = {}
+    for wanted in ("0.5", "500"):
+        settings = app_paths().settings_file
+        settings.parent.mkdir(parents=True, exist_ok=True)
+        settings.write_text(f"min_tokens_per_s = {wanted}\n")
+        seen: list[Message] = []
+        app = LocalChatApp(tiny_model, n_ctx=512, max_tokens=4, sampling=GREEDY)
+        async with app.run_test(message_hook=seen.append) as pilot:
+            await ready(pilot, app, seen)
+            await pilot.press("f3")
+            for _ in range(100):
+                await pilot.pause(0.05)
+                report = str(app.screen.query_one("#hardware-report", Static).render())
+                if "detecting" not in report:
+                    break
+            reports[wanted] = report
+    assert "tok/s here" in reports["0.5"] and "under the 500 tok/s wanted" in reports["500"]
+    assert "under the" not in reports["0.5"]

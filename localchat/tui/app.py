@@ -588,10 +588,10 @@ class LocalChatApp(ReportsWorkerFailures, App[int]):
                 self.sub_title = f"loading {path.name}…"
                 self.load_model(path)
 
-        self.push_screen(ModelsScreen(), switch)
+        self.push_screen(ModelsScreen(min_tps=self.settings.min_tokens_per_s), switch)
 
     def action_hardware(self) -> None:
-        self.push_screen(HardwareScreen())
+        self.push_screen(HardwareScreen(self.settings.min_tokens_per_s))
 
     def action_help(self) -> None:
         self.push_screen(HelpScreen(_BINDINGS))

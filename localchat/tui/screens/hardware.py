@@ -16,7 +16,7 @@ from localchat.catalog import load_catalog
 from localchat.errors import LocalchatError, one_line
 from localchat.hardware import detect_hardware
 from localchat.paths import app_paths
-from localchat.planner import format_hardware_report, plan_catalog
+from localchat.planner import MIN_TOKENS_PER_S, format_hardware_report, plan_catalog
 from localchat.speed import load_speed_model
 from localchat.tui.worker_failures import ReportsWorkerFailures
 
@@ -26,8 +26,9 @@ class HardwareScreen(ReportsWorkerFailures, ModalScreen[None]):
         Binding("escape", "close", "Close", id="hardware-close")
     ]
 
-    def __init__(self) -> None:
+    def __init__(self, min_tps: float = MIN_TOKENS_PER_S) -> None:
         super().__init__(classes="dialog-screen")
+        self.min_tps = min_tps  # the user's min_tokens_per_s setting
 
     def compose(self) -> ComposeResult:
         with VerticalScroll(classes="dialog wide"):
@@ -44,7 +45,8 @@ class HardwareScreen(ReportsWorkerFailures, ModalScreen[None]):
         paths = app_paths()
         speed = load_speed_model(paths.speed_calibration)
         try:
-            plans = plan_catalog(load_catalog(paths.user_catalog), hardware, speed=speed)
+            catalog = load_catalog(paths.user_catalog)
+            plans = plan_catalog(catalog, hardware, speed=speed, min_tps=self.min_tps)
         except (LocalchatError, OSError) as exc:  # a broken models.toml: say so, plan nothing
             plans = []
             report = format_hardware_report(hardware, plans) + f"\n{one_line(exc)}\n"

@@ -25,7 +25,7 @@ from localchat.hardware import Hardware, detect_hardware
 from localchat.hub import DownloadCancelled, Progress
 from localchat.library import Library, ModelRow
 from localchat.paths import app_paths
-from localchat.planner import format_tps
+from localchat.planner import MIN_TOKENS_PER_S, format_tps
 from localchat.tui.screens.text_prompt import TextPromptScreen
 from localchat.tui.worker_failures import ReportsWorkerFailures
 from localchat.units import format_bytes
@@ -54,9 +54,10 @@ class ModelsScreen(ReportsWorkerFailures, ModalScreen[Path | None]):
         Binding("ctrl+a", "add", "Add a local GGUF", id="models-add", priority=True),
     ]
 
-    def __init__(self, hardware: Hardware | None = None) -> None:
+    def __init__(self, hardware: Hardware | None = None, min_tps: float = MIN_TOKENS_PER_S) -> None:
         super().__init__(classes="dialog-screen")
         self.hardware = hardware  # None: detect this machine
+        self.min_tps = min_tps  # the user's min_tokens_per_s setting
         self.rows: list[ModelRow] = []
         self.library: Library | None = None
         self.cancel = threading.Event()
@@ -84,7 +85,9 @@ class ModelsScreen(ReportsWorkerFailures, ModalScreen[Path | None]):
     @work(thread=True, exit_on_error=False, exclusive=True, group="models-rows")
     def load_rows(self) -> None:
         try:
-            self.library = self.library or Library(app_paths(), self.hardware or detect_hardware())
+            self.library = self.library or Library(
+                app_paths(), self.hardware or detect_hardware(), min_tps=self.min_tps
+            )
             rows = self.library.rows()
         except LocalchatError as exc:
             self.post_message(DownloadFinished(None, str(exc)))
