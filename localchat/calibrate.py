@@ -12,6 +12,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
+import psutil
+
 from localchat.cpu import physical_cores
 from localchat.gguf_info import read_gguf
 from localchat.paths import AppPaths
@@ -23,6 +25,7 @@ CALIBRATION_QUANTS = ("F16", "Q8_0", "Q6_K", "Q4_K_M", "Q2_K", "Q4_0", "Q5_0")
 TIED_TYPES = {"Q3_K": "Q2_K"}  # solved together: llama.cpp's Q2_K files always mix the two
 MINOR_SHARE = 0.05  # a type under this share of a file's bytes is not solved from that file
 PROMPT_TOKENS = 128
+BUSY_PERCENT = 50.0  # other work on the CPU while measuring: the figures would read low
 GEN_TOKENS = 33
 ROUNDS = 2
 
@@ -85,6 +88,12 @@ def calibrate(
 
     threads = physical_cores()
     say = progress or (lambda _line: None)
+    busy = psutil.cpu_percent(interval=0.3)
+    if busy > BUSY_PERCENT:
+        say(
+            f"the machine is busy ({busy:.0f}% CPU): speeds measured now read low;"
+            " `localchat hw --calibrate` measures again when it is idle"
+        )
     say("measuring this machine's speed (once; `localchat hw --calibrate` measures again)")
     tiny = ensure_demo_model(models_dir, "tiny", "F16")
     gen_overhead, prompt_overhead = _measure(tiny, threads, rounds)
