@@ -358,10 +358,12 @@ async def test_a_worker_that_fails_unexpectedly_leaves_a_notice_and_the_app_up(
         assert all(not n.markup for n in app._notifications)
 
 
-async def test_the_hardware_screen_plans_with_the_speed_setting(
-    tiny_model: Path, calibrated: object
-) -> None:
+async def test_the_hardware_screen_plans_with_the_speed_setting(tiny_model: Path) -> None:
     from localchat.paths import app_paths
+    from localchat.speed import SpeedModel, machine_name
+
+    costs = {"F16": 3.7e-11, "Q8_0": 5e-11, "Q6_K": 7e-11, "Q4_K": 5.2e-11, "Q2_K": 7.4e-11}
+    SpeedModel(costs, 1e-4, costs, 1e-5, machine_name(), 2).save(app_paths().speed_calibration)
 
     reports = {}
     for wanted in ("0.5", "500"):
@@ -381,3 +383,42 @@ async def test_the_hardware_screen_plans_with_the_speed_setting(
             reports[wanted] = report
     assert "tok/s here" in reports["0.5"] and "under the 500 tok/s wanted" in reports["500"]
     assert "under the" not in reports["0.5"]
+
+
+async def test_closing_and_opening_a_conversation_stay_off_the_event_loop(
+    tiny_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import threading
+
+    from localchat.conversation import Conversation
+
+    on_loop: list[tuple[str, bool]] = []
+    real_open = Conversation.open.__func__  # type: ignore[attr-defined]
+
+    def open_(cls: type, *args: object, **kwargs: object) -> object:
+        on_loop.append(("open", threading.current_thread() is threading.main_thread()))
+        return real_open(cls, *args, **kwargs)
+
+    monkeypatch.setattr(Conversation, "open", classmethod(open_))
+    seen: list[Message] = []
+    app = LocalChatApp(tiny_model, n_ctx=512, max_tokens=4, sampling=GREEDY)
+    async with app.run_test(message_hook=seen.append) as pilot:
+        await ready(pilot, app, seen)
+        await say(pilot, seen, "hello")
+        first = app.conversation
+        assert first is not None
+        real_close = first.close
+
+        def close() -> None:
+            on_loop.append(("close", threading.current_thread() is threading.main_thread()))
+            real_close()
+
+        monkeypatch.setattr(first, "close", close)
+        await pilot.press("ctrl+n")
+        for _ in range(100):
+            await pilot.pause(0.05)
+            if app.conversation is not None and app.conversation is not first:
+                break
+        assert app.conversation is not None and app.conversation is not first
+    assert ("close", False) in on_loop
+    assert on_loop and all(not loop for _what, loop in on_loop), on_loop

@@ -6,13 +6,14 @@ workers that only post typed messages; every widget change happens on the app's 
 
 from __future__ import annotations
 
+import asyncio
 import signal
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
 from textual import on, work
 from textual.app import App, ComposeResult, SystemCommand
@@ -74,6 +75,8 @@ QUIT_WAIT_S = 10.0
 # The stats panel's speed and cache lines change less often still.
 CHUNK_INTERVAL_S = MIN_INTERVAL_S
 STATS_INTERVAL_S = 0.5
+_T = TypeVar("_T")
+
 # What a first start downloads when nothing is on disk (at the planner's quant).
 DEFAULT_MODEL = "qwen2.5-1.5b-instruct"
 DEMO_SHAPE, DEMO_QUANT = "small", "Q4_K_M"
@@ -162,6 +165,10 @@ class LocalChatApp(ReportsWorkerFailures, App[int]):
         self._startup_cancel = threading.Event()
         self._download_screen: DownloadScreen | None = None
         self._startup_notice = ""  # the first download's plan, shown on its screen
+        # Held while a conversation opens or closes in a thread: quitting waits for it before
+        # it closes the database underneath.
+        self._conversation_io = threading.Lock()
+        self._quitting = False
 
     def compose(self) -> ComposeResult:
         yield Header()
@@ -366,12 +373,10 @@ class LocalChatApp(ReportsWorkerFailures, App[int]):
     async def on_model_loaded(self, message: ModelLoaded) -> None:
         old = self.engine
         name = self.conversation.record.name if self.conversation else self.conversation_name
-        if self.conversation is not None:
-            self.conversation.close()
-            self.conversation = None
+        await self._close_conversation()
         self.engine = message.engine
-        if old is not None:
-            old.close()
+        if old is not None:  # llama.cpp frees it on the compute thread, off the event loop
+            await asyncio.to_thread(run_compute, old.close)
         info = message.engine.info
         self.sub_title = f"{info.name} · {info.file_type}"
         panel = self.query_one(StatsPanel)
@@ -405,8 +410,10 @@ class LocalChatApp(ReportsWorkerFailures, App[int]):
         if name is None:
             recent = self.store.list()
             name = recent[0].name if recent else _new_conversation_name(self.store)
+        # Opening reads the database and the model file's fingerprint: off the event loop.
         try:
-            conversation = Conversation.open(
+            conversation = await self._off_loop(
+                Conversation.open,
                 self.store,
                 self.states,
                 name,
@@ -416,13 +423,43 @@ class LocalChatApp(ReportsWorkerFailures, App[int]):
             )
         except LocalchatError as exc:
             self.notify(str(exc), severity="warning", timeout=15)
-            conversation = Conversation.open(
-                self.store, self.states, _new_conversation_name(self.store), self.engine
+            conversation = await self._off_loop(
+                Conversation.open,
+                self.store,
+                self.states,
+                _new_conversation_name(self.store),
+                self.engine,
             )
+        if conversation is None:  # quitting
+            return
         conversation.saver.on_error = lambda error: self.notify(error, severity="warning")
         self.conversation = conversation
         self.title = f"localchat — {conversation.record.title}"
         await self._show_transcript()
+
+    async def _close_conversation(self) -> None:
+        """Close the open conversation; its last state save is waited for off the event loop."""
+        if self.conversation is not None:
+            conversation, self.conversation = self.conversation, None
+            await self._off_loop(conversation.close, skip_if_quitting=False)  # saves finish
+
+    async def _off_loop(
+        self,
+        function: Callable[..., _T],
+        *args: Any,
+        skip_if_quitting: bool = True,
+        **kwargs: Any,
+    ) -> _T | None:
+        """Run database and file work in a thread, so the event loop keeps drawing; None if
+        the app began to quit first and ``skip_if_quitting`` (the database may be closed)."""
+
+        def guarded() -> _T | None:
+            with self._conversation_io:
+                if self._quitting and skip_if_quitting:
+                    return None
+                return function(*args, **kwargs)
+
+        return await asyncio.to_thread(guarded)
 
     async def _show_transcript(self) -> None:
         log = self.query_one("#log", VerticalScroll)
@@ -527,9 +564,7 @@ class LocalChatApp(ReportsWorkerFailures, App[int]):
     async def action_new_chat(self) -> None:
         if self._generating or self.engine is None:
             return
-        if self.conversation is not None:
-            self.conversation.close()
-            self.conversation = None
+        await self._close_conversation()
         assert self.store is not None
         await self._open_conversation(_new_conversation_name(self.store))
         self.query_one(StatsPanel).show_turn_start("new conversation")
@@ -572,9 +607,7 @@ class LocalChatApp(ReportsWorkerFailures, App[int]):
 
         async def open_chosen(name: str | None) -> None:
             if name and self.engine is not None and name != current:
-                if self.conversation is not None:
-                    self.conversation.close()
-                    self.conversation = None
+                await self._close_conversation()
                 await self._open_conversation(name)
 
         self.push_screen(ConversationsScreen(self.store, self.states, current), open_chosen)
@@ -636,10 +669,16 @@ class LocalChatApp(ReportsWorkerFailures, App[int]):
         self._cancel.set()
         if not self._turn_idle.wait(QUIT_WAIT_S):
             self.log.warning("the reply did not stop in time; it may be incomplete")
-        if self.conversation is not None:
-            self.conversation.close()  # waits for the last state save
-        if self.store is not None:
-            self.store.close()
+        self._quitting = True  # a conversation still to open in a thread is not opened
+        held = self._conversation_io.acquire(timeout=QUIT_WAIT_S)  # an open or close in flight
+        try:
+            if self.conversation is not None:
+                self.conversation.close()  # waits for the last state save
+            if self.store is not None:
+                self.store.close()
+        finally:
+            if held:
+                self._conversation_io.release()
 
 
 def _new_conversation_name(store: Store) -> str:
