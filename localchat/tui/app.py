@@ -377,6 +377,8 @@ class LocalChatApp(ReportsWorkerFailures, App[int]):
         self.engine = message.engine
         if old is not None:  # llama.cpp frees it on the compute thread, off the event loop
             await asyncio.to_thread(run_compute, old.close)
+        if self._torn_down():
+            return
         info = message.engine.info
         self.sub_title = f"{info.name} · {info.file_type}"
         panel = self.query_one(StatsPanel)
@@ -432,10 +434,21 @@ class LocalChatApp(ReportsWorkerFailures, App[int]):
             )
         if conversation is None:  # quitting
             return
+        if self._torn_down():  # the app went away while it opened
+            await self._off_loop(conversation.close, skip_if_quitting=False)
+            return
         conversation.saver.on_error = lambda error: self.notify(error, severity="warning")
         self.conversation = conversation
         self.title = f"localchat — {conversation.record.title}"
         await self._show_transcript()
+
+    def _torn_down(self) -> bool:
+        """Whether the app began to quit (its screens may be gone) while a thread worked."""
+        if self._quitting or not self.is_running:
+            return True
+        stack = self.screen_stack
+        # The chat lives on the first screen (dialogs open above it): gone, it is torn down.
+        return not stack or not stack[0].is_mounted or not stack[0].query("#log")
 
     async def _close_conversation(self) -> None:
         """Close the open conversation; its last state save is waited for off the event loop."""
@@ -462,6 +475,8 @@ class LocalChatApp(ReportsWorkerFailures, App[int]):
         return await asyncio.to_thread(guarded)
 
     async def _show_transcript(self) -> None:
+        if self._torn_down():
+            return
         log = self.query_one("#log", VerticalScroll)
         await log.remove_children()
         if self.conversation is None:
@@ -661,6 +676,7 @@ class LocalChatApp(ReportsWorkerFailures, App[int]):
     def exit(self, *args: Any, **kwargs: Any) -> None:
         """Quitting stops a reply at once (the turn then commits what was written)."""
         self._cancel.set()
+        self._quitting = True
         super().exit(*args, **kwargs)
 
     def on_unmount(self) -> None:
