@@ -17,10 +17,13 @@ import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from localchat import __version__
 from localchat.cpu import physical_cores
+
+if TYPE_CHECKING:
+    from localchat.engine import Engine, TurnStats
 
 PARTS: tuple[str, ...] = ("engine", "resume", "window", "estimate", "ui", "plan", "memory")
 
@@ -97,7 +100,6 @@ def bench_engine(model_path: Path, progress: Progress = None) -> dict[str, Any]:
         LLAMA_CPP_VERSION,
         Engine,
         LoadOptions,
-        Sampling,
         bare_generation_benchmark,
         synthetic_prompt,
     )
@@ -112,12 +114,9 @@ def bench_engine(model_path: Path, progress: Progress = None) -> dict[str, Any]:
     ratios: list[float] = []
 
     def engine_round() -> None:
-        engine.reset()
-        generation = engine.generate(prompt, Sampling(temperature=0.0), ENGINE_GEN_TOKENS)
-        for _ in generation:
-            pass
-        engine_prompt.append(generation.stats.prompt_tps)
-        engine_gen.append(generation.stats.gen_tps)
+        stats = _cold_greedy_turn(engine, prompt, ENGINE_GEN_TOKENS)
+        engine_prompt.append(stats.prompt_tps)
+        engine_gen.append(stats.gen_tps)
 
     def bare_round() -> None:
         bare = bare_generation_benchmark(
@@ -149,6 +148,17 @@ def bench_engine(model_path: Path, progress: Progress = None) -> dict[str, Any]:
         "bare_gen_tps": round(statistics.median(bare_gen), 2),
         "gen_ratio": round(statistics.median(ratios), 4),
     }
+
+
+def _cold_greedy_turn(engine: Engine, prompt: list[int], max_tokens: int) -> TurnStats:
+    """One greedy generation from an empty cache, run to its end; its stats."""
+    from localchat.engine import Sampling
+
+    engine.reset()
+    generation = engine.generate(prompt, Sampling(temperature=0.0), max_tokens)
+    for _ in generation:
+        pass
+    return generation.stats
 
 
 def _filler_text(turn: int, words: int) -> str:
@@ -365,6 +375,18 @@ def _resident_bytes(address: int, size: int) -> int:
     return resident
 
 
+def _measure_in_fresh_process(path: Path, n_ctx: int, gen_tokens: int = 1) -> dict[str, Any]:
+    """``measure_rss_growth`` in a new interpreter: nothing measured before weighs on it."""
+    command = [sys.executable, "-m", "localchat.bench", "measure", str(path), str(n_ctx)]
+    result = subprocess.run(
+        [*command, str(gen_tokens)], capture_output=True, text=True, check=False
+    )
+    if result.returncode != 0:
+        raise RuntimeError(f"memory measurement failed: {result.stderr.strip()}")
+    measured: dict[str, Any] = json.loads(result.stdout)
+    return measured
+
+
 def bench_estimate(model_path: Path, progress: Progress = None) -> dict[str, Any]:
     """The memory estimate against measured RSS growth on generated models (3 shapes x 3 quants)."""
     from localchat.demo import ensure_demo_model
@@ -380,11 +402,7 @@ def bench_estimate(model_path: Path, progress: Progress = None) -> dict[str, Any
         info = read_gguf(path)
         weights = LayerWeights.from_gguf(info, repacked_weight_types())
         estimate = estimate_memory(ModelDims.from_gguf(info), weights, ESTIMATE_CTX)
-        command = [sys.executable, "-m", "localchat.bench", "measure", str(path), str(ESTIMATE_CTX)]
-        result = subprocess.run(command, capture_output=True, text=True, check=False)
-        if result.returncode != 0:
-            raise RuntimeError(f"memory measurement failed: {result.stderr.strip()}")
-        measured = int(json.loads(result.stdout)["rss_growth"])
+        measured = int(_measure_in_fresh_process(path, ESTIMATE_CTX)["rss_growth"])
         error = (estimate.total - measured) / measured
         errors.append(error)
         rows.append(
@@ -420,14 +438,7 @@ def bench_memory(model_path: Path, progress: Progress = None) -> dict[str, Any]:
         info = read_gguf(path)
         weights = LayerWeights.from_gguf(info, repacked_weight_types())
         estimate = estimate_memory(ModelDims.from_gguf(info), weights, n_ctx)
-        command = [
-            sys.executable, "-m", "localchat.bench", "measure", str(path), str(n_ctx),
-            str(MEMORY_GEN_TOKENS),
-        ]  # fmt: skip
-        result = subprocess.run(command, capture_output=True, text=True, check=False)
-        if result.returncode != 0:
-            raise RuntimeError(f"memory measurement failed: {result.stderr.strip()}")
-        measured = json.loads(result.stdout)
+        measured = _measure_in_fresh_process(path, n_ctx, MEMORY_GEN_TOKENS)
         reported = sum(
             measured[k] for k in ("weights_bytes", "kv_bytes", "compute_bytes", "output_bytes")
         )
@@ -466,7 +477,7 @@ def bench_plan(model_path: Path, progress: Progress = None) -> dict[str, Any]:
     real turn through the engine measures, for each demo shape and quant."""
     from localchat.calibrate import speed_model
     from localchat.demo import ensure_demo_model
-    from localchat.engine import Engine, LoadOptions, Sampling, synthetic_prompt
+    from localchat.engine import Engine, LoadOptions, synthetic_prompt
     from localchat.hardware import detect_hardware
     from localchat.paths import app_paths
     from localchat.planner import plan_file
@@ -485,12 +496,9 @@ def bench_plan(model_path: Path, progress: Progress = None) -> dict[str, Any]:
         try:
             prompt = synthetic_prompt(engine.bos_token, engine.n_vocab, PLAN_PROMPT_TOKENS)
             for _ in range(PLAN_ROUNDS):
-                engine.reset()
-                generation = engine.generate(prompt, Sampling(temperature=0.0), PLAN_GEN_TOKENS)
-                for _delta in generation:
-                    pass
-                gen.append(generation.stats.gen_tps)
-                prompt_tps.append(generation.stats.prompt_tps)
+                stats = _cold_greedy_turn(engine, prompt, PLAN_GEN_TOKENS)
+                gen.append(stats.gen_tps)
+                prompt_tps.append(stats.prompt_tps)
         finally:
             engine.close()
         measured = statistics.median(gen)
@@ -560,6 +568,5 @@ def format_report(results: dict[str, Any]) -> str:
 
 
 if __name__ == "__main__":  # the fresh process that ``bench_estimate`` measures in
-    if len(sys.argv) in (4, 5) and sys.argv[1] == "measure":
-        gen = int(sys.argv[4]) if len(sys.argv) == 5 else 1
-        print(json.dumps(measure_rss_growth(Path(sys.argv[2]), int(sys.argv[3]), gen)))
+    if len(sys.argv) == 5 and sys.argv[1] == "measure":
+        print(json.dumps(measure_rss_growth(Path(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]))))

@@ -393,16 +393,22 @@ def make_demo_model(
         _write_f16(model_shape, seed, tmp, tokenizer)
         tmp.replace(out)
         return out
+    with tempfile.TemporaryDirectory(dir=out.parent) as tmp_dir:
+        f16 = Path(tmp_dir) / "f16.gguf"
+        _write_f16(model_shape, seed, f16, tokenizer)
+        _quantize_into(f16, out, quant)
+    return out
+
+
+def _quantize_into(f16: Path, out: Path, quant: str) -> None:
+    """llama.cpp's quantizer from ``f16`` to ``out``, staged beside it and renamed in."""
     # Imported here: the quantizer lives in the engine, the one module that touches llama_cpp.
     from localchat.engine import quantize_model
 
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp_dir:
-        f16 = Path(tmp_dir) / "f16.gguf"
-        _write_f16(model_shape, seed, f16, tokenizer)
         staged = Path(tmp_dir) / out.name
         quantize_model(f16, staged, quant)
         staged.replace(out)
-    return out
 
 
 def demo_model_path(
@@ -434,13 +440,7 @@ def ensure_demo_model(
         return path
     f16 = demo_model_path(directory, shape, "F16", seed, tokenizer=tokenizer)
     if quant != "F16" and f16.exists() and quant in QUANTS:
-        # The same weights already written once: quantize them (the bytes are the same).
-        from localchat.engine import quantize_model
-
-        with tempfile.TemporaryDirectory(dir=directory) as tmp_dir:
-            staged = Path(tmp_dir) / path.name
-            quantize_model(f16, staged, quant)
-            staged.replace(path)
+        _quantize_into(f16, path, quant)  # the same weights, written once already
         return path
     make_demo_model(path, shape, quant, seed, tokenizer=tokenizer)
     return path

@@ -27,10 +27,10 @@ from localchat.chat_formats import ChatFormat, detect_format, format_from_overri
 from localchat.chat_template import ChatMessage, ChatTemplate
 from localchat.cpu import physical_cores
 from localchat.errors import ModelLoadError, UsageError
-from localchat.estimate import preferred_flash_attn
-from localchat.gguf_info import GGUFInfo, file_fingerprint, read_gguf
-from localchat.prompt import PromptBuilder
-from localchat.quants import GGML_BLOCKS, SWA_CACHE_MODES
+from localchat.estimate import ModelDims, kv_bytes_per_token, preferred_flash_attn
+from localchat.gguf_info import file_fingerprint, read_gguf
+from localchat.prompt import PromptBuilder, common_prefix
+from localchat.quants import SWA_CACHE_MODES
 from localchat.reasoning import ReasoningStream, opens_reasoning, split_reasoning
 from localchat.stops import StopFilter
 from localchat.units import format_bytes
@@ -146,31 +146,6 @@ def _parse_buffers(lines: list[str], kv_bytes_per_cell_layer: int) -> Buffers:
             else:
                 output += value
     return Buffers(weights, tuple(kv), compute, output)
-
-
-def reported_compute_buffer_bytes() -> int | None:
-    """The CPU compute buffer llama.cpp reported for the last context it created."""
-    with _LOG_LOCK:
-        lines = list(_LOG_LINES)
-    for line in reversed(lines):
-        match = re.search(r"compute buffer size = +([\d.]+) MiB", line)
-        if match:
-            return int(float(match.group(1)) * 1024 * 1024)
-    return None
-
-
-def kv_type_size(kv_type: str, n_elements: int) -> int:
-    """Bytes that ``n_elements`` cache values take in the given KV type."""
-    block, size = GGML_BLOCKS[kv_type.upper()]
-    return n_elements * size // block
-
-
-def kv_bytes_per_token(info: GGUFInfo, kv_type: str = "f16") -> int:
-    """K and V bytes one token occupies across all layers: the KV cache's unit of growth."""
-    per_layer = kv_type_size(kv_type, info.n_head_kv * info.head_dim_k) + kv_type_size(
-        kv_type, info.n_head_kv * info.head_dim_v
-    )
-    return info.n_layer * per_layer
 
 
 @dataclass(frozen=True)
@@ -431,7 +406,10 @@ class Engine:
             raise ModelLoadError(
                 f"{self.model_path}: llama.cpp could not load it: {_last_error_line()}"
             ) from exc
-        self.kv_bytes_per_token = kv_bytes_per_token(self.info, self.options.kv_type)
+        # K and V bytes one token occupies across all layers: the KV cache's unit of growth.
+        self.kv_bytes_per_token = kv_bytes_per_token(
+            ModelDims.from_gguf(self.info), self.options.kv_type
+        )
         with _LOG_LOCK:
             lines = list(_BUFFER_LINES)
         # The cells and layers of each cache llama.cpp made, times what one cell of one
@@ -619,11 +597,7 @@ class Engine:
         if not self.windowed or not cached:
             return
         held = self.cached_tokens
-        shared = 0
-        for a, b in zip(held, prompt, strict=False):
-            if a != b:
-                break
-            shared += 1
+        shared = common_prefix(held, prompt)
         if shared == cached == len(prompt) and not self._llm._requires_eval:
             return  # the prompt is the cache: generation samples at once
         keep = shared - 1 if shared == len(prompt) else shared  # what llama-cpp-python keeps

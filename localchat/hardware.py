@@ -9,11 +9,10 @@ import platform
 import shutil
 import subprocess
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import psutil
 
-from localchat.cpu import physical_cores
+from localchat.cpu import cpu_flags, physical_cores
 
 GPU_NONE = "none"
 GPU_NVIDIA = "nvidia"
@@ -137,21 +136,10 @@ def repacked_weight_types() -> frozenset[str]:
     need an interleaved copy). x86 with AVX2 and ARM with NEON dot products have them."""
     machine = platform.machine().lower()
     if machine in ("x86_64", "amd64"):
-        flags = _cpu_flags()
+        flags = cpu_flags()
         if "avx512f" in flags:
             return X86_AVX512_REPACKED
         return X86_REPACKED if "avx2" in flags else frozenset()
     if machine in ("arm64", "aarch64"):
         return ARM_REPACKED
     return frozenset()
-
-
-def _cpu_flags() -> set[str]:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return set()
-    for line in text.splitlines():
-        if line.startswith("flags"):
-            return set(line.split(":", 1)[1].split())
-    return set()

@@ -284,19 +284,20 @@ class HubCache:
                     found.append((repo, relative.as_posix(), path))
         return found
 
-    def _partial_records(self, repo: str) -> Path:
-        # Beside huggingface_hub's own per-file locks, a folder its cache scan skips.
+    def locks_dir(self, repo: str) -> Path:
+        """huggingface_hub's per-file locks for a repo (a folder its cache scan skips); the
+        records of stopped downloads live beside them."""
         return self.root / ".locks" / repo_folder_name(repo_id=repo, repo_type="model")
 
     def note_partial(self, repo: str, etag: str, filename: str) -> None:
         """Remember which file a ``<etag>.incomplete`` blob is, so that ``rm`` and ``models``
         can name a partial download without asking the hub."""
-        records = self._partial_records(repo)
+        records = self.locks_dir(repo)
         records.mkdir(parents=True, exist_ok=True)
         write_atomic(records / f"{etag}.partial", filename.encode())
 
     def forget_partial(self, repo: str, etag: str) -> None:
-        (self._partial_records(repo) / f"{etag}.partial").unlink(missing_ok=True)
+        (self.locks_dir(repo) / f"{etag}.partial").unlink(missing_ok=True)
 
     def partials(self) -> list[PartialDownload]:
         """Downloads that were stopped part way (the next pull of the same file resumes)."""
@@ -428,9 +429,7 @@ class Downloader:
         try:
             for meta in pending:
                 # huggingface_hub's own per-file lock: two processes never write one file.
-                lock = (
-                    self.cache.root / ".locks" / repo_folder_name(repo_id=repo, repo_type="model")
-                )
+                lock = self.cache.locks_dir(repo)
                 lock.mkdir(parents=True, exist_ok=True)
                 with FileLock(lock / f"{meta.etag}.lock"):
                     if (blobs / meta.etag).exists():

@@ -41,7 +41,6 @@ from localchat.planner import (
     Plan,
     fit_label,
     plan_model,
-    predict_speed,
     sized_candidates,
 )
 from localchat.speed import SpeedModel, load_speed_model
@@ -267,8 +266,9 @@ class Library:
                 entry.name, entry.dims, candidates, self.hardware, ctx, self.speed, self.min_tps
             )
             for quant_file, candidate in zip(entry.files, candidates, strict=True):
-                fit, estimate = fit_label(entry.dims, candidate.weights, self.hardware, ctx)
-                speed = predict_speed(entry.dims, candidate, self.hardware, ctx, self.speed)
+                fit, estimate, speed = fit_label(
+                    entry.dims, candidate, self.hardware, ctx, self.speed
+                )
                 path = downloaded.pop((entry.repo, quant_file.file), None)
                 rows.append(
                     ModelRow(
@@ -321,9 +321,8 @@ class Library:
         dims = ModelDims.from_gguf(info)
         weights = LayerWeights.from_gguf(info, repacked_weight_types())
         ctx = min(n_ctx, dims.context_length) if dims.context_length else n_ctx
-        fit, estimate = fit_label(dims, weights, self.hardware, ctx)
         candidate = Candidate(info.file_type, name, weights, info.bytes_read_per_token())
-        speed = predict_speed(dims, candidate, self.hardware, ctx, self.speed)
+        fit, estimate, speed = fit_label(dims, candidate, self.hardware, ctx, self.speed)
         size = path.stat().st_size
         # The tag as published (UD-Q4_K_XL…), else the type the file says it holds.
         quant = tag if tag != "unknown" else info.file_type

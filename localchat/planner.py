@@ -258,7 +258,7 @@ class _Planner:
                 continue
             tps = plan.predicted_gen_tps
             if tps is None or tps >= self.min_tps:
-                return _with_note(plan, f"{passed_over}" if passed_over else None)
+                return _with_note(plan, passed_over)
             slow.append(plan)
             passed_over = f"{candidate.quant} would be ~{format_tps(tps)} tok/s"
         if not slow:
@@ -278,17 +278,14 @@ class _Planner:
             )  # fmt: skip
             if fitted is not None:
                 layers, estimate = fitted
-                prediction = self._predict(candidate, kv_type, estimate)
+                prediction = _predict(
+                    self.speed, self.dims, candidate, kv_type, estimate, self.hardware
+                )
                 return _plan(
                     self.name, self.dims, candidate, n_ctx, kv_type, layers, estimate,
                     self.hardware, prediction, attention,
                 )  # fmt: skip
         return None
-
-    def _predict(
-        self, candidate: Candidate, kv_type: str, estimate: MemoryEstimate
-    ) -> SpeedPrediction | None:
-        return _predict(self.speed, self.dims, candidate, kv_type, estimate, self.hardware)
 
 
 def _predict(
@@ -314,21 +311,6 @@ def _predict(
         on_gpu,
         hardware.gpu_bandwidth_bytes_per_s,
     )
-
-
-def predict_speed(
-    dims: ModelDims,
-    candidate: Candidate,
-    hardware: Hardware,
-    n_ctx: int,
-    speed: SpeedModel | None,
-) -> SpeedPrediction | None:
-    """What one file would run at here, placed as the planner would place it (for listings)."""
-    for kv_type in KV_TYPES_TRIED:
-        fitted = _fit(dims, candidate.weights, n_ctx, kv_type, hardware)
-        if fitted is not None:
-            return _predict(speed, dims, candidate, kv_type, fitted[1], hardware)
-    return None
 
 
 def format_tps(tps: float) -> str:
@@ -402,15 +384,17 @@ def _attention_notes(
 ) -> list[str]:
     """Which attention kernel and micro-batch, and why, where it is worth saying."""
     notes = []
-    if flash_attn:
+    if flash_attn and not preferred:
+        notes.append("flash attention (to fit)")
+    elif flash_attn:
         saved = compute_buffer_bytes(dims, n_ctx, kv_type, False, n_ubatch) - (
             compute_buffer_bytes(dims, n_ctx, kv_type, True, n_ubatch)
         )
-        why = "to fit" if not preferred else f"saves {format_bytes(saved)}"
-        notes.append(f"flash attention ({why})" if saved > 16 * 2**20 or not preferred else "")
+        if saved > 16 * 2**20:  # worth saying
+            notes.append(f"flash attention (saves {format_bytes(saved)})")
     if n_ubatch != N_UBATCH:
         notes.append(f"micro-batch {n_ubatch} (to fit)")
-    return [note for note in notes if note]
+    return notes
 
 
 def _too_big(
@@ -501,18 +485,24 @@ def plan_file(
 
 
 def fit_label(
-    dims: ModelDims, weights: LayerWeights, hardware: Hardware, n_ctx: int
-) -> tuple[str, int]:
+    dims: ModelDims,
+    candidate: Candidate,
+    hardware: Hardware,
+    n_ctx: int,
+    speed: SpeedModel | None = None,
+) -> tuple[str, int, SpeedPrediction | None]:
     """Where this file runs at ``n_ctx``: "GPU" (every layer), "RAM" (some or all on the CPU)
-    or "too big"; with the memory it needs free, in bytes."""
+    or "too big"; with the memory it needs free, in bytes, and, with a calibration, how fast
+    it runs placed so (for listings)."""
     for kv_type in KV_TYPES_TRIED:
-        fitted = _fit(dims, weights, n_ctx, kv_type, hardware)
+        fitted = _fit(dims, candidate.weights, n_ctx, kv_type, hardware)
         if fitted is not None:
             layers, estimate = fitted
-            return (
-                "GPU" if layers > dims.n_layer else "RAM"
-            ), estimate.ram_required + estimate.vram
-    return "too big", estimate_memory(dims, weights, n_ctx, "q8_0", 0).ram_required
+            label = "GPU" if layers > dims.n_layer else "RAM"
+            prediction = _predict(speed, dims, candidate, kv_type, estimate, hardware)
+            return label, estimate.ram_required + estimate.vram, prediction
+    needs = estimate_memory(dims, candidate.weights, n_ctx, "q8_0", 0).ram_required
+    return "too big", needs, None
 
 
 def hardware_json(hardware: Hardware) -> dict[str, object]:

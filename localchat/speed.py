@@ -21,7 +21,7 @@ from importlib import metadata
 from pathlib import Path
 
 from localchat.atomic import write_atomic
-from localchat.cpu import physical_cores
+from localchat.cpu import cpu_model, physical_cores
 from localchat.quants import MAIN_WEIGHT_TYPE, parse_tag
 
 SPEED_FILE_VERSION = 1
@@ -144,18 +144,7 @@ def machine_name() -> str:
         build = metadata.version("llama_cpp_python")
     except metadata.PackageNotFoundError:
         build = "unknown"
-    return f"{_cpu_model()} · {physical_cores()} cores · {platform.machine()} · llama.cpp {build}"
-
-
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as handle:
-            for line in handle:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown processor"
+    return f"{cpu_model()} · {physical_cores()} cores · {platform.machine()} · llama.cpp {build}"
 
 
 def load_speed_model(path: Path) -> SpeedModel | None:

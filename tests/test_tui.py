@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 from textual.message import Message
+from textual.pilot import Pilot
 from textual.widgets import Static
 
 import localchat.tui.app as app_module
@@ -316,6 +317,18 @@ async def test_reply_messages_carry_copies_of_the_stats(tiny_model: Path) -> Non
         assert finished.stats == live  # a copy of what the turn ended with
 
 
+async def _hardware_report(pilot: Pilot[int], app: LocalChatApp) -> str:
+    """F3, then the Hardware screen's report once its worker has filled it in."""
+    await pilot.press("f3")
+    report = ""
+    for _ in range(100):
+        await pilot.pause(0.05)
+        report = str(app.screen.query_one("#hardware-report", Static).render())
+        if "detecting" not in report:
+            break
+    return report
+
+
 async def test_a_broken_models_toml_on_f3_is_a_notice_not_an_exit(tiny_model: Path) -> None:
     from localchat.paths import app_paths
 
@@ -326,12 +339,7 @@ async def test_a_broken_models_toml_on_f3_is_a_notice_not_an_exit(tiny_model: Pa
     app = LocalChatApp(tiny_model, n_ctx=512, max_tokens=4, sampling=GREEDY)
     async with app.run_test(message_hook=seen.append) as pilot:
         await ready(pilot, app, seen)
-        await pilot.press("f3")
-        for _ in range(100):
-            await pilot.pause(0.05)
-            report = str(app.screen.query_one("#hardware-report", Static).render())
-            if "detecting" not in report:
-                break
+        report = await _hardware_report(pilot, app)
         assert app.is_running
         assert "models.toml" in report, report
 
@@ -374,13 +382,7 @@ async def test_the_hardware_screen_plans_with_the_speed_setting(tiny_model: Path
         app = LocalChatApp(tiny_model, n_ctx=512, max_tokens=4, sampling=GREEDY)
         async with app.run_test(message_hook=seen.append) as pilot:
             await ready(pilot, app, seen)
-            await pilot.press("f3")
-            for _ in range(100):
-                await pilot.pause(0.05)
-                report = str(app.screen.query_one("#hardware-report", Static).render())
-                if "detecting" not in report:
-                    break
-            reports[wanted] = report
+            reports[wanted] = await _hardware_report(pilot, app)
     assert "tok/s here" in reports["0.5"] and "under the 500 tok/s wanted" in reports["500"]
     assert "under the" not in reports["0.5"]
 
