@@ -25,7 +25,16 @@ from localchat.cpu import physical_cores
 if TYPE_CHECKING:
     from localchat.engine import Engine, TurnStats
 
-PARTS: tuple[str, ...] = ("engine", "resume", "window", "estimate", "ui", "plan", "memory")
+PARTS: tuple[str, ...] = (
+    "engine",
+    "resume",
+    "window",
+    "estimate",
+    "ui",
+    "plan",
+    "memory",
+    "remote",
+)
 
 ENGINE_CTX = 2048
 ENGINE_PROMPT_TOKENS = 256
@@ -55,10 +64,13 @@ TARGETS: dict[str, tuple[str, float]] = {
     "overflow_extra_tokens": ("<=", 0),
     "estimate_max_error": ("<=", 0.10),
     "ui_cpu_overhead": ("<=", 0.10),
+    "ui_cpu_overhead_main_model": ("<=", 0.10),
+    "ui_main_tps_ratio": (">=", 0.97),
     "startup_s": ("<=", 1.5),
     "speed_prediction_max_error": ("<=", 0.25),
     "memory_overhead_ratio": ("<=", 1.05),
     "memory_estimate_max_error": ("<=", 0.10),
+    "remote_gen_ratio": (">=", 0.97),
 }
 
 ESTIMATE_CTX = 2048
@@ -472,6 +484,14 @@ def bench_ui(model_path: Path, progress: Progress = None) -> dict[str, Any]:
     return measure_ui(tiny, model_path)
 
 
+def bench_remote(model_path: Path, progress: Progress = None) -> dict[str, Any]:
+    """Tokens/s through localchat's remote backend vs a bare client, on a local server."""
+    from localchat.bench_remote import bench_remote as measure_remote
+
+    _say(progress, "remote: llama-cpp-python's server on the bench model")
+    return measure_remote(model_path, progress)
+
+
 def bench_plan(model_path: Path, progress: Progress = None) -> dict[str, Any]:
     """Predicted tokens/s (the planner's, from this machine's calibration) against what a
     real turn through the engine measures, for each demo shape and quant."""
@@ -531,6 +551,7 @@ BENCHES: dict[str, Callable[[Path, Progress], dict[str, Any]]] = {
     "ui": bench_ui,
     "plan": bench_plan,
     "memory": bench_memory,
+    "remote": bench_remote,
 }
 
 

@@ -22,9 +22,11 @@ from localchat.paths import app_paths
 from localchat.text import printable
 
 if TYPE_CHECKING:
-    from localchat.engine import Engine, Generation, Sampling, TokenDelta
+    from localchat.backend import Reply, Sampling, TokenDelta
+    from localchat.engine import Engine
     from localchat.kvstate import StateStore
     from localchat.library import Library
+    from localchat.remote import RemoteBackend
     from localchat.settings import Settings
     from localchat.store import Store
 
@@ -83,7 +85,15 @@ def _model_flags(parser: argparse.ArgumentParser, default: Any = None) -> None:
         "--model",
         metavar="NAME[:QUANT]",
         default=default,
-        help="a catalog or hub model (downloaded if needed)",
+        help="a catalog or hub model (downloaded if needed); with --server, one of its models",
+    )
+    parser.add_argument(
+        "--server",
+        metavar="URL|NAME",
+        default=default,
+        help="chat through an OpenAI-compatible server (its API base, e.g."
+        " http://gpu-box:8000/v1, or a [[servers]] name from settings.toml); the key comes"
+        " from LOCALCHAT_API_KEY or OPENAI_API_KEY",
     )
     parser.add_argument(
         "--ctx",
@@ -225,7 +235,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--shape", default="0.5b", choices=list(SHAPES))
     bench.add_argument("--quant", default="Q4_K_M", choices=list(QUANTS))
     bench.add_argument(
-        "--only", default=None, help="comma-separated parts: engine, resume, window, estimate, ui"
+        "--only",
+        default=None,
+        help="comma-separated parts: engine, resume, window, estimate, ui, plan, memory, remote",
     )
     bench.add_argument("--json", action="store_true", help="print one JSON object")
     return parser
@@ -238,10 +250,13 @@ def default_model() -> Path:
 
 def cmd_ask(args: argparse.Namespace, out: TextIO) -> int:
     from localchat.engine import Engine, LoadOptions, Sampling
+    from localchat.settings import load_settings
 
     if args.fresh and not args.conversation:
         raise UsageError("--fresh needs --conversation NAME (a one-off ask has no saved state)")
     args.message = _message_text(args.message, sys.stdin)
+    if args.server:
+        return _ask_remote(args, out, load_settings(app_paths().settings_file))
     model_path = args.model_path
     if model_path is None and args.model:
         model_path = _library().path_of(args.model) or _pull(args.model, json_lines=False)[0]
@@ -252,7 +267,6 @@ def cmd_ask(args: argparse.Namespace, out: TextIO) -> int:
             file=sys.stderr,
         )
     from localchat.catalog import catalog_template
-    from localchat.settings import load_settings
 
     settings = load_settings(app_paths().settings_file)
     kv_type = args.kv_type or settings.kv_type
@@ -321,11 +335,13 @@ def _stream(
 def _print_result(
     out: TextIO,
     args: argparse.Namespace,
-    generation: Generation,
-    engine: Engine,
+    generation: Reply,
+    backend: Engine | RemoteBackend,
     stats: dict[str, Any],
     notices: list[str],
 ) -> None:
+    from localchat import remote
+
     for notice in notices:
         print(f"localchat: notice: {notice}", file=sys.stderr)
     if args.json:
@@ -333,9 +349,15 @@ def _print_result(
             "reply": generation.answer,
             "reasoning": generation.reasoning or None,
             "conversation": args.conversation,
-            "model": engine.model_path.name,
-            "template": engine.template.name,
-            "n_ctx": engine.n_ctx,
+            "model": backend.model
+            if isinstance(backend, remote.RemoteBackend)
+            else backend.model_name,
+            # A server renders the template itself: it does not say which.
+            "template": None
+            if isinstance(backend, remote.RemoteBackend)
+            else backend.template.name,
+            "n_ctx": backend.context_size,
+            "server": backend.url if isinstance(backend, remote.RemoteBackend) else None,
             "stats": stats,
         }
         if notices:
@@ -392,6 +414,47 @@ def _ask_in_conversation(
             conversation.close()
     finally:
         store.close()
+    return EXIT_INTERRUPTED if interrupted else 0
+
+
+def _ask_remote(args: argparse.Namespace, out: TextIO, settings: Settings) -> int:
+    """``ask --server``: the same turn, answered by a server; the transcript stays here."""
+    from localchat.backend import Sampling
+    from localchat.chat_template import ChatMessage
+    from localchat.conversation import turn_stats_dict
+    from localchat.session import Session, connect
+
+    ignored = [
+        f for f in ("model_path", "template", "kv_type", "threads") if getattr(args, f, None)
+    ]
+    if ignored or args.fresh:
+        names = ", ".join(
+            "--" + f.replace("_", "-") for f in ignored + (["fresh"] if args.fresh else [])
+        )
+        raise UsageError(f"{names} choose how a local model runs; with --server the server decides")
+    backend = connect(settings, args.server, args.model, args.ctx)
+    temperature = settings.temperature if args.temperature is None else args.temperature
+    sampling = Sampling(temperature=temperature, seed=args.seed)
+    max_tokens = args.max_tokens or settings.max_tokens
+    cancel = threading.Event()
+    if not args.conversation:
+        try:
+            messages = [ChatMessage("system", args.system)] if args.system else []
+            messages.append(ChatMessage("user", args.message))
+            reply = backend.stream(messages, sampling, max_tokens, cancel)
+            interrupted = _stream(reply, args, cancel, out)
+            _print_result(out, args, reply, backend, turn_stats_dict(reply.stats), [])
+        finally:
+            backend.close()
+        return EXIT_INTERRUPTED if interrupted else 0
+    session = Session(app_paths(), settings, backend)
+    try:
+        conversation = session.open_conversation(args.conversation, args.system, args.wait)
+        turn = conversation.send(args.message, sampling, max_tokens, cancel)
+        interrupted = _stream(turn, args, cancel, out)
+        _print_result(out, args, turn.generation, backend, turn.stats_dict(), list(turn.notices))
+    finally:
+        session.close()
     return EXIT_INTERRUPTED if interrupted else 0
 
 
@@ -657,6 +720,7 @@ def cmd_app(args: argparse.Namespace, out: TextIO) -> int:
         model_name=args.model,
         demo=args.demo,
         template=args.template,
+        server=args.server,
     )
 
 

@@ -15,8 +15,9 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
+from localchat.backend import Reply, Sampling, TokenDelta, TurnStats
 from localchat.chat_template import ChatMessage
-from localchat.engine import LLAMA_CPP_VERSION, Engine, Generation, Sampling, TokenDelta, TurnStats
+from localchat.engine import LLAMA_CPP_VERSION, Engine
 from localchat.kvstate import BackgroundSaver, SavedState, StateKey, StateRejected, StateStore
 from localchat.locks import ConversationLock
 from localchat.prompt import BuiltPrompt, common_prefix
@@ -56,10 +57,10 @@ class ConversationTurn:
     """A turn in progress; iterate for deltas. The reply is committed and the state saved when
     iteration ends, however it ends (finished, cancelled, interrupted)."""
 
-    conversation: Conversation
+    conversation: ConversationBase
     user: Exchange
     prompt: BuiltPrompt
-    generation: Generation
+    generation: Reply
     restore: RestoreReport
     started_at: float
     window: WindowReport
@@ -115,6 +116,8 @@ def turn_stats_dict(
         "gen_tps": round(stats.gen_tps, 3),
         "kv_bytes_used": stats.kv_bytes_used,
         "kv_bytes_allocated": stats.kv_bytes_allocated,
+        "server_kv_usage": stats.server_kv_usage,
+        "tokens_counted_by": stats.counted,
         "restored_from_state": restore.restored,
         "restored_tokens": restore.tokens,
         "restore_s": round(restore.seconds, 6),
@@ -128,71 +131,48 @@ def turn_stats_dict(
     }
 
 
-class Conversation:
-    """A stored conversation bound to a loaded model; holds the conversation's lock."""
+def open_record(
+    store: Store, name: str, system_prompt: str | None, model_name: str
+) -> ConversationRecord:
+    """The stored conversation ``name``, created if new; a given system prompt replaces the
+    stored one."""
+    record = store.find(name)
+    if record is None:
+        return store.create_conversation(name, system_prompt, model_name)
+    if system_prompt is not None and system_prompt != record.system_prompt:
+        store.update_conversation(record.id, system_prompt=system_prompt)
+        return store.get(name)
+    return record
+
+
+class ConversationBase:
+    """What a conversation is over any backend: its transcript (the truth), where its window
+    starts for this model, and the lock that keeps a second process from answering in it."""
 
     def __init__(
         self,
         store: Store,
         states: StateStore,
         record: ConversationRecord,
-        engine: Engine,
-        saver: BackgroundSaver | None = None,
-        window_mode: str = "auto",
+        fingerprint: str,
         window_policy: WindowPolicy | None = None,
         wait_s: float = 0.0,
     ) -> None:
         """``wait_s``: how long to wait while another process answers in this conversation."""
-        resolve_mode(window_mode, True)  # rejects an unknown mode before anything opens
-        self.window_mode = window_mode
         self.window_policy = window_policy or WindowPolicy()
         self.store = store
         self.states = states
         self.record = record
-        self.engine = engine
         self._lock = ConversationLock(states.directory, record.id, record.name, wait_s)
-        self.saver = saver or BackgroundSaver(states)
-        self._owns_saver = saver is None
-        self.fingerprint = engine.fingerprint
-        self.key = StateKey(
-            self.fingerprint, engine.n_ctx, engine.options.kv_type, LLAMA_CPP_VERSION
-        )
-        # A template that writes today's date writes the conversation's first day, so the
-        # history reads the same (and its saved cache stays valid) on any later day.
-        self.builder = engine.prompt_builder(datetime.fromtimestamp(record.created_at))
-        # A saved state read to learn what the cache holds, kept for the restore.
-        self._loaded: tuple[SavedState | StateRejected, float] | None = None
+        self.fingerprint = fingerprint
         self.exchanges = self._load_exchanges()
-        first_seq = store.window_start(record.id, self.fingerprint)
+        first_seq = store.window_start(record.id, fingerprint)
         self.window_first = next(
             (i for i, e in enumerate(self.exchanges) if e.record.seq >= first_seq),
             len(self.exchanges),
         )
 
-    @classmethod
-    def open(
-        cls,
-        store: Store,
-        states: StateStore,
-        name: str,
-        engine: Engine,
-        system_prompt: str | None = None,
-        saver: BackgroundSaver | None = None,
-        window_mode: str = "auto",
-        wait_s: float = 0.0,
-    ) -> Conversation:
-        """Open ``name``, creating it if new; a given system prompt replaces the stored one."""
-        record = store.find(name)
-        if record is None:
-            record = store.create_conversation(name, system_prompt, engine.model_path.name)
-        elif system_prompt is not None and system_prompt != record.system_prompt:
-            store.update_conversation(record.id, system_prompt=system_prompt)
-            record = store.get(name)
-        return cls(store, states, record, engine, saver, window_mode, wait_s=wait_s)
-
     def close(self) -> None:
-        if self._owns_saver:
-            self.saver.close()
         self._lock.release()
 
     # -- transcript ----------------------------------------------------------------------
@@ -209,6 +189,148 @@ class Conversation:
         """The system prompt and the messages from ``first`` (default: the window's start)."""
         first = self.window_first if first is None else first
         return self.system_messages() + [e.prompt for e in self.exchanges[first:]]
+
+    def _commit_user(self, text: str) -> Exchange:
+        """The user's message, in the transcript before anything can fail."""
+        record = self.store.add_message(self.record.id, "user", text)
+        user = Exchange(record, ChatMessage("user", text))
+        self.exchanges.append(user)
+        return user
+
+    def _take_back_user(self, user: Exchange, window_before: int) -> bool:
+        """The turn never started: the message is handed back to the caller (not kept twice)
+        and the window is where it was. True if the window had moved."""
+        self.exchanges.remove(user)
+        self.store.delete_messages_from(self.record.id, user.record.seq)
+        moved = self.window_first != window_before
+        self.window_first = window_before
+        return moved
+
+    def _store_reply(self, reply: Reply, stats: dict[str, Any], model_name: str) -> Exchange:
+        """Commit the reply (partial if it did not end by itself) and where the window is."""
+        status = "complete" if reply.stats.stop_reason in ("eos", "length", "stop") else "partial"
+        record = self.store.add_message(
+            self.record.id,
+            "assistant",
+            reply.text,
+            status=status,
+            stats=stats,
+            tokens=reply.tokens,
+            model_fingerprint=self.fingerprint,
+        )
+        self.store.update_conversation(self.record.id, model=model_name)
+        exchange = Exchange(record, ChatMessage("assistant", reply.text))
+        self.exchanges.append(exchange)
+        return exchange
+
+    def _record_window_start(self) -> None:
+        if self.window_first < len(self.exchanges):
+            first_seq = self.exchanges[self.window_first].record.seq
+            self.store.set_window_start(self.record.id, self.fingerprint, first_seq)
+
+    def send(
+        self,
+        text: str,
+        sampling: Sampling | None = None,
+        max_tokens: int = 512,
+        cancel: threading.Event | None = None,
+        fresh: bool = False,
+    ) -> ConversationTurn:
+        """Commit the user's message and start the reply (each backend prepares its own)."""
+        raise NotImplementedError
+
+    def _finish(self, turn: ConversationTurn) -> Exchange:
+        """Commit the reply when the turn's iteration ends, however it ends."""
+        raise NotImplementedError
+
+    @staticmethod
+    def _window_notices(window: WindowReport) -> list[str]:
+        notices = []
+        if window.dropped_messages:
+            notices.append(
+                f"{window.dropped_messages} older messages ({window.dropped_tokens} tokens) left"
+                f" the context window ({window.mode}); they stay in the transcript"
+            )
+        if window.cut_tokens:
+            notices.append(
+                f"your message is longer than the context: its first {window.cut_tokens} tokens"
+                " were left out (the full text is in the transcript)"
+            )
+        return notices
+
+    def take_back_last_exchange(self) -> str | None:
+        """Remove the last question and its reply (to regenerate); returns the question."""
+        last_user = next(
+            (
+                i
+                for i in range(len(self.exchanges) - 1, -1, -1)
+                if self.exchanges[i].record.role == "user"
+            ),
+            None,
+        )
+        if last_user is None:
+            return None
+        text = self.exchanges[last_user].record.content
+        self.store.delete_messages_from(self.record.id, self.exchanges[last_user].record.seq)
+        del self.exchanges[last_user:]
+        self.window_first = min(self.window_first, len(self.exchanges))
+        return text
+
+    def set_system_prompt(self, text: str | None) -> None:
+        """A new system prompt: the next turn re-evaluates (the cache's head changed)."""
+        self.store.update_conversation(self.record.id, system_prompt=text or None)
+        self.record = self.store.get(self.record.name)
+
+
+class Conversation(ConversationBase):
+    """A stored conversation bound to a model loaded here, whose KV cache it saves."""
+
+    def __init__(
+        self,
+        store: Store,
+        states: StateStore,
+        record: ConversationRecord,
+        engine: Engine,
+        saver: BackgroundSaver | None = None,
+        window_mode: str = "auto",
+        window_policy: WindowPolicy | None = None,
+        wait_s: float = 0.0,
+    ) -> None:
+        resolve_mode(window_mode, True)  # rejects an unknown mode before anything opens
+        super().__init__(store, states, record, engine.fingerprint, window_policy, wait_s)
+        self.window_mode = window_mode
+        self.engine = engine
+        self.saver = saver or BackgroundSaver(states)
+        self._owns_saver = saver is None
+        self.key = StateKey(
+            self.fingerprint, engine.n_ctx, engine.options.kv_type, LLAMA_CPP_VERSION
+        )
+        # A template that writes today's date writes the conversation's first day, so the
+        # history reads the same (and its saved cache stays valid) on any later day.
+        self.builder = engine.prompt_builder(datetime.fromtimestamp(record.created_at))
+        # A saved state read to learn what the cache holds, kept for the restore.
+        self._loaded: tuple[SavedState | StateRejected, float] | None = None
+
+    @classmethod
+    def open(
+        cls,
+        store: Store,
+        states: StateStore,
+        name: str,
+        engine: Engine,
+        system_prompt: str | None = None,
+        saver: BackgroundSaver | None = None,
+        window_mode: str = "auto",
+        wait_s: float = 0.0,
+    ) -> Conversation:
+        """Open ``name``, creating it if new; a given system prompt replaces the stored one."""
+        record = open_record(store, name, system_prompt, engine.model_name)
+        return cls(store, states, record, engine, saver, window_mode, wait_s=wait_s)
+
+    def close(self) -> None:
+        if self._owns_saver:
+            self.saver.close()
+        super().close()
 
     def _held_tokens(self, fresh: bool) -> list[int]:
         """What this conversation's cache holds as evaluated: the warm cache, else the saved
@@ -243,9 +365,7 @@ class Conversation:
     ) -> ConversationTurn:
         """Commit the user's message, prepare the cache, and start the reply."""
         started = time.perf_counter()
-        record = self.store.add_message(self.record.id, "user", text)
-        user = Exchange(record, ChatMessage("user", text))
-        self.exchanges.append(user)
+        user = self._commit_user(text)
         window_before = self.window_first
         try:
             messages = self.window_messages()
@@ -260,53 +380,16 @@ class Conversation:
             generation = self.engine.generate(prompt.tokens, sampling, max_tokens, cancel)
         except BaseException:
             self._loaded = None
-            # The turn never started: the message is handed back to the caller, not kept twice,
-            # and the window is where it was. A cache the window move shifted no longer holds
-            # what the transcript says: it is dropped (the saved state still holds the last
-            # turn, so the next one restores it).
-            self.exchanges.remove(user)
-            self.store.delete_messages_from(self.record.id, record.seq)
-            if self.window_first != window_before:
-                self.window_first = window_before
+            # A cache the window move shifted no longer holds what the transcript says: it is
+            # dropped (the saved state still holds the last turn, so the next one restores it).
+            if self._take_back_user(user, window_before):
                 self.engine.reset()
             raise
         turn = ConversationTurn(self, user, prompt, generation, restore, started, window, messages)
-        if window.dropped_messages:
-            turn.notices.append(
-                f"{window.dropped_messages} older messages ({window.dropped_tokens} tokens) left"
-                f" the context window ({window.mode}); they stay in the transcript"
-            )
-        if window.cut_tokens:
-            turn.notices.append(
-                f"your message is longer than the context: its first {window.cut_tokens} tokens"
-                " were left out (the full text is in the transcript)"
-            )
+        turn.notices.extend(self._window_notices(window))
         if restore.notice:
             turn.notices.append(restore.notice)
         return turn
-
-    def take_back_last_exchange(self) -> str | None:
-        """Remove the last question and its reply (to regenerate); returns the question."""
-        last_user = next(
-            (
-                i
-                for i in range(len(self.exchanges) - 1, -1, -1)
-                if self.exchanges[i].record.role == "user"
-            ),
-            None,
-        )
-        if last_user is None:
-            return None
-        text = self.exchanges[last_user].record.content
-        self.store.delete_messages_from(self.record.id, self.exchanges[last_user].record.seq)
-        del self.exchanges[last_user:]
-        self.window_first = min(self.window_first, len(self.exchanges))
-        return text
-
-    def set_system_prompt(self, text: str | None) -> None:
-        """A new system prompt: the next turn re-evaluates (the cache's head changed)."""
-        self.store.update_conversation(self.record.id, system_prompt=text or None)
-        self.record = self.store.get(self.record.name)
 
     # -- the context window ---------------------------------------------------------------
     def _plan(self, prompt: BuiltPrompt, n_window: int, max_tokens: int) -> WindowPlan:
@@ -441,24 +524,7 @@ class Conversation:
         return RestoreReport(notice=notice)
 
     def _finish(self, turn: ConversationTurn) -> Exchange:
-        generation = turn.generation
-        reply_prompt = ChatMessage("assistant", generation.text)
-        stats = turn.stats_dict()
-        status = (
-            "complete" if generation.stats.stop_reason in ("eos", "length", "stop") else "partial"
-        )
-        record = self.store.add_message(
-            self.record.id,
-            "assistant",
-            generation.text,
-            status=status,
-            stats=stats,
-            tokens=generation.tokens,
-            model_fingerprint=self.fingerprint,
-        )
-        self.store.update_conversation(self.record.id, model=self.engine.model_path.name)
-        reply = Exchange(record, reply_prompt)
-        self.exchanges.append(reply)
+        reply = self._store_reply(turn.generation, turn.stats_dict(), self.engine.model_name)
         self.engine.cache_owner = self.record.id
         try:
             self._record_cache_bookkeeping()
@@ -473,9 +539,7 @@ class Conversation:
         self.store.set_eval_batches(
             self.record.id, self.fingerprint, engine.cached_tokens, engine.batch_starts
         )
-        if self.window_first < len(self.exchanges):
-            first_seq = self.exchanges[self.window_first].record.seq
-            self.store.set_window_start(self.record.id, self.fingerprint, first_seq)
+        self._record_window_start()
 
     def save_state(self) -> None:
         """Snapshot the cache now (fast) and write it in the background."""

@@ -23,6 +23,7 @@ from typing import Any
 
 import llama_cpp
 
+from localchat.backend import Sampling, TokenDelta, TurnStats
 from localchat.chat_formats import ChatFormat, detect_format, format_from_override
 from localchat.chat_template import ChatMessage, ChatTemplate
 from localchat.cpu import physical_cores
@@ -162,44 +163,6 @@ class LoadOptions:
     swa_cache: str = "window"  # sliding-window layers: "window" (their window) or "full"
     flash_attn: bool | None = None  # None: where it costs nothing (``preferred_flash_attn``)
     n_ubatch: int = 512  # the micro-batch: the compute buffer grows with it
-
-
-@dataclass(frozen=True)
-class Sampling:
-    """Sampling settings; temperature 0 is greedy and deterministic."""
-
-    temperature: float = 0.7
-    top_k: int = 40
-    top_p: float = 0.95
-    min_p: float = 0.05
-    repeat_penalty: float = 1.0
-    seed: int = 0
-
-
-@dataclass
-class TurnStats:
-    """What one generation cost and what the KV cache holds afterwards."""
-
-    prompt_tokens: int = 0
-    prompt_tokens_evaluated: int = 0
-    generated_tokens: int = 0
-    ttft_s: float = 0.0
-    prompt_tps: float = 0.0
-    gen_tps: float = 0.0
-    kv_bytes_used: int = 0
-    kv_bytes_allocated: int = 0
-    stop_reason: str = ""
-
-
-@dataclass(frozen=True)
-class TokenDelta:
-    """One generated token and the text it completes (empty mid-way through a UTF-8 char,
-    or while it may be the start of a stop string). ``token`` is None for held-back text
-    released when the reply ends."""
-
-    token: int | None
-    text: str
-    reasoning: bool = False  # part of a <think> block, not the answer
 
 
 class _CountingLlama(llama_cpp.Llama):
@@ -439,6 +402,15 @@ class Engine:
         return self._fingerprint
 
     # -- model facts -------------------------------------------------------------------
+    @property
+    def model_name(self) -> str:
+        """The file's name: what the transcript records as the model that answered."""
+        return self.model_path.name
+
+    @property
+    def context_size(self) -> int:
+        return self.n_ctx
+
     @property
     def n_ctx(self) -> int:
         """The context size asked for: how many tokens a prompt plus reply may hold."""

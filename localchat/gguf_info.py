@@ -18,6 +18,7 @@ from typing import Any, Protocol
 
 from localchat.errors import ModelFileError
 from localchat.quants import FILE_TYPE_IDS, GGML_BLOCKS, GGML_TYPE_IDS
+from localchat.text import shown
 
 GGUF_MAGIC = b"GGUF"
 SUPPORTED_VERSIONS = (2, 3)
@@ -286,26 +287,19 @@ class _Reader:
             count = self.u64()
             if count > MAX_ARRAY_ITEMS:
                 raise ModelFileError(
-                    f"{self._label}: corrupt GGUF header ({_shown(key)} claims {count} items)"
+                    f"{self._label}: corrupt GGUF header ({shown(key)} claims {count} items)"
                 )
             lengths[key] = count
             if item_type == _ARRAY:
-                raise ModelFileError(f"{self._label}: unsupported nested array in {_shown(key)}")
+                raise ModelFileError(f"{self._label}: unsupported nested array in {shown(key)}")
             if item_type in _SCALAR_FORMATS and count > KEPT_ARRAY_ITEMS:
                 self.take(struct.calcsize(_SCALAR_FORMATS[item_type]) * count)
                 return None
             items = [self.value(item_type, key, lengths) for _ in range(count)]
             return items if count <= KEPT_ARRAY_ITEMS else None
         raise ModelFileError(
-            f"{self._label}: corrupt GGUF header (unknown value type {type_id} for {_shown(key)})"
+            f"{self._label}: corrupt GGUF header (unknown value type {type_id} for {shown(key)})"
         )
-
-
-def _shown(name: str, limit: int = 60) -> str:
-    """A name from the file as an error may show it: one short line, control characters
-    spelled out (a corrupt header can make a "name" of any bytes and length)."""
-    text = "".join(c if c.isprintable() else f"\\x{ord(c):02x}" for c in name[: limit + 1])
-    return text if len(name) <= limit else text[:limit] + "…"
 
 
 def parse_header(source: ByteSource, label: str) -> GGUFInfo:
@@ -335,14 +329,14 @@ def parse_header(source: ByteSource, label: str) -> GGUFInfo:
         n_dims = reader.u32()
         if n_dims > MAX_DIMS:
             raise ModelFileError(
-                f"{label}: corrupt GGUF header (tensor {_shown(name)} has {n_dims} dims)"
+                f"{label}: corrupt GGUF header (tensor {shown(name)} has {n_dims} dims)"
             )
         shape = tuple(reader.u64() for _ in range(n_dims))
         type_id = reader.u32()
         offset = reader.u64()
         type_name = GGML_TYPE_IDS.get(type_id)
         if type_name is None:
-            raise ModelFileError(f"{label}: tensor {_shown(name)} has unknown type {type_id}")
+            raise ModelFileError(f"{label}: tensor {shown(name)} has unknown type {type_id}")
         n_elements = 1
         for dim in shape:
             n_elements *= dim

@@ -18,6 +18,33 @@ KV_CACHE_TYPES = tuple(KV_BYTES_PER_VALUE)
 
 
 @dataclass(frozen=True)
+class ServerConfig:
+    """A named OpenAI-compatible server; ``name`` is empty for a URL given on the command line."""
+
+    name: str
+    url: str
+    key_env: str | None = None
+
+
+def _servers(path: Path, value: object) -> tuple[ServerConfig, ...]:
+    entries = value if isinstance(value, list) else None
+    if entries is None or not all(isinstance(e, dict) for e in entries):
+        raise UsageError(f"{path}: servers must be [[servers]] tables with a name and a url")
+    servers = []
+    for entry in entries:
+        name, url, key_env = entry.get("name"), entry.get("url"), entry.get("key_env")
+        unknown = set(entry) - {"name", "url", "key_env"}
+        if not isinstance(name, str) or not name or not isinstance(url, str) or not url:
+            raise UsageError(f"{path}: each [[servers]] entry needs a name and a url")
+        if unknown or (key_env is not None and not isinstance(key_env, str)):
+            raise UsageError(
+                f"{path}: server {name!r}: only name, url and key_env (a variable name) are read"
+            )
+        servers.append(ServerConfig(name, url, key_env))
+    return tuple(servers)
+
+
+@dataclass(frozen=True)
 class Settings:
     state_budget_bytes: int = DEFAULT_BUDGET_BYTES
     """Disk space saved KV states may take; the least recently used are deleted beyond it."""
@@ -45,6 +72,24 @@ class Settings:
     """When old messages leave the context: "shift" the KV cache in place (fast), "exact"
     re-evaluate the new window, or "auto" (shift where the model family allows it)."""
 
+    servers: tuple[ServerConfig, ...] = ()
+    """OpenAI-compatible servers to chat through by name (``[[servers]]`` tables with
+    ``name``, ``url`` — the API base, e.g. http://gpu-box:8000/v1 — and optionally
+    ``key_env``, the environment variable holding its API key)."""
+
+    def server(self, spec: str) -> ServerConfig:
+        """A server by its configured name, or a URL given as is."""
+        found = next((s for s in self.servers if s.name == spec), None)
+        if found is not None:
+            return found
+        if "://" in spec:
+            return ServerConfig(name="", url=spec)
+        names = ", ".join(s.name for s in self.servers) or "none configured"
+        raise UsageError(
+            f"no server named {spec!r} in settings.toml ({names}); give a URL such as"
+            " http://gpu-box:8000/v1 or add a [[servers]] entry"
+        )
+
 
 def load_settings(path: Path) -> Settings:
     """Read ``path`` if it exists; an unknown key or bad value names the file and the key."""
@@ -60,6 +105,8 @@ def load_settings(path: Path) -> Settings:
         name = key.replace("-", "_")
         if name == "state_budget":
             name, value = "state_budget_bytes", parse_size(str(value))
+        if name == "servers":
+            value = _servers(path, value)
         if name not in known:
             raise UsageError(f"{path}: unknown setting {key!r}; known: {', '.join(sorted(known))}")
         values[name] = value
@@ -81,7 +128,7 @@ def load_settings(path: Path) -> Settings:
         )
     for f in fields(Settings):
         value = getattr(settings, f.name)
-        if f.name in ("window_mode", "kv_type", "swa_cache"):
+        if f.name in ("window_mode", "kv_type", "swa_cache", "servers"):
             continue
         if not isinstance(value, int | float) or isinstance(value, bool) or value < 0:
             raise UsageError(

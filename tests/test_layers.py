@@ -59,9 +59,9 @@ def test_runtime_source_has_no_textual_import() -> None:
 # Runtime modules that the planner, the catalog and listings stand on: they load neither
 # llama.cpp nor numpy (a plan or a model list never pays for either).
 LIGHT_MODULES = (
-    "atomic", "catalog", "chat_formats", "chat_template", "cpu", "errors", "estimate",
-    "gguf_info", "locks", "paths", "planner", "prompt", "quants", "reasoning", "speed",
-    "stops", "store", "text", "units", "window",
+    "atomic", "backend", "catalog", "chat_formats", "chat_template", "cpu", "errors",
+    "estimate", "gguf_info", "locks", "paths", "planner", "prompt", "quants", "reasoning",
+    "remote", "speed", "stops", "store", "text", "units", "window",
 )  # fmt: skip
 
 
@@ -130,3 +130,16 @@ def test_no_import_cycles() -> None:
             visit(start, [start])
     assert cycles == [], f"import cycles: {cycles}"
     assert "localchat.hardware" in graph["localchat.planner"]
+
+
+def test_only_remote_speaks_http_to_servers_and_the_app_loads_it_only_for_one() -> None:
+    offenders = [
+        str(path.relative_to(PACKAGE))
+        for path in PACKAGE.rglob("*.py")
+        if _imports(path) & {"httpx", "httpx_sse"}
+        and path.name not in ("remote.py", "bench_remote.py")  # the bare client
+    ]
+    assert offenders == []
+    code = "import sys, localchat.tui.app, localchat.cli; print('httpx' in sys.modules)"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.stdout.strip() == "False"  # a local start never pays for the wire

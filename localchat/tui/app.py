@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, ClassVar, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 from textual import on, work
 from textual.app import App, ComposeResult, SystemCommand
@@ -27,7 +27,7 @@ from textual.widgets.markdown import MarkdownStream
 from localchat.calibrate import speed_model
 from localchat.catalog import catalog_template
 from localchat.compute_thread import run_compute
-from localchat.conversation import Conversation, ConversationTurn
+from localchat.conversation import Conversation, ConversationBase, ConversationTurn
 from localchat.demo import demo_model_path, ensure_demo_model
 from localchat.engine import Engine, LoadOptions, Sampling
 from localchat.errors import LocalchatError, one_line
@@ -37,6 +37,7 @@ from localchat.kvstate import StateStore
 from localchat.library import Library
 from localchat.paths import app_paths
 from localchat.reasoning import split_reasoning
+from localchat.session import connect, open_on
 from localchat.settings import Settings, load_settings
 from localchat.store import Store
 from localchat.tui.messages import (
@@ -55,7 +56,7 @@ from localchat.tui.screens.conversations import ConversationsScreen
 from localchat.tui.screens.download import DownloadScreen
 from localchat.tui.screens.hardware import HardwareScreen
 from localchat.tui.screens.help import HelpScreen
-from localchat.tui.screens.models import ModelsScreen
+from localchat.tui.screens.models import ModelsScreen, ServerChoice
 from localchat.tui.screens.no_model import NoModelScreen
 from localchat.tui.screens.text_prompt import TextPromptScreen
 from localchat.tui.widgets.chat_message import (
@@ -68,6 +69,9 @@ from localchat.tui.widgets.prompt_input import PromptInput
 from localchat.tui.widgets.stats_panel import StatsPanel
 from localchat.tui.worker_failures import ReportsWorkerFailures
 from localchat.units import count
+
+if TYPE_CHECKING:  # the wire to servers is imported only when one is used
+    from localchat.remote import RemoteBackend
 
 # How long quitting waits for a reply being written to stop and be committed.
 QUIT_WAIT_S = 10.0
@@ -135,8 +139,12 @@ class LocalChatApp(ReportsWorkerFailures, App[int]):
         model_name: str | None = None,
         demo: bool = False,
         template: str | None = None,
+        server: str | None = None,
     ) -> None:
+        """``server``: chat through this OpenAI-compatible server (URL or settings name);
+        ``model_name`` is then one of its models."""
         super().__init__()
+        self.server = server
         self.model_path = model_path
         self.template = template
         self.model_name = model_name
@@ -147,8 +155,8 @@ class LocalChatApp(ReportsWorkerFailures, App[int]):
         self.sampling = sampling
         self.conversation_name = conversation_name
         self.system_prompt = system_prompt
-        self.engine: Engine | None = None
-        self.conversation: Conversation | None = None
+        self.engine: Engine | RemoteBackend | None = None
+        self.conversation: ConversationBase | None = None
         self.store: Store | None = None
         self.states: StateStore | None = None
         self._cancel = threading.Event()
@@ -194,7 +202,10 @@ class LocalChatApp(ReportsWorkerFailures, App[int]):
             self.max_tokens = self.settings.max_tokens
         if self.sampling is None:
             self.sampling = Sampling(temperature=self.settings.temperature)
-        self.choose_model()
+        if self.server is not None:
+            self.connect_server(self.server, self.n_ctx)
+        else:
+            self.choose_model()
         self.warm_up()
 
     def notify(
@@ -270,6 +281,18 @@ class LocalChatApp(ReportsWorkerFailures, App[int]):
         return Path(rows[0].path or "") if rows else None
 
     @work(thread=True, exit_on_error=False, exclusive=True, group="model")
+    def connect_server(self, spec: str, context_size: int | None = None) -> None:
+        """Reach the server and pick its model (the listing, a count probe: network calls).
+        ``context_size``: --ctx given with --server, the server's context as the user knows it."""
+        start = time.perf_counter()
+        try:
+            backend = connect(self.settings, spec, self.model_name, context_size)
+        except LocalchatError as exc:
+            self.post_message(ModelLoadFailed(str(exc)))
+            return
+        self.post_message(ModelLoaded(backend, time.perf_counter() - start))
+
+    @work(thread=True, exit_on_error=False, exclusive=True, group="model")
     def load_model(self, path: Path) -> None:
         start = time.perf_counter()
         try:
@@ -308,7 +331,6 @@ class LocalChatApp(ReportsWorkerFailures, App[int]):
             return
         pending = thinking = ""
         last_post = time.perf_counter()
-        engine = conversation.engine
         try:
             for delta in turn:
                 if delta.reasoning:
@@ -317,16 +339,18 @@ class LocalChatApp(ReportsWorkerFailures, App[int]):
                     pending += delta.text
                 now = time.perf_counter()
                 if now - last_post >= CHUNK_INTERVAL_S:
-                    kv_tokens = len(engine.cached_tokens)
+                    kv_tokens = _context_tokens(conversation, turn)
                     self.post_message(ReplyChunk(pending, replace(turn.stats), kv_tokens, thinking))
                     pending = thinking = ""
                     last_post = now
         except Exception as exc:
             self.notify(f"generation failed: {exc}", severity="error", timeout=15)
         if pending or thinking:
-            kv_tokens = len(engine.cached_tokens)
+            kv_tokens = _context_tokens(conversation, turn)
             self.post_message(ReplyChunk(pending, replace(turn.stats), kv_tokens, thinking))
-        self.post_message(ReplyFinished(replace(turn.stats), len(engine.cached_tokens), turn))
+        self.post_message(
+            ReplyFinished(replace(turn.stats), _context_tokens(conversation, turn), turn)
+        )
 
     # -- model lifecycle (app thread) ----------------------------------------------------
     def on_startup_notice(self, message: StartupNotice) -> None:
@@ -379,9 +403,17 @@ class LocalChatApp(ReportsWorkerFailures, App[int]):
             await asyncio.to_thread(run_compute, old.close)
         if self._torn_down():
             return
+        panel = self.query_one(StatsPanel)
+        if not isinstance(message.engine, Engine):  # a server
+            backend = message.engine
+            self.sub_title = f"{backend.model} · {backend.server}"
+            panel.show_server(backend.model, backend.server, backend.context_size)
+            self._show_cache(0)
+            panel.show_turn_start(f"connected in {message.load_s:.2f} s")
+            await self._open_conversation(name)
+            return
         info = message.engine.info
         self.sub_title = f"{info.name} · {info.file_type}"
-        panel = self.query_one(StatsPanel)
         panel.show_model(
             info.name,
             info.file_type,
@@ -415,29 +447,30 @@ class LocalChatApp(ReportsWorkerFailures, App[int]):
         # Opening reads the database and the model file's fingerprint: off the event loop.
         try:
             conversation = await self._off_loop(
-                Conversation.open,
+                open_on,
+                self.engine,
                 self.store,
                 self.states,
                 name,
-                self.engine,
                 self.system_prompt,
                 window_mode=self.settings.window_mode,
             )
         except LocalchatError as exc:
             self.notify(str(exc), severity="warning", timeout=15)
             conversation = await self._off_loop(
-                Conversation.open,
+                open_on,
+                self.engine,
                 self.store,
                 self.states,
                 _new_conversation_name(self.store),
-                self.engine,
             )
         if conversation is None:  # quitting
             return
         if self._torn_down():  # the app went away while it opened
             await self._off_loop(conversation.close, skip_if_quitting=False)
             return
-        conversation.saver.on_error = lambda error: self.notify(error, severity="warning")
+        if isinstance(conversation, Conversation):
+            conversation.saver.on_error = lambda error: self.notify(error, severity="warning")
         self.conversation = conversation
         self.title = f"localchat — {conversation.record.title}"
         await self._show_transcript()
@@ -520,7 +553,9 @@ class LocalChatApp(ReportsWorkerFailures, App[int]):
         self.call_after_refresh(self._begin_generation, self.conversation, text)
 
     def _begin_generation(self, conversation: Conversation, text: str) -> None:
-        self._pacer = FramePacer(conversation.engine.threads)
+        # A server's reply costs this machine no CPU: the app's share is of one thread.
+        threads = conversation.engine.threads if isinstance(conversation, Conversation) else 1
+        self._pacer = FramePacer(threads)
         self.generate(conversation, text)
 
     async def on_reply_chunk(self, message: ReplyChunk) -> None:
@@ -552,7 +587,7 @@ class LocalChatApp(ReportsWorkerFailures, App[int]):
         panel = self.query_one(StatsPanel)
         panel.show_speed(stats, final=True)
         panel.show_turn_start(describe_turn_start(message.turn))
-        self._show_cache(message.kv_tokens)
+        self._show_cache(message.kv_tokens, stats.server_kv_usage)
         log = self.query_one("#log", VerticalScroll)
         for notice in message.turn.notices:
             await log.mount(Notice(notice))
@@ -631,12 +666,18 @@ class LocalChatApp(ReportsWorkerFailures, App[int]):
         if self._generating:
             return
 
-        def switch(path: Path | None) -> None:
-            if path is not None:
-                self.sub_title = f"loading {path.name}…"
-                self.load_model(path)
+        def switch(choice: Path | ServerChoice | None) -> None:
+            if isinstance(choice, ServerChoice):
+                self.server, self.model_name = choice.server, choice.model
+                self.sub_title = f"connecting to {choice.server}…"
+                self.connect_server(choice.server)
+            elif choice is not None:
+                self.server = None
+                self.sub_title = f"loading {choice.name}…"
+                self.load_model(choice)
 
-        self.push_screen(ModelsScreen(min_tps=self.settings.min_tokens_per_s), switch)
+        screen = ModelsScreen(min_tps=self.settings.min_tokens_per_s, servers=self.settings.servers)
+        self.push_screen(screen, switch)
 
     def action_hardware(self) -> None:
         self.push_screen(HardwareScreen(self.settings.min_tokens_per_s))
@@ -665,10 +706,15 @@ class LocalChatApp(ReportsWorkerFailures, App[int]):
         self._undrawn = ""
         self.query_one(PromptInput).cursor_blink = True
 
-    def _show_cache(self, tokens: int) -> None:
+    def _show_cache(self, tokens: int, server_usage: float | None = None) -> None:
         if self.engine is None:
             return
         engine = self.engine
+        if not isinstance(engine, Engine):  # a server's cache is the server's
+            self.query_one(StatsPanel).show_server_cache(
+                server_usage, tokens, engine.context_size, engine.counts_exactly
+            )
+            return
         self.query_one(StatsPanel).show_cache(
             engine.kv_bytes_for(tokens), engine.kv_bytes_allocated, tokens, engine.n_ctx
         )
@@ -695,6 +741,13 @@ class LocalChatApp(ReportsWorkerFailures, App[int]):
         finally:
             if held:
                 self._conversation_io.release()
+
+
+def _context_tokens(conversation: ConversationBase, turn: ConversationTurn) -> int:
+    """Tokens the context holds now: the local cache's, or the server's prompt and reply."""
+    if isinstance(conversation, Conversation):
+        return len(conversation.engine.cached_tokens)
+    return turn.stats.prompt_tokens + turn.stats.generated_tokens
 
 
 def _new_conversation_name(store: Store) -> str:
@@ -740,6 +793,7 @@ def run_app(
     model_name: str | None = None,
     demo: bool = False,
     template: str | None = None,
+    server: str | None = None,
 ) -> int:
     app = LocalChatApp(
         model_path,
@@ -748,6 +802,7 @@ def run_app(
         model_name=model_name,
         demo=demo,
         template=template,
+        server=server,
     )
     _exit_on_signals(app)
     app.run()

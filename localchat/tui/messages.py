@@ -4,17 +4,24 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from textual.message import Message
 
+from localchat.backend import TurnStats
 from localchat.conversation import ConversationTurn
-from localchat.engine import Engine, TurnStats
+from localchat.engine import Engine
 from localchat.hub import Progress
+
+if TYPE_CHECKING:
+    from localchat.remote import RemoteBackend
 
 
 @dataclass
 class ModelLoaded(Message):
-    engine: Engine
+    """A model loaded here, or a server connected to (``engine`` is then its backend)."""
+
+    engine: Engine | RemoteBackend
     load_s: float
 
 

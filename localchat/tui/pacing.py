@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 MIN_INTERVAL_S = 0.1
 FRAME_GAP_S = MIN_INTERVAL_S / 2
 # The app's thread may use this fraction of the CPU time the generation threads use.
-UI_CPU_SHARE = 0.04
+UI_CPU_SHARE = 0.02
 
 
 @dataclass

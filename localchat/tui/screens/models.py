@@ -1,6 +1,8 @@
-"""Models: catalog quants with size, memory, fit and download state; download, switch, add.
+"""Models: catalog quants with size, memory, fit and download state; download, switch, add;
+and the models of the servers named in settings.toml, beside them.
 
-Returns the path of the model to switch to (after a download if needed), or None.
+Returns the path of the model to switch to (after a download if needed), a server model to
+chat through, or None.
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ from localchat.hub import DownloadCancelled, Progress
 from localchat.library import Library, ModelRow
 from localchat.paths import app_paths
 from localchat.planner import MIN_TOKENS_PER_S, format_tps
+from localchat.session import ServerModelRow, server_model_rows
+from localchat.settings import ServerConfig
 from localchat.tui.screens.text_prompt import TextPromptScreen
 from localchat.tui.worker_failures import ReportsWorkerFailures
 from localchat.units import format_bytes
@@ -34,6 +38,15 @@ from localchat.units import format_bytes
 @dataclass
 class RowsLoaded(Message):
     rows: list[ModelRow]
+    server_rows: list[ServerModelRow]
+
+
+@dataclass(frozen=True)
+class ServerChoice:
+    """A model on a configured server, picked in the table."""
+
+    server: str  # its name in settings.toml
+    model: str
 
 
 @dataclass
@@ -47,15 +60,22 @@ class DownloadFinished(Message):
     error: str | None
 
 
-class ModelsScreen(ReportsWorkerFailures, ModalScreen[Path | None]):
+class ModelsScreen(ReportsWorkerFailures, ModalScreen[Path | ServerChoice | None]):
     BINDINGS: ClassVar[list[BindingType]] = [
         Binding("escape", "close", "Close / cancel download", id="models-close"),
         Binding("enter", "pick", "Download or switch", id="models-pick", priority=True),
         Binding("ctrl+a", "add", "Add a local GGUF", id="models-add", priority=True),
     ]
 
-    def __init__(self, hardware: Hardware | None = None, min_tps: float = MIN_TOKENS_PER_S) -> None:
+    def __init__(
+        self,
+        hardware: Hardware | None = None,
+        min_tps: float = MIN_TOKENS_PER_S,
+        servers: tuple[ServerConfig, ...] = (),
+    ) -> None:
         super().__init__(classes="dialog-screen")
+        self.servers = servers  # settings.toml's [[servers]]: their models are listed too
+        self.server_rows: list[ServerModelRow] = []
         self.hardware = hardware  # None: detect this machine
         self.min_tps = min_tps  # the user's min_tokens_per_s setting
         self.rows: list[ModelRow] = []
@@ -92,10 +112,11 @@ class ModelsScreen(ReportsWorkerFailures, ModalScreen[Path | None]):
         except LocalchatError as exc:
             self.post_message(DownloadFinished(None, str(exc)))
             return
-        self.post_message(RowsLoaded(rows))
+        self.post_message(RowsLoaded(rows, server_model_rows(self.servers)))
 
     def on_rows_loaded(self, message: RowsLoaded) -> None:
         self.rows = message.rows
+        self.server_rows = message.server_rows
         table = self.query_one(DataTable)
         table.clear()
         for index, row in enumerate(self.rows):
@@ -116,6 +137,21 @@ class ModelsScreen(ReportsWorkerFailures, ModalScreen[Path | None]):
                 on_disk,
                 key=str(index),
             )
+        for index, server_row in enumerate(self.server_rows):
+            context = f"ctx {server_row.context_size}" if server_row.context_size else "-"
+            where: Text = Text(f"server {server_row.server}")  # names are never markup
+            if server_row.problem:
+                where = Text(f"server {server_row.server}: {server_row.problem}")
+            table.add_row(
+                Text(server_row.model or "(unreachable)"),
+                "server",
+                "-",
+                context,
+                "-",
+                "remote",
+                where,
+                key=f"server-{index}",
+            )
 
     def on_data_table_row_highlighted(self, event: DataTable.RowHighlighted) -> None:
         """The highlighted model's plan here, and why, under the table."""
@@ -125,11 +161,22 @@ class ModelsScreen(ReportsWorkerFailures, ModalScreen[Path | None]):
 
     def _selected(self) -> ModelRow | None:
         table = self.query_one(DataTable)
-        if not self.rows or table.row_count == 0:
+        if not self.rows or table.row_count == 0 or table.cursor_row >= len(self.rows):
             return None
         return self.rows[table.cursor_row]
 
+    def _selected_server_row(self) -> ServerModelRow | None:
+        index = self.query_one(DataTable).cursor_row - len(self.rows)
+        return self.server_rows[index] if 0 <= index < len(self.server_rows) else None
+
     def action_pick(self) -> None:
+        server_row = self._selected_server_row()
+        if server_row is not None and not self.downloading:
+            if server_row.model is None:
+                self.notify(server_row.problem or "unreachable", severity="warning", timeout=10)
+            else:
+                self.dismiss(ServerChoice(server_row.server, server_row.model))
+            return
         row = self._selected()
         if row is None or self.downloading:
             return

@@ -61,6 +61,25 @@ class StatsPanel(Vertical):
             layout=True,
         )
 
+    def show_server(self, model: str, server: str, n_ctx: int | None) -> None:
+        """A model on a server: its name, where it runs, its context where the server says."""
+        context = f"ctx {n_ctx}" if n_ctx else "ctx not published by the server"
+        self._set("model-info", f"{model}\non {server}\n{context}", layout=True)
+
+    def show_server_cache(
+        self, usage: float | None, tokens: int, n_ctx: int | None, counted: bool
+    ) -> None:
+        """The cache is the server's: its fill where its /metrics says, never a zero here."""
+        if usage is None:
+            self._set("kv-memory", "server-side (not published)")
+        else:
+            self._set("kv-memory", f"server-side, {100 * usage:.0f}% in use")
+        bar = self.query_one("#ctx-fill", ProgressBar)
+        bar.update(total=n_ctx or 1, progress=tokens if n_ctx else 0)
+        about = "" if counted else "≈"
+        limit = f" / {n_ctx:,}" if n_ctx else ""
+        self._set("ctx-tokens", f"{about}{tokens:,}{limit} tokens")
+
     def show_cache(self, used_bytes: int, allocated_bytes: int, tokens: int, n_ctx: int) -> None:
         self._set("kv-memory", f"{format_bytes(used_bytes)} / {format_bytes(allocated_bytes)}")
         bar = self.query_one("#ctx-fill", ProgressBar)
