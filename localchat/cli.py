@@ -16,7 +16,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
 from localchat import __version__
-from localchat.demo import QUANTS, SHAPES, TOKENIZERS, ensure_demo_model, make_demo_model
+from localchat.demo import (
+    APP_DEMO_QUANT,
+    APP_DEMO_SHAPE,
+    QUANTS,
+    SHAPES,
+    TOKENIZERS,
+    ensure_demo_model,
+    make_demo_model,
+)
 from localchat.errors import LocalchatError, UsageError, WorldError, one_line
 from localchat.paths import app_paths
 from localchat.text import printable
@@ -36,8 +44,6 @@ EXIT_INTERRUPTED = 130
 
 # The model used when none is named and nothing has been downloaded: generated offline.
 DEFAULT_WAIT_S = 5.0  # ask --wait: a busy conversation is usually free within seconds
-DEFAULT_DEMO_SHAPE = "small"
-DEFAULT_DEMO_QUANT = "Q4_K_M"
 
 
 def _positive_int(text: str) -> int:
@@ -245,7 +251,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def default_model() -> Path:
     """The offline demo model, generated once into the cache."""
-    return ensure_demo_model(app_paths().demo_models_dir, DEFAULT_DEMO_SHAPE, DEFAULT_DEMO_QUANT)
+    return ensure_demo_model(app_paths().demo_models_dir, APP_DEMO_SHAPE, APP_DEMO_QUANT)
 
 
 def cmd_ask(args: argparse.Namespace, out: TextIO) -> int:
@@ -392,28 +398,23 @@ def _ask_in_conversation(
     settings: Settings,
 ) -> int:
     from localchat.conversation import Conversation
+    from localchat.session import Session
 
-    store, states = _open_store(settings)
-    window_mode = args.window or settings.window_mode
+    session = Session(app_paths(), settings, engine)
     try:
-        conversation = Conversation.open(
-            store, states, args.conversation, engine, args.system, window_mode=window_mode,
-            wait_s=args.wait,
-        )  # fmt: skip
-        try:
-            turn = conversation.send(
-                args.message, sampling, args.max_tokens, cancel, fresh=args.fresh
-            )
-            interrupted = _stream(turn, args, cancel, out)
-            conversation.saver.wait()
-            notices = list(turn.notices)
-            if conversation.saver.last_error:
-                notices.append(conversation.saver.last_error)
-            _print_result(out, args, turn.generation, engine, turn.stats_dict(), notices)
-        finally:
-            conversation.close()
+        conversation = session.open_conversation(
+            args.conversation, args.system, args.wait, args.window or settings.window_mode
+        )
+        assert isinstance(conversation, Conversation)  # a local model: it opens or raises
+        turn = conversation.send(args.message, sampling, args.max_tokens, cancel, fresh=args.fresh)
+        interrupted = _stream(turn, args, cancel, out)
+        conversation.saver.wait()
+        notices = list(turn.notices)
+        if conversation.saver.last_error:
+            notices.append(conversation.saver.last_error)
+        _print_result(out, args, turn.generation, engine, turn.stats_dict(), notices)
     finally:
-        store.close()
+        session.close(free_backend=False)  # the caller frees the model
     return EXIT_INTERRUPTED if interrupted else 0
 
 
@@ -450,6 +451,7 @@ def _ask_remote(args: argparse.Namespace, out: TextIO, settings: Settings) -> in
     session = Session(app_paths(), settings, backend)
     try:
         conversation = session.open_conversation(args.conversation, args.system, args.wait)
+        assert conversation is not None  # a backend and a database: it opens or raises
         turn = conversation.send(args.message, sampling, max_tokens, cancel)
         interrupted = _stream(turn, args, cancel, out)
         _print_result(out, args, turn.generation, backend, turn.stats_dict(), list(turn.notices))

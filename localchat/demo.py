@@ -118,6 +118,9 @@ SHAPES: dict[str, ModelShape] = {
     ),
 }
 
+# The demo model the app and ``ask`` run on when no model is given (offline, quick to make).
+APP_DEMO_SHAPE, APP_DEMO_QUANT = "small", "Q4_K_M"
+
 
 def build_vocab(n_vocab: int) -> tuple[list[str], list[float], list[int]]:
     """A SentencePiece-style vocabulary: specials, 256 byte-fallback tokens, then pieces.

@@ -5,20 +5,34 @@ app use it alike; the app runs its blocking calls in threads and only draws.
 
 from __future__ import annotations
 
+import threading
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from localchat.backend import Backend
+from localchat.calibrate import speed_model
+from localchat.catalog import catalog_template
+from localchat.compute_thread import run_compute
 from localchat.conversation import Conversation, ConversationBase
-from localchat.engine import Engine
+from localchat.demo import APP_DEMO_QUANT, APP_DEMO_SHAPE, demo_model_path, ensure_demo_model
+from localchat.engine import Engine, LoadOptions
 from localchat.errors import LocalchatError
+from localchat.hardware import detect_hardware
+from localchat.hub import Progress
 from localchat.kvstate import StateStore
+from localchat.library import Library
 from localchat.paths import AppPaths
 from localchat.settings import ServerConfig, Settings
 from localchat.store import Store
 
 if TYPE_CHECKING:  # the wire (httpx) is imported only when a server is used
     from localchat.remote import RemoteBackend
+
+# The catalog model a first start downloads.
+DEFAULT_MODEL = "qwen2.5-1.5b-instruct"
 
 
 def connect(
@@ -88,44 +102,171 @@ def open_on(
 
 
 class Session:
-    """One backend and at most one open conversation on it, over the user's stores."""
+    """One backend and at most one open conversation on it, over the user's stores.
 
-    def __init__(self, paths: AppPaths, settings: Settings, backend: Backend) -> None:
+    The app opens and closes conversations in threads while it may be quitting: once
+    ``close`` began, a late open does nothing, and ``close`` waits (bounded) for one in
+    flight, so the database is never closed under it.
+    """
+
+    def __init__(
+        self,
+        paths: AppPaths,
+        settings: Settings,
+        backend: Engine | RemoteBackend | None = None,
+        open_stores: bool = True,
+    ) -> None:
+        """``open_stores=False``: no conversations (the database could not be opened)."""
+        self.paths = paths
         self.settings = settings
-        self.store = Store(paths.database)
-        self.states = StateStore(paths.states_dir, settings.state_budget_bytes)
-        self.backend = backend
+        self.backend: Engine | RemoteBackend | None = backend
+        self.store: Store | None = None
+        self.states: StateStore | None = None
         self.conversation: ConversationBase | None = None
+        self.closing = False
+        self._io = threading.Lock()
+        if open_stores:
+            self.store = Store(paths.database)
+            self.states = StateStore(paths.states_dir, settings.state_budget_bytes)
+
+    # -- which model answers ----------------------------------------------------------------
+    def startup_model(
+        self,
+        model_path: Path | None,
+        model_name: str | None,
+        demo: bool,
+        notice: Callable[[str], object],
+        warn: Callable[[str], object],
+        progress: Callable[[Progress], object],
+        cancel: threading.Event,
+    ) -> Path:
+        """The model to start on: the one asked for, the demo, the last one used, or a first
+        download (its quant chosen for this machine's measured speed). Blocking: a thread.
+        ``notice``: what the start is doing; ``warn``: a file it skipped, and why."""
+        if model_path is not None:
+            return model_path
+        if demo:
+            return ensure_demo_model(self.paths.demo_models_dir, APP_DEMO_SHAPE, APP_DEMO_QUANT)
+        library = Library(self.paths, detect_hardware(), min_tps=self.settings.min_tokens_per_s)
+        found = self._model_on_disk(library, model_name, warn)
+        if found is not None:
+            return found
+        if library.speed is None:
+            notice("measuring this machine's speed (once)…")
+            library.speed = run_compute(speed_model, self.paths)
+        wanted = model_name or DEFAULT_MODEL
+        plan = library.plan_of(wanted)
+        if plan is not None:  # the download screen says which quant, and why
+            notice(f"{plan.model}: {plan.explanation}")
+        return library.pull(wanted, progress, cancel)
+
+    def _model_on_disk(
+        self, library: Library, model_name: str | None, warn: Callable[[str], object]
+    ) -> Path | None:
+        if model_name is not None:
+            return library.path_of(model_name)
+        recent = self.store.list() if self.store is not None else []
+        last_model = recent[0].model if recent else None
+        # After --demo, a plain start reopens the demo model the last conversation used.
+        demo = demo_model_path(self.paths.demo_models_dir, APP_DEMO_SHAPE, APP_DEMO_QUANT)
+        if last_model == demo.name and demo.exists():
+            return demo
+        found = [r for r in library.rows() if r.downloaded and r.path]
+        for row in found:
+            if row.problem:  # one broken file never stops the start: the next one is used
+                warn(f"skipped {row.model}: {row.problem}")
+        rows = [r for r in found if r.usable]
+        for row in rows:
+            if last_model and Path(row.path or "").name == last_model:
+                return Path(row.path or "")
+        return Path(rows[0].path or "") if rows else None
+
+    def load_model(
+        self, path: Path, n_ctx: int | None = None, template: str | None = None
+    ) -> Engine:
+        """Load ``path`` on the compute thread with the user's settings; ``use`` it after."""
+        template = template or catalog_template(path, self.paths.user_catalog)
+        options = LoadOptions(
+            n_ctx=n_ctx,
+            kv_type=self.settings.kv_type,
+            template=template,
+            swa_cache=self.settings.swa_cache,
+        )
+        return run_compute(Engine, path, options)
+
+    def connect(
+        self, spec: str, model: str | None = None, context_size: int | None = None
+    ) -> RemoteBackend:
+        return connect(self.settings, spec, model, context_size)
+
+    def use(self, backend: Engine | RemoteBackend) -> Engine | RemoteBackend | None:
+        """Answer with ``backend`` from now on; returns the previous one for the caller to
+        free (a local model on the compute thread). Close the conversation first."""
+        previous, self.backend = self.backend, backend
+        return previous
+
+    # -- conversations ----------------------------------------------------------------------
+    def new_conversation_name(self) -> str:
+        """A fresh name: the time, with a counter when two chats start in the same second."""
+        base = time.strftime("chat-%Y%m%d-%H%M%S")
+        name, counter = base, 1
+        while self.store is not None and self.store.find(name) is not None:
+            counter += 1
+            name = f"{base}-{counter}"
+        return name
 
     def open_conversation(
         self,
-        name: str,
+        name: str | None = None,
         system_prompt: str | None = None,
         wait_s: float = 0.0,
         window_mode: str | None = None,
-    ) -> ConversationBase:
-        """Open (or start) ``name`` on this session's backend; the one open before closes."""
-        self.close_conversation()
-        self.conversation = open_on(
-            self.backend,
-            self.store,
-            self.states,
-            name,
-            system_prompt,
-            wait_s,
-            window_mode or self.settings.window_mode,
-        )
-        return self.conversation
+    ) -> ConversationBase | None:
+        """Open (or start) ``name`` on the backend — by default the most recent conversation,
+        else a new one; the one open before closes. None without a backend or a database, or
+        once the session began to close."""
+        with self._io:
+            if self.closing or self.backend is None or self.store is None or self.states is None:
+                return None
+            self._close_conversation()
+            if name is None:
+                recent = self.store.list()
+                name = recent[0].name if recent else self.new_conversation_name()
+            self.conversation = open_on(
+                self.backend,
+                self.store,
+                self.states,
+                name,
+                system_prompt,
+                wait_s,
+                window_mode or self.settings.window_mode,
+            )
+            return self.conversation
 
     def close_conversation(self) -> None:
+        """Close the open conversation (its last state save finishes first)."""
+        with self._io:
+            self._close_conversation()
+
+    def _close_conversation(self) -> None:
+        # No longer the session's before it closes: nothing starts a turn on it meanwhile.
         conversation, self.conversation = self.conversation, None
         if conversation is not None:
             conversation.close()
 
-    def close(self) -> None:
-        """The conversation (its state saves finish), then the store, then the backend."""
+    def close(self, wait_s: float | None = None, free_backend: bool = True) -> bool:
+        """The conversation (its state saves finish), then the store, then the backend unless
+        the caller frees it. ``wait_s`` bounds the wait for an open or close in flight;
+        False if it ran out (the database is then closed anyway, after that one)."""
+        self.closing = True
+        held = self._io.acquire(timeout=-1 if wait_s is None else wait_s)
         try:
-            self.close_conversation()
+            self._close_conversation()
+            if self.store is not None:
+                self.store.close()
         finally:
-            self.store.close()
-            self.backend.close()
+            if held:
+                self._io.release()
+            if free_backend and self.backend is not None:
+                self.backend.close()
+        return held

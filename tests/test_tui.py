@@ -9,6 +9,7 @@ from textual.message import Message
 from textual.pilot import Pilot
 from textual.widgets import Static
 
+import localchat.session as session_module
 import localchat.tui.app as app_module
 from localchat.compute_thread import on_compute_thread
 from localchat.engine import Engine, Sampling
@@ -157,13 +158,13 @@ async def test_model_work_runs_on_the_compute_thread(
     """Loading and generating happen on the one compute thread (see compute_thread.py: a
     second OpenMP pool made generation 6 times slower on 2 cores)."""
     where: list[tuple[str, bool]] = []
-    real_engine = app_module.Engine
 
-    def engine(*args: object, **kwargs: object) -> Engine:
-        where.append(("load", on_compute_thread()))
-        return real_engine(*args, **kwargs)  # type: ignore[arg-type]
+    class RecordingEngine(Engine):
+        def __init__(self, *args: object, **kwargs: object) -> None:
+            where.append(("load", on_compute_thread()))
+            super().__init__(*args, **kwargs)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(app_module, "Engine", engine)
+    monkeypatch.setattr(session_module, "Engine", RecordingEngine)  # the session loads models
     seen: list[Message] = []
     app = LocalChatApp(tiny_model, n_ctx=512, max_tokens=5, sampling=GREEDY)
     async with app.run_test(message_hook=seen.append) as pilot:
@@ -287,7 +288,7 @@ async def test_pasting_100_kb_is_cut_to_fit_with_a_notice(tiny_model: Path) -> N
 async def test_after_demo_a_plain_start_reopens_the_demo_model(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(app_module, "DEMO_SHAPE", "tiny")
+    monkeypatch.setattr(session_module, "APP_DEMO_SHAPE", "tiny")
     monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # a download attempt would fail
     seen: list[Message] = []
     first = LocalChatApp(demo=True, n_ctx=512, max_tokens=4, sampling=GREEDY)

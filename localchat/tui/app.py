@@ -10,7 +10,7 @@ import asyncio
 import signal
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
@@ -24,20 +24,15 @@ from textual.screen import Screen
 from textual.widgets import Footer, Header, Markdown
 from textual.widgets.markdown import MarkdownStream
 
-from localchat.calibrate import speed_model
-from localchat.catalog import catalog_template
 from localchat.compute_thread import run_compute
 from localchat.conversation import Conversation, ConversationBase, ConversationTurn
-from localchat.demo import demo_model_path, ensure_demo_model
-from localchat.engine import Engine, LoadOptions, Sampling
+from localchat.engine import Engine, Sampling
 from localchat.errors import LocalchatError, one_line
-from localchat.hardware import detect_hardware
 from localchat.hub import DownloadCancelled, HubError
 from localchat.kvstate import StateStore
-from localchat.library import Library
 from localchat.paths import app_paths
 from localchat.reasoning import split_reasoning
-from localchat.session import connect, open_on
+from localchat.session import Session
 from localchat.settings import Settings, load_settings
 from localchat.store import Store
 from localchat.tui.messages import (
@@ -82,8 +77,6 @@ STATS_INTERVAL_S = 0.5
 _T = TypeVar("_T")
 
 # What a first start downloads when nothing is on disk (at the planner's quant).
-DEFAULT_MODEL = "qwen2.5-1.5b-instruct"
-DEMO_SHAPE, DEMO_QUANT = "small", "Q4_K_M"
 
 # App shortcuts take priority over the message box's own keys (it would otherwise swallow
 # some); Esc does not, so that it can close dialogs first.
@@ -155,10 +148,8 @@ class LocalChatApp(ReportsWorkerFailures, App[int]):
         self.sampling = sampling
         self.conversation_name = conversation_name
         self.system_prompt = system_prompt
-        self.engine: Engine | RemoteBackend | None = None
-        self.conversation: ConversationBase | None = None
-        self.store: Store | None = None
-        self.states: StateStore | None = None
+        # The lifecycle (backend, stores, the open conversation): the app draws it.
+        self.session: Session | None = None
         self._cancel = threading.Event()
         # Set while no turn runs: quitting waits on it, so a reply being written is committed.
         self._turn_idle = threading.Event()
@@ -173,9 +164,6 @@ class LocalChatApp(ReportsWorkerFailures, App[int]):
         self._startup_cancel = threading.Event()
         self._download_screen: DownloadScreen | None = None
         self._startup_notice = ""  # the first download's plan, shown on its screen
-        # Held while a conversation opens or closes in a thread: quitting waits for it before
-        # it closes the database underneath.
-        self._conversation_io = threading.Lock()
         self._quitting = False
 
     def compose(self) -> ComposeResult:
@@ -187,17 +175,33 @@ class LocalChatApp(ReportsWorkerFailures, App[int]):
             yield StatsPanel()
         yield Footer()
 
+    @property
+    def engine(self) -> Engine | RemoteBackend | None:
+        """What answers: a model loaded here, or a server."""
+        return None if self.session is None else self.session.backend
+
+    @property
+    def conversation(self) -> ConversationBase | None:
+        return None if self.session is None else self.session.conversation
+
+    @property
+    def store(self) -> Store | None:
+        return None if self.session is None else self.session.store
+
+    @property
+    def states(self) -> StateStore | None:
+        return None if self.session is None else self.session.states
+
     def on_mount(self) -> None:
         self.sub_title = "starting…"
         self.query_one(PromptInput).focus()
         paths = app_paths()
         try:
             self.settings = load_settings(paths.settings_file)
-            self.store = Store(paths.database)
+            self.session = Session(paths, self.settings)
         except LocalchatError as exc:
             self.notify(str(exc), title="Conversations unavailable", severity="error", timeout=30)
-        else:
-            self.states = StateStore(paths.states_dir, self.settings.state_budget_bytes)
+            self.session = Session(paths, self.settings, open_stores=False)
         if self.max_tokens is None:
             self.max_tokens = self.settings.max_tokens
         if self.sampling is None:
@@ -228,28 +232,17 @@ class LocalChatApp(ReportsWorkerFailures, App[int]):
     @work(thread=True, exit_on_error=False, exclusive=True, group="model")
     def choose_model(self) -> None:
         """Find the model to run: the one asked for, the last one used, or a first download."""
-        paths = app_paths()
+        assert self.session is not None
         try:
-            if self.model_path is not None:
-                path = self.model_path
-            elif self.demo:
-                path = ensure_demo_model(paths.demo_models_dir, DEMO_SHAPE, DEMO_QUANT)
-            else:
-                library = Library(paths, detect_hardware(), min_tps=self.settings.min_tokens_per_s)
-                found = self._model_on_disk(library)
-                if found is None and library.speed is None:
-                    # The first download's quant follows the speed this machine gives.
-                    self.post_message(StartupNotice("measuring this machine's speed (once)…"))
-                    library.speed = run_compute(speed_model, paths)
-                wanted = self.model_name or DEFAULT_MODEL
-                plan = None if found else library.plan_of(wanted)
-                if plan is not None:  # the download screen says which quant, and why
-                    self.post_message(StartupNotice(f"{plan.model}: {plan.explanation}"))
-                path = found or library.pull(
-                    wanted,
-                    lambda p: self.post_message(StartupProgress(p)),
-                    self._startup_cancel,
-                )
+            path = self.session.startup_model(
+                self.model_path,
+                self.model_name,
+                self.demo,
+                notice=lambda text: self.post_message(StartupNotice(text)),
+                warn=lambda text: self.call_from_thread(self.notify, text, severity="warning"),
+                progress=lambda p: self.post_message(StartupProgress(p)),
+                cancel=self._startup_cancel,
+            )
         except (HubError, DownloadCancelled) as exc:
             self.post_message(ModelMissing(str(exc)))
             return
@@ -258,35 +251,14 @@ class LocalChatApp(ReportsWorkerFailures, App[int]):
             return
         self.post_message(ModelChosen(path))
 
-    def _model_on_disk(self, library: Library) -> Path | None:
-        if self.model_name is not None:
-            return library.path_of(self.model_name)
-        last_model = None
-        if self.store is not None:
-            recent = self.store.list()
-            last_model = recent[0].model if recent else None
-        # After --demo, a plain start reopens the demo model the last conversation used.
-        demo = demo_model_path(app_paths().demo_models_dir, DEMO_SHAPE, DEMO_QUANT)
-        if last_model == demo.name and demo.exists():
-            return demo
-        found = [r for r in library.rows() if r.downloaded and r.path]
-        for row in found:
-            if row.problem:  # one broken file never stops the start: the next one is used
-                message = f"skipped {row.model}: {row.problem}"
-                self.call_from_thread(self.notify, message, severity="warning", markup=False)
-        rows = [r for r in found if r.usable]
-        for row in rows:
-            if last_model and Path(row.path or "").name == last_model:
-                return Path(row.path or "")
-        return Path(rows[0].path or "") if rows else None
-
     @work(thread=True, exit_on_error=False, exclusive=True, group="model")
     def connect_server(self, spec: str, context_size: int | None = None) -> None:
         """Reach the server and pick its model (the listing, a count probe: network calls).
         ``context_size``: --ctx given with --server, the server's context as the user knows it."""
+        assert self.session is not None
         start = time.perf_counter()
         try:
-            backend = connect(self.settings, spec, self.model_name, context_size)
+            backend = self.session.connect(spec, self.model_name, context_size)
         except LocalchatError as exc:
             self.post_message(ModelLoadFailed(str(exc)))
             return
@@ -294,16 +266,10 @@ class LocalChatApp(ReportsWorkerFailures, App[int]):
 
     @work(thread=True, exit_on_error=False, exclusive=True, group="model")
     def load_model(self, path: Path) -> None:
+        assert self.session is not None
         start = time.perf_counter()
         try:
-            template = self.template or catalog_template(path, app_paths().user_catalog)
-            options = LoadOptions(
-                n_ctx=self.n_ctx,
-                kv_type=self.settings.kv_type,
-                template=template,
-                swa_cache=self.settings.swa_cache,
-            )
-            engine = run_compute(Engine, path, options)
+            engine = self.session.load_model(path, self.n_ctx, self.template)
         except (LocalchatError, OSError) as exc:  # a broken catalog, an unreadable file
             self.post_message(ModelLoadFailed(one_line(exc)))
             return
@@ -395,10 +361,10 @@ class LocalChatApp(ReportsWorkerFailures, App[int]):
         self.push_screen(NoModelScreen(message.reason), chosen)
 
     async def on_model_loaded(self, message: ModelLoaded) -> None:
-        old = self.engine
+        assert self.session is not None
         name = self.conversation.record.name if self.conversation else self.conversation_name
         await self._close_conversation()
-        self.engine = message.engine
+        old = self.session.use(message.engine)
         if old is not None:  # llama.cpp frees it on the compute thread, off the event loop
             await asyncio.to_thread(run_compute, old.close)
         if self._torn_down():
@@ -439,39 +405,26 @@ class LocalChatApp(ReportsWorkerFailures, App[int]):
 
     async def _open_conversation(self, name: str | None) -> None:
         """Open ``name`` (default: the most recent conversation, or a new one)."""
-        if self.engine is None or self.store is None or self.states is None:
+        session = self.session
+        if session is None:
             return
-        if name is None:
-            recent = self.store.list()
-            name = recent[0].name if recent else _new_conversation_name(self.store)
         # Opening reads the database and the model file's fingerprint: off the event loop.
         try:
-            conversation = await self._off_loop(
-                open_on,
-                self.engine,
-                self.store,
-                self.states,
-                name,
-                self.system_prompt,
-                window_mode=self.settings.window_mode,
+            conversation = await asyncio.to_thread(
+                session.open_conversation, name, self.system_prompt
             )
         except LocalchatError as exc:
             self.notify(str(exc), severity="warning", timeout=15)
-            conversation = await self._off_loop(
-                open_on,
-                self.engine,
-                self.store,
-                self.states,
-                _new_conversation_name(self.store),
+            conversation = await asyncio.to_thread(
+                session.open_conversation, session.new_conversation_name()
             )
-        if conversation is None:  # quitting
+        if conversation is None:  # quitting, or nothing to open it on
             return
         if self._torn_down():  # the app went away while it opened
-            await self._off_loop(conversation.close, skip_if_quitting=False)
+            await asyncio.to_thread(session.close_conversation)
             return
         if isinstance(conversation, Conversation):
             conversation.saver.on_error = lambda error: self.notify(error, severity="warning")
-        self.conversation = conversation
         self.title = f"localchat — {conversation.record.title}"
         await self._show_transcript()
 
@@ -485,27 +438,8 @@ class LocalChatApp(ReportsWorkerFailures, App[int]):
 
     async def _close_conversation(self) -> None:
         """Close the open conversation; its last state save is waited for off the event loop."""
-        if self.conversation is not None:
-            conversation, self.conversation = self.conversation, None
-            await self._off_loop(conversation.close, skip_if_quitting=False)  # saves finish
-
-    async def _off_loop(
-        self,
-        function: Callable[..., _T],
-        *args: Any,
-        skip_if_quitting: bool = True,
-        **kwargs: Any,
-    ) -> _T | None:
-        """Run database and file work in a thread, so the event loop keeps drawing; None if
-        the app began to quit first and ``skip_if_quitting`` (the database may be closed)."""
-
-        def guarded() -> _T | None:
-            with self._conversation_io:
-                if self._quitting and skip_if_quitting:
-                    return None
-                return function(*args, **kwargs)
-
-        return await asyncio.to_thread(guarded)
+        if self.session is not None and self.session.conversation is not None:
+            await asyncio.to_thread(self.session.close_conversation)  # saves finish
 
     async def _show_transcript(self) -> None:
         if self._torn_down():
@@ -615,8 +549,8 @@ class LocalChatApp(ReportsWorkerFailures, App[int]):
         if self._generating or self.engine is None:
             return
         await self._close_conversation()
-        assert self.store is not None
-        await self._open_conversation(_new_conversation_name(self.store))
+        assert self.session is not None
+        await self._open_conversation(self.session.new_conversation_name())
         self.query_one(StatsPanel).show_turn_start("new conversation")
 
     async def action_regenerate(self) -> None:
@@ -731,16 +665,10 @@ class LocalChatApp(ReportsWorkerFailures, App[int]):
         self._cancel.set()
         if not self._turn_idle.wait(QUIT_WAIT_S):
             self.log.warning("the reply did not stop in time; it may be incomplete")
-        self._quitting = True  # a conversation still to open in a thread is not opened
-        held = self._conversation_io.acquire(timeout=QUIT_WAIT_S)  # an open or close in flight
-        try:
-            if self.conversation is not None:
-                self.conversation.close()  # waits for the last state save
-            if self.store is not None:
-                self.store.close()
-        finally:
-            if held:
-                self._conversation_io.release()
+        self._quitting = True
+        # A conversation still to open in a thread is not opened; one in flight is waited for.
+        if self.session is not None:
+            self.session.close(QUIT_WAIT_S, free_backend=False)
 
 
 def _context_tokens(conversation: ConversationBase, turn: ConversationTurn) -> int:
@@ -748,16 +676,6 @@ def _context_tokens(conversation: ConversationBase, turn: ConversationTurn) -> i
     if isinstance(conversation, Conversation):
         return len(conversation.engine.cached_tokens)
     return turn.stats.prompt_tokens + turn.stats.generated_tokens
-
-
-def _new_conversation_name(store: Store) -> str:
-    """A fresh name: the time, with a counter when two chats start in the same second."""
-    base = time.strftime("chat-%Y%m%d-%H%M%S")
-    name, counter = base, 1
-    while store.find(name) is not None:
-        counter += 1
-        name = f"{base}-{counter}"
-    return name
 
 
 def describe_turn_start(turn: ConversationTurn) -> str:
