@@ -346,7 +346,7 @@ def _print_result(
     stats: dict[str, Any],
     notices: list[str],
 ) -> None:
-    from localchat import remote
+    from localchat.engine import Engine
 
     for notice in notices:
         print(f"localchat: notice: {notice}", file=sys.stderr)
@@ -355,15 +355,11 @@ def _print_result(
             "reply": generation.answer,
             "reasoning": generation.reasoning or None,
             "conversation": args.conversation,
-            "model": backend.model
-            if isinstance(backend, remote.RemoteBackend)
-            else backend.model_name,
+            "model": backend.model_name if isinstance(backend, Engine) else backend.model,
             # A server renders the template itself: it does not say which.
-            "template": None
-            if isinstance(backend, remote.RemoteBackend)
-            else backend.template.name,
+            "template": backend.template.name if isinstance(backend, Engine) else None,
             "n_ctx": backend.context_size,
-            "server": backend.url if isinstance(backend, remote.RemoteBackend) else None,
+            "server": None if isinstance(backend, Engine) else backend.url,
             "stats": stats,
         }
         if notices:

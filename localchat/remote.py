@@ -13,6 +13,7 @@ import contextlib
 import json
 import os
 import re
+import socket
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -25,7 +26,7 @@ import httpx_sse
 
 from localchat.backend import Sampling, TokenDelta, TurnStats
 from localchat.chat_template import ChatMessage
-from localchat.errors import UsageError, WorldError
+from localchat.errors import UsageError, WorldError, one_line
 from localchat.reasoning import CLOSE, OPEN, ReasoningStream, split_reasoning
 from localchat.text import shown
 
@@ -40,6 +41,10 @@ MESSAGE_OVERHEAD_TOKENS = 6
 CHARS_PER_TOKEN = 4
 # How often a waiting stream looks at the cancel flag (a slow first token is cancellable).
 CANCEL_POLL_S = 0.05
+# The cache figure after a turn is a nicety: never worth more than this wait.
+METRICS_TIMEOUT_S = 1.0
+# Texts whose counts are remembered (a long conversation's messages, not without bound).
+COUNT_CACHE_SIZE = 4096
 ERROR_TEXT_LIMIT = 160
 # Prometheus gauges that say how full the server's KV cache is (0–1).
 KV_USAGE_METRICS = (
@@ -92,13 +97,38 @@ def server_label(url: str) -> str:
 
 
 def _check_url(url: str) -> str:
-    parts = urlsplit(url.strip())
-    if parts.scheme not in ("http", "https") or not parts.netloc:
-        raise UsageError(
-            f"server URL {shown(url)!r} is not an http(s) address; give the API base,"
-            " e.g. http://gpu-box:8000/v1"
-        )
+    """The API base as given, if httpx can reach it: an http(s) URL with a host and port."""
+    bad = UsageError(
+        f"server URL {shown(url)!r} is not an http(s) address; give the API base,"
+        " e.g. http://gpu-box:8000/v1"
+    )
+    try:
+        parsed = httpx.URL(url.strip())
+        _ = parsed.port  # a port that is not a number fails here
+    except (ValueError, httpx.InvalidURL):
+        raise bad from None
+    if parsed.scheme not in ("http", "https") or not parsed.host:
+        raise bad
     return url.strip().rstrip("/")
+
+
+def _check_key(api_key: str | None, key_source: str) -> None:
+    """An API key goes into an HTTP header: printable ASCII only."""
+    if api_key is not None and not (api_key.isascii() and api_key.isprintable()):
+        raise UsageError(
+            f"the API key in {key_source} has characters an HTTP header cannot carry;"
+            " check the variable's value"
+        )
+
+
+def _transport_error(server: str, exc: Exception) -> RemoteError:
+    """A refused connection or a timeout, as one line naming the server."""
+    if isinstance(exc, httpx.TimeoutException):
+        return RemoteError(f"{server} did not answer in time")
+    return RemoteError(
+        f"cannot reach {server} ({shown(one_line(exc), 80)}); is the server running at that"
+        " address?"
+    )
 
 
 def _error_text(response: httpx.Response) -> str:
@@ -126,12 +156,13 @@ def _context_limit(text: str) -> int | None:
 def _metric(text: str, names: Sequence[str]) -> float | None:
     """The first of ``names`` in a Prometheus text exposition (any labels), as a number."""
     for line in text.splitlines():
-        if line.startswith("#"):
+        if line.startswith("#") or not line.strip():
             continue
-        name, _, rest = line.partition(" ")
-        if name.split("{", 1)[0] in names:
+        name = re.split(r"[{\s]", line, maxsplit=1)[0]
+        if name in names:
+            rest = line.rsplit("}", 1)[1] if "{" in line else line[len(name) :]
             with contextlib.suppress(ValueError, IndexError):
-                return float(rest.split()[0])
+                return float(rest.split()[0])  # a timestamp may follow the value
     return None
 
 
@@ -147,10 +178,14 @@ class RemoteBackend:
         name: str | None = None,
         context_size: int | None = None,
         transport: httpx.BaseTransport | None = None,
+        key_env: str | None = None,
     ) -> None:
         """``context_size``: the server's context where the user knows it better than the
-        server says (llama-cpp-python's server does not publish it)."""
+        server says (llama-cpp-python's server does not publish it). ``key_env``: the
+        variable the key came from, named when the server refuses it."""
         self.url = _check_url(url)
+        self.key_source = key_env or " or ".join(API_KEY_ENVS)
+        _check_key(api_key, self.key_source)
         self.server = name or server_label(self.url)
         # The server's root, where llama-server and vLLM put /tokenize, /props and /metrics.
         self.root = self.url.removesuffix("/v1")
@@ -160,6 +195,17 @@ class RemoteBackend:
             timeout=httpx.Timeout(READ_TIMEOUT_S, connect=CONNECT_TIMEOUT_S),
             transport=transport,
         )
+        try:
+            self._choose(model, context_size)
+        except BaseException:
+            self._client.close()
+            raise
+        # Which tokenize route the server has: unknown (None), found (a path) or none ("").
+        self._tokenize_path: str | None = None
+        self._metrics_seen: bool | None = None
+        self._counts: dict[str, int] = {}
+
+    def _choose(self, model: str | None, context_size: int | None) -> None:
         self.models = self.list_models()
         if not self.models:
             raise RemoteError(f"{self.server} lists no models; load one on the server")
@@ -176,10 +222,6 @@ class RemoteBackend:
             chosen = found
         self.model = chosen.id
         self._context = context_size or chosen.context_size or self._probe_context()
-        # Which tokenize route the server has: unknown (None), found (a path) or none ("").
-        self._tokenize_path: str | None = None
-        self._metrics_seen: bool | None = None
-        self._counts: dict[str, int] = {}
 
     # -- what the conversation layer asks (backend.Backend) ------------------------------
     @property
@@ -206,13 +248,8 @@ class RemoteBackend:
         """One request; a refused connection or a timeout becomes one line naming the server."""
         try:
             return self._client.request(method, url, **kwargs)
-        except httpx.TimeoutException:
-            raise RemoteError(f"{self.server} did not answer in time ({url})") from None
         except httpx.HTTPError as exc:
-            raise RemoteError(
-                f"cannot reach {self.server} ({shown(str(exc) or type(exc).__name__, 80)});"
-                " is the server running at that address?"
-            ) from None
+            raise _transport_error(self.server, exc) from None
 
     def _raise_for(self, response: httpx.Response, what: str) -> None:
         """The one-line error for a refused request, by what the status means to the user."""
@@ -223,7 +260,7 @@ class RemoteBackend:
         if status in (401, 403):
             raise ServerRefused(
                 f"{self.server} refused the API key (HTTP {status}: {text}); set"
-                " LOCALCHAT_API_KEY (or OPENAI_API_KEY) to a key it accepts"
+                f" {self.key_source} to a key it accepts"
             )
         if status == 404:
             raise ServerRefused(
@@ -232,7 +269,8 @@ class RemoteBackend:
             )
         if status in (400, 413, 422) and _CONTEXT_ERROR.search(text):
             raise ContextExceeded(
-                f"{self.server}: the prompt does not fit the model's context ({text})",
+                f"{self.server}: the prompt does not fit the model's context ({text});"
+                " start a new conversation or send a shorter message",
                 _context_limit(text),
             )
         raise RemoteError(f"{self.server} failed on {what} (HTTP {status}: {text})")
@@ -288,6 +326,8 @@ class RemoteBackend:
         count = self._tokenize(text) if self._tokenize_path != "" else None
         if count is None:
             count = max(1, -(-len(text) // CHARS_PER_TOKEN)) if text else 0
+        if len(self._counts) >= COUNT_CACHE_SIZE:
+            self._counts.clear()
         self._counts[text] = count
         return count
 
@@ -302,13 +342,16 @@ class RemoteBackend:
             except RemoteError:
                 return None
             if response.status_code != 200:
+                if path == self._tokenize_path:
+                    return None  # a route that worked, failing once: estimate this one
                 continue
             with contextlib.suppress(ValueError, AttributeError):
                 tokens = response.json().get("tokens")
                 if isinstance(tokens, list):
                     self._tokenize_path = path
                     return len(tokens)
-        self._tokenize_path = ""
+        if not self._tokenize_path:
+            self._tokenize_path = ""
         return None
 
     def message_tokens(self, message: ChatMessage) -> int:
@@ -321,8 +364,8 @@ class RemoteBackend:
         if self._metrics_seen is False:
             return None
         try:
-            response = self._request("GET", f"{self.root}/metrics")
-        except RemoteError:
+            response = self._client.get(f"{self.root}/metrics", timeout=METRICS_TIMEOUT_S)
+        except Exception:  # a closed client, a stalled server: the figure is just not shown
             return None
         usage = _metric(response.text, KV_USAGE_METRICS) if response.status_code == 200 else None
         self._metrics_seen = usage is not None
@@ -363,13 +406,8 @@ class RemoteBackend:
         )
         try:
             source = context.__enter__()
-        except httpx.TimeoutException:
-            raise RemoteError(f"{self.server} did not answer in time") from None
         except httpx.HTTPError as exc:
-            raise RemoteError(
-                f"cannot reach {self.server} ({shown(str(exc) or type(exc).__name__, 80)});"
-                " is the server running at that address?"
-            ) from None
+            raise _transport_error(self.server, exc) from None
         try:
             self._raise_for(source.response, "the chat request")
         except BaseException:
@@ -394,6 +432,8 @@ class RemoteReply:
     tokens: list[int] = field(default_factory=list)
     chunks: int = 0  # content-bearing events: about one token each on llama.cpp servers
     _closed: threading.Event = field(default_factory=threading.Event)
+    _close_lock: threading.Lock = field(default_factory=threading.Lock)
+    _ended: bool = False  # the server said the reply is over ([DONE] or a finish reason)
     _thinking: bool = False  # inside reasoning the server sends apart from the content
     _server_generated: int | None = None  # the server's own count of the reply's tokens
 
@@ -408,37 +448,70 @@ class RemoteReply:
     def __iter__(self) -> Iterator[TokenDelta]:
         watcher = threading.Thread(target=self._watch_cancel, name="remote-cancel", daemon=True)
         watcher.start()
+        failed = False
         try:
             yield from self._read()
         except RemoteError:
             self.stats.stop_reason = "error"  # what arrived is kept, as a partial reply
+            failed = True
+            raise
+        except BaseException:  # the reader stopped early (Ctrl-C, a closed iterator)
+            if not self._ended:
+                self.stats.stop_reason = "cancelled"
+            failed = True
             raise
         finally:
             self._close()
-            self.stats.server_kv_usage = self.backend.cache_usage()
+            self._settle()
+            if not failed and not self._cancelled():
+                self.stats.server_kv_usage = self.backend.cache_usage()
+
+    def _settle(self) -> None:
+        """The figures however the reply ended (finished, stopped, cut): a reasoning block
+        left open is closed in the text; the prompt's rate from what the server said, else
+        from the first token's wait."""
+        stats = self.stats
+        if self._thinking:
+            self.text += CLOSE
+            self._thinking = False
+        stats.prompt_tokens_evaluated = stats.prompt_tokens_evaluated or stats.prompt_tokens
+        if not stats.prompt_tps and stats.ttft_s > 0:
+            stats.prompt_tps = stats.prompt_tokens_evaluated / stats.ttft_s
 
     def _cancelled(self) -> bool:
         return self._cancel is not None and self._cancel.is_set()
 
     def _watch_cancel(self) -> None:
-        """Close the connection as soon as the user cancels, even while the server is still
-        reading the prompt (no event arrives to look at the flag)."""
+        """Hang up as soon as the user cancels, even while the server is still reading the
+        prompt and sends nothing (no event arrives to look at the flag)."""
         while not self._closed.wait(CANCEL_POLL_S):
             if self._cancelled():
-                self._close()
+                self._hang_up()
                 return
 
+    def _hang_up(self) -> None:
+        """Shut the socket down: on Linux that wakes a reader blocked in ``recv`` (closing
+        alone does not) and tells the server, which stops generating. The reader closes the
+        response itself when it wakes."""
+        stream = self._source.response.extensions.get("network_stream")
+        sock = stream.get_extra_info("socket") if stream is not None else None
+        if isinstance(sock, socket.socket):
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+
     def _close(self) -> None:
-        if not self._closed.is_set():
+        with self._close_lock:
+            if self._closed.is_set():
+                return
             self._closed.set()
-            with contextlib.suppress(Exception):
-                self._context.__exit__(None, None, None)
+        with contextlib.suppress(Exception):
+            self._context.__exit__(None, None, None)
 
     def _read(self) -> Iterator[TokenDelta]:
         stats = self.stats
         stats.kv_bytes_used = stats.kv_bytes_allocated = None
         stats.prompt_tokens = self._prompt_estimate
-        stats.counted = "server" if self.backend.counts_exactly else "estimated"
+        stats.counted = "estimated"  # until the server's usage report says otherwise
         stats.stop_reason = "length"
         reasoning = ReasoningStream(False)
         server = self.backend.server
@@ -450,7 +523,7 @@ class RemoteReply:
                     break
                 data = event.data.strip()
                 if data == "[DONE]":
-                    finished = True
+                    finished = self._ended = True
                     break
                 if not data:
                     continue
@@ -505,6 +578,7 @@ class RemoteReply:
                     reason = choice.get("finish_reason")
                     if isinstance(reason, str) and reason:
                         stats.stop_reason = {"stop": "eos"}.get(reason, reason)
+                        self._ended = True
             else:
                 finished = finished or self._cancelled()
         except httpx.HTTPError as exc:
@@ -522,12 +596,7 @@ class RemoteReply:
             raise RemoteError(
                 f"{server}: the stream ended before the reply did; the partial reply is kept"
             )
-        if self._thinking:
-            self.text += CLOSE
         self._count_generated(first_at, last_at)
-        stats.prompt_tokens_evaluated = stats.prompt_tokens_evaluated or stats.prompt_tokens
-        if not stats.prompt_tps and stats.ttft_s > 0:
-            stats.prompt_tps = stats.prompt_tokens_evaluated / stats.ttft_s
 
     def _count_generated(self, first_at: float, last_at: float) -> None:
         """Tokens written and their rate, by the server's count where it sent one."""

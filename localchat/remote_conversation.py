@@ -23,7 +23,7 @@ from localchat.conversation import (
 )
 from localchat.kvstate import StateStore
 from localchat.prompt import BuiltPrompt
-from localchat.remote import CHARS_PER_TOKEN, ContextExceeded, RemoteBackend
+from localchat.remote import ContextExceeded, RemoteBackend
 from localchat.store import ConversationRecord, Store
 from localchat.window import WindowPlan, WindowPolicy, plan_window
 
@@ -76,16 +76,16 @@ class RemoteConversation(ConversationBase):
         user = self._commit_user(text)
         window_before = self.window_first
         try:
-            messages, window = self._fit_window(max_tokens)
+            messages, window, room = self._fit_window(max_tokens)
             try:
-                reply = self.backend.stream(messages, sampling, max_tokens, cancel)
+                reply = self.backend.stream(messages, sampling, room, cancel)
             except ContextExceeded as exc:
                 # The server knows its context better than the counts here: once more, with
-                # the window planned against what it said (or half the history out).
+                # the window planned against what it said (or about half the history out).
                 if exc.limit:
                     self.backend.learn_context_size(exc.limit)
-                messages, window = self._fit_window(max_tokens, shrink=True, moved=window)
-                reply = self.backend.stream(messages, sampling, max_tokens, cancel)
+                messages, window, room = self._fit_window(max_tokens, shrink=True, moved=window)
+                reply = self.backend.stream(messages, sampling, room, cancel)
         except BaseException:
             self._take_back_user(user, window_before)
             raise
@@ -101,34 +101,40 @@ class RemoteConversation(ConversationBase):
 
     def _fit_window(
         self, max_tokens: int, shrink: bool = False, moved: WindowReport | None = None
-    ) -> tuple[list[ChatMessage], WindowReport]:
-        """The messages to send and what the window did; ``shrink``: the server refused the
-        last try, so at least the oldest exchange leaves even by these counts."""
+    ) -> tuple[list[ChatMessage], WindowReport, int]:
+        """The messages to send, what the window did, and the reply's room (vLLM refuses a
+        prompt plus ``max_tokens`` beyond its context). ``shrink``: the server refused the last
+        try though these counts said it fits, so about half of them leave."""
         moved = moved or WindowReport()
-        n_ctx = self.backend.context_size
         counts = self._counts()
         head = sum(self.backend.message_tokens(m) for m in self.system_messages())
+        total = head + sum(n for _, n in counts) + GENERATION_HEADER_TOKENS
+        n_ctx = self.backend.context_size
+        reserve = self.window_policy.reserve(n_ctx, max_tokens) if n_ctx else max_tokens
+        if shrink and (not n_ctx or n_ctx >= total + reserve):
+            n_ctx = (total + reserve) // 2  # the counts were wrong: plan for half of them
         plan: WindowPlan | None = None
         if n_ctx:
             reserve = self.window_policy.reserve(n_ctx, max_tokens)
             plan = plan_window(
                 head, counts, 0, n_ctx, reserve, self.window_policy, GENERATION_HEADER_TOKENS
             )
-        if shrink and (plan is None or not plan.moved):
-            plan = _drop_older_half(counts)
-        if plan is None or not (plan.moved or plan.cut_tokens):
-            return self.window_messages(), moved
-        self.window_first += plan.first
+        if plan is not None and (plan.moved or plan.cut_tokens):
+            self.window_first += plan.first
+            total -= plan.dropped_tokens
+            moved = WindowReport(
+                SERVER_WINDOW_MODE,
+                moved.dropped_messages + plan.dropped_messages,
+                moved.dropped_tokens + plan.dropped_tokens,
+                plan.cut_tokens,
+            )
         messages = self.window_messages()
-        if plan.cut_tokens:
-            messages[-1] = _cut_text(messages[-1], plan.cut_tokens)
-        report = WindowReport(
-            SERVER_WINDOW_MODE,
-            moved.dropped_messages + plan.dropped_messages,
-            moved.dropped_tokens + plan.dropped_tokens,
-            plan.cut_tokens,
-        )
-        return messages, report
+        if plan is not None and plan.cut_tokens:
+            newest = messages[-1]
+            messages[-1] = _cut_text(newest, plan.cut_tokens, self.backend.message_tokens(newest))
+            total -= plan.cut_tokens
+        room = max_tokens if not n_ctx else max(1, min(max_tokens, n_ctx - total))
+        return messages, moved, room
 
     def _finish(self, turn: ConversationTurn) -> Exchange:
         reply = self._store_reply(turn.generation, turn.stats_dict(), self.backend.model_name)
@@ -136,19 +142,9 @@ class RemoteConversation(ConversationBase):
         return reply
 
 
-def _drop_older_half(counts: list[tuple[str, int]]) -> WindowPlan:
-    """Without a context size to plan against: the older half of the window leaves (whole
-    exchanges, the window starting at a user message; the newest message always stays)."""
-    newest = len(counts) - 1
-    start = max(1, newest // 2) if newest > 0 else 0
-    while 0 < start < newest and counts[start][0] != "user":
-        start += 1
-    dropped = sum(n for _, n in counts[:start])
-    return WindowPlan(start, start, dropped)
-
-
-def _cut_text(message: ChatMessage, cut_tokens: int) -> ChatMessage:
-    """The newest message without about its first ``cut_tokens`` tokens (by characters: the
-    server's tokenizer is not here to cut exactly)."""
-    keep = max(1, len(message.content) - cut_tokens * CHARS_PER_TOKEN)
+def _cut_text(message: ChatMessage, cut_tokens: int, tokens: int) -> ChatMessage:
+    """The newest message without its first ``cut_tokens`` of ``tokens`` (cut by the same
+    share of its characters: the server's tokenizer is not here to cut exactly)."""
+    keep_share = max(0.0, 1.0 - cut_tokens / max(1, tokens))
+    keep = max(1, int(len(message.content) * keep_share))
     return ChatMessage(message.role, message.content[-keep:].lstrip())

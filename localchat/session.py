@@ -48,6 +48,7 @@ def connect(
         api_key_from_env(server.key_env),
         name=server.name or None,
         context_size=context_size,
+        key_env=server.key_env,
     )
 
 
@@ -68,8 +69,13 @@ def server_model_rows(servers: tuple[ServerConfig, ...]) -> list[ServerModelRow]
     rows: list[ServerModelRow] = []
     for server in servers:
         try:
-            backend = RemoteBackend(server.url, api_key=api_key_from_env(server.key_env))
-        except LocalchatError as exc:
+            backend = RemoteBackend(
+                server.url,
+                api_key=api_key_from_env(server.key_env),
+                name=server.name,
+                key_env=server.key_env,
+            )
+        except LocalchatError as exc:  # one server down never hides the others, or local models
             rows.append(ServerModelRow(server.name, None, problem=str(exc)))
             continue
         try:
@@ -232,7 +238,7 @@ class Session:
             if name is None:
                 recent = self.store.list()
                 name = recent[0].name if recent else self.new_conversation_name()
-            self.conversation = open_on(
+            conversation = open_on(
                 self.backend,
                 self.store,
                 self.states,
@@ -241,7 +247,11 @@ class Session:
                 wait_s,
                 window_mode or self.settings.window_mode,
             )
-            return self.conversation
+            if self.closing:  # ``close`` gave up waiting for this open: nothing is kept
+                conversation.close()
+                return None
+            self.conversation = conversation
+            return conversation
 
     def close_conversation(self) -> None:
         """Close the open conversation (its last state save finishes first)."""

@@ -32,6 +32,7 @@ class ServerScript:
     tokenize: bool = False  # serve llama-server's /tokenize (one token per 4 characters)
     metrics: str | None = None  # the /metrics page, if any
     usage: bool = True  # send a final usage chunk
+    tokens_per_event: int = 1  # what usage reports per content event (vLLM packs several)
     requests: list[dict[str, Any]] = field(default_factory=list)
     hung_up: threading.Event = field(default_factory=threading.Event)
 
@@ -115,8 +116,11 @@ class _Handler(BaseHTTPRequestHandler):
             self._event(json.dumps({"choices": [{"delta": {"role": "assistant"}}]}))
             deadline = time.monotonic() + script.first_token_delay_s
             while time.monotonic() < deadline:  # a slow first token: the client may hang up
-                time.sleep(0.02)
-                self._event("")  # llama-server's keep-alive comment is what would flow here
+                time.sleep(0.1)
+                # A keep-alive comment, as sse-starlette sends: no event reaches the client's
+                # reading loop, so only a hang-up from its side can end the wait.
+                self.wfile.write(b": ping\n\n")
+                self.wfile.flush()
             for sent, piece in enumerate(script.reply):
                 if script.drop_after is not None and sent == script.drop_after:
                     return
@@ -129,7 +133,8 @@ class _Handler(BaseHTTPRequestHandler):
             finish = {"choices": [{"delta": {}, "finish_reason": "stop"}]}
             self._event(json.dumps(finish))
             if script.usage:
-                usage = {"prompt_tokens": prompt, "completion_tokens": len(script.reply)}
+                generated = len(script.reply) * script.tokens_per_event
+                usage = {"prompt_tokens": prompt, "completion_tokens": generated}
                 self._event(json.dumps({"choices": [], "usage": usage}))
             self._event("[DONE]")
         except (BrokenPipeError, ConnectionResetError):

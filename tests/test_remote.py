@@ -4,6 +4,7 @@ model) for streaming, exactness, conversations, cancel and keys; a stand-in of o
 
 from __future__ import annotations
 
+import io
 import json
 import socket
 import subprocess
@@ -23,7 +24,14 @@ from localchat.conversation import Conversation
 from localchat.engine import Engine, LoadOptions
 from localchat.kvstate import StateStore
 from localchat.paths import app_paths
-from localchat.remote import ContextExceeded, RemoteBackend, RemoteError, ServerRefused
+from localchat.remote import (
+    KV_USAGE_METRICS,
+    ContextExceeded,
+    RemoteBackend,
+    RemoteError,
+    ServerRefused,
+    _metric,
+)
 from localchat.remote_conversation import RemoteConversation
 from localchat.store import Store
 from tests.sse_server import ServerScript, SSEServer
@@ -106,7 +114,8 @@ def test_streamed_greedy_reply_equals_the_servers_own_answer(llama_server: dict)
     stats = reply.stats
     assert stats.generated_tokens == len(deltas)
     assert stats.ttft_s > 0 and stats.gen_tps > 0
-    assert stats.counted == "server"  # llama-cpp-python's /extras/tokenize counted the prompt
+    assert backend.counts_exactly  # llama-cpp-python's /extras/tokenize counts the messages
+    assert stats.counted == "estimated"  # it sends no usage report: tokens are stream events
     assert stats.kv_bytes_used is None  # the cache is the server's
     backend.close()
 
@@ -165,6 +174,7 @@ def test_cancel_closes_the_stream_and_keeps_the_partial_reply(
             cancel.set()
     assert turn.stats.stop_reason == "cancelled"
     assert 3 <= turn.stats.generated_tokens < 900
+    assert turn.stats.prompt_tokens_evaluated > 0 and turn.stats.prompt_tps > 0  # figures kept
     stored = store.messages(conversation.record.id)
     assert stored[-1].status == "partial" and stored[-1].content == turn.generation.text
     deadline = time.monotonic() + 10  # the server noticed the client hang up and stopped
@@ -274,19 +284,83 @@ def test_unknown_model_and_unreachable_server(
     assert "is the server running" in capsys.readouterr().err
     assert main(["ask", "hi", "--server", "gpu-box:8000"]) == 2
     assert "give a URL such as http://gpu-box:8000/v1" in capsys.readouterr().err
-    assert main(["ask", "hi", "--server", "ftp://gpu-box/v1"]) == 2
-    assert "not an http(s) address" in capsys.readouterr().err
+    for bad in ("ftp://gpu-box/v1", "http://[::1", "http://gpu-box:abc/v1"):
+        assert main(["ask", "hi", "--server", bad]) == 2
+        error = capsys.readouterr().err
+        assert "not an http(s) address" in error and len(error.strip().splitlines()) == 1
+
+
+def test_a_key_a_header_cannot_carry_and_the_variable_named(
+    stand_in: tuple[SSEServer, ServerScript],
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    server, script = stand_in
+    monkeypatch.setenv("LOCALCHAT_API_KEY", "clé")
+    assert main(["ask", "hi", "--server", server.url]) == 2
+    assert (
+        "API key in LOCALCHAT_API_KEY or OPENAI_API_KEY has characters" in capsys.readouterr().err
+    )
+    monkeypatch.delenv("LOCALCHAT_API_KEY")
+    script.key = "right"
+    settings = app_paths().settings_file
+    settings.parent.mkdir(parents=True, exist_ok=True)
+    settings.write_text(f'[[servers]]\nname = "box"\nurl = "{server.url}"\nkey_env = "BOX_KEY"\n')
+    monkeypatch.setenv("BOX_KEY", "wrong")
+    assert main(["ask", "hi", "--server", "box"]) == 2
+    error = capsys.readouterr().err
+    assert "box refused the API key" in error and "set BOX_KEY to a key" in error
+
+
+def test_metrics_with_labels_and_timestamps() -> None:
+    page = '# TYPE x gauge\nvllm:kv_cache_usage_perc{model_name="a b",engine="0"} 0.5 1700000\n'
+    assert _metric(page, KV_USAGE_METRICS) == 0.5
+    assert _metric("llamacpp:kv_cache_usage_ratio 0.125\n", KV_USAGE_METRICS) == 0.125
+    assert _metric("other 1\n", KV_USAGE_METRICS) is None
+
+
+def test_a_reply_the_reader_abandons_is_kept_as_partial(
+    stand_in: tuple[SSEServer, ServerScript],
+) -> None:
+    server, script = stand_in
+    script.reply = ["one", " two", " three", " four"]
+    store, conversation = _turn(server)
+    assert isinstance(conversation, RemoteConversation)
+    turn = conversation.send("hi")
+    deltas = iter(turn)
+    next(deltas)
+    deltas.close()  # the reader stopped (Ctrl-C in ask lands here too)
+    stored = store.messages(conversation.record.id)
+    assert stored[-1].status == "partial" and turn.stats.stop_reason == "cancelled"
+    conversation.close()
+    store.close()
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
 
 
 def test_escapes_in_remote_text_stay_text(
-    stand_in: tuple[SSEServer, ServerScript], capsys: pytest.CaptureFixture[str]
+    stand_in: tuple[SSEServer, ServerScript],
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     server, script = stand_in
     script.reply = ["plain ", "\x1b[31mred\x1b[0m", " \x1b]52;c;aGk=\x07"]
+    script.usage = False
     assert main(["ask", "hi", "--server", server.url, "--json"]) == 0
     out = capsys.readouterr().out
     assert "\x1b" not in out  # JSON spells it \u001b
-    assert json.loads(out)["reply"] == "".join(script.reply)
+    result = json.loads(out)
+    assert result["reply"] == "".join(script.reply)
+    assert result["stats"]["tokens_counted_by"] == "estimated"  # no usage report came
+    terminal = _Terminal()
+    monkeypatch.setattr(sys, "stdout", terminal)
+    assert main(["ask", "hi", "--server", server.url]) == 0
+    shown = terminal.getvalue()
+    assert "\x1b" not in shown and "\x07" not in shown  # nothing reaches the terminal raw
+    assert "\\x1b[31mred" in shown  # made visible instead
 
 
 def test_a_slow_first_token_can_be_cancelled(stand_in: tuple[SSEServer, ServerScript]) -> None:
@@ -343,6 +417,7 @@ def test_window_planned_with_the_servers_counts_and_context(
     server, script = stand_in
     script.models = [{"id": "stand-in", "max_model_len": 400}]  # vLLM lists its context
     script.tokenize = True
+    script.tokens_per_event = 2  # the server's usage count is the one reported
     script.metrics = '# HELP x\nllamacpp:kv_cache_usage_ratio{slot="0"} 0.25\n'
     store, conversation = _turn(server)
     assert isinstance(conversation, RemoteConversation)
@@ -354,7 +429,10 @@ def test_window_planned_with_the_servers_counts_and_context(
     assert conversation.backend.counts_exactly is True
     assert turn.window.dropped_messages > 0  # moved before sending: the server never refused
     assert turn.stats.server_kv_usage == 0.25
-    assert turn.stats.counted == "server" and turn.stats.generated_tokens == 4
+    assert turn.stats.counted == "server" and turn.stats.generated_tokens == 8
+    sent = script.requests[-1]
+    prompt = sum(len(m["content"]) // 4 + 7 for m in sent["messages"])
+    assert sent["max_tokens"] <= 400 - prompt + 8  # the reply's room fits the context
     conversation.close()
     store.close()
 

@@ -77,8 +77,9 @@ async def test_esc_stops_a_server_reply_and_the_connection(
         assert isinstance(finished, ReplyFinished)
         assert finished.stats.stop_reason == "cancelled"
         assert script.hung_up.wait(10)
-        await pilot.press(*"again", "enter")  # the app stays usable
         script.first_token_delay_s = 0.0
+        again = await say(pilot, seen, "again")  # the app stays usable
+        assert again.stats.stop_reason == "eos" and again.stats.generated_tokens == 4
 
 
 async def test_server_faults_are_one_line_and_nothing_is_lost(

@@ -668,7 +668,8 @@ class LocalChatApp(ReportsWorkerFailures, App[int]):
         self._quitting = True
         # A conversation still to open in a thread is not opened; one in flight is waited for.
         if self.session is not None:
-            self.session.close(QUIT_WAIT_S, free_backend=False)
+            # A server's client is closed; a local model goes with the process.
+            self.session.close(QUIT_WAIT_S, free_backend=not isinstance(self.engine, Engine))
 
 
 def _context_tokens(conversation: ConversationBase, turn: ConversationTurn) -> int:
@@ -682,6 +683,12 @@ def describe_turn_start(turn: ConversationTurn) -> str:
     """How the turn began: restored from disk, reused from memory, or evaluated."""
     stats = turn.stats
     restore = turn.restore
+    if stats.kv_bytes_used is None:  # a server: it reads the prompt, reusing its own cache
+        about = "" if stats.counted == "server" else "≈"
+        return (
+            f"sent {about}{count(stats.prompt_tokens, 'token')}; the server answered in"
+            f" {stats.ttft_s:.2f} s"
+        )
     evaluated = f"evaluated {count(stats.prompt_tokens_evaluated, 'token')} in {stats.ttft_s:.2f} s"
     if turn.prompt.discarded:
         # The template rewrote part of the history (see the stats' reason).
