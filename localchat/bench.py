@@ -34,6 +34,7 @@ PARTS: tuple[str, ...] = (
     "plan",
     "memory",
     "remote",
+    "zerowait",
 )
 
 ENGINE_CTX = 2048
@@ -71,6 +72,7 @@ TARGETS: dict[str, tuple[str, float]] = {
     "memory_overhead_ratio": ("<=", 1.05),
     "memory_estimate_max_error": ("<=", 0.10),
     "remote_gen_ratio": (">=", 0.97),
+    "prefix_speedup": (">=", 20.0),
 }
 
 ESTIMATE_CTX = 2048
@@ -484,6 +486,63 @@ def bench_ui(model_path: Path, progress: Progress = None) -> dict[str, Any]:
     return measure_ui(tiny, model_path)
 
 
+ZEROWAIT_CTX = 4096
+ZEROWAIT_SYSTEM_TOKENS = 1500
+ZEROWAIT_ROUNDS = 3
+ZEROWAIT_MESSAGE = "Given that guide, how should I name a function?"
+
+
+def bench_zerowait(model_path: Path, progress: Progress = None) -> dict[str, Any]:
+    """A new conversation that opens with a 1,500-token system prompt: its first token when
+    the prompt was never seen (cold: read, then saved as a prefix state) vs when an earlier
+    conversation saved it (restored), medians over rounds; the replies must be the same."""
+    from localchat.conversation import Conversation
+    from localchat.engine import Engine, LoadOptions, Sampling
+    from localchat.kvstate import StateStore
+    from localchat.store import Store
+
+    greedy = Sampling(temperature=0.0)
+    engine = Engine(model_path, LoadOptions(n_ctx=ZEROWAIT_CTX, n_threads=physical_cores()))
+    words: list[str] = []
+    while len(engine.tokenize(" ".join(words))) < ZEROWAIT_SYSTEM_TOKENS:
+        words.extend(_filler_text(len(words), 50).split())
+    system = " ".join(words)
+    cold_ttfts: list[float] = []
+    warm_ttfts: list[float] = []
+    identical = True
+    restored = 0
+    for round_index in range(ZEROWAIT_ROUNDS):
+        with tempfile.TemporaryDirectory(prefix="localchat-bench-") as tmp:
+            store = Store(Path(tmp) / "db.sqlite3")
+            states = StateStore(Path(tmp) / "states")
+            replies = []
+            for name in ("cold", "warm"):
+                engine.reset()
+                conversation = Conversation.open(store, states, name, engine, system)
+                turn = conversation.send(ZEROWAIT_MESSAGE, greedy, 8)
+                for _ in turn:
+                    pass
+                conversation.saver.wait()
+                conversation.close()
+                stats = turn.stats_dict()
+                (cold_ttfts if name == "cold" else warm_ttfts).append(stats["ttft_s"])
+                restored = stats["restored_prefix_tokens"] or restored
+                replies.append(turn.generation.text)
+            identical = identical and replies[0] == replies[1]
+            store.close()
+        _say(progress, f"zerowait: round {round_index + 1}: cold {cold_ttfts[-1]:.2f} s,"
+             f" restored prefix {warm_ttfts[-1]:.3f} s")  # fmt: skip
+    engine.close()
+    cold, warm = statistics.median(cold_ttfts), statistics.median(warm_ttfts)
+    return {
+        "prefix_restored_tokens": restored,
+        "prefix_cold_ttft_s": round(cold, 4),
+        "prefix_ttft_s": round(warm, 4),
+        "prefix_speedup": round(cold / warm, 1),
+        "prefix_replies_identical": identical,
+    }
+
+
 def bench_remote(model_path: Path, progress: Progress = None) -> dict[str, Any]:
     """Tokens/s through localchat's remote backend vs a bare client, on a local server."""
     from localchat.bench_remote import bench_remote as measure_remote
@@ -552,6 +611,7 @@ BENCHES: dict[str, Callable[[Path, Progress], dict[str, Any]]] = {
     "plan": bench_plan,
     "memory": bench_memory,
     "remote": bench_remote,
+    "zerowait": bench_zerowait,
 }
 
 

@@ -243,7 +243,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--only",
         default=None,
-        help="comma-separated parts: engine, resume, window, estimate, ui, plan, memory, remote",
+        help="comma-separated parts: engine, resume, window, estimate, ui, plan, memory, remote, zerowait",
     )
     bench.add_argument("--json", action="store_true", help="print one JSON object")
     return parser
@@ -295,7 +295,7 @@ def cmd_ask(args: argparse.Namespace, out: TextIO) -> int:
     try:
         if args.conversation:
             return _ask_in_conversation(args, engine, sampling, cancel, out, settings)
-        return _ask_once(args, engine, sampling, cancel, out)
+        return _ask_once(args, engine, sampling, cancel, out, settings)
     finally:
         engine.close()
 
@@ -373,15 +373,36 @@ def _ask_once(
     sampling: Sampling,
     cancel: threading.Event,
     out: TextIO,
+    settings: Settings,
 ) -> int:
+    """One turn with no conversation; a known long system prompt starts from its saved state."""
     from localchat.chat_template import ChatMessage
-    from localchat.conversation import turn_stats_dict
+    from localchat.conversation import RestoreReport, turn_stats_dict
+    from localchat.engine import LLAMA_CPP_VERSION
+    from localchat.kvstate import StateKey, StateStore
+    from localchat.prefix_states import start_from_prefix, system_span
 
     messages = [ChatMessage("system", args.system)] if args.system else []
     messages.append(ChatMessage("user", args.message))
-    generation = engine.generate(engine.prompt_tokens(messages), sampling, args.max_tokens, cancel)
+    prompt = engine.prompt_builder().build(messages)
+    paths = app_paths()
+    key = StateKey(engine.fingerprint, engine.n_ctx, engine.options.kv_type, LLAMA_CPP_VERSION)
+    prefix = start_from_prefix(
+        engine,
+        StateStore(paths.states_dir, settings.state_budget_bytes),
+        key,
+        prompt.tokens,
+        system_span(prompt, len(messages) - 1),
+        settings.prefix_state_min_tokens,
+    )
+    restore = RestoreReport()
+    if prefix is not None:
+        restore = RestoreReport(
+            seconds=prefix.seconds, replayed=prefix.evaluated, prefix_tokens=prefix.restored
+        )
+    generation = engine.generate(prompt.tokens, sampling, args.max_tokens, cancel)
     interrupted = _stream(generation, args, cancel, out)
-    _print_result(out, args, generation, engine, turn_stats_dict(generation.stats), [])
+    _print_result(out, args, generation, engine, turn_stats_dict(generation.stats, restore), [])
     return EXIT_INTERRUPTED if interrupted else 0
 
 

@@ -20,6 +20,7 @@ from localchat.chat_template import ChatMessage
 from localchat.engine import LLAMA_CPP_VERSION, Engine
 from localchat.kvstate import BackgroundSaver, SavedState, StateKey, StateRejected, StateStore
 from localchat.locks import ConversationLock
+from localchat.prefix_states import DEFAULT_MIN_TOKENS, start_from_prefix, system_span
 from localchat.prompt import BuiltPrompt, common_prefix
 from localchat.store import ConversationRecord, MessageRecord, Store
 from localchat.window import WindowPlan, WindowPolicy, plan_window, resolve_mode, shift_is_safe
@@ -42,6 +43,7 @@ class RestoreReport:
     seconds: float = 0.0
     notice: str | None = None
     replayed: int = 0
+    prefix_tokens: int = 0  # restored from a shared prefix state (a known system prompt)
 
 
 @dataclass
@@ -120,6 +122,7 @@ def turn_stats_dict(
         "tokens_counted_by": stats.counted,
         "restored_from_state": restore.restored,
         "restored_tokens": restore.tokens,
+        "restored_prefix_tokens": restore.prefix_tokens,
         "restore_s": round(restore.seconds, 6),
         "window_dropped_messages": window.dropped_messages,
         "window_dropped_tokens": window.dropped_tokens,
@@ -295,7 +298,10 @@ class Conversation(ConversationBase):
         window_mode: str = "auto",
         window_policy: WindowPolicy | None = None,
         wait_s: float = 0.0,
+        prefix_min_tokens: int = DEFAULT_MIN_TOKENS,
     ) -> None:
+        """``prefix_min_tokens``: a system prompt this long is saved as a shared prefix state
+        (0: never)."""
         resolve_mode(window_mode, True)  # rejects an unknown mode before anything opens
         super().__init__(store, states, record, engine.fingerprint, window_policy, wait_s)
         self.window_mode = window_mode
@@ -310,6 +316,8 @@ class Conversation(ConversationBase):
         self.builder = engine.prompt_builder(datetime.fromtimestamp(record.created_at))
         # A saved state read to learn what the cache holds, kept for the restore.
         self._loaded: tuple[SavedState | StateRejected, float] | None = None
+        self.prefix_min_tokens = prefix_min_tokens
+        self._system_span = 0  # where this turn's prompt's system prompt ends
 
     @classmethod
     def open(
@@ -322,10 +330,20 @@ class Conversation(ConversationBase):
         saver: BackgroundSaver | None = None,
         window_mode: str = "auto",
         wait_s: float = 0.0,
+        prefix_min_tokens: int = DEFAULT_MIN_TOKENS,
     ) -> Conversation:
         """Open ``name``, creating it if new; a given system prompt replaces the stored one."""
         record = open_record(store, name, system_prompt, engine.model_name)
-        return cls(store, states, record, engine, saver, window_mode, wait_s=wait_s)
+        return cls(
+            store,
+            states,
+            record,
+            engine,
+            saver,
+            window_mode,
+            wait_s=wait_s,
+            prefix_min_tokens=prefix_min_tokens,
+        )
 
     def close(self) -> None:
         if self._owns_saver:
@@ -344,6 +362,24 @@ class Conversation(ConversationBase):
             return list(self._loaded[0].tokens)
         record = self.store.eval_batches(self.record.id, self.fingerprint)
         return record[0] if record is not None else []
+
+    def restore_now(self) -> RestoreReport:
+        """Restore the saved state into the model at once (the app does it when it opens a
+        conversation, on the compute thread), so the first turn costs what a warm one does.
+        Nothing happens without a valid state; the turn then restores or re-reads as ever."""
+        engine = self.engine
+        if engine.cache_owner == self.record.id and engine.cached_tokens:
+            return RestoreReport()
+        loaded, load_seconds = self._load_state()
+        if not isinstance(loaded, SavedState) or len(loaded.tokens) >= engine.n_ctx:
+            return RestoreReport()
+        start = time.perf_counter()
+        starts = self._batch_starts_of(list(loaded.tokens))
+        if not engine.load_sequence_state(loaded.payload, loaded.tokens, starts):
+            return RestoreReport()
+        engine.cache_owner = self.record.id
+        seconds = load_seconds + time.perf_counter() - start
+        return RestoreReport(True, len(loaded.tokens), seconds)
 
     def _load_state(self) -> tuple[SavedState | StateRejected, float]:
         """The saved state (or why there is none) and the seconds reading it took."""
@@ -371,6 +407,7 @@ class Conversation(ConversationBase):
             messages = self.window_messages()
             held = self._held_tokens(fresh)
             prompt = self.builder.build(messages, held)
+            self._system_span = system_span(prompt, len(self.system_messages()))
             plan = self._plan(prompt, len(messages) - len(self.system_messages()), max_tokens)
             if not (plan.moved or plan.cut_tokens):
                 window = WindowReport()
@@ -454,7 +491,7 @@ class Conversation(ConversationBase):
         """Restore the saved state, reuse the warm cache, or rebuild it from the transcript."""
         engine = self.engine
         if fresh:
-            return self._replay(prompt)
+            return self._replay(prompt, from_prefix=False)
         held = common_prefix(engine.cached_tokens, prompt)
         if engine.cache_owner == self.record.id and held > 0:
             return RestoreReport()  # warm: this process's cache already holds the conversation
@@ -498,7 +535,9 @@ class Conversation(ConversationBase):
             return None
         return [s for s in starts if s < len(tokens)]
 
-    def _replay(self, prompt: list[int], notice: str | None = None) -> RestoreReport:
+    def _replay(
+        self, prompt: list[int], notice: str | None = None, from_prefix: bool = True
+    ) -> RestoreReport:
         """Rebuild the cache from the transcript in the batches that first built it.
 
         The recorded batches cover the tokens the cache held after the last turn; evaluated
@@ -520,6 +559,23 @@ class Conversation(ConversationBase):
                 self.engine.cache_owner = self.record.id
                 return RestoreReport(
                     tokens=0, seconds=time.perf_counter() - start, notice=notice, replayed=cut
+                )
+        if from_prefix:  # a new (or unrecorded) conversation: a known system prompt is restored
+            prefix = start_from_prefix(
+                self.engine,
+                self.states,
+                self.key,
+                prompt,
+                self._system_span,
+                self.prefix_min_tokens,
+                self.saver,
+            )
+            if prefix is not None:
+                return RestoreReport(
+                    seconds=prefix.seconds,
+                    notice=notice,
+                    replayed=prefix.evaluated,
+                    prefix_tokens=prefix.restored,
                 )
         return RestoreReport(notice=notice)
 

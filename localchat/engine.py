@@ -403,6 +403,11 @@ class Engine:
 
     # -- model facts -------------------------------------------------------------------
     @property
+    def n_batch(self) -> int:
+        """Tokens one evaluation batch holds: a cold prompt is read in batches of this."""
+        return int(self._llm.n_batch)
+
+    @property
     def model_name(self) -> str:
         """The file's name: what the transcript records as the model that answered."""
         return self.model_path.name

@@ -25,6 +25,7 @@ from localchat.hub import Progress
 from localchat.kvstate import StateStore
 from localchat.library import Library
 from localchat.paths import AppPaths
+from localchat.prefix_states import DEFAULT_MIN_TOKENS
 from localchat.settings import ServerConfig, Settings
 from localchat.store import Store
 
@@ -93,11 +94,19 @@ def open_on(
     system_prompt: str | None = None,
     wait_s: float = 0.0,
     window_mode: str = "auto",
+    prefix_min_tokens: int = DEFAULT_MIN_TOKENS,
 ) -> ConversationBase:
     """Open (or start) ``name`` on ``backend``: the conversation kind that backend needs."""
     if isinstance(backend, Engine):
         return Conversation.open(
-            store, states, name, backend, system_prompt, window_mode=window_mode, wait_s=wait_s
+            store,
+            states,
+            name,
+            backend,
+            system_prompt,
+            window_mode=window_mode,
+            wait_s=wait_s,
+            prefix_min_tokens=prefix_min_tokens,
         )
     from localchat.remote import RemoteBackend
     from localchat.remote_conversation import RemoteConversation
@@ -246,6 +255,7 @@ class Session:
                 system_prompt,
                 wait_s,
                 window_mode or self.settings.window_mode,
+                self.settings.prefix_state_min_tokens,
             )
             if self.closing:  # ``close`` gave up waiting for this open: nothing is kept
                 conversation.close()

@@ -72,6 +72,11 @@ class Settings:
     """When old messages leave the context: "shift" the KV cache in place (fast), "exact"
     re-evaluate the new window, or "auto" (shift where the model family allows it)."""
 
+    prefix_state_min_tokens: int = 256
+    """A system prompt of at least this many tokens is saved as a shared prefix state the
+    first time it is read, and restored (not re-read) when a new conversation or a one-off
+    ask starts with it again; 0 turns prefix states off. They share state_budget."""
+
     servers: tuple[ServerConfig, ...] = ()
     """OpenAI-compatible servers to chat through by name (``[[servers]]`` tables with
     ``name``, ``url`` — the API base, e.g. http://gpu-box:8000/v1 — and optionally

@@ -36,6 +36,7 @@ from localchat.session import Session
 from localchat.settings import Settings, load_settings
 from localchat.store import Store
 from localchat.tui.messages import (
+    ConversationRestored,
     ModelChosen,
     ModelLoaded,
     ModelLoadFailed,
@@ -425,8 +426,27 @@ class LocalChatApp(ReportsWorkerFailures, App[int]):
             return
         if isinstance(conversation, Conversation):
             conversation.saver.on_error = lambda error: self.notify(error, severity="warning")
+            self.restore_on_open(conversation)
         self.title = f"localchat — {conversation.record.title}"
         await self._show_transcript()
+
+    @work(thread=True, exit_on_error=False, group="restore")
+    def restore_on_open(self, conversation: Conversation) -> None:
+        """Its saved cache into memory now, on the compute thread (a turn sent meanwhile waits
+        there for it), so the first turn after opening starts warm."""
+        report = run_compute(conversation.restore_now)
+        if report.restored:
+            tokens = run_compute(lambda: len(conversation.engine.cached_tokens))
+            self.post_message(ConversationRestored(report.tokens, report.seconds, tokens))
+
+    def on_conversation_restored(self, message: ConversationRestored) -> None:
+        if self._generating:
+            return  # the turn's own figures are the news now
+        self.query_one(StatsPanel).show_turn_start(
+            f"restored {count(message.tokens, 'token')} from saved cache in"
+            f" {message.seconds:.2f} s: ready"
+        )
+        self._show_cache(message.kv_tokens)
 
     def _torn_down(self) -> bool:
         """Whether the app began to quit (its screens may be gone) while a thread worked."""

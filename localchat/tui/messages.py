@@ -84,3 +84,12 @@ class StartupProgress(Message):
     """The first start's download, as it goes."""
 
     progress: Progress
+
+
+@dataclass
+class ConversationRestored(Message):
+    """An opened conversation's saved cache is in memory: its first turn starts warm."""
+
+    tokens: int
+    seconds: float
+    kv_tokens: int

@@ -1,0 +1,52 @@
+"""Opening a conversation in the app restores its saved cache at once, in the background:
+the first turn after opening is a warm turn (nothing of the history is read again)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from textual.message import Message
+
+from localchat.backend import Sampling
+from localchat.conversation import Conversation
+from localchat.engine import Engine, LoadOptions
+from localchat.kvstate import StateStore
+from localchat.paths import app_paths
+from localchat.store import Store
+from localchat.tui.app import LocalChatApp
+from localchat.tui.messages import ConversationRestored
+from tests.tui_helpers import ready, say, wait_for
+
+GREEDY = Sampling(temperature=0.0)
+
+
+def _saved_conversation(model: Path, name: str) -> int:
+    store = Store(app_paths().database)
+    engine = Engine(model, LoadOptions(n_ctx=512))
+    conversation = Conversation.open(store, StateStore(app_paths().states_dir), name, engine)
+    for text in ("Tell me about caches.", "And about windows?"):
+        for _ in conversation.send(text, GREEDY, 24):
+            pass
+    conversation.saver.wait()
+    held = len(engine.cached_tokens)
+    conversation.close()
+    store.close()
+    engine.close()
+    return held
+
+
+async def test_an_opened_conversation_is_restored_before_the_first_turn(tiny_model: Path) -> None:
+    held = _saved_conversation(tiny_model, "talk")
+    seen: list[Message] = []
+    app = LocalChatApp(
+        tiny_model, n_ctx=512, max_tokens=8, sampling=GREEDY, conversation_name="talk"
+    )
+    async with app.run_test(size=(120, 36), message_hook=seen.append) as pilot:
+        await ready(pilot, app, seen)
+        restored = await wait_for(pilot, seen, ConversationRestored)
+        assert isinstance(restored, ConversationRestored) and restored.tokens == held
+        finished = await say(pilot, seen, "ok")
+        assert not finished.turn.restore.restored  # nothing left to restore in the turn
+        stats = finished.turn.stats_dict()
+        assert stats["prompt_tokens"] - stats["prompt_tokens_evaluated"] >= held - 1
+        assert stats["prompt_tokens_evaluated"] < 20  # only the new message was read
