@@ -8,9 +8,12 @@ that localchat saves and restores itself. A leaf: neither llama.cpp nor the netw
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import threading
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, runtime_checkable
+
+from localchat.chat_template import ChatMessage
 
 
 @dataclass(frozen=True)
@@ -75,8 +78,12 @@ class Reply(Protocol):
     def reasoning(self) -> str: ...
 
 
+@runtime_checkable
 class Backend(Protocol):
-    """What the conversation layer, the CLI and the app ask of either backend."""
+    """What the conversation layer, the CLI and the app ask of either backend: who answers,
+    how many tokens a text takes, a reply to messages (streamed, cancellable). The local
+    engine also saves and restores its KV cache (``save_sequence_state`` and
+    ``load_sequence_state``); a server keeps its own."""
 
     @property
     def model_name(self) -> str:
@@ -91,6 +98,20 @@ class Backend(Protocol):
     @property
     def context_size(self) -> int | None:
         """Tokens a prompt plus reply may hold; None where the server does not say."""
+        ...
+
+    def count_tokens(self, text: str) -> int:
+        """Tokens ``text`` takes (a server that cannot count: an estimate)."""
+        ...
+
+    def stream(
+        self,
+        messages: Sequence[ChatMessage],
+        sampling: Sampling | None = None,
+        max_tokens: int = 512,
+        cancel: threading.Event | None = None,
+    ) -> Reply:
+        """A reply to ``messages`` (the chat template applied by whoever answers)."""
         ...
 
     def close(self) -> None: ...

@@ -507,6 +507,19 @@ class Engine:
         """The token ids asking for a reply to ``messages`` (a one-off exchange)."""
         return self.prompt_builder().build(messages).tokens
 
+    def count_tokens(self, text: str) -> int:
+        return len(self.tokenize(text))
+
+    def stream(
+        self,
+        messages: Sequence[ChatMessage],
+        sampling: Sampling | None = None,
+        max_tokens: int = 512,
+        cancel: threading.Event | None = None,
+    ) -> Generation:
+        """A one-off reply to ``messages``, rendered with the model's template."""
+        return self.generate(self.prompt_tokens(list(messages)), sampling, max_tokens, cancel)
+
     def is_end_of_generation(self, token: int) -> bool:
         return bool(llama_cpp.llama_vocab_is_eog(self._llm._model.vocab, token))
 

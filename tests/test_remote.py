@@ -17,7 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from localchat.backend import Sampling
+from localchat.backend import Backend, Sampling
 from localchat.chat_template import ChatMessage
 from localchat.cli import main
 from localchat.conversation import Conversation
@@ -461,3 +461,18 @@ def test_refused_before_anything_is_sent(stand_in: tuple[SSEServer, ServerScript
     with pytest.raises(ServerRefused):
         RemoteBackend(server.url)
     assert script.requests == []
+
+
+def test_both_backends_answer_the_same_protocol(
+    stand_in: tuple[SSEServer, ServerScript], tiny_model: Path
+) -> None:
+    server, _script = stand_in
+    remote = RemoteBackend(server.url)
+    local = Engine(tiny_model, LoadOptions(n_ctx=256))
+    messages = [ChatMessage("user", "hi")]
+    for backend in (remote, local):
+        assert isinstance(backend, Backend)
+        assert backend.count_tokens("hello world") > 0 and backend.model_name
+        reply = backend.stream(messages, GREEDY, 4)
+        assert "".join(d.text for d in reply) == reply.text and reply.stats.generated_tokens > 0
+        backend.close()
