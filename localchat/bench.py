@@ -75,6 +75,7 @@ TARGETS: dict[str, tuple[str, float]] = {
     "memory_estimate_max_error": ("<=", 0.10),
     "remote_gen_ratio": (">=", 0.97),
     "prefix_speedup": (">=", 20.0),
+    "app_resume_vs_warm": ("<=", 1.05),
 }
 
 ESTIMATE_CTX = 2048
@@ -505,6 +506,37 @@ ZEROWAIT_ROUNDS = 3
 ZEROWAIT_MESSAGE = "Given that guide, how should I name a function?"
 
 
+def _app_resume(engine: Engine, progress: Progress) -> dict[str, Any]:
+    """The app's first turn after opening a 2,000-token conversation vs its next (warm) one."""
+    from localchat.conversation import Conversation
+    from localchat.engine import Sampling
+    from localchat.kvstate import StateStore
+    from localchat.store import Store
+    from localchat.tui.bench_ui import app_resume_vs_warm  # the app's own measurement
+
+    greedy = Sampling(temperature=0.0)
+    with tempfile.TemporaryDirectory(prefix="localchat-bench-") as tmp:
+        home = Path(tmp) / "home"
+        data = home / "data"
+        engine.reset()
+        store = Store(data / "conversations.sqlite3")
+        conversation = Conversation.open(store, StateStore(data / "states"), "long", engine)
+        turn_no = 0
+        while len(engine.cached_tokens) < RESUME_HISTORY_TOKENS:
+            text = _filler_text(turn_no, RESUME_TURN_WORDS)
+            for _ in conversation.send(text, greedy, RESUME_REPLY_TOKENS):
+                pass
+            turn_no += 1
+        conversation.saver.wait()
+        conversation.close()
+        store.close()
+        _say(progress, f"zerowait: the app opens a {len(engine.cached_tokens)}-token conversation")
+        messages = (_filler_text(900, 30), _filler_text(901, 30))
+        return app_resume_vs_warm(
+            engine.model_path, home, "long", messages, engine.n_ctx, ZEROWAIT_ROUNDS
+        )
+
+
 def bench_zerowait(model_path: Path, progress: Progress = None) -> dict[str, Any]:
     """A new conversation that opens with a 1,500-token system prompt: its first token when
     the prompt was never seen (cold: read, then saved as a prefix state) vs when an earlier
@@ -545,9 +577,10 @@ def bench_zerowait(model_path: Path, progress: Progress = None) -> dict[str, Any
             store.close()
         _say(progress, f"zerowait: round {round_index + 1}: cold {cold_ttfts[-1]:.2f} s,"
              f" restored prefix {warm_ttfts[-1]:.3f} s")  # fmt: skip
+    app = _app_resume(engine, progress)
     engine.close()
     cold, warm = statistics.median(cold_ttfts), statistics.median(warm_ttfts)
-    return {
+    return app | {
         "prefix_restored_tokens": restored,
         "prefix_cold_ttft_s": round(cold, 4),
         "prefix_ttft_s": round(warm, 4),

@@ -20,3 +20,28 @@ def test_the_app_and_headless_turns_produce_the_same_reply(tiny_model: Path) -> 
 def test_startup_is_timed_in_a_fresh_process(tiny_model: Path) -> None:
     startup = bench_ui._startup_once(tiny_model)
     assert 0.0 < startup < 60.0
+
+
+def test_the_first_turn_after_opening_is_measured_on_a_restored_conversation(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    from localchat.backend import Sampling
+    from localchat.conversation import Conversation
+    from localchat.engine import Engine, LoadOptions
+    from localchat.kvstate import StateStore
+    from localchat.store import Store
+
+    home = tmp_path / "saved"
+    engine = Engine(tiny_model, LoadOptions(n_ctx=1024))
+    store = Store(home / "data" / "conversations.sqlite3")
+    conversation = Conversation.open(store, StateStore(home / "data" / "states"), "long", engine)
+    for text in ("one " * 40, "two " * 40):
+        for _ in conversation.send(text, Sampling(temperature=0.0), 16):
+            pass
+    conversation.saver.wait()
+    conversation.close()
+    store.close()
+    engine.close()
+    figures = bench_ui.app_resume_vs_warm(tiny_model, home, "long", ("a b c", "d e f"), 1024, 1)
+    assert figures["app_first_turn_ttft_s"] > 0 and figures["app_warm_turn_ttft_s"] > 0
+    assert figures["app_resume_vs_warm"] > 0

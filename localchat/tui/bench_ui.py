@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -31,7 +32,7 @@ from localchat.kvstate import StateStore
 from localchat.paths import HOME_ENV
 from localchat.store import Store
 from localchat.tui.app import LocalChatApp
-from localchat.tui.messages import ModelLoaded, ReplyFinished
+from localchat.tui.messages import ConversationRestored, ModelLoaded, ReplyFinished
 
 # The tiny model answers this with 3,000 tokens (no early end of text) at thousands of
 # tokens/s: the app's hardest case, and long enough that one turn's fixed costs do not decide.
@@ -158,6 +159,71 @@ def _scratch_home() -> Iterator[None]:
                 os.environ.pop(HOME_ENV, None)
             else:
                 os.environ[HOME_ENV] = previous
+
+
+async def _first_turns_after_open(
+    model_path: Path, name: str, messages: tuple[str, str], n_ctx: int
+) -> tuple[float, float]:
+    """(first, second) Enter-to-first-token of two turns in the app just after it opened the
+    saved conversation ``name``: the first right after the restore on open, the second warm."""
+    app = LocalChatApp(
+        model_path,
+        n_ctx=n_ctx,
+        max_tokens=8,
+        sampling=Sampling(temperature=0.0),
+        conversation_name=name,
+    )
+    restored, done = asyncio.Event(), asyncio.Event()
+    finished: list[ReplyFinished] = []
+
+    def hook(message: object) -> None:
+        if isinstance(message, ConversationRestored):
+            restored.set()
+        elif isinstance(message, ReplyFinished):
+            finished.append(message)
+            done.set()
+
+    async with app.run_test(size=(120, 36), message_hook=hook) as pilot:
+        await _wait(restored, "the conversation restored")
+        for text in messages:
+            done.clear()
+            app.query_one("#input").text = text  # type: ignore[attr-defined]
+            await pilot.press("enter")
+            await _wait(done, "the reply")
+            await pilot.pause(SETTLE_S)
+    first, second = (f.turn.resume_ttft_s for f in finished[:2])
+    return first, second
+
+
+def app_resume_vs_warm(
+    model_path: Path, home: Path, name: str, messages: tuple[str, str], n_ctx: int, rounds: int
+) -> dict[str, Any]:
+    """The first turn after the app opens a long conversation vs a warm turn, as a ratio of
+    medians; ``home`` holds the conversation and its saved state (copied for every round, so
+    each round opens the same one)."""
+    firsts, seconds = [], []
+    previous = os.environ.get(HOME_ENV)
+    try:
+        for _ in range(rounds):
+            with tempfile.TemporaryDirectory(prefix="localchat-bench-ui-") as tmp:
+                shutil.copytree(home, Path(tmp) / "home")
+                os.environ[HOME_ENV] = str(Path(tmp) / "home")
+                first, second = asyncio.run(
+                    _first_turns_after_open(model_path, name, messages, n_ctx)
+                )
+                firsts.append(first)
+                seconds.append(second)
+    finally:
+        if previous is None:
+            os.environ.pop(HOME_ENV, None)
+        else:
+            os.environ[HOME_ENV] = previous
+    first, warm = statistics.median(firsts), statistics.median(seconds)
+    return {
+        "app_first_turn_ttft_s": round(first, 4),
+        "app_warm_turn_ttft_s": round(warm, 4),
+        "app_resume_vs_warm": round(first / warm, 3),
+    }
 
 
 def measure_turn(side: str, model_path: Path, max_tokens: int) -> dict[str, Any]:
