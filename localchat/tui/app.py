@@ -440,8 +440,8 @@ class LocalChatApp(ReportsWorkerFailures, App[int]):
             self.post_message(ConversationRestored(report.tokens, report.seconds, tokens))
 
     def on_conversation_restored(self, message: ConversationRestored) -> None:
-        if self._generating:
-            return  # the turn's own figures are the news now
+        if self._generating or self._torn_down():
+            return  # the turn's own figures are the news now, or the app is going away
         self.query_one(StatsPanel).show_turn_start(
             f"restored {count(message.tokens, 'token')} from saved cache in"
             f" {message.seconds:.2f} s: ready"
