@@ -23,6 +23,7 @@ from localchat import __version__
 from localchat.cpu import physical_cores
 
 if TYPE_CHECKING:
+    from localchat.conversation import Conversation
     from localchat.engine import Engine, TurnStats
 
 PARTS: tuple[str, ...] = (
@@ -202,6 +203,20 @@ def _ask_in_new_process(home: Path, model_path: Path, *extra: str) -> dict[str, 
     return payload
 
 
+def _build_history(conversation: Conversation, progress: Progress = None) -> None:
+    """Chat-like turns (user messages of ~120 tokens, short greedy replies) until the cache
+    holds RESUME_HISTORY_TOKENS: the long conversation resume and zero-wait figures use."""
+    from localchat.engine import Sampling
+
+    turn_no = 0
+    while len(conversation.engine.cached_tokens) < RESUME_HISTORY_TOKENS:
+        text = _filler_text(turn_no, RESUME_TURN_WORDS)
+        for _ in conversation.send(text, Sampling(temperature=0.0), RESUME_REPLY_TOKENS):
+            pass
+        turn_no += 1
+        _say(progress, f"resume: history at {len(conversation.engine.cached_tokens)} tokens")
+
+
 def bench_resume(model_path: Path, progress: Progress = None) -> dict[str, Any]:
     """The next turn of a 2,000-token conversation: warm vs resumed in a new process vs fresh."""
     from localchat.conversation import Conversation
@@ -216,15 +231,7 @@ def bench_resume(model_path: Path, progress: Progress = None) -> dict[str, Any]:
         engine = Engine(model_path, LoadOptions(n_ctx=RESUME_CTX, n_threads=physical_cores()))
         store = Store(data / "conversations.sqlite3")
         conversation = Conversation.open(store, StateStore(data / "states"), "bench", engine)
-        turn_no = 0
-        while len(engine.cached_tokens) < RESUME_HISTORY_TOKENS:
-            turn = conversation.send(
-                _filler_text(turn_no, RESUME_TURN_WORDS), greedy, RESUME_REPLY_TOKENS
-            )
-            for _ in turn:
-                pass
-            turn_no += 1
-            _say(progress, f"resume: history at {len(engine.cached_tokens)} tokens")
+        _build_history(conversation, progress)
         conversation.saver.wait()
         history_tokens = len(engine.cached_tokens)
         kv_bytes_used = engine.kv_bytes_used
@@ -509,24 +516,17 @@ ZEROWAIT_MESSAGE = "Given that guide, how should I name a function?"
 def _app_resume(engine: Engine, progress: Progress) -> dict[str, Any]:
     """The app's first turn after opening a 2,000-token conversation vs its next (warm) one."""
     from localchat.conversation import Conversation
-    from localchat.engine import Sampling
     from localchat.kvstate import StateStore
     from localchat.store import Store
     from localchat.tui.bench_ui import app_resume_vs_warm  # the app's own measurement
 
-    greedy = Sampling(temperature=0.0)
     with tempfile.TemporaryDirectory(prefix="localchat-bench-") as tmp:
         home = Path(tmp) / "home"
         data = home / "data"
         engine.reset()
         store = Store(data / "conversations.sqlite3")
         conversation = Conversation.open(store, StateStore(data / "states"), "long", engine)
-        turn_no = 0
-        while len(engine.cached_tokens) < RESUME_HISTORY_TOKENS:
-            text = _filler_text(turn_no, RESUME_TURN_WORDS)
-            for _ in conversation.send(text, greedy, RESUME_REPLY_TOKENS):
-                pass
-            turn_no += 1
+        _build_history(conversation)
         conversation.saver.wait()
         conversation.close()
         store.close()

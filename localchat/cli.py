@@ -31,6 +31,7 @@ from localchat.text import printable
 
 if TYPE_CHECKING:
     from localchat.backend import Reply, Sampling, TokenDelta
+    from localchat.chat_template import ChatMessage
     from localchat.engine import Engine
     from localchat.kvstate import StateStore
     from localchat.library import Library
@@ -376,34 +377,34 @@ def _ask_once(
     settings: Settings,
 ) -> int:
     """One turn with no conversation; a known long system prompt starts from its saved state."""
-    from localchat.chat_template import ChatMessage
     from localchat.conversation import RestoreReport, turn_stats_dict
-    from localchat.engine import LLAMA_CPP_VERSION
-    from localchat.kvstate import StateKey, StateStore
+    from localchat.kvstate import StateStore
     from localchat.prefix_states import start_from_prefix, system_span
 
-    messages = [ChatMessage("system", args.system)] if args.system else []
-    messages.append(ChatMessage("user", args.message))
+    messages = _one_off_messages(args)
     prompt = engine.prompt_builder().build(messages)
-    paths = app_paths()
-    key = StateKey(engine.fingerprint, engine.n_ctx, engine.options.kv_type, LLAMA_CPP_VERSION)
     prefix = start_from_prefix(
         engine,
-        StateStore(paths.states_dir, settings.state_budget_bytes),
-        key,
+        StateStore(app_paths().states_dir, settings.state_budget_bytes),
+        engine.state_key,
         prompt.tokens,
         system_span(prompt, len(messages) - 1),
         settings.prefix_state_min_tokens,
     )
-    restore = RestoreReport()
-    if prefix is not None:
-        restore = RestoreReport(
-            seconds=prefix.seconds, replayed=prefix.evaluated, prefix_tokens=prefix.restored
-        )
+    restore = RestoreReport.from_prefix(prefix)
     generation = engine.generate(prompt.tokens, sampling, args.max_tokens, cancel)
     interrupted = _stream(generation, args, cancel, out)
     _print_result(out, args, generation, engine, turn_stats_dict(generation.stats, restore), [])
     return EXIT_INTERRUPTED if interrupted else 0
+
+
+def _one_off_messages(args: argparse.Namespace) -> list[ChatMessage]:
+    """A one-off ask's messages: the system prompt if given, then the user's."""
+    from localchat.chat_template import ChatMessage
+
+    messages = [ChatMessage("system", args.system)] if args.system else []
+    messages.append(ChatMessage("user", args.message))
+    return messages
 
 
 def _ask_in_conversation(
@@ -438,7 +439,6 @@ def _ask_in_conversation(
 def _ask_remote(args: argparse.Namespace, out: TextIO, settings: Settings) -> int:
     """``ask --server``: the same turn, answered by a server; the transcript stays here."""
     from localchat.backend import Sampling
-    from localchat.chat_template import ChatMessage
     from localchat.conversation import turn_stats_dict
     from localchat.session import Session, connect
 
@@ -457,9 +457,7 @@ def _ask_remote(args: argparse.Namespace, out: TextIO, settings: Settings) -> in
     cancel = threading.Event()
     if not args.conversation:
         try:
-            messages = [ChatMessage("system", args.system)] if args.system else []
-            messages.append(ChatMessage("user", args.message))
-            reply = backend.stream(messages, sampling, max_tokens, cancel)
+            reply = backend.stream(_one_off_messages(args), sampling, max_tokens, cancel)
             interrupted = _stream(reply, args, cancel, out)
             _print_result(out, args, reply, backend, turn_stats_dict(reply.stats), [])
         finally:

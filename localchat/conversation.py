@@ -17,10 +17,15 @@ from typing import Any
 
 from localchat.backend import Reply, Sampling, TokenDelta, TurnStats
 from localchat.chat_template import ChatMessage
-from localchat.engine import LLAMA_CPP_VERSION, Engine
-from localchat.kvstate import BackgroundSaver, SavedState, StateKey, StateRejected, StateStore
+from localchat.engine import Engine
+from localchat.kvstate import BackgroundSaver, SavedState, StateRejected, StateStore
 from localchat.locks import ConversationLock
-from localchat.prefix_states import DEFAULT_MIN_TOKENS, start_from_prefix, system_span
+from localchat.prefix_states import (
+    DEFAULT_MIN_TOKENS,
+    PrefixStart,
+    start_from_prefix,
+    system_span,
+)
 from localchat.prompt import BuiltPrompt, common_prefix
 from localchat.store import ConversationRecord, MessageRecord, Store
 from localchat.window import WindowPlan, WindowPolicy, plan_window, resolve_mode, shift_is_safe
@@ -44,6 +49,19 @@ class RestoreReport:
     notice: str | None = None
     replayed: int = 0
     prefix_tokens: int = 0  # restored from a shared prefix state (a known system prompt)
+
+    @classmethod
+    def from_prefix(cls, start: PrefixStart | None, notice: str | None = None) -> RestoreReport:
+        """How a cold start began: a prefix restored, or read and saved (counted as read
+        before the turn), or nothing (None)."""
+        if start is None:
+            return cls(notice=notice)
+        return cls(
+            seconds=start.seconds,
+            notice=notice,
+            replayed=start.evaluated,
+            prefix_tokens=start.restored,
+        )
 
 
 @dataclass
@@ -308,9 +326,7 @@ class Conversation(ConversationBase):
         self.engine = engine
         self.saver = saver or BackgroundSaver(states)
         self._owns_saver = saver is None
-        self.key = StateKey(
-            self.fingerprint, engine.n_ctx, engine.options.kv_type, LLAMA_CPP_VERSION
-        )
+        self.key = engine.state_key
         # A template that writes today's date writes the conversation's first day, so the
         # history reads the same (and its saved cache stays valid) on any later day.
         self.builder = engine.prompt_builder(datetime.fromtimestamp(record.created_at))
@@ -560,24 +576,19 @@ class Conversation(ConversationBase):
                 return RestoreReport(
                     tokens=0, seconds=time.perf_counter() - start, notice=notice, replayed=cut
                 )
-        if from_prefix:  # a new (or unrecorded) conversation: a known system prompt is restored
-            prefix = start_from_prefix(
-                self.engine,
-                self.states,
-                self.key,
-                prompt,
-                self._system_span,
-                self.prefix_min_tokens,
-                self.saver,
-            )
-            if prefix is not None:
-                return RestoreReport(
-                    seconds=prefix.seconds,
-                    notice=notice,
-                    replayed=prefix.evaluated,
-                    prefix_tokens=prefix.restored,
-                )
-        return RestoreReport(notice=notice)
+        if not from_prefix:
+            return RestoreReport(notice=notice)
+        # A new (or unrecorded) conversation: a known system prompt is restored.
+        prefix = start_from_prefix(
+            self.engine,
+            self.states,
+            self.key,
+            prompt,
+            self._system_span,
+            self.prefix_min_tokens,
+            self.saver,
+        )
+        return RestoreReport.from_prefix(prefix, notice)
 
     def _finish(self, turn: ConversationTurn) -> Exchange:
         reply = self._store_reply(turn.generation, turn.stats_dict(), self.engine.model_name)

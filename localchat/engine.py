@@ -30,6 +30,7 @@ from localchat.cpu import physical_cores
 from localchat.errors import ModelLoadError, UsageError
 from localchat.estimate import ModelDims, kv_bytes_per_token, preferred_flash_attn
 from localchat.gguf_info import file_fingerprint, read_gguf
+from localchat.kvstate import StateKey
 from localchat.prompt import PromptBuilder, common_prefix
 from localchat.quants import SWA_CACHE_MODES
 from localchat.reasoning import ReasoningStream, opens_reasoning, split_reasoning
@@ -402,6 +403,11 @@ class Engine:
         return self._fingerprint
 
     # -- model facts -------------------------------------------------------------------
+    @property
+    def state_key(self) -> StateKey:
+        """What a saved state of this model's cache depends on (file, context, KV type, build)."""
+        return StateKey(self.fingerprint, self.n_ctx, self.options.kv_type, LLAMA_CPP_VERSION)
+
     @property
     def n_batch(self) -> int:
         """Tokens one evaluation batch holds: a cold prompt is read in batches of this."""

@@ -40,9 +40,14 @@ def connect(
     settings: Settings, spec: str, model: str | None = None, context_size: int | None = None
 ) -> RemoteBackend:
     """A server by URL or by its name in settings.toml, its key from the environment."""
+    return _server_backend(settings.server(spec), model, context_size)
+
+
+def _server_backend(
+    server: ServerConfig, model: str | None = None, context_size: int | None = None
+) -> RemoteBackend:
     from localchat.remote import RemoteBackend, api_key_from_env
 
-    server = settings.server(spec)
     return RemoteBackend(
         server.url,
         model,
@@ -65,17 +70,10 @@ class ServerModelRow:
 
 def server_model_rows(servers: tuple[ServerConfig, ...]) -> list[ServerModelRow]:
     """What each configured server serves, for the Models screen (network calls: a thread)."""
-    from localchat.remote import RemoteBackend, api_key_from_env
-
     rows: list[ServerModelRow] = []
     for server in servers:
         try:
-            backend = RemoteBackend(
-                server.url,
-                api_key=api_key_from_env(server.key_env),
-                name=server.name,
-                key_env=server.key_env,
-            )
+            backend = _server_backend(server)
         except LocalchatError as exc:  # one server down never hides the others, or local models
             rows.append(ServerModelRow(server.name, None, problem=str(exc)))
             continue

@@ -435,9 +435,8 @@ class LocalChatApp(ReportsWorkerFailures, App[int]):
         """Its saved cache into memory now, on the compute thread (a turn sent meanwhile waits
         there for it), so the first turn after opening starts warm."""
         report = run_compute(conversation.restore_now)
-        if report.restored:
-            tokens = run_compute(lambda: len(conversation.engine.cached_tokens))
-            self.post_message(ConversationRestored(report.tokens, report.seconds, tokens))
+        if report.restored:  # the cache now holds exactly the state's tokens
+            self.post_message(ConversationRestored(report.tokens, report.seconds))
 
     def on_conversation_restored(self, message: ConversationRestored) -> None:
         if self._generating or self._torn_down():
@@ -446,7 +445,7 @@ class LocalChatApp(ReportsWorkerFailures, App[int]):
             f"restored {count(message.tokens, 'token')} from saved cache in"
             f" {message.seconds:.2f} s: ready"
         )
-        self._show_cache(message.kv_tokens)
+        self._show_cache(message.tokens)
 
     def _torn_down(self) -> bool:
         """Whether the app began to quit (its screens may be gone) while a thread worked."""

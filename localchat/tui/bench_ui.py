@@ -147,11 +147,17 @@ async def _wait(event: asyncio.Event, what: str) -> None:
 
 
 @contextlib.contextmanager
-def _scratch_home() -> Iterator[None]:
-    """Run the app on an empty LOCALCHAT_HOME: the user's conversations stay untouched."""
+def _scratch_home(copy_of: Path | None = None) -> Iterator[None]:
+    """Run the app on a LOCALCHAT_HOME of its own — empty, or a copy of ``copy_of`` (used up
+    by the run): the user's conversations stay untouched."""
     previous = os.environ.get(HOME_ENV)
     with tempfile.TemporaryDirectory(prefix="localchat-bench-ui-") as tmp:
-        os.environ[HOME_ENV] = tmp
+        home = Path(tmp) / "home"
+        if copy_of is None:
+            home.mkdir()
+        else:
+            shutil.copytree(copy_of, home)
+        os.environ[HOME_ENV] = str(home)
         try:
             yield
         finally:
@@ -202,22 +208,11 @@ def app_resume_vs_warm(
     medians; ``home`` holds the conversation and its saved state (copied for every round, so
     each round opens the same one)."""
     firsts, seconds = [], []
-    previous = os.environ.get(HOME_ENV)
-    try:
-        for _ in range(rounds):
-            with tempfile.TemporaryDirectory(prefix="localchat-bench-ui-") as tmp:
-                shutil.copytree(home, Path(tmp) / "home")
-                os.environ[HOME_ENV] = str(Path(tmp) / "home")
-                first, second = asyncio.run(
-                    _first_turns_after_open(model_path, name, messages, n_ctx)
-                )
-                firsts.append(first)
-                seconds.append(second)
-    finally:
-        if previous is None:
-            os.environ.pop(HOME_ENV, None)
-        else:
-            os.environ[HOME_ENV] = previous
+    for _ in range(rounds):
+        with _scratch_home(copy_of=home):
+            first, second = asyncio.run(_first_turns_after_open(model_path, name, messages, n_ctx))
+        firsts.append(first)
+        seconds.append(second)
     first, warm = statistics.median(firsts), statistics.median(seconds)
     return {
         "app_first_turn_ttft_s": round(first, 4),

@@ -90,6 +90,5 @@ class StartupProgress(Message):
 class ConversationRestored(Message):
     """An opened conversation's saved cache is in memory: its first turn starts warm."""
 
-    tokens: int
+    tokens: int  # what the cache holds now
     seconds: float
-    kv_tokens: int
