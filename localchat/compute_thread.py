@@ -28,15 +28,40 @@ def _mark_compute_thread() -> None:
 _EXECUTOR = ThreadPoolExecutor(
     max_workers=1, thread_name_prefix="llama-compute", initializer=_mark_compute_thread
 )
+# Calls submitted and not yet started: background work (reading ahead) yields to them.
+_waiting = 0
+_WAITING_LOCK = threading.Lock()
 
 
 def run_compute(function: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
     """Run ``function`` on the compute thread and wait for it; its exception is raised here.
 
     Called from the compute thread itself, it runs in place (no deadlock)."""
+    global _waiting
     if on_compute_thread():
         return function(*args, **kwargs)
-    return _EXECUTOR.submit(function, *args, **kwargs).result()
+
+    def started() -> T:
+        global _waiting
+        with _WAITING_LOCK:
+            _waiting -= 1
+        return function(*args, **kwargs)
+
+    with _WAITING_LOCK:
+        _waiting += 1
+    try:
+        future = _EXECUTOR.submit(started)
+    except BaseException:
+        with _WAITING_LOCK:
+            _waiting -= 1
+        raise
+    return future.result()
+
+
+def compute_waiting() -> bool:
+    """Whether another call waits for the compute thread: work that can stop early (reading
+    a message ahead while it is typed) checks this between small steps and gives way."""
+    return _waiting > 0
 
 
 def on_compute_thread() -> bool:

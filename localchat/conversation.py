@@ -10,8 +10,8 @@ from __future__ import annotations
 import sqlite3
 import threading
 import time
-from collections.abc import Iterator
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field, replace
 from datetime import datetime
 from typing import Any
 
@@ -26,13 +26,16 @@ from localchat.prefix_states import (
     start_from_prefix,
     system_span,
 )
-from localchat.prompt import BuiltPrompt, common_prefix
+from localchat.prompt import BuiltPrompt, common_prefix, settled_chars
 from localchat.store import ConversationRecord, MessageRecord, Store
 from localchat.window import WindowPlan, WindowPolicy, plan_window, resolve_mode, shift_is_safe
 
 NO_STATE = "no saved state"
 # Re-tokenizing a cut message can take a few more tokens than counted; leave this much room.
 CUT_MARGIN_TOKENS = 8
+# Tokens a message being typed is read ahead by at a time: Enter, or anything else asked of
+# the compute thread, waits at most this many tokens' evaluation.
+READ_AHEAD_BATCH = 16
 
 
 @dataclass
@@ -49,6 +52,7 @@ class RestoreReport:
     notice: str | None = None
     replayed: int = 0
     prefix_tokens: int = 0  # restored from a shared prefix state (a known system prompt)
+    read_ahead: int = 0  # prompt tokens evaluated while the message was being typed
 
     @classmethod
     def from_prefix(cls, start: PrefixStart | None, notice: str | None = None) -> RestoreReport:
@@ -62,6 +66,17 @@ class RestoreReport:
             replayed=start.evaluated,
             prefix_tokens=start.restored,
         )
+
+
+@dataclass
+class _ReadAhead:
+    """What the cache holds past the conversation for a message being typed: tokens from
+    ``base`` on were read ahead (they count as the next prompt's only where they are its
+    exact tokens); ``report`` is how the cache was prepared before that, if it was."""
+
+    base: int
+    report: RestoreReport | None = None
+    settled: tuple[str, str | None, int] | None = None  # what the last full read-ahead covered
 
 
 @dataclass
@@ -87,10 +102,17 @@ class ConversationTurn:
     messages: list[ChatMessage]  # what the prompt was built from (the window)
     reply: Exchange | None = None
     notices: list[str] = field(default_factory=list)
+    # When the user sent the message (Enter in the app; else when ``send`` began) and when
+    # the first token came, on ``time.perf_counter``'s clock.
+    entered_at: float = 0.0
+    first_token_at: float | None = None
 
     def __iter__(self) -> Iterator[TokenDelta]:
         try:
-            yield from self.generation
+            for delta in self.generation:
+                if self.first_token_at is None:
+                    self.first_token_at = time.perf_counter()
+                yield delta
         finally:
             self.reply = self.conversation._finish(self)
 
@@ -103,8 +125,18 @@ class ConversationTurn:
         """Time to first token including the restore: what the user waited."""
         return self.restore.seconds + self.generation.stats.ttft_s
 
+    @property
+    def sent_ttft_s(self) -> float:
+        """From the message being sent (Enter) to the first token: everything the user
+        waited for, a step of reading ahead that was finishing included."""
+        if self.first_token_at is None:
+            return self.resume_ttft_s
+        return self.first_token_at - (self.entered_at or self.started_at)
+
     def stats_dict(self) -> dict[str, Any]:
-        return turn_stats_dict(self.generation.stats, self.restore, self.window, self.prompt)
+        stats = turn_stats_dict(self.generation.stats, self.restore, self.window, self.prompt)
+        stats["sent_ttft_s"] = round(self.sent_ttft_s, 6)
+        return stats
 
 
 @dataclass(frozen=True)
@@ -141,6 +173,7 @@ def turn_stats_dict(
         "restored_from_state": restore.restored,
         "restored_tokens": restore.tokens,
         "restored_prefix_tokens": restore.prefix_tokens,
+        "read_ahead_tokens": restore.read_ahead,
         "restore_s": round(restore.seconds, 6),
         "window_dropped_messages": window.dropped_messages,
         "window_dropped_tokens": window.dropped_tokens,
@@ -185,6 +218,7 @@ class ConversationBase:
         self.states = states
         self.record = record
         self._lock = ConversationLock(states.directory, record.id, record.name, wait_s)
+        self.closed = False
         self.fingerprint = fingerprint
         self.exchanges = self._load_exchanges()
         first_seq = store.window_start(record.id, fingerprint)
@@ -194,6 +228,7 @@ class ConversationBase:
         )
 
     def close(self) -> None:
+        self.closed = True
         self._lock.release()
 
     # -- transcript ----------------------------------------------------------------------
@@ -256,8 +291,10 @@ class ConversationBase:
         max_tokens: int = 512,
         cancel: threading.Event | None = None,
         fresh: bool = False,
+        entered_at: float | None = None,
     ) -> ConversationTurn:
-        """Commit the user's message and start the reply (each backend prepares its own)."""
+        """Commit the user's message and start the reply (each backend prepares its own).
+        ``entered_at``: when the user sent it (``time.perf_counter``), if before this call."""
         raise NotImplementedError
 
     def _finish(self, turn: ConversationTurn) -> Exchange:
@@ -334,6 +371,7 @@ class Conversation(ConversationBase):
         self._loaded: tuple[SavedState | StateRejected, float] | None = None
         self.prefix_min_tokens = prefix_min_tokens
         self._system_span = 0  # where this turn's prompt's system prompt ends
+        self._ahead: _ReadAhead | None = None  # a message read ahead while being typed
 
     @classmethod
     def open(
@@ -414,21 +452,30 @@ class Conversation(ConversationBase):
         max_tokens: int = 512,
         cancel: threading.Event | None = None,
         fresh: bool = False,
+        entered_at: float | None = None,
     ) -> ConversationTurn:
-        """Commit the user's message, prepare the cache, and start the reply."""
+        """Commit the user's message, prepare the cache (what was read ahead while it was
+        typed is kept where it is the prompt's), and start the reply."""
         started = time.perf_counter()
         user = self._commit_user(text)
         window_before = self.window_first
+        ahead = self._take_ahead(fresh)
         try:
             messages = self.window_messages()
             held = self._held_tokens(fresh)
+            if ahead is not None:  # read-ahead tokens count only where they are the prompt's
+                held = held[: ahead.base]
             prompt = self.builder.build(messages, held)
             self._system_span = system_span(prompt, len(self.system_messages()))
-            plan = self._plan(prompt, len(messages) - len(self.system_messages()), max_tokens)
+            plan = self._plan(prompt, messages, max_tokens)
             if not (plan.moved or plan.cut_tokens):
                 window = WindowReport()
                 restore = self._prepare_cache(prompt.tokens, fresh)
+                if ahead is not None:
+                    restore = self._ahead_report(ahead, restore, prompt.tokens)
             else:
+                if ahead is not None:  # the window moves under the read-ahead: it goes
+                    self.engine.hold(held)
                 messages, prompt, window, restore = self._move_window(prompt, plan, fresh, held)
             generation = self.engine.generate(prompt.tokens, sampling, max_tokens, cancel)
         except BaseException:
@@ -439,22 +486,111 @@ class Conversation(ConversationBase):
                 self.engine.reset()
             raise
         turn = ConversationTurn(self, user, prompt, generation, restore, started, window, messages)
+        turn.entered_at = started if entered_at is None else entered_at
         turn.notices.extend(self._window_notices(window))
         if restore.notice:
             turn.notices.append(restore.notice)
         return turn
 
+    # -- reading a message ahead while it is typed ----------------------------------------
+    def read_ahead(self, draft: str, max_tokens: int, stop: Callable[[], bool]) -> int:
+        """Evaluate what a message being typed settles into (on the compute thread), so its
+        ``send`` evaluates only the rest: the template's header for it and its text but the
+        last word, in small steps, until done or ``stop()`` says to give way. An edit falls
+        back to the longest common prefix; a message that would move the window waits for
+        ``send``. The prompt ``send`` builds is exactly the one it builds without this.
+        Returns how many tokens the cache now holds ahead of the conversation."""
+        engine = self.engine
+        if self.closed:
+            return 0
+        if not draft.strip():
+            return self._ahead_tokens()
+        settled_key = (
+            draft[: settled_chars(draft)],
+            self.record.system_prompt,
+            len(self.exchanges),
+        )
+        if self._ahead_valid() and self._ahead is not None and self._ahead.settled == settled_key:
+            return self._ahead_tokens()
+        n_system = len(self.system_messages())
+        messages = [*self.window_messages(), ChatMessage("user", draft)]
+        if not self._ahead_valid():
+            self._ahead = None
+            held = self._held_tokens(False)
+            prompt = self.builder.build(messages, held)
+            if self._plan(prompt, messages, max_tokens).moved:
+                self._loaded = None
+                return 0
+            self._system_span = system_span(prompt, n_system)
+            report = self._prepare_cache(prompt.tokens, False, stop)
+            if not engine.cached_tokens and stop():
+                return 0  # a rebuild gave way: the next call starts it again
+            # The cache holds a prefix of this prompt (restored, replayed, a known system
+            # prompt), or nothing: it is read from the first token.
+            engine.cache_owner = self.record.id
+            self._ahead = _ReadAhead(len(engine.cached_tokens), replace(report, seconds=0.0))
+        ahead = self._ahead
+        assert ahead is not None
+        prompt, settled = self.builder.build_draft(messages, engine.cached_tokens[: ahead.base])
+        plan = self._plan(prompt, messages, max_tokens)
+        if plan.moved or plan.cut_tokens:
+            return self._ahead_tokens()
+        target = prompt.tokens[:settled]
+        keep = common_prefix(engine.cached_tokens, target)
+        if keep < len(target) and keep < len(engine.cached_tokens):
+            engine.hold(target[:keep])  # an edit: back to what still agrees
+            keep = len(engine.cached_tokens)
+            if engine.cache_owner != self.record.id or engine.cached_tokens != target[:keep]:
+                self._ahead = None  # the cache could not be cut there: it was dropped
+                return 0
+            ahead.base = min(ahead.base, keep)
+        for start in range(keep, len(target), READ_AHEAD_BATCH):
+            if stop():
+                return self._ahead_tokens()
+            engine.extend(target[start : start + READ_AHEAD_BATCH])
+        ahead.settled = settled_key
+        return self._ahead_tokens()
+
+    def _ahead_valid(self) -> bool:
+        ahead = self._ahead
+        return (
+            ahead is not None
+            and self.engine.cache_owner == self.record.id
+            and len(self.engine.cached_tokens) >= ahead.base
+        )
+
+    def _ahead_tokens(self) -> int:
+        if not self._ahead_valid() or self._ahead is None:
+            return 0
+        return len(self.engine.cached_tokens) - self._ahead.base
+
+    def _take_ahead(self, fresh: bool) -> _ReadAhead | None:
+        """The read-ahead in the cache, for the turn that consumes it."""
+        ahead = self._ahead if self._ahead_valid() and not fresh else None
+        self._ahead = None
+        return ahead
+
+    def _ahead_report(
+        self, ahead: _ReadAhead, restore: RestoreReport, prompt: list[int]
+    ) -> RestoreReport:
+        """The turn's report with what was done while the message was typed: how the cache
+        was prepared (already paid for) and how many of the prompt's tokens were read."""
+        read = max(0, common_prefix(self.engine.cached_tokens, prompt) - ahead.base)
+        before = ahead.report if ahead.report is not None else restore
+        return replace(before, read_ahead=read, notice=before.notice or restore.notice)
+
     # -- the context window ---------------------------------------------------------------
-    def _plan(self, prompt: BuiltPrompt, n_window: int, max_tokens: int) -> WindowPlan:
-        """Plan the window from the prompt's per-message spans."""
-        n_system = len(prompt.spans) - n_window
+    def _plan(
+        self, prompt: BuiltPrompt, messages: Sequence[ChatMessage], max_tokens: int
+    ) -> WindowPlan:
+        """Plan the window from the prompt's per-message spans (``messages``: what the prompt
+        was built from, system prompt first)."""
+        n_system = len(self.system_messages())
         spans = prompt.spans[n_system:]
         head = spans[0][0] if spans else len(prompt.tokens)
         header = prompt.generation_header
-        window = self.exchanges[self.window_first :]
-        counts = [
-            (e.prompt.role, end - start) for e, (start, end) in zip(window, spans, strict=True)
-        ]
+        window = messages[n_system:]
+        counts = [(m.role, end - start) for m, (start, end) in zip(window, spans, strict=True)]
         reserve = self.window_policy.reserve(self.engine.n_ctx, max_tokens)
         return plan_window(head, counts, 0, self.engine.n_ctx, reserve, self.window_policy, header)
 
@@ -503,8 +639,12 @@ class Conversation(ConversationBase):
         keep = max(1, len(tokens) - cut_tokens - CUT_MARGIN_TOKENS)
         return ChatMessage(message.role, self.engine.detokenize(tokens[-keep:]).lstrip())
 
-    def _prepare_cache(self, prompt: list[int], fresh: bool) -> RestoreReport:
-        """Restore the saved state, reuse the warm cache, or rebuild it from the transcript."""
+    def _prepare_cache(
+        self, prompt: list[int], fresh: bool, stop: Callable[[], bool] | None = None
+    ) -> RestoreReport:
+        """Restore the saved state, reuse the warm cache, or rebuild it from the transcript
+        (a rebuild gives way between batches when ``stop()`` says so: the cache is then
+        empty)."""
         engine = self.engine
         if fresh:
             return self._replay(prompt, from_prefix=False)
@@ -516,10 +656,12 @@ class Conversation(ConversationBase):
         start = time.perf_counter() - load_seconds
         if isinstance(loaded, StateRejected):
             if str(loaded) == NO_STATE:
-                return self._replay(prompt)
+                return self._replay(prompt, stop=stop)
             self.states.discard(self.record.id, self.fingerprint)
             return self._replay(
-                prompt, f"saved KV cache dropped ({loaded}); re-evaluating the conversation"
+                prompt,
+                f"saved KV cache dropped ({loaded}); re-evaluating the conversation",
+                stop=stop,
             )
         state = loaded
         usable = common_prefix(state.tokens, prompt)
@@ -528,6 +670,7 @@ class Conversation(ConversationBase):
             return self._replay(
                 prompt,
                 "saved KV cache dropped (it no longer matches the transcript); re-evaluating",
+                stop=stop,
             )
         if usable <= held:
             return RestoreReport()
@@ -536,7 +679,7 @@ class Conversation(ConversationBase):
         ):
             self.states.discard(self.record.id, self.fingerprint)
             return self._replay(
-                prompt, "saved KV cache dropped (llama.cpp rejected it); re-evaluating"
+                prompt, "saved KV cache dropped (llama.cpp rejected it); re-evaluating", stop=stop
             )
         engine.cache_owner = self.record.id
         return RestoreReport(True, usable, time.perf_counter() - start)
@@ -552,7 +695,11 @@ class Conversation(ConversationBase):
         return [s for s in starts if s < len(tokens)]
 
     def _replay(
-        self, prompt: list[int], notice: str | None = None, from_prefix: bool = True
+        self,
+        prompt: list[int],
+        notice: str | None = None,
+        from_prefix: bool = True,
+        stop: Callable[[], bool] | None = None,
     ) -> RestoreReport:
         """Rebuild the cache from the transcript in the batches that first built it.
 
@@ -571,7 +718,8 @@ class Conversation(ConversationBase):
                 cut = shared
             else:  # stop at a batch boundary: a cut batch would not give the same bits
                 cut = max((s for s in starts if s <= shared), default=0)
-            if cut > 0 and self.engine.replay(prompt[:cut], [s for s in starts if s < cut]):
+            batches = [s for s in starts if s < cut]
+            if cut > 0 and self.engine.replay(prompt[:cut], batches, stop):
                 self.engine.cache_owner = self.record.id
                 return RestoreReport(
                     tokens=0, seconds=time.perf_counter() - start, notice=notice, replayed=cut
@@ -587,6 +735,7 @@ class Conversation(ConversationBase):
             self._system_span,
             self.prefix_min_tokens,
             self.saver,
+            stop,
         )
         return RestoreReport.from_prefix(prefix, notice)
 

@@ -15,7 +15,7 @@ import re
 import threading
 import time
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -653,12 +653,18 @@ class Engine:
         self._llm.n_tokens = n_tokens - count
         self._llm.batch_starts = None
 
-    def replay(self, tokens: Sequence[int], batch_starts: Sequence[int]) -> bool:
+    def replay(
+        self,
+        tokens: Sequence[int],
+        batch_starts: Sequence[int],
+        stop: Callable[[], bool] | None = None,
+    ) -> bool:
         """Evaluate ``tokens`` in exactly the batches that first evaluated them.
 
         The cache comes out bit-identical to the one those batches built, so the continuation
         matches a process that never lost its cache. False (and nothing evaluated) if the
-        batches do not describe ``tokens``.
+        batches do not describe ``tokens``, or if ``stop`` said so between two batches (the
+        cache is then empty).
         """
         bounds = [*batch_starts, len(tokens)]
         valid = bool(batch_starts) and batch_starts[0] == 0
@@ -667,8 +673,19 @@ class Engine:
             return False
         self.reset()
         for a, b in itertools.pairwise(bounds):
+            if stop is not None and a > 0 and stop():
+                self.reset()
+                return False
             self._llm.eval(list(tokens[a:b]))
         return True
+
+    def extend(self, tokens: Sequence[int]) -> None:
+        """Evaluate ``tokens`` after what the cache holds, as one batch (at most ``n_batch``):
+        reading a message ahead adds a few tokens at a time."""
+        if len(tokens) > self.n_batch or self._llm.n_tokens + len(tokens) >= self.n_ctx:
+            raise ValueError(f"cannot add {len(tokens)} tokens to {self._llm.n_tokens} cached")
+        if tokens:
+            self._llm.eval(list(tokens))
 
     def hold(self, sequence: Sequence[int]) -> None:
         """Make the cache hold exactly ``sequence`` where it holds a prefix of it or it is a

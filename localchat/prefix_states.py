@@ -15,7 +15,7 @@ from __future__ import annotations
 import hashlib
 import time
 from array import array
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from localchat.engine import Engine
@@ -55,10 +55,12 @@ def start_from_prefix(
     span: int,
     min_tokens: int,
     saver: BackgroundSaver | None = None,
+    stop: Callable[[], bool] | None = None,
 ) -> PrefixStart | None:
     """For a cache that holds nothing: restore the saved state of ``prompt[:span]``, else
     evaluate that prefix alone and save it. None when there is nothing to do (a short or no
-    system prompt, the setting off, a cache already in use, a prefix as long as the prompt)."""
+    system prompt, the setting off, a cache already in use, a prefix as long as the prompt),
+    or when ``stop`` said so between two batches of the evaluation (nothing is then kept)."""
     if min_tokens <= 0 or span < min_tokens or span >= len(prompt) or engine.cached_tokens:
         return None
     prefix = list(prompt[:span])
@@ -73,7 +75,7 @@ def start_from_prefix(
         if engine.load_sequence_state(saved.payload, prefix, starts):
             return PrefixStart(restored=span, seconds=time.perf_counter() - began)
         states.discard(name, key.model_fingerprint)  # llama.cpp refused it: rebuilt below
-    if not engine.replay(prefix, starts):
+    if not engine.replay(prefix, starts, stop):
         return None
     state = SavedState(key, prefix, engine.save_sequence_state())
     if saver is not None:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import bisect
 import codecs
 import itertools
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -28,6 +29,29 @@ from localchat.chat_template import ChatMessage, ChatTemplate
 
 Tokenize = Callable[[str], list[int]]
 Piece = Callable[[int], bytes]
+
+# A character nobody types, put where the settled text of a message being typed ends: the
+# prompt's tokens agree with the probed ones as far as no further typing can change them
+# (the template's closing tokens come after it).
+_PROBE = "\ue000"
+# Tokens before the probe point held back all the same, for tokenizers that merge across it.
+SETTLE_MARGIN = 1
+# Text with no whitespace for this long (a URL, Chinese or Japanese) is settled but for its
+# last few characters.
+_LONGEST_WORD = 48
+_WORD_TAIL = 16
+_LAST_WORD = re.compile(r"\s*\S*\Z")
+
+
+def settled_chars(text: str) -> int:
+    """How much of a message being typed further typing at its end cannot retokenize: all
+    but its last word and the whitespace before it (more letters change that word's
+    tokens; a space after whitespace joins the next word)."""
+    match = _LAST_WORD.search(text)
+    cut = match.start() if match else len(text)
+    if len(text) - cut > _LONGEST_WORD:
+        cut = len(text) - _WORD_TAIL
+    return cut
 
 
 def common_prefix(a: Sequence[object], b: Sequence[object]) -> int:
@@ -126,6 +150,18 @@ class PromptBuilder:
             )
             prompt.discarded_reason = f"the chat template renders {where} differently now"
         return prompt
+
+    def build_draft(
+        self, messages: Sequence[ChatMessage], held: Sequence[int] = ()
+    ) -> tuple[BuiltPrompt, int]:
+        """The prompt for ``messages`` whose last one is still being typed, and how many of
+        its leading tokens no further typing at that message's end can change: the
+        template's header for it and its text but the last word (``settled_chars``)."""
+        prompt = self.build(messages, held)
+        *before, draft = messages
+        probe = ChatMessage(draft.role, draft.content[: settled_chars(draft.content)] + _PROBE)
+        probed = self.build([*before, probe], held)
+        return prompt, max(0, common_prefix(prompt.tokens, probed.tokens) - SETTLE_MARGIN)
 
     def _preamble(self) -> list[int]:
         """What the template writes before a first user message (BOS, a default system

@@ -69,6 +69,7 @@ class RemoteConversation(ConversationBase):
         max_tokens: int = 512,
         cancel: threading.Event | None = None,
         fresh: bool = False,
+        entered_at: float | None = None,
     ) -> ConversationTurn:
         """Commit the user's message, fit the window, and open the reply's stream. ``fresh``
         changes nothing here: the server's cache is the server's."""
@@ -92,6 +93,7 @@ class RemoteConversation(ConversationBase):
         turn = ConversationTurn(
             self, user, BuiltPrompt([]), reply, RestoreReport(), started, window, messages
         )
+        turn.entered_at = started if entered_at is None else entered_at
         turn.notices.extend(self._window_notices(window))
         return turn
 

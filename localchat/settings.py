@@ -77,6 +77,14 @@ class Settings:
     first time it is read, and restored (not re-read) when a new conversation or a one-off
     ask starts with it again; 0 turns prefix states off. They share state_budget."""
 
+    type_ahead: bool = True
+    """The app reads a message while it is typed (the model evaluates the finished words in
+    the background), so Enter waits only for the last few; false: nothing before Enter."""
+
+    restore_on_open: bool = True
+    """The app restores an opened conversation's saved KV cache at once, in the background,
+    so its first turn starts warm; false: the first turn restores it."""
+
     servers: tuple[ServerConfig, ...] = ()
     """OpenAI-compatible servers to chat through by name (``[[servers]]`` tables with
     ``name``, ``url`` — the API base, e.g. http://gpu-box:8000/v1 — and optionally
@@ -133,6 +141,10 @@ def load_settings(path: Path) -> Settings:
         )
     for f in fields(Settings):
         value = getattr(settings, f.name)
+        if f.type == "bool":
+            if not isinstance(value, bool):
+                raise UsageError(f"{path}: setting {f.name} must be true or false, not {value!r}")
+            continue
         if f.name in ("window_mode", "kv_type", "swa_cache", "servers"):
             continue
         if not isinstance(value, int | float) or isinstance(value, bool) or value < 0:

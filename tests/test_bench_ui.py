@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from localchat.tui import bench_ui
 
 SIDES = ("headless", "app")
@@ -45,3 +47,14 @@ def test_the_first_turn_after_opening_is_measured_on_a_restored_conversation(
     figures = bench_ui.app_resume_vs_warm(tiny_model, home, "long", ("a b c", "d e f"), 1024, 1)
     assert figures["app_first_turn_ttft_s"] > 0 and figures["app_warm_turn_ttft_s"] > 0
     assert figures["app_resume_vs_warm"] > 0
+
+
+def test_the_type_ahead_figure_types_into_the_app_and_reads_ahead(
+    tiny_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(bench_ui, "TYPING_CHARS_PER_S", 200.0)  # the test types quickly
+    message = "the model keeps a cache of every token it has read so far " * 2
+    figures = bench_ui.app_type_ahead(tiny_model, [message.strip()], 1024)
+    assert figures["typeahead_read_ahead_tokens"] > 10  # read while it was typed
+    assert figures["typeahead_ttft_s"] > 0 and figures["typed_cold_ttft_s"] > 0
+    assert figures["one_word_ttft_s"] > 0 and figures["typeahead_vs_one_word"] > 0

@@ -37,3 +37,28 @@ def test_the_functions_error_is_raised_to_the_caller() -> None:
 
 def test_a_call_from_the_compute_thread_runs_in_place() -> None:
     assert run_compute(run_compute, _where) == run_compute(_where)
+
+
+def test_background_work_sees_when_another_call_waits() -> None:
+    from localchat.compute_thread import compute_waiting
+
+    started, release = threading.Event(), threading.Event()
+    seen: list[bool] = []
+
+    def background() -> None:
+        started.set()
+        release.wait(5)
+        seen.append(compute_waiting())  # the other call below waits behind this one
+
+    worker = threading.Thread(target=lambda: run_compute(background))
+    worker.start()
+    assert started.wait(5)
+    assert not compute_waiting()  # running is not waiting
+    other = threading.Thread(target=lambda: run_compute(lambda: None))
+    other.start()
+    while not compute_waiting():
+        pass
+    release.set()
+    worker.join(5)
+    other.join(5)
+    assert seen == [True] and not compute_waiting()

@@ -21,10 +21,10 @@ from textual.binding import Binding, BindingType
 from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.notifications import SeverityLevel
 from textual.screen import Screen
-from textual.widgets import Footer, Header, Markdown
+from textual.widgets import Footer, Header, Markdown, TextArea
 from textual.widgets.markdown import MarkdownStream
 
-from localchat.compute_thread import run_compute
+from localchat.compute_thread import compute_waiting, run_compute
 from localchat.conversation import Conversation, ConversationBase, ConversationTurn
 from localchat.engine import Engine, Sampling
 from localchat.errors import LocalchatError, one_line
@@ -41,6 +41,7 @@ from localchat.tui.messages import (
     ModelLoaded,
     ModelLoadFailed,
     ModelMissing,
+    ReadAhead,
     ReplyChunk,
     ReplyFailed,
     ReplyFinished,
@@ -166,6 +167,10 @@ class LocalChatApp(ReportsWorkerFailures, App[int]):
         self._download_screen: DownloadScreen | None = None
         self._startup_notice = ""  # the first download's plan, shown on its screen
         self._quitting = False
+        # The message box's text, read ahead by one worker at a time (see read_ahead).
+        self._draft = ""
+        self._draft_lock = threading.Lock()
+        self._reading_ahead = False
 
     def compose(self) -> ComposeResult:
         yield Header()
@@ -277,19 +282,21 @@ class LocalChatApp(ReportsWorkerFailures, App[int]):
         self.post_message(ModelLoaded(engine, time.perf_counter() - start))
 
     @work(thread=True, exit_on_error=False, exclusive=True, group="generate")
-    def generate(self, conversation: Conversation, text: str) -> None:
-        run_compute(self._run_turn, conversation, text)
+    def generate(self, conversation: Conversation, text: str, entered_at: float) -> None:
+        run_compute(self._run_turn, conversation, text, entered_at)
 
-    def _run_turn(self, conversation: Conversation, text: str) -> None:
+    def _run_turn(self, conversation: Conversation, text: str, entered_at: float) -> None:
         """One turn, on the compute thread: posts the reply as it comes, in chunks."""
         try:
-            self._stream_turn(conversation, text)
+            self._stream_turn(conversation, text, entered_at)
         finally:
             self._turn_idle.set()
 
-    def _stream_turn(self, conversation: Conversation, text: str) -> None:
+    def _stream_turn(self, conversation: Conversation, text: str, entered_at: float) -> None:
         try:
-            turn = conversation.send(text, self.sampling, self.max_tokens or 512, self._cancel)
+            turn = conversation.send(
+                text, self.sampling, self.max_tokens or 512, self._cancel, entered_at=entered_at
+            )
         except LocalchatError as exc:
             self.post_message(ReplyFailed(str(exc), text))
             return
@@ -306,18 +313,79 @@ class LocalChatApp(ReportsWorkerFailures, App[int]):
                     pending += delta.text
                 now = time.perf_counter()
                 if now - last_post >= CHUNK_INTERVAL_S:
-                    kv_tokens = _context_tokens(conversation, turn)
-                    self.post_message(ReplyChunk(pending, replace(turn.stats), kv_tokens, thinking))
+                    self._post_chunk(conversation, turn, pending, thinking)
                     pending = thinking = ""
                     last_post = now
         except Exception as exc:
             self.notify(f"generation failed: {exc}", severity="error", timeout=15)
         if pending or thinking:
-            kv_tokens = _context_tokens(conversation, turn)
-            self.post_message(ReplyChunk(pending, replace(turn.stats), kv_tokens, thinking))
+            self._post_chunk(conversation, turn, pending, thinking)
         self.post_message(
             ReplyFinished(replace(turn.stats), _context_tokens(conversation, turn), turn)
         )
+
+    def _post_chunk(
+        self, conversation: ConversationBase, turn: ConversationTurn, text: str, thinking: str
+    ) -> None:
+        kv_tokens = _context_tokens(conversation, turn)
+        stats = replace(turn.stats)
+        self.post_message(ReplyChunk(text, stats, kv_tokens, thinking, turn.sent_ttft_s))
+
+    @on(TextArea.Changed, "#input")
+    def _draft_changed(self, event: TextArea.Changed) -> None:
+        """The message being typed is read ahead in the background (setting type_ahead)."""
+        conversation = self.conversation
+        if not self.settings.type_ahead or not isinstance(conversation, Conversation):
+            return
+        with self._draft_lock:
+            self._draft = event.text_area.text
+            if self._reading_ahead:
+                return  # the running worker picks the new text up
+            self._reading_ahead = True
+        self.read_ahead(conversation)
+
+    @work(thread=True, exit_on_error=False, group="read-ahead")
+    def read_ahead(self, conversation: Conversation) -> None:
+        """Read the newest text of the message box ahead until it is read, on the compute
+        thread, giving way at once to anything else asked of it (the turn Enter starts, a
+        model switch, a restore); one such worker runs at a time."""
+        done: str | None = None
+        shown = 0
+        try:
+            while True:
+                with self._draft_lock:
+                    draft = self._draft
+                    if draft == done or self._quitting or conversation is not self.conversation:
+                        self._reading_ahead = False
+                        return
+                tokens, kv_tokens = run_compute(self._read_ahead_now, conversation, draft)
+                if not self._give_way():  # read as far as it goes (else: again, after)
+                    done = draft
+                if tokens != shown:
+                    shown = tokens
+                    self.post_message(ReadAhead(tokens, kv_tokens))
+        except BaseException:
+            with self._draft_lock:
+                self._reading_ahead = False
+            raise
+
+    def _read_ahead_now(self, conversation: Conversation, draft: str) -> tuple[int, int]:
+        """On the compute thread: tokens read ahead, and what the cache holds in all."""
+        if conversation.closed:  # its model may be gone too
+            return 0, 0
+        tokens = conversation.read_ahead(draft, self.max_tokens or 512, self._give_way)
+        return tokens, len(conversation.engine.cached_tokens)
+
+    def _give_way(self) -> bool:
+        return self._quitting or compute_waiting()
+
+    def on_read_ahead(self, message: ReadAhead) -> None:
+        if self._generating or self._torn_down() or not message.tokens:
+            return
+        self.query_one(StatsPanel).show_turn_start(
+            f"read {count(message.tokens, 'token')} ahead as you type"
+        )
+        self._show_cache(message.kv_tokens)
 
     # -- model lifecycle (app thread) ----------------------------------------------------
     def on_startup_notice(self, message: StartupNotice) -> None:
@@ -426,7 +494,8 @@ class LocalChatApp(ReportsWorkerFailures, App[int]):
             return
         if isinstance(conversation, Conversation):
             conversation.saver.on_error = lambda error: self.notify(error, severity="warning")
-            self.restore_on_open(conversation)
+            if self.settings.restore_on_open:
+                self.restore_on_open(conversation)
         self.title = f"localchat — {conversation.record.title}"
         await self._show_transcript()
 
@@ -484,10 +553,13 @@ class LocalChatApp(ReportsWorkerFailures, App[int]):
         if self._generating:
             self.notify("Still answering; press Esc to stop first.", severity="warning")
             return
+        entered_at = time.perf_counter()
         self.query_one(PromptInput).clear()
-        await self._start_turn(message.text)
+        await self._start_turn(message.text, entered_at)
 
-    async def _start_turn(self, text: str) -> None:
+    async def _start_turn(self, text: str, entered_at: float | None = None) -> None:
+        """``entered_at``: when the user sent it (the first-token figure counts from there)."""
+        entered_at = time.perf_counter() if entered_at is None else entered_at
         assert self.conversation is not None
         log = self.query_one("#log", VerticalScroll)
         self._reply = AssistantMessage()
@@ -503,13 +575,13 @@ class LocalChatApp(ReportsWorkerFailures, App[int]):
         self._generating = True
         # The message is drawn first, then the model starts: that frame does not compete
         # with generation for the cores.
-        self.call_after_refresh(self._begin_generation, self.conversation, text)
+        self.call_after_refresh(self._begin_generation, self.conversation, text, entered_at)
 
-    def _begin_generation(self, conversation: Conversation, text: str) -> None:
+    def _begin_generation(self, conversation: Conversation, text: str, entered_at: float) -> None:
         # A server's reply costs this machine no CPU: the app's share is of one thread.
         threads = conversation.engine.threads if isinstance(conversation, Conversation) else 1
         self._pacer = FramePacer(threads)
-        self.generate(conversation, text)
+        self.generate(conversation, text, entered_at)
 
     async def on_reply_chunk(self, message: ReplyChunk) -> None:
         if self._reply is None:
@@ -522,7 +594,7 @@ class LocalChatApp(ReportsWorkerFailures, App[int]):
             now = time.perf_counter()
             if now - self._stats_shown_at >= STATS_INTERVAL_S:
                 self._stats_shown_at = now
-                self.query_one(StatsPanel).show_speed(message.stats)
+                self.query_one(StatsPanel).show_speed(message.stats, message.ttft_s)
                 self._show_cache(message.kv_tokens)
 
     async def _draw_reply(self) -> None:
@@ -538,7 +610,7 @@ class LocalChatApp(ReportsWorkerFailures, App[int]):
             self._reply.collapse_reasoning()  # the answer is what is read now
         stats = message.stats
         panel = self.query_one(StatsPanel)
-        panel.show_speed(stats, final=True)
+        panel.show_speed(stats, message.turn.sent_ttft_s, final=True)
         panel.show_turn_start(describe_turn_start(message.turn))
         self._show_cache(message.kv_tokens, stats.server_kv_usage)
         log = self.query_one("#log", VerticalScroll)
@@ -709,6 +781,9 @@ def describe_turn_start(turn: ConversationTurn) -> str:
             f" {stats.ttft_s:.2f} s"
         )
     evaluated = f"evaluated {count(stats.prompt_tokens_evaluated, 'token')} in {stats.ttft_s:.2f} s"
+    if restore.read_ahead:
+        ahead = count(restore.read_ahead, "token")
+        evaluated = f"read {ahead} ahead as you typed; after Enter {evaluated}"
     if turn.prompt.discarded:
         # The template rewrote part of the history (see the stats' reason).
         evaluated += f"\n({count(turn.prompt.discarded, 'history token')} re-read: template)"

@@ -19,6 +19,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -218,6 +219,84 @@ def app_resume_vs_warm(
         "app_first_turn_ttft_s": round(first, 4),
         "app_warm_turn_ttft_s": round(warm, 4),
         "app_resume_vs_warm": round(first / warm, 3),
+    }
+
+
+# Typing speed for the type-ahead figure: 20 characters a second (a quick typist).
+TYPING_CHARS_PER_S = 20.0
+
+
+async def _type_at_speed(pilot: Any, text: str, chars_per_s: float) -> None:
+    """Type ``text`` key by key on a fixed schedule (each key at its time, whatever the last
+    one cost), as a person types."""
+    began = time.perf_counter()
+    for index, char in enumerate(text):
+        await pilot.press("space" if char == " " else char)
+        delay = began + (index + 1) / chars_per_s - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
+
+
+async def _type_ahead_turns(
+    model_path: Path, long_messages: list[str], n_ctx: int
+) -> dict[str, list[float]]:
+    """Enter-to-first-token in one app session, per kind of turn: a one-word message, a long
+    message typed at ``TYPING_CHARS_PER_S`` (read ahead while typed), and the same long
+    message with reading ahead off (typed or pasted is then the same: it is put in at once)."""
+    app = LocalChatApp(model_path, n_ctx=n_ctx, max_tokens=8, sampling=Sampling(temperature=0.0))
+    loaded, done = asyncio.Event(), asyncio.Event()
+    finished: list[ReplyFinished] = []
+    times: dict[str, list[float]] = {"one_word": [], "typed": [], "cold": [], "read_ahead": []}
+
+    def hook(message: object) -> None:
+        if isinstance(message, ModelLoaded):
+            loaded.set()
+        elif isinstance(message, ReplyFinished):
+            finished.append(message)
+            done.set()
+
+    async def turn(kind: str, text: str) -> None:
+        done.clear()
+        app.settings = replace(app.settings, type_ahead=kind != "cold")
+        box = app.query_one("#input")
+        if kind == "typed":
+            await _type_at_speed(pilot, text, TYPING_CHARS_PER_S)
+        else:
+            box.text = text  # type: ignore[attr-defined]
+        assert box.text == text  # type: ignore[attr-defined]
+        await pilot.press("enter")
+        await _wait(done, "the reply")
+        stats = finished[-1].turn.stats_dict()
+        times[kind].append(finished[-1].turn.sent_ttft_s)
+        if kind == "typed":
+            times["read_ahead"].append(stats["read_ahead_tokens"])
+        await pilot.pause(SETTLE_S)
+
+    async with app.run_test(size=(120, 36), message_hook=hook) as pilot:
+        await _wait(loaded, "the model to load")
+        await pilot.pause(SETTLE_S)
+        await turn("one_word", "Hello.")  # the conversation is warm from here on
+        for long_message in long_messages:
+            await turn("one_word", "Thanks.")
+            await turn("typed", long_message)
+            await turn("cold", long_message)
+        await turn("one_word", "Bye.")
+    return times
+
+
+def app_type_ahead(model_path: Path, long_messages: list[str], n_ctx: int) -> dict[str, Any]:
+    """A long message typed in the app (read ahead as it is typed) against a one-word
+    message: Enter-to-first-token, medians; and the long message with reading ahead off."""
+    with _scratch_home():
+        times = asyncio.run(_type_ahead_turns(model_path, long_messages, n_ctx))
+    one_word = statistics.median(times["one_word"][1:])  # the first turn warms up
+    typed, cold = statistics.median(times["typed"]), statistics.median(times["cold"])
+    return {
+        "typeahead_ttft_s": round(typed, 4),
+        "typed_cold_ttft_s": round(cold, 4),
+        "one_word_ttft_s": round(one_word, 4),
+        "typeahead_vs_one_word": round(typed / one_word, 3),
+        "typeahead_read_ahead_tokens": int(statistics.median(times["read_ahead"])),
     }
 
 

@@ -39,6 +39,7 @@ class ReplyChunk(Message):
     stats: TurnStats
     kv_tokens: int
     reasoning: str = ""
+    ttft_s: float = 0.0  # from the message being sent (Enter) to the first token
 
 
 @dataclass
@@ -84,6 +85,15 @@ class StartupProgress(Message):
     """The first start's download, as it goes."""
 
     progress: Progress
+
+
+@dataclass
+class ReadAhead(Message):
+    """The message being typed is read ahead: ``tokens`` of it are in the cache, which
+    holds ``kv_tokens`` in all."""
+
+    tokens: int
+    kv_tokens: int
 
 
 @dataclass

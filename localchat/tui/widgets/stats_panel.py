@@ -86,11 +86,12 @@ class StatsPanel(Vertical):
         bar.update(total=n_ctx, progress=tokens)
         self._set("ctx-tokens", f"{tokens:,} / {n_ctx:,} tokens")
 
-    def show_speed(self, stats: TurnStats, final: bool = False) -> None:
+    def show_speed(self, stats: TurnStats, ttft_s: float, final: bool = False) -> None:
+        """``ttft_s``: from the message being sent (Enter) to its first token."""
         self._set(
             "speed",
             f"gen {stats.gen_tps:.1f} tok/s\nprompt {stats.prompt_tps:.1f} tok/s\n"
-            f"first token {stats.ttft_s:.2f} s",
+            f"first token {ttft_s:.2f} s",
         )
         if final and stats.gen_tps > 0:
             self._speeds = [*self._speeds[-29:], stats.gen_tps]

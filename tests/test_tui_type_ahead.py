@@ -1,0 +1,107 @@
+"""The app reads a message while it is typed: after Enter only the last few tokens are
+evaluated, the panel says how many were read ahead and counts the first token from Enter,
+and the reply is the one the same message gets typed fast or pasted (a real model)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from textual import events
+from textual.message import Message
+from textual.pilot import Pilot
+from textual.widgets import Static
+
+from localchat.backend import Sampling
+from localchat.cli import main
+from localchat.paths import app_paths
+from localchat.tui.app import LocalChatApp
+from localchat.tui.messages import ConversationRestored, ReadAhead, ReplyFinished
+from localchat.tui.widgets.prompt_input import PromptInput
+from tests.tui_helpers import ready, say, wait_for
+
+GREEDY = Sampling(temperature=0.0)
+QUESTION = "Write a Python function that returns the squares of a list of numbers, please."
+
+
+def _keys(text: str) -> list[str]:
+    return ["space" if ch == " " else ch for ch in text]
+
+
+async def _send_typed(pilot: Pilot, seen: list[Message], text: str, pause_s: float) -> Message:
+    for key in _keys(text):
+        await pilot.press(key)
+        if pause_s:
+            await pilot.pause(pause_s)
+    mark = len(seen)
+    await pilot.press("enter")
+    return await wait_for(pilot, seen, ReplyFinished, after=mark)
+
+
+async def _send_pasted(pilot: Pilot, app: LocalChatApp, seen: list[Message], text: str) -> Message:
+    box = app.query_one(PromptInput)
+    app.post_message(events.Paste(text))  # as a terminal sends it: to the focused box
+    await pilot.pause()
+    assert box.text == text
+    mark = len(seen)
+    await pilot.press("enter")
+    return await wait_for(pilot, seen, ReplyFinished, after=mark)
+
+
+async def test_typed_slowly_fast_or_pasted_the_reply_is_the_same(smollm2: Path) -> None:
+    seen: list[Message] = []
+    app = LocalChatApp(smollm2, n_ctx=1024, max_tokens=24, sampling=GREEDY)
+    results = {}
+    async with app.run_test(size=(120, 36), message_hook=seen.append) as pilot:
+        await ready(pilot, app, seen)
+        for way in ("slowly", "fast", "pasted"):
+            await pilot.press("ctrl+n")
+            await pilot.pause(0.2)
+            await say(pilot, seen, "Hi!")  # a warm conversation to read ahead after
+            if way == "pasted":
+                finished = await _send_pasted(pilot, app, seen, QUESTION)
+            else:
+                finished = await _send_typed(pilot, seen, QUESTION, 0.03 if way == "slowly" else 0)
+            assert isinstance(finished, ReplyFinished)
+            results[way] = (finished.turn.generation.text, finished.turn.stats_dict())
+            if way == "slowly":
+                panel = str(app.query_one("#turn-start", Static).render())
+                speed = str(app.query_one("#speed", Static).render())
+        assert any(isinstance(m, ReadAhead) and m.tokens > 0 for m in seen)
+    replies = {way: reply for way, (reply, _stats) in results.items()}
+    assert replies["slowly"] == replies["fast"] == replies["pasted"] != ""
+    slow = results["slowly"][1]
+    assert slow["read_ahead_tokens"] > 10
+    assert slow["prompt_tokens_evaluated"] < 12  # the last word and the template's cue
+    assert slow["prompt_tokens"] == results["pasted"][1]["prompt_tokens"]
+    assert f"read {slow['read_ahead_tokens']} tokens ahead as you typed" in panel
+    # The first-token figure counts from Enter: never less than the model's own part.
+    assert slow["sent_ttft_s"] >= slow["ttft_s"] - 1e-6
+    assert f"first token {slow['sent_ttft_s']:.2f} s" in speed
+
+
+async def test_the_settings_turn_reading_ahead_and_restore_on_open_off(tiny_model: Path) -> None:
+    settings = app_paths().settings_file
+    settings.parent.mkdir(parents=True, exist_ok=True)
+    settings.write_text("type_ahead = false\nrestore_on_open = false\n")
+    for _ in range(2):  # the second start opens a conversation with a saved cache
+        seen: list[Message] = []
+        app = LocalChatApp(tiny_model, n_ctx=512, max_tokens=8, sampling=GREEDY)
+        async with app.run_test(size=(120, 36), message_hook=seen.append) as pilot:
+            await ready(pilot, app, seen)
+            finished = await _send_typed(pilot, seen, "tell me about caches", 0.02)
+            assert isinstance(finished, ReplyFinished)
+            assert finished.turn.stats_dict()["read_ahead_tokens"] == 0
+        assert not any(isinstance(m, ReadAhead | ConversationRestored) for m in seen)
+
+
+@pytest.mark.parametrize("line", ["type_ahead = 1", 'restore_on_open = "yes"'])
+def test_a_setting_that_is_not_true_or_false_is_named(
+    line: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    settings = app_paths().settings_file
+    settings.parent.mkdir(parents=True, exist_ok=True)
+    settings.write_text(line + "\n")
+    assert main(["conversations"]) == 2
+    name = line.split(" ")[0]
+    assert f"setting {name} must be true or false" in capsys.readouterr().err
