@@ -36,6 +36,7 @@ PARTS: tuple[str, ...] = (
     "memory",
     "remote",
     "zerowait",
+    "branch",
 )
 
 ENGINE_CTX = 2048
@@ -78,6 +79,7 @@ TARGETS: dict[str, tuple[str, float]] = {
     "prefix_speedup": (">=", 20.0),
     "app_resume_vs_warm": ("<=", 1.05),
     "typeahead_vs_one_word": ("<=", 1.5),
+    "edit_extra_tokens": ("<=", 0),
 }
 
 ESTIMATE_CTX = 2048
@@ -600,6 +602,60 @@ def bench_zerowait(model_path: Path, progress: Progress = None) -> dict[str, Any
     }
 
 
+BRANCH_TURNS = 20
+BRANCH_EDIT_AT = 10  # the 11th question of 20 is edited
+BRANCH_TURN_WORDS = 40
+BRANCH_EDITED = "Forget that: what would you do differently with the cache?"
+
+
+def bench_branch(model_path: Path, progress: Progress = None) -> dict[str, Any]:
+    """Editing question 11 of a 20-turn conversation: the tokens evaluated against the history
+    and against what follows the edit, and the edited turn's first token against reading the
+    edited branch from nothing, with the two continuations compared (greedy)."""
+    from localchat.conversation import Conversation
+    from localchat.engine import Engine, LoadOptions, Sampling
+    from localchat.kvstate import StateStore
+    from localchat.store import Store
+
+    greedy = Sampling(temperature=0.0)
+    with tempfile.TemporaryDirectory(prefix="localchat-bench-") as tmp:
+        engine = Engine(model_path, LoadOptions(n_ctx=RESUME_CTX, n_threads=physical_cores()))
+        store = Store(Path(tmp) / "db.sqlite3")
+        conversation = Conversation.open(store, StateStore(Path(tmp) / "states"), "b", engine)
+        for turn_no in range(BRANCH_TURNS):
+            text = _filler_text(turn_no, BRANCH_TURN_WORDS)
+            for _ in conversation.send(text, greedy, RESUME_REPLY_TOKENS):
+                pass
+        history = len(engine.cached_tokens)
+        _say(progress, f"branch: a {BRANCH_TURNS}-turn conversation of {history} tokens")
+        edit_at = 2 * BRANCH_EDIT_AT
+        conversation.branch_before(edit_at)
+        turn = conversation.send(BRANCH_EDITED, greedy, RESUME_REPLY_TOKENS)
+        for _ in turn:
+            pass
+        stats = turn.stats_dict()
+        from_edit = stats["prompt_tokens"] - turn.prompt.spans[edit_at][0]
+        conversation.saver.wait()
+        conversation.close()
+        store.close()
+        engine.reset()
+        fresh = engine.generate(turn.prompt.tokens, greedy, RESUME_REPLY_TOKENS)
+        fresh_text = "".join(delta.text for delta in fresh)
+        fresh_ttft = fresh.stats.ttft_s
+        engine.close()
+    evaluated = stats["prompt_tokens_evaluated"]
+    return {
+        "edit_history_tokens": history,
+        "edit_tokens_evaluated": evaluated,
+        "edit_tokens_from_edit": from_edit,
+        "edit_extra_tokens": evaluated - from_edit,
+        "edit_ttft_s": round(stats["ttft_s"], 4),
+        "edit_fresh_ttft_s": round(fresh_ttft, 4),
+        "edit_speedup": round(fresh_ttft / max(stats["ttft_s"], 1e-9), 1),
+        "edit_replies_identical": fresh_text == turn.generation.text,
+    }
+
+
 def bench_remote(model_path: Path, progress: Progress = None) -> dict[str, Any]:
     """Tokens/s through localchat's remote backend vs a bare client, on a local server."""
     from localchat.bench_remote import bench_remote as measure_remote
@@ -669,6 +725,7 @@ BENCHES: dict[str, Callable[[Path, Progress], dict[str, Any]]] = {
     "memory": bench_memory,
     "remote": bench_remote,
     "zerowait": bench_zerowait,
+    "branch": bench_branch,
 }
 
 

@@ -182,6 +182,14 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument(
         "--reasoning", action="store_true", help="include a reasoning model's thinking"
     )
+    branch = sub.add_parser(
+        "branch", help="fork a conversation at a message into a new one (from its saved cache)"
+    )
+    branch.add_argument("name")
+    branch.add_argument(
+        "--at", type=int, required=True, help="keep its first N messages (questions and replies)"
+    )
+    branch.add_argument("--as", dest="new_name", help="the new conversation's name")
     rm_conv = sub.add_parser(
         "rm-conversation", help="delete a conversation and its saved KV states"
     )
@@ -244,7 +252,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--only",
         default=None,
-        help="comma-separated parts: engine, resume, window, estimate, ui, plan, memory, remote, zerowait",
+        help="comma-separated parts: engine, resume, window, estimate, ui, plan, memory, remote,"
+        " zerowait, branch",
     )
     bench.add_argument("--json", action="store_true", help="print one JSON object")
     return parser
@@ -522,9 +531,27 @@ def cmd_export(args: argparse.Namespace, out: TextIO) -> int:
     try:
         record = store.get(args.name)
         messages = store.messages(record.id)
+        tree = store.all_messages(record.id)
     finally:
         store.close()
-    out.write(export_conversation(record, messages, args.format, args.reasoning))
+    out.write(export_conversation(record, messages, args.format, args.reasoning, tree))
+    return 0
+
+
+def cmd_branch(args: argparse.Namespace, out: TextIO) -> int:
+    from localchat.conversation import fork_conversation
+
+    store, states = _open_store()
+    try:
+        fork, caches = fork_conversation(store, states, args.name, args.at, args.new_name)
+    finally:
+        store.close()
+    start = (
+        "its first turn starts from the saved cache of the shared part"
+        if caches
+        else "no saved cache to start from: its first turn reads the conversation"
+    )
+    out.write(f"branched {args.name!r} at message {args.at} into {fork.name!r} ({start})\n")
     return 0
 
 
@@ -760,6 +787,7 @@ COMMANDS: dict[str | None, Callable[[argparse.Namespace, TextIO], int]] = {
     "add": cmd_add,
     "conversations": cmd_conversations,
     "export": cmd_export,
+    "branch": cmd_branch,
     "rm-conversation": cmd_rm_conversation,
     None: cmd_app,
 }

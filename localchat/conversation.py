@@ -18,6 +18,7 @@ from typing import Any
 from localchat.backend import Reply, Sampling, TokenDelta, TurnStats
 from localchat.chat_template import ChatMessage
 from localchat.engine import Engine
+from localchat.errors import UsageError
 from localchat.kvstate import BackgroundSaver, SavedState, StateRejected, StateStore
 from localchat.locks import ConversationLock
 from localchat.prefix_states import (
@@ -162,6 +163,10 @@ def turn_stats_dict(
     return {
         "prompt_tokens": stats.prompt_tokens,
         "prompt_tokens_evaluated": stats.prompt_tokens_evaluated + restore.replayed,
+        # Of the prompt, what came from the cache (in memory, restored, read ahead) unread.
+        "kept_tokens": max(
+            0, stats.prompt_tokens - stats.prompt_tokens_evaluated - restore.replayed
+        ),
         "generated_tokens": stats.generated_tokens,
         "ttft_s": round(restore.seconds + stats.ttft_s, 6),
         "prompt_tps": round(stats.prompt_tps, 3),
@@ -221,8 +226,15 @@ class ConversationBase:
         self.closed = False
         self.fingerprint = fingerprint
         self.exchanges = self._load_exchanges()
-        first_seq = store.window_start(record.id, fingerprint)
-        self.window_first = next(
+        self.window_first = self._recorded_window_start()
+        # The branch in view changed since the last turn (an edit, a regenerate, a switch):
+        # the cache holds another branch and is cut back to where the two agree.
+        self.branched = False
+
+    def _recorded_window_start(self) -> int:
+        """Where this model's window starts in the branch in view."""
+        first_seq = self.store.window_start(self.record.id, self.fingerprint)
+        return next(
             (i for i, e in enumerate(self.exchanges) if e.record.seq >= first_seq),
             len(self.exchanges),
         )
@@ -257,7 +269,7 @@ class ConversationBase:
         """The turn never started: the message is handed back to the caller (not kept twice)
         and the window is where it was. True if the window had moved."""
         self.exchanges.remove(user)
-        self.store.delete_messages_from(self.record.id, user.record.seq)
+        self.store.delete_message(user.record)
         moved = self.window_first != window_before
         self.window_first = window_before
         return moved
@@ -317,7 +329,8 @@ class ConversationBase:
         return notices
 
     def take_back_last_exchange(self) -> str | None:
-        """Remove the last question and its reply (to regenerate); returns the question."""
+        """Step back to before the last question (to answer it again); returns the question.
+        The question and its reply stay, as a branch beside the one the next turn writes."""
         last_user = next(
             (
                 i
@@ -329,10 +342,42 @@ class ConversationBase:
         if last_user is None:
             return None
         text = self.exchanges[last_user].record.content
-        self.store.delete_messages_from(self.record.id, self.exchanges[last_user].record.seq)
-        del self.exchanges[last_user:]
-        self.window_first = min(self.window_first, len(self.exchanges))
+        self.branch_before(last_user)
         return text
+
+    # -- branches ---------------------------------------------------------------------------
+    def branch_before(self, index: int) -> None:
+        """Put in view the branch up to (not including) message ``index``: the next message
+        sent there starts a new branch beside the one that went on from it (an edit of that
+        message, or a regenerate); nothing is deleted."""
+        if not 0 <= index < len(self.exchanges):
+            raise UsageError(
+                f"there is no message {index + 1} (the branch has {len(self.exchanges)})"
+            )
+        self.store.set_head(self.record.id, self.exchanges[index].record.parent_id)
+        del self.exchanges[index:]
+        self.window_first = min(self.window_first, index)
+        self.branched = True
+
+    def branches_at(self, index: int) -> tuple[int, int]:
+        """(which, how many): message ``index``'s place among the branches that start there."""
+        record = self.exchanges[index].record
+        siblings = [m.id for m in self.store.siblings(record)]
+        return siblings.index(record.id) + 1, len(siblings)
+
+    def switch_branch(self, index: int, step: int) -> bool:
+        """Put in view the branch ``step`` places from the one message ``index`` is on (its
+        most recent continuation); False where there is no such branch."""
+        record = self.exchanges[index].record
+        siblings = self.store.siblings(record)
+        place = [m.id for m in siblings].index(record.id) + step
+        if not 0 <= place < len(siblings):
+            return False
+        self.store.set_head(self.record.id, self.store.latest_leaf(siblings[place].id))
+        self.exchanges = self._load_exchanges()
+        self.window_first = min(self._recorded_window_start(), index)
+        self.branched = True
+        return True
 
     def set_system_prompt(self, text: str | None) -> None:
         """A new system prompt: the next turn re-evaluates (the cache's head changed)."""
@@ -478,6 +523,7 @@ class Conversation(ConversationBase):
                     self.engine.hold(held)
                 messages, prompt, window, restore = self._move_window(prompt, plan, fresh, held)
             generation = self.engine.generate(prompt.tokens, sampling, max_tokens, cancel)
+            self.branched = False
         except BaseException:
             self._loaded = None
             # A cache the window move shifted no longer holds what the transcript says: it is
@@ -501,8 +547,8 @@ class Conversation(ConversationBase):
         ``send``. The prompt ``send`` builds is exactly the one it builds without this.
         Returns how many tokens the cache now holds ahead of the conversation."""
         engine = self.engine
-        if self.closed:
-            return 0
+        if self.closed or (self.branched and engine.batch_starts is None):
+            return 0  # closed; or a branch into a shifted cache: the turn re-reads it exactly
         if not draft.strip():
             return self._ahead_tokens()
         settled_key = (
@@ -545,7 +591,7 @@ class Conversation(ConversationBase):
                 return 0
             ahead.base = min(ahead.base, keep)
         for start in range(keep, len(target), READ_AHEAD_BATCH):
-            if stop():
+            if stop() or self.closed:
                 return self._ahead_tokens()
             engine.extend(target[start : start + READ_AHEAD_BATCH])
         ahead.settled = settled_key
@@ -648,8 +694,11 @@ class Conversation(ConversationBase):
         engine = self.engine
         if fresh:
             return self._replay(prompt, from_prefix=False)
-        held = common_prefix(engine.cached_tokens, prompt)
+        cached = engine.cached_tokens
+        held = common_prefix(cached, prompt)
         if engine.cache_owner == self.record.id and held > 0:
+            if not self._cut_is_exact(held, len(cached), engine.batch_starts):
+                return self._replay(prompt, stop=stop)
             return RestoreReport()  # warm: this process's cache already holds the conversation
         loaded, load_seconds = self._loaded or self._load_state()
         self._loaded = None
@@ -674,15 +723,23 @@ class Conversation(ConversationBase):
             )
         if usable <= held:
             return RestoreReport()
-        if not engine.load_sequence_state(
-            state.payload, state.tokens, self._batch_starts_of(state.tokens)
-        ):
+        starts = self._batch_starts_of(state.tokens)
+        if not self._cut_is_exact(usable, len(state.tokens), starts):
+            return self._replay(prompt, stop=stop)
+        if not engine.load_sequence_state(state.payload, state.tokens, starts):
             self.states.discard(self.record.id, self.fingerprint)
             return self._replay(
                 prompt, "saved KV cache dropped (llama.cpp rejected it); re-evaluating", stop=stop
             )
         engine.cache_owner = self.record.id
         return RestoreReport(True, usable, time.perf_counter() - start)
+
+    def _cut_is_exact(self, keep: int, held: int, starts: list[int] | None) -> bool:
+        """Whether cutting a cache of ``held`` tokens back to ``keep`` continues as a fresh
+        evaluation would. Not after an edit or a branch switch into a cache whose window
+        was shifted in place (its tokens saw messages that are gone): that prefix is
+        evaluated again instead, from its recorded batches where they are known."""
+        return not (self.branched and starts is None and keep < held)
 
     def _batch_starts_of(self, tokens: list[int]) -> list[int] | None:
         """How ``tokens`` were first evaluated, if the record covers them."""
@@ -776,3 +833,36 @@ def delete_conversation(store: Store, states: StateStore, name: str) -> str:
     finally:
         lock.release(remove=True)
     return record.name
+
+
+def fork_conversation(
+    store: Store, states: StateStore, name: str, at: int, new_name: str | None = None
+) -> tuple[ConversationRecord, int]:
+    """``localchat branch``: a new conversation holding the first ``at`` messages of ``name``'s
+    branch in view (and its system prompt), whose first turn restores the shared part from
+    the source's saved cache. Returns it and how many models' caches came along."""
+    record = store.get(name)
+    messages = store.messages(record.id)
+    if not 0 <= at <= len(messages):
+        raise UsageError(
+            f"--at {at}: {record.name!r} has {len(messages)} messages; give 0 to {len(messages)}"
+        )
+    if at and messages[at - 1].role == "user":
+        raise UsageError(
+            f"--at {at}: message {at} is a question without its reply in the branch; branch"
+            f" at {at - 1} (before it) or {at + 1} (after its reply)"
+        )
+    target = new_name or _free_name(store, f"{record.name}-at-{at}")
+    fork = store.fork_conversation(record, messages[:at], target)
+    copied = sum(
+        states.copy(record.id, fork.id, fingerprint)
+        for fingerprint in store.model_fingerprints(record.id)
+    )
+    return fork, copied
+
+
+def _free_name(store: Store, wanted: str) -> str:
+    name, n = wanted, 2
+    while store.find(name) is not None:
+        name, n = f"{wanted}-{n}", n + 1
+    return name

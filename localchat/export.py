@@ -20,24 +20,32 @@ def _parts(message: MessageRecord) -> tuple[str, str]:
     return split_reasoning(message.content)
 
 
+def _row(m: MessageRecord, reasoning: bool) -> dict[str, Any]:
+    thought, content = _parts(m)
+    row: dict[str, Any] = {
+        "role": m.role,
+        "content": content,
+        "status": m.status,
+        "created_at": m.created_at,
+        "token_count": m.token_count,
+        "stats": m.stats,
+        "pinned": m.pinned,
+    }
+    if reasoning and thought:
+        row["reasoning"] = thought
+    return row
+
+
 def export_json(
-    record: ConversationRecord, messages: list[MessageRecord], reasoning: bool = False
+    record: ConversationRecord,
+    messages: list[MessageRecord],
+    reasoning: bool = False,
+    tree: list[MessageRecord] | None = None,
 ) -> str:
-    rows: list[dict[str, Any]] = []
-    for m in messages:
-        thought, content = _parts(m)
-        row: dict[str, Any] = {
-            "role": m.role,
-            "content": content,
-            "status": m.status,
-            "created_at": m.created_at,
-            "token_count": m.token_count,
-            "stats": m.stats,
-        }
-        if reasoning and thought:
-            row["reasoning"] = thought
-        rows.append(row)
-    payload = {
+    """The branch in view as ``messages``; with ``tree`` (every message of every branch),
+    also ``tree``: each message with its ``id`` and the ``parent`` it follows."""
+    rows = [_row(m, reasoning) for m in messages]
+    payload: dict[str, Any] = {
         "name": record.name,
         "title": record.title,
         "system_prompt": record.system_prompt,
@@ -46,6 +54,9 @@ def export_json(
         "updated_at": record.updated_at,
         "messages": rows,
     }
+    if tree is not None:
+        payload["tree"] = [{"id": m.id, "parent": m.parent_id, **_row(m, reasoning)} for m in tree]
+        payload["head"] = messages[-1].id if messages else None
     return json.dumps(payload, indent=2, ensure_ascii=False) + "\n"
 
 
@@ -66,8 +77,14 @@ def export_markdown(
 
 
 def export_conversation(
-    record: ConversationRecord, messages: list[MessageRecord], fmt: str, reasoning: bool = False
+    record: ConversationRecord,
+    messages: list[MessageRecord],
+    fmt: str,
+    reasoning: bool = False,
+    tree: list[MessageRecord] | None = None,
 ) -> str:
+    """JSON (the branch in view, and every branch as a tree) or Markdown (the branch in
+    view)."""
     if fmt == "json":
-        return export_json(record, messages, reasoning)
+        return export_json(record, messages, reasoning, tree)
     return export_markdown(record, messages, reasoning)

@@ -37,6 +37,7 @@ MAGIC = b"LCKVSTAT"
 FORMAT_VERSION = 2
 DEFAULT_BUDGET_BYTES = 2 * 1024**3
 SUFFIX = ".lckv"
+COPY_CHUNK_BYTES = 8 * 1024 * 1024
 _PREFIX = struct.Struct("<8sII")
 MAX_HEADER_BYTES = 1 << 20
 
@@ -178,6 +179,19 @@ class StateStore:
     def discard(self, conversation_id: str, model_fingerprint: str) -> None:
         with contextlib.suppress(FileNotFoundError):
             self.path_for(conversation_id, model_fingerprint).unlink()
+
+    def copy(self, source_id: str, target_id: str, model_fingerprint: str) -> bool:
+        """Copy a conversation's saved state of one model to another conversation (a fork
+        starts from its source's cache); False if there is none."""
+        source = self.path_for(source_id, model_fingerprint)
+        target = self.path_for(target_id, model_fingerprint)
+        try:
+            with source.open("rb") as handle:
+                write_atomic(target, iter(lambda: handle.read(COPY_CHUNK_BYTES), b""))
+        except FileNotFoundError:
+            return False
+        self.evict(keep=target)
+        return True
 
     def delete_conversation(self, conversation_id: str) -> None:
         for path in self.directory.glob(f"{conversation_id}.*{SUFFIX}"):

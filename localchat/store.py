@@ -53,6 +53,8 @@ class MessageRecord:
     created_at: float
     status: str  # "complete" | "partial" (a cancelled or interrupted reply)
     stats: dict[str, Any] = field(default_factory=dict)
+    parent_id: int | None = None  # the message it follows (None: the first of its branch)
+    pinned: bool = False  # never leaves the context window
 
 
 def _run_script(db: sqlite3.Connection, script: str) -> None:
@@ -155,12 +157,38 @@ def _create_context_windows(db: sqlite3.Connection) -> None:
     )
 
 
+def _create_message_tree(db: sqlite3.Connection) -> None:
+    # Conversations become trees: each message follows a parent (an edit or a regenerate adds
+    # a sibling, the old continuation stays), and the conversation's head is the last message
+    # of the branch in view. Messages that existed form one branch, in their order.
+    _run_script(
+        db,
+        """
+        ALTER TABLE messages ADD COLUMN parent_id INTEGER
+            REFERENCES messages(id) ON DELETE CASCADE;
+        ALTER TABLE messages ADD COLUMN pinned INTEGER NOT NULL DEFAULT 0;
+        ALTER TABLE conversations ADD COLUMN head_id INTEGER;
+        UPDATE messages SET parent_id = (
+            SELECT p.id FROM messages p
+            WHERE p.conversation_id = messages.conversation_id AND p.seq < messages.seq
+            ORDER BY p.seq DESC LIMIT 1
+        );
+        UPDATE conversations SET head_id = (
+            SELECT m.id FROM messages m WHERE m.conversation_id = conversations.id
+            ORDER BY m.seq DESC LIMIT 1
+        );
+        CREATE INDEX messages_by_parent ON messages (parent_id);
+        """,
+    )
+
+
 # Append-only: never edit or reorder an entry once released; add a new one.
 MIGRATIONS: tuple[tuple[str, Callable[[sqlite3.Connection], None]], ...] = (
     ("001_conversations_and_messages", _create_base),
     ("002_message_tokens", _create_message_tokens),
     ("003_eval_batches", _create_eval_batches),
     ("004_context_windows", _create_context_windows),
+    ("005_message_tree", _create_message_tree),
 )
 
 
@@ -275,7 +303,8 @@ class Store:
         conversation_id = uuid.uuid4().hex
         with self.transaction() as db:
             db.execute(
-                "INSERT INTO conversations VALUES (?, ?, ?, ?, ?, ?, ?)",
+                "INSERT INTO conversations (id, name, title, created_at, updated_at, model,"
+                " system_prompt) VALUES (?, ?, ?, ?, ?, ?, ?)",
                 (conversation_id, name, name, now, now, model, system_prompt),
             )
         return self.get(name)
@@ -318,6 +347,77 @@ class Store:
                 (*fields.values(), time.time(), conversation_id),
             )
 
+    def fork_conversation(
+        self, source: ConversationRecord, messages: Sequence[MessageRecord], name: str
+    ) -> ConversationRecord:
+        """A new conversation ``name`` holding ``messages`` (the first of the source's branch in
+        view) with the source's system prompt, each message's token ids per model, and how
+        each model's cache of the source was evaluated (its batches replay the shared part)."""
+        name = name.strip()
+        if not name:
+            raise UsageError("a conversation name cannot be empty")
+        if self.find(name) is not None:
+            raise UsageError(f"a conversation named {name!r} exists; choose another --as name")
+        now = time.time()
+        new_id = uuid.uuid4().hex
+        with self.transaction() as db:
+            db.execute(
+                "INSERT INTO conversations (id, name, title, created_at, updated_at, model,"
+                " system_prompt) VALUES (?, ?, ?, ?, ?, ?, ?)",
+                (new_id, name, name, now, now, source.model, source.system_prompt),
+            )
+            parent: int | None = None
+            new_seq: dict[int, int] = {}
+            for seq, message in enumerate(messages):
+                cursor = db.execute(
+                    "INSERT INTO messages (conversation_id, seq, role, content, token_count,"
+                    " created_at, status, stats, parent_id, pinned)"
+                    " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                    (
+                        new_id,
+                        seq,
+                        message.role,
+                        message.content,
+                        message.token_count,
+                        message.created_at,
+                        message.status,
+                        json.dumps(message.stats),
+                        parent,
+                        int(message.pinned),
+                    ),
+                )
+                db.execute(
+                    "INSERT INTO message_tokens SELECT ?, model_fingerprint, tokens"
+                    " FROM message_tokens WHERE message_id = ?",
+                    (cursor.lastrowid, message.id),
+                )
+                parent = int(cursor.lastrowid or 0)
+                new_seq[message.seq] = seq
+            db.execute("UPDATE conversations SET head_id = ? WHERE id = ?", (parent, new_id))
+            db.execute(
+                "INSERT INTO eval_batches SELECT ?, model_fingerprint, tokens, batch_starts"
+                " FROM eval_batches WHERE conversation_id = ?",
+                (new_id, source.id),
+            )
+            for row in db.execute(
+                "SELECT model_fingerprint, first_seq FROM context_windows WHERE conversation_id = ?",
+                (source.id,),
+            ).fetchall():
+                if row["first_seq"] in new_seq:
+                    db.execute(
+                        "INSERT INTO context_windows VALUES (?, ?, ?)",
+                        (new_id, row["model_fingerprint"], new_seq[row["first_seq"]]),
+                    )
+        return self.get(name)
+
+    def model_fingerprints(self, conversation_id: str) -> builtins.list[str]:
+        """The models whose cache of the conversation has a known evaluation record."""
+        rows = self._read(
+            "SELECT model_fingerprint FROM eval_batches WHERE conversation_id = ?",
+            (conversation_id,),
+        )
+        return [row["model_fingerprint"] for row in rows]
+
     def delete_conversation(self, conversation_id: str) -> None:
         with self.transaction() as db:
             db.execute("DELETE FROM conversations WHERE id = ?", (conversation_id,))
@@ -333,17 +433,23 @@ class Store:
         stats: dict[str, Any] | None = None,
         tokens: Sequence[int] | None = None,
         model_fingerprint: str | None = None,
+        pinned: bool = False,
     ) -> MessageRecord:
-        """Append a message and commit it (with its token ids for one model, if given)."""
+        """Add a message after the branch's last one and commit it (with its token ids for
+        one model, if given); it becomes the branch's last message."""
         now = time.time()
         with self.transaction() as db:
             seq = db.execute(
                 "SELECT COALESCE(MAX(seq), -1) + 1 FROM messages WHERE conversation_id = ?",
                 (conversation_id,),
             ).fetchone()[0]
+            parent = db.execute(
+                "SELECT head_id FROM conversations WHERE id = ?", (conversation_id,)
+            ).fetchone()
+            parent_id = parent[0] if parent is not None else None
             cursor = db.execute(
                 "INSERT INTO messages (conversation_id, seq, role, content, token_count, created_at,"
-                " status, stats) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                " status, stats, parent_id, pinned) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (
                     conversation_id,
                     seq,
@@ -353,6 +459,8 @@ class Store:
                     now,
                     status,
                     json.dumps(stats or {}),
+                    parent_id,
+                    int(pinned),
                 ),
             )
             message_id = int(cursor.lastrowid or 0)
@@ -362,7 +470,8 @@ class Store:
                     (message_id, model_fingerprint, _pack_tokens(tokens)),
                 )
             db.execute(
-                "UPDATE conversations SET updated_at = ? WHERE id = ?", (now, conversation_id)
+                "UPDATE conversations SET updated_at = ?, head_id = ? WHERE id = ?",
+                (now, message_id, conversation_id),
             )
         return MessageRecord(
             message_id,
@@ -374,26 +483,93 @@ class Store:
             now,
             status,
             stats or {},
+            parent_id,
+            pinned,
+        )
+
+    @staticmethod
+    def _message(row: sqlite3.Row) -> MessageRecord:
+        return MessageRecord(
+            row["id"],
+            row["conversation_id"],
+            row["seq"],
+            row["role"],
+            row["content"],
+            row["token_count"],
+            row["created_at"],
+            row["status"],
+            json.loads(row["stats"]),
+            row["parent_id"],
+            bool(row["pinned"]),
         )
 
     def messages(self, conversation_id: str) -> builtins.list[MessageRecord]:
+        """The branch in view, first message first: the head and the messages it follows."""
+        rows = self._read(
+            """WITH RECURSIVE branch(id) AS (
+                   SELECT head_id FROM conversations WHERE id = ?
+                   UNION ALL
+                   SELECT m.parent_id FROM messages m JOIN branch b ON m.id = b.id
+                   WHERE m.parent_id IS NOT NULL)
+               SELECT m.* FROM messages m JOIN branch b ON m.id = b.id ORDER BY m.seq""",
+            (conversation_id,),
+        )
+        return [self._message(row) for row in rows]
+
+    def all_messages(self, conversation_id: str) -> builtins.list[MessageRecord]:
+        """Every message of every branch, in the order they were written."""
         rows = self._read(
             "SELECT * FROM messages WHERE conversation_id = ? ORDER BY seq", (conversation_id,)
         )
-        return [
-            MessageRecord(
-                row["id"],
-                row["conversation_id"],
-                row["seq"],
-                row["role"],
-                row["content"],
-                row["token_count"],
-                row["created_at"],
-                row["status"],
-                json.loads(row["stats"]),
+        return [self._message(row) for row in rows]
+
+    def head(self, conversation_id: str) -> int | None:
+        rows = self._read("SELECT head_id FROM conversations WHERE id = ?", (conversation_id,))
+        return rows[0]["head_id"] if rows else None
+
+    def set_head(self, conversation_id: str, message_id: int | None) -> None:
+        """Put the branch that ends at ``message_id`` in view (None: before the first)."""
+        with self.transaction() as db:
+            if message_id is not None:
+                found = db.execute(
+                    "SELECT 1 FROM messages WHERE id = ? AND conversation_id = ?",
+                    (message_id, conversation_id),
+                ).fetchone()
+                if found is None:
+                    raise ValueError(f"message {message_id} is not in this conversation")
+            db.execute(
+                "UPDATE conversations SET head_id = ?, updated_at = ? WHERE id = ?",
+                (message_id, time.time(), conversation_id),
             )
-            for row in rows
-        ]
+
+    def siblings(self, message: MessageRecord) -> builtins.list[MessageRecord]:
+        """The message and the others that follow the same parent (its branches), oldest
+        first."""
+        parent = "parent_id IS NULL" if message.parent_id is None else "parent_id = ?"
+        params: tuple[Any, ...] = (message.conversation_id,)
+        if message.parent_id is not None:
+            params += (message.parent_id,)
+        rows = self._read(
+            f"SELECT * FROM messages WHERE conversation_id = ? AND {parent} ORDER BY seq", params
+        )
+        return [self._message(row) for row in rows]
+
+    def latest_leaf(self, message_id: int) -> int:
+        """The last message of the most recently written branch that goes through
+        ``message_id``."""
+        rows = self._read(
+            """WITH RECURSIVE below(id) AS (
+                   SELECT ? UNION ALL
+                   SELECT m.id FROM messages m JOIN below b ON m.parent_id = b.id)
+               SELECT m.id FROM messages m JOIN below b ON m.id = b.id
+               ORDER BY m.seq DESC LIMIT 1""",
+            (message_id,),
+        )
+        return int(rows[0]["id"]) if rows else message_id
+
+    def set_pinned(self, message_id: int, pinned: bool) -> None:
+        with self.transaction() as db:
+            db.execute("UPDATE messages SET pinned = ? WHERE id = ?", (int(pinned), message_id))
 
     def message_tokens(
         self, conversation_id: str, model_fingerprint: str
@@ -461,12 +637,15 @@ class Store:
                 (conversation_id, model_fingerprint, first_seq),
             )
 
-    def delete_messages_from(self, conversation_id: str, seq: int) -> None:
-        """Drop messages from ``seq`` on (regenerate, edit)."""
+    def delete_message(self, message: MessageRecord) -> None:
+        """Drop a message and everything that follows it (a turn that never started); a
+        branch in view that went through it then ends at its parent."""
         with self.transaction() as db:
+            db.execute("DELETE FROM messages WHERE id = ?", (message.id,))
             db.execute(
-                "DELETE FROM messages WHERE conversation_id = ? AND seq >= ?",
-                (conversation_id, seq),
+                """UPDATE conversations SET head_id = ? WHERE id = ? AND head_id IS NOT NULL
+                   AND NOT EXISTS (SELECT 1 FROM messages m WHERE m.id = head_id)""",
+                (message.parent_id, message.conversation_id),
             )
 
 

@@ -793,8 +793,8 @@ def describe_turn_start(turn: ConversationTurn) -> str:
     if restore.replayed:
         replayed = count(restore.replayed, "token")
         return f"re-evaluated {replayed} in {restore.seconds:.2f} s\n{evaluated}"
-    reused = stats.prompt_tokens - stats.prompt_tokens_evaluated
-    return evaluated + (f"\nreused {reused:,} from the cache" if reused else "")
+    reused = stats.prompt_tokens - stats.prompt_tokens_evaluated - restore.read_ahead
+    return evaluated + (f"\nreused {reused:,} from the cache" if reused > 0 else "")
 
 
 def _exit_on_signals(app: LocalChatApp) -> None:

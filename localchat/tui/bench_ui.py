@@ -192,6 +192,8 @@ async def _first_turns_after_open(
 
     async with app.run_test(size=(120, 36), message_hook=hook) as pilot:
         await _wait(restored, "the conversation restored")
+        # The restore alone is measured: nothing is read ahead of Enter (typeahead_* is that).
+        app.settings = replace(app.settings, type_ahead=False)
         for text in messages:
             done.clear()
             app.query_one("#input").text = text  # type: ignore[attr-defined]

@@ -1,0 +1,205 @@
+"""Conversations as trees: an edit or a regenerate starts a branch beside the old one (kept),
+only the tokens from the changed message on are evaluated, the continuation is the one a
+fresh evaluation of the new branch gives, and ``localchat branch`` forks a conversation
+whose first turn restores the shared part from the source's saved cache."""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from localchat.backend import Sampling
+from localchat.cli import main
+from localchat.conversation import Conversation, ConversationTurn
+from localchat.engine import Engine, LoadOptions
+from localchat.kvstate import StateStore
+from localchat.paths import app_paths
+from localchat.store import MIGRATIONS, Store
+
+GREEDY = Sampling(temperature=0.0)
+EDITED = "An edited question, quite different from the first one."
+
+
+@pytest.fixture
+def engine(tiny_model: Path) -> Iterator[Engine]:
+    loaded = Engine(tiny_model, LoadOptions(n_ctx=4096))
+    yield loaded
+    loaded.close()
+
+
+def _stores() -> tuple[Store, StateStore]:
+    paths = app_paths()
+    return Store(paths.database), StateStore(paths.states_dir)
+
+
+def _say(conversation: Conversation, text: str, fresh: bool = False) -> ConversationTurn:
+    turn = conversation.send(text, GREEDY, 16, fresh=fresh)
+    for _ in turn:
+        pass
+    return turn
+
+
+def _long(engine: Engine, name: str = "long", turns: int = 20, **kw: object) -> Conversation:
+    store, states = _stores()
+    conversation = Conversation.open(store, states, name, engine, "Be brief.", **kw)  # type: ignore[arg-type]
+    for i in range(turns):
+        _say(conversation, f"Question {i}: tell me something about topic {i}.")
+    conversation.saver.wait()
+    return conversation
+
+
+def test_editing_message_k_evaluates_only_from_k_and_continues_as_a_fresh_read(
+    engine: Engine,
+) -> None:
+    conversation = _long(engine)
+    k = 20  # the 11th question
+    conversation.branch_before(k)
+    turn = _say(conversation, EDITED)
+    stats = turn.stats_dict()
+    start_of_k = turn.prompt.spans[1 + k][0]  # after the system prompt's span
+    # From message k on (less the template's header, which the old question shared).
+    after_k = stats["prompt_tokens"] - start_of_k
+    assert after_k - 8 <= stats["prompt_tokens_evaluated"] <= after_k
+    assert stats["kept_tokens"] == stats["prompt_tokens"] - stats["prompt_tokens_evaluated"]
+    assert stats["kept_tokens"] >= start_of_k > 500
+    assert conversation.branches_at(k) == (2, 2)  # the old question is kept beside it
+    # A fresh read of the edited branch: from nothing, in one go.
+    engine.reset()
+    fresh = engine.generate(turn.prompt.tokens, GREEDY, 16)
+    assert "".join(d.text for d in fresh) == turn.generation.text
+
+
+def test_the_branches_are_kept_switched_and_reopened(engine: Engine) -> None:
+    conversation = _long(engine, turns=3)
+    old_question = conversation.exchanges[-2].record.content
+    old_reply = conversation.exchanges[-1].record.content
+    assert conversation.take_back_last_exchange() == old_question  # a regenerate
+    _say(conversation, "A new last question.")
+    assert [e.record.content for e in conversation.exchanges][-2] == "A new last question."
+    last_user = len(conversation.exchanges) - 2
+    assert conversation.branches_at(last_user) == (2, 2)
+    assert conversation.switch_branch(last_user, -1)
+    assert conversation.exchanges[-1].record.content == old_reply
+    assert not conversation.switch_branch(last_user, -1)  # no branch before the first
+    turn = _say(conversation, "Go on from the old branch.")
+    # The cache (of the other branch) was cut where the two part, not read again.
+    assert turn.stats_dict()["kept_tokens"] >= turn.prompt.spans[1 + last_user][0] > 50
+    conversation.close()
+    store, states = _stores()
+    reopened = Conversation.open(store, states, "long", engine)
+    assert reopened.exchanges[-2].record.content == "Go on from the old branch."
+    assert reopened.branches_at(last_user) == (1, 2)
+    tree = json.loads(_export_json("long"))
+    assert len(tree["tree"]) == len(store.all_messages(reopened.record.id)) == 10
+    assert tree["head"] == reopened.exchanges[-1].record.id
+    assert [m["content"] for m in tree["messages"]] == [
+        e.record.content for e in reopened.exchanges
+    ]
+
+
+def _export_json(name: str) -> str:
+    import contextlib
+    import io
+
+    buffer = io.StringIO()
+    with contextlib.redirect_stdout(buffer):
+        assert main(["export", name, "--format", "json"]) == 0
+    return buffer.getvalue()
+
+
+def test_an_edit_in_a_shifted_window_reads_the_new_branch_exactly(tiny_model: Path) -> None:
+    engine = Engine(tiny_model, LoadOptions(n_ctx=256))
+    try:
+        store, states = _stores()
+        conversation = Conversation.open(store, states, "shifted", engine, window_mode="shift")
+        turn = None
+        for i in range(14):
+            turn = _say(conversation, f"Question {i} about topic {i}, in a few words please.")
+            if turn.window.mode == "shift":
+                break
+        assert turn is not None and turn.window.mode == "shift"
+        k = len(conversation.exchanges) - 2  # the question that was just answered
+        conversation.branch_before(k)
+        edited = _say(conversation, EDITED)
+        stats = edited.stats_dict()
+        assert stats["window_mode"] == "none"
+        # Nothing of the shifted cache was cut and kept: the window was read again.
+        assert stats["prompt_tokens_evaluated"] == stats["prompt_tokens"]
+        engine.reset()
+        fresh = engine.generate(edited.prompt.tokens, GREEDY, 16)
+        assert "".join(d.text for d in fresh) == edited.generation.text
+    finally:
+        engine.close()
+
+
+def test_branch_forks_a_conversation_that_starts_from_the_saved_cache(
+    engine: Engine, capsys: pytest.CaptureFixture[str]
+) -> None:
+    conversation = _long(engine, turns=6)
+    held = conversation.exchanges
+    conversation.close()
+    assert main(["branch", "long", "--at", "8", "--as", "fork"]) == 0
+    assert "into 'fork'" in capsys.readouterr().out
+    store, states = _stores()
+    engine.reset()  # a new process would start with nothing in memory
+    fork = Conversation.open(store, states, "fork", engine)
+    assert [e.record.content for e in fork.exchanges] == [e.record.content for e in held[:8]]
+    assert fork.record.system_prompt == "Be brief."
+    turn = _say(fork, "A question only the fork has.")
+    stats = turn.stats_dict()
+    assert stats["restored_from_state"] and stats["restored_tokens"] > 200
+    assert stats["prompt_tokens_evaluated"] < 30
+    # The same turn read from nothing continues the same way.
+    engine.reset()
+    fresh = engine.generate(turn.prompt.tokens, GREEDY, 16)
+    assert "".join(d.text for d in fresh) == turn.generation.text
+    assert len(Store(app_paths().database).messages(fork.record.id)) == 10
+    assert main(["branch", "long", "--at", "2"]) == 0
+    assert "'long-at-2'" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("at", "complaint"),
+    [("13", "give 0 to 12"), ("3", "message 3 is a question"), ("-1", "give 0 to 12")],
+)
+def test_branch_refuses_a_point_that_is_not_in_the_conversation(
+    engine: Engine, at: str, complaint: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _long(engine, turns=6).close()
+    assert main(["branch", "long", "--at", at]) == 2
+    assert complaint in capsys.readouterr().err
+
+
+def test_branch_refuses_a_name_in_use(engine: Engine, capsys: pytest.CaptureFixture[str]) -> None:
+    _long(engine, turns=1).close()
+    _long(engine, name="other", turns=1).close()
+    assert main(["branch", "long", "--at", "2", "--as", "other"]) == 2
+    assert "a conversation named 'other' exists" in capsys.readouterr().err
+
+
+def test_a_database_from_before_branches_becomes_one_branch(tmp_path: Path) -> None:
+    path = tmp_path / "old.sqlite3"
+    db = sqlite3.connect(path, isolation_level=None)
+    db.execute("CREATE TABLE _migrations (name TEXT PRIMARY KEY, applied_at REAL NOT NULL)")
+    for name, apply in MIGRATIONS[:4]:
+        apply(db)
+        db.execute("INSERT INTO _migrations VALUES (?, 0)", (name,))
+    db.execute("INSERT INTO conversations VALUES ('c1', 'old', 'old', 0, 0, NULL, NULL)")
+    for seq, role in enumerate(("user", "assistant", "user", "assistant")):
+        db.execute(
+            "INSERT INTO messages (conversation_id, seq, role, content, created_at)"
+            " VALUES ('c1', ?, ?, ?, 0)",
+            (seq, role, f"message {seq}"),
+        )
+    db.close()
+    store = Store(path)
+    messages = store.messages("c1")
+    assert [m.content for m in messages] == [f"message {i}" for i in range(4)]
+    assert [m.parent_id for m in messages] == [None, *(m.id for m in messages[:-1])]
+    assert store.head("c1") == messages[-1].id
+    added = store.add_message("c1", "user", "message 4")
+    assert added.parent_id == messages[-1].id and store.head("c1") == added.id
