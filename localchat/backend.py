@@ -49,6 +49,7 @@ class TurnStats:
     stop_reason: str = ""
     server_kv_usage: float | None = None
     counted: str = "model"
+    first_token_at: float | None = None  # when it came, on time.perf_counter's clock
 
 
 @dataclass(frozen=True)

@@ -58,6 +58,18 @@ def run_compute(function: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> 
     return future.result()
 
 
+def wait_idle(timeout_s: float) -> bool:
+    """Wait until what the compute thread runs now, and what waits for it, is done (quitting
+    lets background work finish its step before the stores close); False on timeout."""
+    if on_compute_thread():
+        return True
+    try:
+        _EXECUTOR.submit(lambda: None).result(timeout_s)
+    except TimeoutError:
+        return False
+    return True
+
+
 def compute_waiting() -> bool:
     """Whether another call waits for the compute thread: work that can stop early (reading
     a message ahead while it is typed) checks this between small steps and gives way."""

@@ -17,7 +17,7 @@ from typing import Any
 
 from localchat.backend import Reply, Sampling, TokenDelta, TurnStats
 from localchat.chat_template import ChatMessage
-from localchat.engine import Engine
+from localchat.engine import Engine, ReplayStopped
 from localchat.errors import UsageError
 from localchat.kvstate import BackgroundSaver, SavedState, StateRejected, StateStore
 from localchat.locks import ConversationLock
@@ -71,13 +71,21 @@ class RestoreReport:
 
 @dataclass
 class _ReadAhead:
-    """What the cache holds past the conversation for a message being typed: tokens from
-    ``base`` on were read ahead (they count as the next prompt's only where they are its
-    exact tokens); ``report`` is how the cache was prepared before that, if it was."""
+    """A message being read ahead: how the cache was prepared for it (a restore, a known
+    system prompt: already paid for when it is sent), and what the last full read covered.
+    The tokens read are the cache's past ``Engine.committed``."""
 
-    base: int
-    report: RestoreReport | None = None
-    settled: tuple[str, str | None, int] | None = None  # what the last full read-ahead covered
+    report: RestoreReport = field(default_factory=RestoreReport)
+    settled: tuple[str, str | None, int] | None = None
+
+
+@dataclass(frozen=True)
+class ReadAheadResult:
+    """How many tokens the cache holds ahead of the conversation, and whether reading went
+    as far as it could (False: it gave way to other work, and is to be asked again)."""
+
+    tokens: int
+    finished: bool = True
 
 
 @dataclass
@@ -103,17 +111,13 @@ class ConversationTurn:
     messages: list[ChatMessage]  # what the prompt was built from (the window)
     reply: Exchange | None = None
     notices: list[str] = field(default_factory=list)
-    # When the user sent the message (Enter in the app; else when ``send`` began) and when
-    # the first token came, on ``time.perf_counter``'s clock.
+    # When the user sent the message (Enter in the app; else when ``send`` began), on
+    # ``time.perf_counter``'s clock.
     entered_at: float = 0.0
-    first_token_at: float | None = None
 
     def __iter__(self) -> Iterator[TokenDelta]:
         try:
-            for delta in self.generation:
-                if self.first_token_at is None:
-                    self.first_token_at = time.perf_counter()
-                yield delta
+            yield from self.generation
         finally:
             self.reply = self.conversation._finish(self)
 
@@ -130,9 +134,10 @@ class ConversationTurn:
     def sent_ttft_s(self) -> float:
         """From the message being sent (Enter) to the first token: everything the user
         waited for, a step of reading ahead that was finishing included."""
-        if self.first_token_at is None:
+        first = self.generation.stats.first_token_at
+        if first is None:
             return self.resume_ttft_s
-        return self.first_token_at - (self.entered_at or self.started_at)
+        return first - (self.entered_at or self.started_at)
 
     def stats_dict(self) -> dict[str, Any]:
         stats = turn_stats_dict(self.generation.stats, self.restore, self.window, self.prompt)
@@ -454,7 +459,9 @@ class Conversation(ConversationBase):
         state (kept for the restore that follows), else the record a replay rebuilds from."""
         self._loaded = None
         if self.engine.cache_owner == self.record.id and not fresh:
-            return self.engine.cached_tokens
+            # Tokens read ahead of a message being typed are no history: they count for
+            # the prompt only where they are its exact ids (llama.cpp's prefix reuse).
+            return self.engine.cached_tokens[: self.engine.committed]
         if not fresh:
             self._loaded = self._load_state()
         if self._loaded is not None and isinstance(self._loaded[0], SavedState):
@@ -504,23 +511,22 @@ class Conversation(ConversationBase):
         started = time.perf_counter()
         user = self._commit_user(text)
         window_before = self.window_first
-        ahead = self._take_ahead(fresh)
+        ahead, self._ahead = self._ahead, None
+        engine = self.engine
         try:
             messages = self.window_messages()
             held = self._held_tokens(fresh)
-            if ahead is not None:  # read-ahead tokens count only where they are the prompt's
-                held = held[: ahead.base]
             prompt = self.builder.build(messages, held)
             self._system_span = system_span(prompt, len(self.system_messages()))
             plan = self._plan(prompt, messages, max_tokens)
             if not (plan.moved or plan.cut_tokens):
                 window = WindowReport()
                 restore = self._prepare_cache(prompt.tokens, fresh)
-                if ahead is not None:
-                    restore = self._ahead_report(ahead, restore, prompt.tokens)
+                if engine.cache_owner == self.record.id:
+                    restore = self._with_read_ahead(restore, ahead, prompt.tokens)
             else:
-                if ahead is not None:  # the window moves under the read-ahead: it goes
-                    self.engine.hold(held)
+                if engine.cache_owner == self.record.id:  # what was read ahead goes
+                    engine.hold(engine.cached_tokens[: engine.committed])
                 messages, prompt, window, restore = self._move_window(prompt, plan, fresh, held)
             generation = self.engine.generate(prompt.tokens, sampling, max_tokens, cancel)
             self.branched = False
@@ -539,90 +545,108 @@ class Conversation(ConversationBase):
         return turn
 
     # -- reading a message ahead while it is typed ----------------------------------------
-    def read_ahead(self, draft: str, max_tokens: int, stop: Callable[[], bool]) -> int:
+    def read_ahead(self, draft: str, max_tokens: int, stop: Callable[[], bool]) -> ReadAheadResult:
         """Evaluate what a message being typed settles into (on the compute thread), so its
         ``send`` evaluates only the rest: the template's header for it and its text but the
         last word, in small steps, until done or ``stop()`` says to give way. An edit falls
         back to the longest common prefix; a message that would move the window waits for
-        ``send``. The prompt ``send`` builds is exactly the one it builds without this.
-        Returns how many tokens the cache now holds ahead of the conversation."""
+        ``send``, and so does a cut the cache cannot make exactly. The tokens read are the
+        cache's past ``Engine.committed``: they count for the prompt ``send`` builds only
+        where they are its exact ids, so that prompt is the one it would be without this."""
         engine = self.engine
-        if self.closed or (self.branched and engine.batch_starts is None):
-            return 0  # closed; or a branch into a shifted cache: the turn re-reads it exactly
-        if not draft.strip():
-            return self._ahead_tokens()
+        if self.closed or not draft.strip():
+            return ReadAheadResult(0)
         settled_key = (
             draft[: settled_chars(draft)],
             self.record.system_prompt,
             len(self.exchanges),
         )
-        if self._ahead_valid() and self._ahead is not None and self._ahead.settled == settled_key:
-            return self._ahead_tokens()
-        n_system = len(self.system_messages())
         messages = [*self.window_messages(), ChatMessage("user", draft)]
-        if not self._ahead_valid():
+        if engine.cache_owner != self.record.id:
             self._ahead = None
-            held = self._held_tokens(False)
-            prompt = self.builder.build(messages, held)
-            if self._plan(prompt, messages, max_tokens).moved:
-                self._loaded = None
-                return 0
-            self._system_span = system_span(prompt, n_system)
-            report = self._prepare_cache(prompt.tokens, False, stop)
-            if not engine.cached_tokens and stop():
-                return 0  # a rebuild gave way: the next call starts it again
-            # The cache holds a prefix of this prompt (restored, replayed, a known system
-            # prompt), or nothing: it is read from the first token.
-            engine.cache_owner = self.record.id
-            self._ahead = _ReadAhead(len(engine.cached_tokens), replace(report, seconds=0.0))
+            try:
+                self._ahead = self._start_reading(messages, max_tokens, stop)
+            except ReplayStopped:
+                return ReadAheadResult(0, finished=False)
+            if self._ahead is None:
+                return ReadAheadResult(0)
+        if self._ahead is None:
+            self._ahead = _ReadAhead()
         ahead = self._ahead
-        assert ahead is not None
-        prompt, settled = self.builder.build_draft(messages, engine.cached_tokens[: ahead.base])
+        if ahead.settled == settled_key:
+            return ReadAheadResult(self._ahead_tokens())
+        committed = engine.committed
+        prompt, settled = self.builder.build_draft(messages, engine.cached_tokens[:committed])
         plan = self._plan(prompt, messages, max_tokens)
         if plan.moved or plan.cut_tokens:
-            return self._ahead_tokens()
+            return ReadAheadResult(self._ahead_tokens())
         target = prompt.tokens[:settled]
-        keep = common_prefix(engine.cached_tokens, target)
-        if keep < len(target) and keep < len(engine.cached_tokens):
-            engine.hold(target[:keep])  # an edit: back to what still agrees
-            keep = len(engine.cached_tokens)
-            if engine.cache_owner != self.record.id or engine.cached_tokens != target[:keep]:
-                self._ahead = None  # the cache could not be cut there: it was dropped
-                return 0
-            ahead.base = min(ahead.base, keep)
+        cached = engine.cached_tokens
+        keep = common_prefix(cached, target)
+        if keep < len(target) and keep < len(cached):  # an edit: back to what still agrees
+            exact = keep >= committed or self._cut_is_exact(keep, committed, engine.batch_starts)
+            if not (exact and engine.keeps(keep)):
+                return ReadAheadResult(self._ahead_tokens())  # the turn makes that cut
+            engine.hold(target[:keep])
+            if engine.cached_tokens != target[:keep]:
+                return ReadAheadResult(self._ahead_tokens())
         for start in range(keep, len(target), READ_AHEAD_BATCH):
             if stop() or self.closed:
-                return self._ahead_tokens()
+                return ReadAheadResult(self._ahead_tokens(), finished=False)
             engine.extend(target[start : start + READ_AHEAD_BATCH])
         ahead.settled = settled_key
-        return self._ahead_tokens()
+        return ReadAheadResult(self._ahead_tokens())
 
-    def _ahead_valid(self) -> bool:
-        ahead = self._ahead
-        return (
-            ahead is not None
-            and self.engine.cache_owner == self.record.id
-            and len(self.engine.cached_tokens) >= ahead.base
+    def _start_reading(
+        self, messages: list[ChatMessage], max_tokens: int, stop: Callable[[], bool]
+    ) -> _ReadAhead | None:
+        """Make the cache this conversation's before reading ahead: its saved state restored,
+        or for a new conversation its known system prompt (or nothing: read from its first
+        token). None where only the turn can rebuild it (a history without a usable state:
+        the turn replays its recorded batches and says why)."""
+        report = self.restore_now()
+        if report.restored:
+            return _ReadAhead(replace(report, seconds=0.0))
+        if self.exchanges:
+            return None
+        engine = self.engine
+        engine.reset()
+        prompt = self.builder.build(messages)
+        if self._plan(prompt, messages, max_tokens).moved:
+            return None
+        span = system_span(prompt, len(self.system_messages()))
+        prefix = start_from_prefix(
+            engine,
+            self.states,
+            self.key,
+            prompt.tokens,
+            span,
+            self.prefix_min_tokens,
+            self.saver,
+            stop,
         )
+        engine.cache_owner = self.record.id
+        return _ReadAhead(replace(RestoreReport.from_prefix(prefix), seconds=0.0))
 
     def _ahead_tokens(self) -> int:
-        if not self._ahead_valid() or self._ahead is None:
+        """Tokens the cache holds past the conversation (read ahead), if it is this one's."""
+        engine = self.engine
+        if engine.cache_owner != self.record.id:
             return 0
-        return len(self.engine.cached_tokens) - self._ahead.base
+        return len(engine.cached_tokens) - engine.committed
 
-    def _take_ahead(self, fresh: bool) -> _ReadAhead | None:
-        """The read-ahead in the cache, for the turn that consumes it."""
-        ahead = self._ahead if self._ahead_valid() and not fresh else None
-        self._ahead = None
-        return ahead
-
-    def _ahead_report(
-        self, ahead: _ReadAhead, restore: RestoreReport, prompt: list[int]
+    def _with_read_ahead(
+        self, restore: RestoreReport, ahead: _ReadAhead | None, prompt: list[int]
     ) -> RestoreReport:
         """The turn's report with what was done while the message was typed: how the cache
-        was prepared (already paid for) and how many of the prompt's tokens were read."""
-        read = max(0, common_prefix(self.engine.cached_tokens, prompt) - ahead.base)
-        before = ahead.report if ahead.report is not None else restore
+        was prepared then (already paid for) and how many of the prompt's tokens were read."""
+        engine = self.engine
+        read = max(0, common_prefix(engine.cached_tokens, prompt) - engine.committed)
+        before = restore
+        if ahead is not None and ahead.report != RestoreReport():
+            before = ahead.report
+        if not read and before is restore:
+            return restore
         return replace(before, read_ahead=read, notice=before.notice or restore.notice)
 
     # -- the context window ---------------------------------------------------------------
@@ -685,32 +709,26 @@ class Conversation(ConversationBase):
         keep = max(1, len(tokens) - cut_tokens - CUT_MARGIN_TOKENS)
         return ChatMessage(message.role, self.engine.detokenize(tokens[-keep:]).lstrip())
 
-    def _prepare_cache(
-        self, prompt: list[int], fresh: bool, stop: Callable[[], bool] | None = None
-    ) -> RestoreReport:
-        """Restore the saved state, reuse the warm cache, or rebuild it from the transcript
-        (a rebuild gives way between batches when ``stop()`` says so: the cache is then
-        empty)."""
+    def _prepare_cache(self, prompt: list[int], fresh: bool) -> RestoreReport:
+        """Restore the saved state, reuse the warm cache, or rebuild it from the transcript."""
         engine = self.engine
         if fresh:
             return self._replay(prompt, from_prefix=False)
-        cached = engine.cached_tokens
-        held = common_prefix(cached, prompt)
+        held = common_prefix(engine.cached_tokens, prompt)
         if engine.cache_owner == self.record.id and held > 0:
-            if not self._cut_is_exact(held, len(cached), engine.batch_starts):
-                return self._replay(prompt, stop=stop)
+            if not self._cut_is_exact(held, engine.committed, engine.batch_starts):
+                return self._replay(prompt)
             return RestoreReport()  # warm: this process's cache already holds the conversation
         loaded, load_seconds = self._loaded or self._load_state()
         self._loaded = None
         start = time.perf_counter() - load_seconds
         if isinstance(loaded, StateRejected):
             if str(loaded) == NO_STATE:
-                return self._replay(prompt, stop=stop)
+                return self._replay(prompt)
             self.states.discard(self.record.id, self.fingerprint)
             return self._replay(
                 prompt,
                 f"saved KV cache dropped ({loaded}); re-evaluating the conversation",
-                stop=stop,
             )
         state = loaded
         usable = common_prefix(state.tokens, prompt)
@@ -719,17 +737,16 @@ class Conversation(ConversationBase):
             return self._replay(
                 prompt,
                 "saved KV cache dropped (it no longer matches the transcript); re-evaluating",
-                stop=stop,
             )
         if usable <= held:
             return RestoreReport()
         starts = self._batch_starts_of(state.tokens)
         if not self._cut_is_exact(usable, len(state.tokens), starts):
-            return self._replay(prompt, stop=stop)
+            return self._replay(prompt)
         if not engine.load_sequence_state(state.payload, state.tokens, starts):
             self.states.discard(self.record.id, self.fingerprint)
             return self._replay(
-                prompt, "saved KV cache dropped (llama.cpp rejected it); re-evaluating", stop=stop
+                prompt, "saved KV cache dropped (llama.cpp rejected it); re-evaluating"
             )
         engine.cache_owner = self.record.id
         return RestoreReport(True, usable, time.perf_counter() - start)
@@ -756,7 +773,6 @@ class Conversation(ConversationBase):
         prompt: list[int],
         notice: str | None = None,
         from_prefix: bool = True,
-        stop: Callable[[], bool] | None = None,
     ) -> RestoreReport:
         """Rebuild the cache from the transcript in the batches that first built it.
 
@@ -776,7 +792,7 @@ class Conversation(ConversationBase):
             else:  # stop at a batch boundary: a cut batch would not give the same bits
                 cut = max((s for s in starts if s <= shared), default=0)
             batches = [s for s in starts if s < cut]
-            if cut > 0 and self.engine.replay(prompt[:cut], batches, stop):
+            if cut > 0 and self.engine.replay(prompt[:cut], batches):
                 self.engine.cache_owner = self.record.id
                 return RestoreReport(
                     tokens=0, seconds=time.perf_counter() - start, notice=notice, replayed=cut
@@ -792,7 +808,6 @@ class Conversation(ConversationBase):
             self._system_span,
             self.prefix_min_tokens,
             self.saver,
-            stop,
         )
         return RestoreReport.from_prefix(prefix, notice)
 

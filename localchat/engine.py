@@ -95,6 +95,11 @@ def _last_error_line() -> str:
     return re.sub(r"^(\w+: )+", "", errors[0])
 
 
+class ReplayStopped(Exception):
+    """A replay gave way between two batches (``Engine.replay``'s ``stop``); the cache is
+    empty."""
+
+
 @dataclass(frozen=True)
 class KVCacheBuffer:
     """One KV cache llama.cpp allocated (a sliding-window model has two)."""
@@ -256,7 +261,7 @@ class Generation:
             for token in stream:
                 now = time.perf_counter()
                 if not self.tokens:
-                    first_at = now
+                    first_at = stats.first_token_at = now
                     stats.ttft_s = now - start
                     stats.prompt_tokens_evaluated = llm.tokens_evaluated - counted_before
                     if stats.ttft_s > 0:
@@ -307,6 +312,7 @@ class Generation:
             # the text is exactly what was streamed.
             stream.close()
             engine.hold(self._tokens + self.tokens)
+            engine.committed = len(engine.cached_tokens)  # the prompt and the reply as held
             stats.kv_bytes_used = engine.kv_bytes_used
             stats.kv_bytes_allocated = engine.kv_bytes_allocated
 
@@ -383,8 +389,12 @@ class Engine:
         # window cache is in use, so the cache cannot be cut back far (see ``keeps``).
         self.n_swa = int(llama_cpp.llama_model_n_swa(self._llm.model))
         self.windowed = self.n_swa > 0 and self.options.swa_cache == "window"
-        # Which conversation the cache holds now (set by the conversation layer).
+        # Which conversation the cache holds now (set by the conversation layer), and how
+        # many of its tokens that conversation's turns (or a restore, a replay) put there:
+        # tokens past ``committed`` were read ahead of a message still being typed, and count
+        # for the next prompt only where they are its exact ids.
         self.cache_owner: str | None = None
+        self.committed = 0
         self.template = self._chat_template()
         self._warm_up()
 
@@ -626,6 +636,7 @@ class Engine:
         self._llm._ctx.kv_cache_seq_rm(-1, 0, -1)
         self._llm.batch_starts = []
         self.cache_owner = None
+        self.committed = 0
 
     def can_shift(self) -> bool:
         """Whether llama.cpp can move cached positions for this model (RoPE re-rotation)."""
@@ -652,6 +663,7 @@ class Engine:
         ids[start : n_tokens - count] = ids[start + count : n_tokens].copy()
         self._llm.n_tokens = n_tokens - count
         self._llm.batch_starts = None
+        self.committed = max(0, self.committed - count)
 
     def replay(
         self,
@@ -663,8 +675,8 @@ class Engine:
 
         The cache comes out bit-identical to the one those batches built, so the continuation
         matches a process that never lost its cache. False (and nothing evaluated) if the
-        batches do not describe ``tokens``, or if ``stop`` said so between two batches (the
-        cache is then empty).
+        batches do not describe ``tokens``; ``ReplayStopped`` (the cache empty) if ``stop``
+        said to give way between two batches.
         """
         bounds = [*batch_starts, len(tokens)]
         valid = bool(batch_starts) and batch_starts[0] == 0
@@ -675,13 +687,14 @@ class Engine:
         for a, b in itertools.pairwise(bounds):
             if stop is not None and a > 0 and stop():
                 self.reset()
-                return False
+                raise ReplayStopped
             self._llm.eval(list(tokens[a:b]))
+        self.committed = len(tokens)
         return True
 
     def extend(self, tokens: Sequence[int]) -> None:
         """Evaluate ``tokens`` after what the cache holds, as one batch (at most ``n_batch``):
-        reading a message ahead adds a few tokens at a time."""
+        reading a message ahead adds a few tokens at a time (past ``committed``)."""
         if len(tokens) > self.n_batch or self._llm.n_tokens + len(tokens) >= self.n_ctx:
             raise ValueError(f"cannot add {len(tokens)} tokens to {self._llm.n_tokens} cached")
         if tokens:
@@ -707,6 +720,7 @@ class Engine:
             memory = llama_cpp.llama_get_memory(self._llm.ctx)
             if llama_cpp.llama_memory_seq_rm(memory, 0, n, -1):
                 self._llm.n_tokens = n
+                self.committed = min(self.committed, n)
                 starts = self._llm.batch_starts
                 if starts is not None:
                     del starts[bisect.bisect_left(starts, n) :]
@@ -740,6 +754,7 @@ class Engine:
             return False
         self._llm.input_ids[: len(tokens)] = list(tokens)
         self._llm.n_tokens = len(tokens)
+        self.committed = len(tokens)
         self._llm._requires_eval = True
         self._llm.batch_starts = None if batch_starts is None else list(batch_starts)
         return True

@@ -59,8 +59,9 @@ def start_from_prefix(
 ) -> PrefixStart | None:
     """For a cache that holds nothing: restore the saved state of ``prompt[:span]``, else
     evaluate that prefix alone and save it. None when there is nothing to do (a short or no
-    system prompt, the setting off, a cache already in use, a prefix as long as the prompt),
-    or when ``stop`` said so between two batches of the evaluation (nothing is then kept)."""
+    system prompt, the setting off, a cache already in use, a prefix as long as the prompt).
+    ``stop`` is asked between two batches of the evaluation: ``ReplayStopped`` if it says to
+    give way (nothing is kept)."""
     if min_tokens <= 0 or span < min_tokens or span >= len(prompt) or engine.cached_tokens:
         return None
     prefix = list(prompt[:span])

@@ -570,6 +570,7 @@ class RemoteReply:
                         if not self.chunks:
                             first_at = now
                             stats.ttft_s = now - self._sent_at
+                            stats.first_token_at = now
                         self.chunks += 1
                         last_at = now
                         self._count_generated(first_at, last_at)

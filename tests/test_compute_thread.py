@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 
@@ -56,8 +57,10 @@ def test_background_work_sees_when_another_call_waits() -> None:
     assert not compute_waiting()  # running is not waiting
     other = threading.Thread(target=lambda: run_compute(lambda: None))
     other.start()
+    deadline = time.monotonic() + 5
     while not compute_waiting():
-        pass
+        assert time.monotonic() < deadline, "the waiting call was never counted"
+        time.sleep(0.001)
     release.set()
     worker.join(5)
     other.join(5)

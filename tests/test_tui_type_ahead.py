@@ -63,7 +63,9 @@ async def test_typed_slowly_fast_or_pasted_the_reply_is_the_same(smollm2: Path) 
             else:
                 finished = await _send_typed(pilot, seen, QUESTION, 0.03 if way == "slowly" else 0)
             assert isinstance(finished, ReplyFinished)
-            results[way] = (finished.turn.generation.text, finished.turn.stats_dict())
+            assert finished.turn.user.record.content == QUESTION
+            stats = finished.turn.stats_dict() | {"prompt": finished.turn.prompt.tokens}
+            results[way] = (finished.turn.generation.text, stats)
             if way == "slowly":
                 panel = str(app.query_one("#turn-start", Static).render())
                 speed = str(app.query_one("#speed", Static).render())
@@ -73,7 +75,7 @@ async def test_typed_slowly_fast_or_pasted_the_reply_is_the_same(smollm2: Path) 
     slow = results["slowly"][1]
     assert slow["read_ahead_tokens"] > 10
     assert slow["prompt_tokens_evaluated"] < 12  # the last word and the template's cue
-    assert slow["prompt_tokens"] == results["pasted"][1]["prompt_tokens"]
+    assert slow["prompt"] == results["fast"][1]["prompt"] == results["pasted"][1]["prompt"]
     assert f"read {slow['read_ahead_tokens']} tokens ahead as you typed" in panel
     # The first-token figure counts from Enter: never less than the model's own part.
     assert slow["sent_ttft_s"] >= slow["ttft_s"] - 1e-6
@@ -105,3 +107,25 @@ def test_a_setting_that_is_not_true_or_false_is_named(
     assert main(["conversations"]) == 2
     name = line.split(" ")[0]
     assert f"setting {name} must be true or false" in capsys.readouterr().err
+
+
+async def test_reading_ahead_that_fails_says_nothing_and_the_turn_says_why(
+    tiny_model: Path,
+) -> None:
+    """A system prompt the context cannot hold: reading ahead gives up quietly (it is a
+    bonus); Enter gives the one-line reason, and the message stays in the box."""
+    seen: list[Message] = []
+    app = LocalChatApp(
+        tiny_model, n_ctx=64, max_tokens=8, sampling=GREEDY, system_prompt="rule " * 80
+    )
+    async with app.run_test(size=(120, 36), message_hook=seen.append) as pilot:
+        await ready(pilot, app, seen)
+        for key in _keys("tell me about caches"):
+            await pilot.press(key)
+        await pilot.pause(0.5)
+        assert not app._notifications  # nothing went wrong that the user must know yet
+        await pilot.press("enter")
+        await pilot.pause(0.5)
+        messages = [n.message for n in app._notifications]
+        assert any("cannot hold the system prompt" in m for m in messages), messages
+        assert app.query_one(PromptInput).text == "tell me about caches"

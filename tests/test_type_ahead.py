@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from localchat.backend import Sampling
-from localchat.conversation import READ_AHEAD_BATCH, Conversation
+from localchat.conversation import READ_AHEAD_BATCH, Conversation, ReadAheadResult
 from localchat.demo import make_demo_model
 from localchat.engine import Engine, LoadOptions
 from localchat.kvstate import StateStore
@@ -126,7 +126,7 @@ def test_a_message_that_would_move_the_window_waits_for_enter(tiny_model: Path) 
         held = engine.cached_tokens
         before = engine._llm.tokens_evaluated
         long_message = " ".join(["word"] * 120)
-        assert conversation.read_ahead(long_message, 24, _never) == 0
+        assert conversation.read_ahead(long_message, 24, _never) == ReadAheadResult(0)
         assert engine._llm.tokens_evaluated == before and engine.cached_tokens == held
         _reply_text, stats = _reply(conversation, long_message, 24)
         assert stats["window_dropped_messages"] > 0 and stats["read_ahead_tokens"] == 0
@@ -143,8 +143,10 @@ def test_reading_ahead_gives_way_between_small_steps(engine: Engine) -> None:
         return calls > 1
 
     ahead = conversation.read_ahead(MESSAGE, 16, after_one_step)
-    assert ahead == READ_AHEAD_BATCH == len(engine.cached_tokens) - base
-    assert conversation.read_ahead(MESSAGE, 16, _never) > READ_AHEAD_BATCH  # and goes on
+    assert ahead == ReadAheadResult(READ_AHEAD_BATCH, finished=False)
+    assert len(engine.cached_tokens) - base == READ_AHEAD_BATCH
+    again = conversation.read_ahead(MESSAGE, 16, _never)  # and goes on
+    assert again.finished and again.tokens > READ_AHEAD_BATCH
 
 
 def test_a_new_conversation_reads_its_known_system_prompt_from_disk_while_typing(
@@ -170,10 +172,10 @@ def test_a_new_conversation_reads_its_known_system_prompt_from_disk_while_typing
 def test_a_closed_conversation_or_an_empty_box_reads_nothing(engine: Engine) -> None:
     conversation = _with_history(engine, "quiet")
     held = engine.cached_tokens
-    assert conversation.read_ahead("   \n", 16, _never) == 0
+    assert conversation.read_ahead("   \n", 16, _never) == ReadAheadResult(0)
     assert engine.cached_tokens == held
     conversation.close()
-    assert conversation.read_ahead(MESSAGE, 16, _never) == 0
+    assert conversation.read_ahead(MESSAGE, 16, _never) == ReadAheadResult(0)
     assert engine.cached_tokens == held
 
 
@@ -215,3 +217,92 @@ def test_read_ahead_tokens_count_only_where_they_are_the_prompts_exact_ids(
     _reply_text, stats = _reply(odd, final)
     assert stats["prompt"] == reference_stats["prompt"]
     assert stats["history_reevaluated_tokens"] == 0
+
+
+def _reference_prompt(engine: Engine, history: list[str], final: str, **kw: object) -> list[int]:
+    """The prompt ``final`` gets after ``history`` with nothing read ahead."""
+    reference = _open(engine, "reference-" + str(len(history)), **kw)  # type: ignore[arg-type]
+    for text in history:
+        _reply(reference, text)
+    prompt: list[int] = _reply(reference, final)[1]["prompt"]
+    reference.close()
+    return prompt
+
+
+def test_what_was_read_ahead_stays_speculative_when_the_conversation_is_reopened(
+    smollm2: Path,
+) -> None:
+    """A draft read ahead, the conversation closed and reopened on the same model (Ctrl+N,
+    then back): its tokens are no history, the next prompt is the canonical one."""
+    for engine in _engine(smollm2):
+        draft, final = "Hello there\n\nsecond para wo", "Hello there\n\n\nthird"
+        expected = _reference_prompt(engine, ["Hi"], final)
+        first = _open(engine, "reopened")
+        _reply(first, "Hi")
+        _type(first, _typed(draft))
+        assert first.read_ahead(draft, 16, _never).tokens > 0
+        first.close()
+        again = _open(engine, "reopened")
+        assert _reply(again, final)[1]["prompt"] == expected
+        third = _open(engine, "retyped")
+        _reply(third, "Hi")
+        _type(third, _typed(draft))
+        third.close()
+        retyped = _open(engine, "retyped")
+        _type(retyped, _typed(final))
+        assert _reply(retyped, final)[1]["prompt"] == expected
+
+
+def test_a_rebuild_that_gives_way_leaves_the_prompt_as_it_would_be(engine: Engine) -> None:
+    """A known long system prompt read while typing, stopped between its batches (Enter
+    pressed): nothing half-done stays, and the turn reads exactly what it would have."""
+    persona = " ".join(f"Rule {i}: answer in plain words, keep it short." for i in range(40))
+    small_batches = Engine(engine.model_path, LoadOptions(n_ctx=2048, n_batch=256))
+    try:
+        # Read without saving a prefix state: the next start has to evaluate it again.
+        expected = _reference_prompt(
+            small_batches, [], MESSAGE, system=persona, prefix_min_tokens=0
+        )
+        small_batches.reset()
+        fresh = _open(small_batches, "stopped", system=persona)
+        result = fresh.read_ahead(MESSAGE, 16, lambda: True)
+        assert result == ReadAheadResult(0, finished=False) and not small_batches.cached_tokens
+        _text, stats = _reply(fresh, MESSAGE)
+        assert stats["prompt"] == expected and len(expected) > 2 * 256
+        assert stats["restored_prefix_tokens"] == 0 and stats["read_ahead_tokens"] == 0
+    finally:
+        small_batches.close()
+
+
+def test_a_history_without_its_saved_state_is_left_to_the_turn(engine: Engine) -> None:
+    conversation = _with_history(engine, "evicted")
+    conversation.saver.wait()
+    conversation.close()
+    states = StateStore(app_paths().states_dir)
+    states.discard(conversation.record.id, engine.fingerprint)
+    engine.reset()
+    reopened = _open(engine, "evicted")
+    assert reopened.read_ahead(MESSAGE, 16, _never) == ReadAheadResult(0)
+    assert not engine.cached_tokens  # nothing read: the turn replays its recorded batches
+    _text, stats = _reply(reopened, MESSAGE)
+    assert stats["prompt"] == _reference_prompt(engine, ["Hello there."], MESSAGE)
+
+
+@pytest.mark.parametrize("change", ["regenerate", "system prompt"])
+def test_a_change_to_the_conversation_after_reading_ahead_keeps_the_prompt_exact(
+    engine: Engine, change: str
+) -> None:
+    conversation = _with_history(engine, "changed")
+    _reply(conversation, "A second question.")
+    _type(conversation, _typed(MESSAGE))
+    if change == "regenerate":
+        question = conversation.take_back_last_exchange()
+        assert question == "A second question."
+        _text, stats = _reply(conversation, MESSAGE)
+        expected = _reference_prompt(engine, ["Hello there."], MESSAGE)
+    else:
+        conversation.set_system_prompt("Answer in French.")
+        _text, stats = _reply(conversation, MESSAGE)
+        # The transcript under its new system prompt, tokenized whole: the cache's head changed.
+        expected = engine.prompt_builder().build(conversation.window_messages()[:-1]).tokens
+    assert stats["prompt"] == expected

@@ -24,8 +24,13 @@ from textual.screen import Screen
 from textual.widgets import Footer, Header, Markdown, TextArea
 from textual.widgets.markdown import MarkdownStream
 
-from localchat.compute_thread import compute_waiting, run_compute
-from localchat.conversation import Conversation, ConversationBase, ConversationTurn
+from localchat.compute_thread import compute_waiting, run_compute, wait_idle
+from localchat.conversation import (
+    Conversation,
+    ConversationBase,
+    ConversationTurn,
+    ReadAheadResult,
+)
 from localchat.engine import Engine, Sampling
 from localchat.errors import LocalchatError, one_line
 from localchat.hub import DownloadCancelled, HubError
@@ -167,8 +172,10 @@ class LocalChatApp(ReportsWorkerFailures, App[int]):
         self._download_screen: DownloadScreen | None = None
         self._startup_notice = ""  # the first download's plan, shown on its screen
         self._quitting = False
-        # The message box's text, read ahead by one worker at a time (see read_ahead).
+        # The message box's text and a count of its changes, read ahead by one worker at a
+        # time (see read_ahead).
         self._draft = ""
+        self._draft_version = 0
         self._draft_lock = threading.Lock()
         self._reading_ahead = False
 
@@ -334,53 +341,76 @@ class LocalChatApp(ReportsWorkerFailures, App[int]):
     @on(TextArea.Changed, "#input")
     def _draft_changed(self, event: TextArea.Changed) -> None:
         """The message being typed is read ahead in the background (setting type_ahead)."""
+        self._schedule_read_ahead(event.text_area.text)
+
+    def _schedule_read_ahead(self, text: str) -> None:
         conversation = self.conversation
         if not self.settings.type_ahead or not isinstance(conversation, Conversation):
             return
         with self._draft_lock:
-            self._draft = event.text_area.text
+            self._draft = text
+            self._draft_version += 1
             if self._reading_ahead:
                 return  # the running worker picks the new text up
             self._reading_ahead = True
         self.read_ahead(conversation)
+
+    def _read_ahead_box(self) -> None:
+        """Read what the box holds ahead (after a turn, on opening a conversation): the
+        conversation it was read for may have changed under it."""
+        if self._torn_down():
+            return
+        text = self.query_one(PromptInput).text
+        if text.strip():
+            self._schedule_read_ahead(text)
 
     @work(thread=True, exit_on_error=False, group="read-ahead")
     def read_ahead(self, conversation: Conversation) -> None:
         """Read the newest text of the message box ahead until it is read, on the compute
         thread, giving way at once to anything else asked of it (the turn Enter starts, a
         model switch, a restore); one such worker runs at a time."""
-        done: str | None = None
+        done = -1
         shown = 0
         try:
             while True:
                 with self._draft_lock:
-                    draft = self._draft
-                    if draft == done or self._quitting or conversation is not self.conversation:
+                    draft, version = self._draft, self._draft_version
+                    if version == done or self._quitting or conversation is not self.conversation:
                         self._reading_ahead = False
                         return
-                tokens, kv_tokens = run_compute(self._read_ahead_now, conversation, draft)
-                if not self._give_way():  # read as far as it goes (else: again, after)
-                    done = draft
-                if tokens != shown:
-                    shown = tokens
-                    self.post_message(ReadAhead(tokens, kv_tokens))
+                result, kv_tokens = run_compute(self._read_ahead_now, conversation, draft, version)
+                if result.finished:  # else it gave way: again, after what waited
+                    done = version
+                if result.tokens != shown:
+                    shown = result.tokens
+                    self.post_message(ReadAhead(conversation.record.id, result.tokens, kv_tokens))
         except BaseException:
             with self._draft_lock:
                 self._reading_ahead = False
             raise
 
-    def _read_ahead_now(self, conversation: Conversation, draft: str) -> tuple[int, int]:
-        """On the compute thread: tokens read ahead, and what the cache holds in all."""
-        if conversation.closed:  # its model may be gone too
-            return 0, 0
-        tokens = conversation.read_ahead(draft, self.max_tokens or 512, self._give_way)
-        return tokens, len(conversation.engine.cached_tokens)
+    def _read_ahead_now(
+        self, conversation: Conversation, draft: str, version: int
+    ) -> tuple[ReadAheadResult, int]:
+        """On the compute thread: what was read ahead, and what the cache holds in all."""
+        if conversation.closed or self._quitting:  # its model and stores may be gone too
+            return ReadAheadResult(0), 0
+        if version != self._draft_version:  # typed on since: the newer text is read instead
+            return ReadAheadResult(0, finished=False), 0
+        try:
+            result = conversation.read_ahead(draft, self.max_tokens or 512, self._give_way)
+        except Exception as exc:  # reading ahead is a bonus: the turn will say what is wrong
+            self.log.warning(f"reading ahead failed: {exc}")
+            return ReadAheadResult(0), 0
+        return result, len(conversation.engine.cached_tokens)
 
     def _give_way(self) -> bool:
         return self._quitting or compute_waiting()
 
     def on_read_ahead(self, message: ReadAhead) -> None:
-        if self._generating or self._torn_down() or not message.tokens:
+        conversation = self.conversation
+        current = conversation is not None and conversation.record.id == message.conversation_id
+        if self._generating or self._torn_down() or not message.tokens or not current:
             return
         self.query_one(StatsPanel).show_turn_start(
             f"read {count(message.tokens, 'token')} ahead as you type"
@@ -498,6 +528,7 @@ class LocalChatApp(ReportsWorkerFailures, App[int]):
                 self.restore_on_open(conversation)
         self.title = f"localchat — {conversation.record.title}"
         await self._show_transcript()
+        self._read_ahead_box()
 
     @work(thread=True, exit_on_error=False, group="restore")
     def restore_on_open(self, conversation: Conversation) -> None:
@@ -619,6 +650,7 @@ class LocalChatApp(ReportsWorkerFailures, App[int]):
         if stats.stop_reason == "cancelled":
             await log.mount(Notice("stopped — the partial reply is kept"))
         self._generating = False
+        self._read_ahead_box()  # typed while the reply was written
 
     async def on_reply_failed(self, message: ReplyFailed) -> None:
         await self._end_stream()
@@ -757,6 +789,7 @@ class LocalChatApp(ReportsWorkerFailures, App[int]):
         if not self._turn_idle.wait(QUIT_WAIT_S):
             self.log.warning("the reply did not stop in time; it may be incomplete")
         self._quitting = True
+        wait_idle(QUIT_WAIT_S)  # a step of reading ahead ends before the stores close
         # A conversation still to open in a thread is not opened; one in flight is waited for.
         if self.session is not None:
             # A server's client is closed; a local model goes with the process.

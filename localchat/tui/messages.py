@@ -89,9 +89,10 @@ class StartupProgress(Message):
 
 @dataclass
 class ReadAhead(Message):
-    """The message being typed is read ahead: ``tokens`` of it are in the cache, which
-    holds ``kv_tokens`` in all."""
+    """The message being typed in conversation ``conversation_id`` is read ahead: ``tokens``
+    of it are in the cache, which holds ``kv_tokens`` in all."""
 
+    conversation_id: str
     tokens: int
     kv_tokens: int
 
