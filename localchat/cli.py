@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
 from localchat import __version__
+from localchat.attachments import check_fits, read_attachment, with_attachments
 from localchat.demo import (
     APP_DEMO_QUANT,
     APP_DEMO_SHAPE,
@@ -132,6 +133,14 @@ def build_parser() -> argparse.ArgumentParser:
     # The same flags as before the subcommand: given on either side, they count.
     _model_flags(ask, default=argparse.SUPPRESS)
     ask.add_argument("--system", default=None, help="system prompt")
+    ask.add_argument(
+        "--attach",
+        metavar="FILE",
+        type=Path,
+        action="append",
+        default=[],
+        help="put a text file (code, Markdown, logs) into the message, under its name; repeatable",
+    )
     ask.add_argument(
         "--max-tokens",
         type=_positive_int,
@@ -271,6 +280,8 @@ def cmd_ask(args: argparse.Namespace, out: TextIO) -> int:
     if args.fresh and not args.conversation:
         raise UsageError("--fresh needs --conversation NAME (a one-off ask has no saved state)")
     args.message = _message_text(args.message, sys.stdin)
+    args.attachments = [read_attachment(path) for path in args.attach]
+    args.message = with_attachments(args.message, args.attachments)
     if args.server:
         return _ask_remote(args, out, load_settings(app_paths().settings_file))
     model_path = args.model_path
@@ -303,11 +314,31 @@ def cmd_ask(args: argparse.Namespace, out: TextIO) -> int:
         args.max_tokens = settings.max_tokens
     cancel = threading.Event()
     try:
+        _report_attachments(args, engine.count_tokens, engine.n_ctx, args.max_tokens)
         if args.conversation:
             return _ask_in_conversation(args, engine, sampling, cancel, out, settings)
         return _ask_once(args, engine, sampling, cancel, out, settings)
     finally:
         engine.close()
+
+
+def _report_attachments(
+    args: argparse.Namespace, count: Callable[[str], int], n_ctx: int | None, max_tokens: int
+) -> None:
+    """Each attached file's token cost (stderr); a message the context cannot hold is refused
+    before anything is stored."""
+    from localchat.window import WindowPolicy
+
+    if not args.attachments:
+        return
+    for attachment in args.attachments:
+        print(
+            f"localchat: attached {attachment.name}: {count(attachment.block()):,} tokens",
+            file=sys.stderr,
+        )
+    reserve = WindowPolicy().reserve(n_ctx, max_tokens) if n_ctx else max_tokens
+    head = count(args.system) if args.system else 0
+    check_fits(args.attachments, count(args.message), head, n_ctx, reserve)
 
 
 def _message_text(message: str | None, stdin: TextIO) -> str:
@@ -388,16 +419,17 @@ def _ask_once(
     """One turn with no conversation; a known long system prompt starts from its saved state."""
     from localchat.conversation import RestoreReport, turn_stats_dict
     from localchat.kvstate import StateStore
-    from localchat.prefix_states import start_from_prefix, system_span
+    from localchat.prefix_states import prefix_spans, start_from_prefix
 
     messages = _one_off_messages(args)
-    prompt = engine.prompt_builder().build(messages)
+    builder = engine.prompt_builder()
+    prompt = builder.build(messages)
     prefix = start_from_prefix(
         engine,
         StateStore(app_paths().states_dir, settings.state_budget_bytes),
         engine.state_key,
         prompt.tokens,
-        system_span(prompt, len(messages) - 1),
+        prefix_spans(builder, messages, prompt, len(messages) - 1),
         settings.prefix_state_min_tokens,
     )
     restore = RestoreReport.from_prefix(prefix)
@@ -464,6 +496,11 @@ def _ask_remote(args: argparse.Namespace, out: TextIO, settings: Settings) -> in
     sampling = Sampling(temperature=temperature, seed=args.seed)
     max_tokens = args.max_tokens or settings.max_tokens
     cancel = threading.Event()
+    try:
+        _report_attachments(args, backend.count_tokens, backend.context_size, max_tokens)
+    except BaseException:
+        backend.close()
+        raise
     if not args.conversation:
         try:
             reply = backend.stream(_one_off_messages(args), sampling, max_tokens, cancel)

@@ -24,8 +24,8 @@ from localchat.locks import ConversationLock
 from localchat.prefix_states import (
     DEFAULT_MIN_TOKENS,
     PrefixStart,
+    prefix_spans,
     start_from_prefix,
-    system_span,
 )
 from localchat.prompt import BuiltPrompt, common_prefix, settled_chars
 from localchat.store import ConversationRecord, MessageRecord, Store
@@ -153,6 +153,7 @@ class WindowReport:
     dropped_messages: int = 0
     dropped_tokens: int = 0
     cut_tokens: int = 0
+    kept_pinned: int = 0  # pinned messages among the old ones: they stay in the window
 
 
 def turn_stats_dict(
@@ -259,9 +260,38 @@ class ConversationBase:
         return [ChatMessage("system", self.record.system_prompt)]
 
     def window_messages(self, first: int | None = None) -> list[ChatMessage]:
-        """The system prompt and the messages from ``first`` (default: the window's start)."""
+        """What the model sees: the system prompt, the pinned messages before ``first``
+        (default: the window's start), and the messages from there."""
         first = self.window_first if first is None else first
-        return self.system_messages() + [e.prompt for e in self.exchanges[first:]]
+        pinned = [e.prompt for e in self.exchanges[:first] if e.record.pinned]
+        return self.system_messages() + pinned + [e.prompt for e in self.exchanges[first:]]
+
+    def head_count(self, first: int | None = None) -> int:
+        """Messages at the window's head that never leave it: the system prompt and the
+        pinned messages before ``first``."""
+        first = self.window_first if first is None else first
+        return len(self.system_messages()) + sum(
+            1 for e in self.exchanges[:first] if e.record.pinned
+        )
+
+    def pinned_flags(self, n: int) -> list[bool]:
+        """For the window's ``n`` messages (from its start; a draft after them): pinned?"""
+        flags = [e.record.pinned for e in self.exchanges[self.window_first :]]
+        return (flags + [False] * n)[:n]
+
+    def sees(self, index: int) -> bool:
+        """Whether the model still sees message ``index`` (in the window, or pinned)."""
+        return index >= self.window_first or self.exchanges[index].record.pinned
+
+    def pin(self, index: int, pinned: bool = True) -> None:
+        """Keep message ``index`` in the context window however long the conversation grows
+        (or let it leave again). Before the window's start, that changes what the model
+        sees there: the next turn reads from it (exactly, as after an edit)."""
+        record = self.exchanges[index].record
+        self.store.set_pinned(record.id, pinned)
+        record.pinned = pinned
+        if index < self.window_first:
+            self.branched = True
 
     def _commit_user(self, text: str) -> Exchange:
         """The user's message, in the transcript before anything can fail."""
@@ -322,9 +352,10 @@ class ConversationBase:
     def _window_notices(window: WindowReport) -> list[str]:
         notices = []
         if window.dropped_messages:
+            pinned = f"; {window.kept_pinned} pinned stay in it" if window.kept_pinned else ""
             notices.append(
                 f"{window.dropped_messages} older messages ({window.dropped_tokens} tokens) left"
-                f" the context window ({window.mode}); they stay in the transcript"
+                f" the context window ({window.mode}); they stay in the transcript{pinned}"
             )
         if window.cut_tokens:
             notices.append(
@@ -420,7 +451,7 @@ class Conversation(ConversationBase):
         # A saved state read to learn what the cache holds, kept for the restore.
         self._loaded: tuple[SavedState | StateRejected, float] | None = None
         self.prefix_min_tokens = prefix_min_tokens
-        self._system_span = 0  # where this turn's prompt's system prompt ends
+        self._prefix_spans: list[int] = []  # where this turn's shared prefixes end
         self._ahead: _ReadAhead | None = None  # a message read ahead while being typed
 
     @classmethod
@@ -517,7 +548,8 @@ class Conversation(ConversationBase):
             messages = self.window_messages()
             held = self._held_tokens(fresh)
             prompt = self.builder.build(messages, held)
-            self._system_span = system_span(prompt, len(self.system_messages()))
+            n_system = len(self.system_messages())
+            self._prefix_spans = prefix_spans(self.builder, messages, prompt, n_system)
             plan = self._plan(prompt, messages, max_tokens)
             if not (plan.moved or plan.cut_tokens):
                 window = WindowReport()
@@ -614,13 +646,13 @@ class Conversation(ConversationBase):
         prompt = self.builder.build(messages)
         if self._plan(prompt, messages, max_tokens).moved:
             return None
-        span = system_span(prompt, len(self.system_messages()))
+        spans = prefix_spans(self.builder, messages, prompt, len(self.system_messages()))
         prefix = start_from_prefix(
             engine,
             self.states,
             self.key,
             prompt.tokens,
-            span,
+            spans,
             self.prefix_min_tokens,
             self.saver,
             stop,
@@ -654,15 +686,24 @@ class Conversation(ConversationBase):
         self, prompt: BuiltPrompt, messages: Sequence[ChatMessage], max_tokens: int
     ) -> WindowPlan:
         """Plan the window from the prompt's per-message spans (``messages``: what the prompt
-        was built from, system prompt first)."""
-        n_system = len(self.system_messages())
-        spans = prompt.spans[n_system:]
+        was built from, its head — system prompt, pinned messages — first)."""
+        n_head = self.head_count()
+        spans = prompt.spans[n_head:]
         head = spans[0][0] if spans else len(prompt.tokens)
         header = prompt.generation_header
-        window = messages[n_system:]
+        window = messages[n_head:]
         counts = [(m.role, end - start) for m, (start, end) in zip(window, spans, strict=True)]
         reserve = self.window_policy.reserve(self.engine.n_ctx, max_tokens)
-        return plan_window(head, counts, 0, self.engine.n_ctx, reserve, self.window_policy, header)
+        return plan_window(
+            head,
+            counts,
+            0,
+            self.engine.n_ctx,
+            reserve,
+            self.window_policy,
+            header,
+            self.pinned_flags(len(counts)),
+        )
 
     def _move_window(
         self, old_prompt: BuiltPrompt, plan: WindowPlan, fresh: bool, old_held: list[int]
@@ -677,13 +718,15 @@ class Conversation(ConversationBase):
             messages[-1] = self._cut_message(messages[-1], plan.cut_tokens)
         info = engine.info
         safe = shift_is_safe(info.architecture, info.sliding_window, engine.can_shift())
+        # Pinned messages among those passed: what leaves is not one span to shift out.
+        passed = self.exchanges[self.window_first : new_first]
+        safe = safe and not any(e.record.pinned for e in passed)
         mode = resolve_mode(self.window_mode, safe) if plan.moved else "none"
         restore = RestoreReport()
         held: list[int] = []
         if mode == "shift" and not fresh:
             restore = self._prepare_cache(old_prompt.tokens, fresh=False)
-            n_system = len(self.system_messages())
-            head = old_prompt.spans[n_system][0]
+            head = old_prompt.spans[self.head_count()][0]
             span = old_prompt.tokens[head : head + plan.dropped_tokens]
             if engine.cached_tokens[head : head + plan.dropped_tokens] == span:
                 engine.drop_span(head, plan.dropped_tokens)
@@ -700,7 +743,10 @@ class Conversation(ConversationBase):
         if mode == "none":
             restore = self._prepare_cache(prompt.tokens, fresh)
         self.window_first = new_first
-        report = WindowReport(mode, plan.dropped_messages, plan.dropped_tokens, plan.cut_tokens)
+        kept = sum(1 for e in passed if e.record.pinned)
+        report = WindowReport(
+            mode, plan.dropped_messages, plan.dropped_tokens, plan.cut_tokens, kept
+        )
         return messages, prompt, report, restore
 
     def _cut_message(self, message: ChatMessage, cut_tokens: int) -> ChatMessage:
@@ -805,7 +851,7 @@ class Conversation(ConversationBase):
             self.states,
             self.key,
             prompt,
-            self._system_span,
+            self._prefix_spans,
             self.prefix_min_tokens,
             self.saver,
         )

@@ -152,14 +152,16 @@ class PromptBuilder:
         return prompt
 
     def build_draft(
-        self, messages: Sequence[ChatMessage], held: Sequence[int] = ()
+        self, messages: Sequence[ChatMessage], held: Sequence[int] = (), cut: int | None = None
     ) -> tuple[BuiltPrompt, int]:
         """The prompt for ``messages`` whose last one is still being typed, and how many of
         its leading tokens no further typing at that message's end can change: the
-        template's header for it and its text but the last word (``settled_chars``)."""
+        template's header for it and its text but the last word (``settled_chars``), or its
+        first ``cut`` characters whatever follows them."""
         prompt = self.build(messages, held)
         *before, draft = messages
-        probe = ChatMessage(draft.role, draft.content[: settled_chars(draft.content)] + _PROBE)
+        end = settled_chars(draft.content) if cut is None else cut
+        probe = ChatMessage(draft.role, draft.content[:end] + _PROBE)
         probed = self.build([*before, probe], held)
         return prompt, max(0, common_prefix(prompt.tokens, probed.tokens) - SETTLE_MARGIN)
 

@@ -109,7 +109,8 @@ class RemoteConversation(ConversationBase):
         try though these counts said it fits, so about half of them leave."""
         moved = moved or WindowReport()
         counts = self._counts()
-        head = sum(self.backend.message_tokens(m) for m in self.system_messages())
+        head_messages = self.window_messages()[: self.head_count()]  # system prompt, pins
+        head = sum(self.backend.message_tokens(m) for m in head_messages)
         total = head + sum(n for _, n in counts) + GENERATION_HEADER_TOKENS
         n_ctx = self.backend.context_size
         reserve = self.window_policy.reserve(n_ctx, max_tokens) if n_ctx else max_tokens
@@ -119,9 +120,17 @@ class RemoteConversation(ConversationBase):
         if n_ctx:
             reserve = self.window_policy.reserve(n_ctx, max_tokens)
             plan = plan_window(
-                head, counts, 0, n_ctx, reserve, self.window_policy, GENERATION_HEADER_TOKENS
+                head,
+                counts,
+                0,
+                n_ctx,
+                reserve,
+                self.window_policy,
+                GENERATION_HEADER_TOKENS,
+                self.pinned_flags(len(counts)),
             )
         if plan is not None and (plan.moved or plan.cut_tokens):
+            passed = self.exchanges[self.window_first : self.window_first + plan.first]
             self.window_first += plan.first
             total -= plan.dropped_tokens
             moved = WindowReport(
@@ -129,6 +138,7 @@ class RemoteConversation(ConversationBase):
                 moved.dropped_messages + plan.dropped_messages,
                 moved.dropped_tokens + plan.dropped_tokens,
                 plan.cut_tokens,
+                moved.kept_pinned + sum(1 for e in passed if e.record.pinned),
             )
         messages = self.window_messages()
         if plan is not None and plan.cut_tokens:

@@ -1,9 +1,10 @@
 """Which messages are in the context window, and how the cache follows when it moves.
 
 The transcript keeps everything; the window is the system prompt (always, like llama.cpp's
-n_keep) plus the newest messages that fit with room for the reply. When the next turn would
-not fit, the oldest whole exchanges (a user message and its reply leave together) drop out,
-and enough at once (a share of the context) that it does not happen again next turn.
+n_keep) and the pinned messages, plus the newest messages that fit with room for the reply.
+When the next turn would not fit, the oldest whole exchanges (a user message and its reply
+leave together) drop out — pinned ones stay — and enough at once (a share of the context)
+that it does not happen again next turn.
 """
 
 from __future__ import annotations
@@ -70,12 +71,14 @@ def plan_window(
     reserve: int,
     policy: WindowPolicy,
     header_tokens: int = 0,
+    pinned: Sequence[bool] = (),
 ) -> WindowPlan:
     """Choose the window for a prompt of ``head_tokens`` + messages[first:] + the header.
 
     ``messages`` are every message's (role, token count), the user's new message last;
     messages before ``first`` already left the window. The window always starts at a user
-    message, so a reply never stays without the question it answers.
+    message, so a reply never stays without the question it answers. ``pinned`` messages
+    never leave: the window's start passes them by (they join the head).
     """
     budget = n_ctx - reserve - header_tokens
     if head_tokens + 1 > budget:
@@ -89,12 +92,14 @@ def plan_window(
     if total <= budget:
         return WindowPlan(first, 0, 0)
     must_drop = max(total - budget, int(n_ctx * policy.drop_share))
-    start, dropped = first, 0
+    start, dropped, left = first, 0, 0
     while start < newest and (dropped < must_drop or messages[start][0] != "user"):
-        dropped += messages[start][1]
+        if not (start < len(pinned) and pinned[start]):
+            dropped += messages[start][1]
+            left += 1
         start += 1
     remaining = total - dropped
-    return WindowPlan(start, start - first, dropped, max(0, remaining - budget))
+    return WindowPlan(start, left, dropped, max(0, remaining - budget))
 
 
 def shift_is_safe(architecture: str, sliding_window: int, can_shift: bool) -> bool:

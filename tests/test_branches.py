@@ -203,3 +203,33 @@ def test_a_database_from_before_branches_becomes_one_branch(tmp_path: Path) -> N
     assert store.head("c1") == messages[-1].id
     added = store.add_message("c1", "user", "message 4")
     assert added.parent_id == messages[-1].id and store.head("c1") == added.id
+
+
+def test_a_pinned_message_never_leaves_the_window(tiny_model: Path) -> None:
+    engine = Engine(tiny_model, LoadOptions(n_ctx=192))
+    try:
+        store, states = _stores()
+        conversation = Conversation.open(store, states, "pins", engine, window_mode="shift")
+        _say(conversation, "remember this: the code word is falcon")
+        conversation.pin(0)
+        moved = None
+        for i in range(12):
+            turn = _say(conversation, f"question {i} about a topic, please answer it")
+            if turn.window.dropped_messages:
+                moved = turn
+                break
+        assert moved is not None and conversation.window_first > 1
+        # What left is one span no more (the pin stays between): re-read, not shifted.
+        assert moved.window.mode == "exact"
+        assert "falcon" in engine.detokenize(moved.prompt.tokens)
+        assert conversation.sees(0) and not conversation.sees(1)
+        assert store.messages(conversation.record.id)[0].pinned  # kept in the transcript
+        # Unpinned, it leaves with the next turn (read exactly from where it was).
+        conversation.pin(0, pinned=False)
+        after = _say(conversation, "and one more question")
+        assert "falcon" not in engine.detokenize(after.prompt.tokens)
+        engine.reset()
+        fresh = engine.generate(after.prompt.tokens, GREEDY, 16)
+        assert "".join(d.text for d in fresh) == after.generation.text
+    finally:
+        engine.close()

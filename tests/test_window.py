@@ -210,3 +210,16 @@ def test_a_turn_that_fails_after_the_window_moved_leaves_everything_as_it_was(
     # The retry gives what the conversation that never failed gives.
     assert _turn(failing, text).generation.text == _turn(steady, text).generation.text
     assert failing.window_first == steady.window_first
+
+
+def test_the_window_passes_pinned_messages_by() -> None:
+    from localchat.window import WindowPolicy, plan_window
+
+    counts = [("user", 50), ("assistant", 50), ("user", 50), ("assistant", 50), ("user", 30)]
+    free = plan_window(10, counts, 0, 200, 20, WindowPolicy(drop_share=0.0))
+    pinned = plan_window(
+        10, counts, 0, 200, 20, WindowPolicy(drop_share=0.0), 0, [True, False, False, False]
+    )
+    assert (free.first, free.dropped_messages, free.dropped_tokens) == (2, 2, 100)
+    # The pinned first question stays: its reply and the next exchange go instead.
+    assert pinned.first == 4 and pinned.dropped_messages == 3 and pinned.dropped_tokens == 150

@@ -24,12 +24,14 @@ from textual.screen import Screen
 from textual.widgets import Footer, Header, Markdown, TextArea
 from textual.widgets.markdown import MarkdownStream
 
+from localchat.attachments import Attachment, check_fits, read_attachment, with_attachments
 from localchat.compute_thread import compute_waiting, run_compute, wait_idle
 from localchat.conversation import (
     Conversation,
     ConversationBase,
     ConversationTurn,
     ReadAheadResult,
+    fork_conversation,
 )
 from localchat.engine import Engine, Sampling
 from localchat.errors import LocalchatError, one_line
@@ -41,6 +43,7 @@ from localchat.session import Session
 from localchat.settings import Settings, load_settings
 from localchat.store import Store
 from localchat.tui.messages import (
+    AttachmentReady,
     ConversationRestored,
     ModelChosen,
     ModelLoaded,
@@ -63,8 +66,10 @@ from localchat.tui.screens.no_model import NoModelScreen
 from localchat.tui.screens.text_prompt import TextPromptScreen
 from localchat.tui.widgets.chat_message import (
     AssistantMessage,
+    ChatEntry,
     Notice,
     UserMessage,
+    code_blocks,
     warm_up_markdown,
 )
 from localchat.tui.widgets.prompt_input import PromptInput
@@ -115,6 +120,25 @@ _BINDINGS: list[Binding] = [
             ("f3", "hardware", "Hardware", "This machine and what runs on it", "hardware"),
             ("f1", "help", "Help", "Every key", "help"),
         )
+    ),
+    # Not in the footer (it is full): in Help and the command palette.
+    Binding(
+        "ctrl+t",
+        "attach",
+        "Attach",
+        tooltip="Attach a text file (code, Markdown, logs) to your next message",
+        show=False,
+        priority=True,
+        id="attach",
+    ),
+    Binding(
+        "alt+up",
+        "select_message",
+        "Messages",
+        tooltip="Select the last message (then ↑↓): edit, branches, pin, copy",
+        show=False,
+        priority=True,
+        id="select-message",
     ),
     Binding("ctrl+q", "quit", "Quit", tooltip="Quit (the last state is saved first)", id="quit"),
 ]
@@ -178,6 +202,15 @@ class LocalChatApp(ReportsWorkerFailures, App[int]):
         self._draft_version = 0
         self._draft_lock = threading.Lock()
         self._reading_ahead = False
+        # The message being edited (its index in the branch in view): Enter sends the box's
+        # text in its place, as a new branch.
+        self._editing: int | None = None
+        self._box_before_edit = ""
+        # Files that go with the next message, and what the last one sent had (a failed
+        # send gives both back).
+        self._attachments: list[Attachment] = []
+        self._attachment_tokens: list[int] = []  # what each costs, counted when it came
+        self._sent: tuple[str, list[Attachment], list[int]] = ("", [], [])
 
     def compose(self) -> ComposeResult:
         yield Header()
@@ -347,6 +380,11 @@ class LocalChatApp(ReportsWorkerFailures, App[int]):
         conversation = self.conversation
         if not self.settings.type_ahead or not isinstance(conversation, Conversation):
             return
+        if self._editing is not None:  # it replaces an earlier message: read when sent
+            return
+        text = (
+            with_attachments(text, self._attachments) if text.strip() or self._attachments else text
+        )
         with self._draft_lock:
             self._draft = text
             self._draft_version += 1
@@ -361,7 +399,7 @@ class LocalChatApp(ReportsWorkerFailures, App[int]):
         if self._torn_down():
             return
         text = self.query_one(PromptInput).text
-        if text.strip():
+        if text.strip() or self._attachments:
             self._schedule_read_ahead(text)
 
     @work(thread=True, exit_on_error=False, group="read-ahead")
@@ -567,13 +605,34 @@ class LocalChatApp(ReportsWorkerFailures, App[int]):
         await log.remove_children()
         if self.conversation is None:
             return
-        for exchange in self.conversation.exchanges:
-            if exchange.record.role == "user":
-                await log.mount(UserMessage(exchange.record.content))
-            elif exchange.record.role == "assistant":
-                thought, answer = split_reasoning(exchange.record.content)
-                await log.mount(AssistantMessage(answer, thought))
+        conversation = self.conversation
+        entries: list[ChatEntry] = []
+        for index, exchange in enumerate(conversation.exchanges):
+            record = exchange.record
+            entry: ChatEntry
+            if record.role == "user":
+                entry = UserMessage(record.content, record.id, conversation.branches_at(index))
+            elif record.role == "assistant":
+                thought, answer = split_reasoning(record.content)
+                entry = AssistantMessage(answer, thought, record.id)
+            else:
+                continue
+            entry.show_window(record.pinned, conversation.sees(index))
+            entries.append(entry)
+        await log.mount_all(entries)
         log.scroll_end(animate=False)
+
+    def _show_window(self) -> None:
+        """Mark what the model still sees (the window moved, a pin changed)."""
+        conversation = self.conversation
+        if conversation is None or self._torn_down():
+            return
+        place = {e.record.id: i for i, e in enumerate(conversation.exchanges)}
+        for entry in self.query(ChatEntry):
+            index = place.get(entry.message_id) if entry.message_id is not None else None
+            if index is not None:
+                pinned = conversation.exchanges[index].record.pinned
+                entry.show_window(pinned, conversation.sees(index))
 
     # -- a turn ---------------------------------------------------------------------------
     @on(PromptInput.Submitted)
@@ -585,8 +644,15 @@ class LocalChatApp(ReportsWorkerFailures, App[int]):
             self.notify("Still answering; press Esc to stop first.", severity="warning")
             return
         entered_at = time.perf_counter()
+        self._sent = (message.text, self._attachments, self._attachment_tokens)
+        text = with_attachments(message.text, self._attachments)
+        self._attachments, self._attachment_tokens = [], []
         self.query_one(PromptInput).clear()
-        await self._start_turn(message.text, entered_at)
+        if self._editing is not None:  # in place of an earlier message: a new branch
+            self.conversation.branch_before(self._editing)
+            self._editing = None
+            await self._show_transcript()
+        await self._start_turn(text, entered_at)
 
     async def _start_turn(self, text: str, entered_at: float | None = None) -> None:
         """``entered_at``: when the user sent it (the first-token figure counts from there)."""
@@ -637,6 +703,16 @@ class LocalChatApp(ReportsWorkerFailures, App[int]):
     async def on_reply_finished(self, message: ReplyFinished) -> None:
         await self._draw_reply()
         await self._end_stream()
+        conversation = self.conversation
+        if self._user_view is not None and conversation is not None:  # stored: keys act on it
+            self._user_view.message_id = message.turn.user.record.id
+            index = self._index_of(message.turn.user.record.id)
+            if index is not None:  # a regenerate or an edit: its branches
+                self._user_view.show_branch(conversation.branches_at(index))
+        if self._reply is not None and message.turn.reply is not None:
+            self._reply.message_id = message.turn.reply.record.id
+        if message.turn.window.dropped_messages:
+            self._show_window()
         if self._reply is not None and self._reply.raw.strip():
             self._reply.collapse_reasoning()  # the answer is what is read now
         stats = message.stats
@@ -658,15 +734,210 @@ class LocalChatApp(ReportsWorkerFailures, App[int]):
             if view is not None:
                 await view.remove()
         prompt = self.query_one(PromptInput)
+        typed, attachments, tokens = self._sent
+        if attachments and message.user_text == with_attachments(typed, attachments):
+            # The files wait for the next try, apart from the words in the box.
+            self._attachments, self._attachment_tokens = attachments, tokens
+            restored_text = typed
+        else:
+            restored_text = message.user_text
         if not prompt.text.strip():
-            prompt.text = message.user_text
+            prompt.text = restored_text
         self.notify(message.error, title="Could not send", severity="error", timeout=15)
         self._generating = False
+
+    # -- branches -----------------------------------------------------------------------
+    def _index_of(self, message_id: int) -> int | None:
+        conversation = self.conversation
+        if conversation is None:
+            return None
+        ids = [e.record.id for e in conversation.exchanges]
+        return ids.index(message_id) if message_id in ids else None
+
+    def on_chat_entry_edit(self, message: ChatEntry.Edit) -> None:
+        index = self._index_of(message.message_id)
+        if index is None or self._generating or self.conversation is None:
+            return
+        box = self.query_one(PromptInput)
+        if self._editing is None:  # what the box held comes back if the edit is cancelled
+            self._box_before_edit = box.text
+        self._editing = index
+        box.text = self.conversation.exchanges[index].record.content
+        box.move_cursor(box.document.end)
+        box.focus()
+        self.notify(
+            f"Editing message {index + 1}: Enter sends it as a new branch (the old one is kept);"
+            " Esc cancels."
+        )
+
+    async def on_chat_entry_switch_branch(self, message: ChatEntry.SwitchBranch) -> None:
+        index = self._index_of(message.message_id)
+        conversation = self.conversation
+        if index is None or self._generating or conversation is None:
+            return
+        if not conversation.switch_branch(index, message.step):
+            self.notify("No other branch that way.")
+            return
+        self._editing = None
+        await self._show_transcript()
+        entries = [e for e in self.query(UserMessage) if e.message_id is not None]
+        target = conversation.exchanges[index].record.id
+        for entry in entries:
+            if entry.message_id == target:
+                entry.focus()
+                entry.scroll_visible(animate=False)
+        which, count = conversation.branches_at(index)
+        self.query_one(StatsPanel).show_turn_start(
+            f"branch {which} of {count} at message {index + 1}"
+        )
+
+    def on_chat_entry_pin(self, message: ChatEntry.Pin) -> None:
+        index = self._index_of(message.message_id)
+        conversation = self.conversation
+        if index is None or self._generating or conversation is None:
+            return
+        pinned = not conversation.exchanges[index].record.pinned
+        conversation.pin(index, pinned)
+        self._show_window()
+        self.notify(
+            f"Message {index + 1} pinned: it stays in the context window."
+            if pinned
+            else f"Message {index + 1} unpinned: it may leave the context window."
+        )
+
+    async def on_chat_entry_fork(self, message: ChatEntry.Fork) -> None:
+        """``localchat branch`` in the app: the messages up to the selected one (a question:
+        up to before it, and its text in the box to ask again) in a new conversation, whose
+        first turn restores them from this one's saved cache."""
+        index = self._index_of(message.message_id)
+        conversation, session = self.conversation, self.session
+        if index is None or self._generating or conversation is None or session is None:
+            return
+        record = conversation.exchanges[index].record
+        at = index + 1 if record.role == "assistant" else index
+        assert session.store is not None and session.states is not None
+        source = conversation.record.name
+        if isinstance(conversation, Conversation):
+            await asyncio.to_thread(conversation.saver.wait)  # its last state is the source
+        try:
+            fork, _caches = fork_conversation(session.store, session.states, source, at)
+        except LocalchatError as exc:
+            self.notify(str(exc), title="Could not fork", severity="error", timeout=15)
+            return
+        await self._close_conversation()
+        await self._open_conversation(fork.name)
+        box = self.query_one(PromptInput)
+        if record.role == "user":
+            box.text = record.content
+        box.focus()
+        self.query_one(StatsPanel).show_turn_start(f"forked from {source} at message {at}")
+        self.notify(f"Forked {source!r} at message {at} into {fork.name!r}.")
+
+    def _edit_last_question(self) -> None:
+        conversation = self.conversation
+        if conversation is None:
+            return
+        questions = [e.record.id for e in conversation.exchanges if e.record.role == "user"]
+        if questions:
+            self.on_chat_entry_edit(ChatEntry.Edit(questions[-1]))
+
+    def _step_last_branch(self, step: int) -> None:
+        conversation = self.conversation
+        if conversation is None:
+            return
+        forks = [
+            e.record.id
+            for i, e in enumerate(conversation.exchanges)
+            if e.record.role == "user" and conversation.branches_at(i)[1] > 1
+        ]
+        if not forks:
+            self.notify("This conversation has no other branches yet.")
+            return
+        self.post_message(ChatEntry.SwitchBranch(forks[-1], step))
+
+    def action_select_message(self) -> None:
+        """Select the last message (its keys: edit, branches, copy)."""
+        entries = list(self.query(ChatEntry))
+        if entries:
+            entries[-1].focus()
+            entries[-1].scroll_visible(animate=False)
 
     # -- actions ------------------------------------------------------------------------
     def action_stop(self) -> None:
         if self._generating:
             self._cancel.set()
+        elif self._editing is not None:
+            self._editing = None
+            self.query_one(PromptInput).text = self._box_before_edit
+            self.notify("Edit cancelled; the conversation is as it was.")
+        elif self._attachments:
+            names = ", ".join(a.name for a in self._attachments)
+            self._attachments, self._attachment_tokens = [], []
+            self.query_one(StatsPanel).show_turn_start("no files attached")
+            self.notify(f"Removed the attached {names}; the message box is as it was.")
+
+    def action_attach(self) -> None:
+        if self.engine is None:
+            self.notify("No model is loaded yet.", severity="warning")
+            return
+
+        def chosen(path: str | None) -> None:
+            if path:
+                self.load_attachment(Path(path).expanduser())
+
+        hint = "its path · Ctrl+S attaches · Esc cancels"
+        self.push_screen(TextPromptScreen("Attach a text file", "", hint), chosen)
+
+    @work(thread=True, exit_on_error=False, group="attach")
+    def load_attachment(self, path: Path) -> None:
+        """Read the file and count its tokens (the model's tokenizer, or the server's)."""
+        engine = self.engine
+        conversation = self.conversation
+        try:
+            attachment = read_attachment(path)
+            if engine is None:
+                return
+            system = conversation.record.system_prompt if conversation else None
+            if isinstance(engine, Engine):
+                tokens = run_compute(engine.count_tokens, attachment.block())
+                head = run_compute(engine.count_tokens, system) if system else 0
+            else:
+                tokens = engine.count_tokens(attachment.block())
+                head = engine.count_tokens(system) if system else 0
+        except LocalchatError as exc:
+            self.call_from_thread(
+                self.notify, str(exc), title="Not attached", severity="error", timeout=15
+            )
+            return
+        self.post_message(AttachmentReady(attachment, tokens, head))
+
+    def on_attachment_ready(self, message: AttachmentReady) -> None:
+        engine = self.engine
+        if engine is None or self._torn_down():
+            return
+        pending = [*self._attachments, message.attachment]
+        tokens = [*self._attachment_tokens, message.tokens]
+        n_ctx = engine.context_size
+        try:
+            check_fits(pending, sum(tokens), message.head_tokens, n_ctx, self._reply_reserve(n_ctx))
+        except LocalchatError as exc:
+            self.notify(str(exc), title="Not attached", severity="error", timeout=15)
+            return
+        self._attachments, self._attachment_tokens = pending, tokens
+        names = ", ".join(a.name for a in pending)
+        self.query_one(StatsPanel).show_turn_start(
+            f"attached {names}: goes with your next message (Esc removes)"
+        )
+        self.notify(f"Attached {message.attachment.name}: {message.tokens:,} tokens.")
+        self.query_one(PromptInput).focus()
+        self._read_ahead_box()  # the file is read while the question is typed
+
+    def _reply_reserve(self, n_ctx: int | None) -> int:
+        """The room a reply keeps in the context (as the window plans it)."""
+        from localchat.window import WindowPolicy
+
+        max_tokens = self.max_tokens or 512
+        return WindowPolicy().reserve(n_ctx, max_tokens) if n_ctx else max_tokens
 
     async def action_new_chat(self) -> None:
         if self._generating or self.engine is None:
@@ -740,14 +1011,40 @@ class LocalChatApp(ReportsWorkerFailures, App[int]):
         self.push_screen(HardwareScreen(self.settings.min_tokens_per_s))
 
     def action_help(self) -> None:
-        self.push_screen(HelpScreen(_BINDINGS))
+        every = [*ChatEntry.BINDINGS, *UserMessage.BINDINGS, *AssistantMessage.BINDINGS]
+        keys = [b for b in every if isinstance(b, Binding)]
+        self.push_screen(HelpScreen(_BINDINGS, keys))
 
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
         """Chat shortcuts act on the chat screen only: inside a dialog its own keys win."""
         return not (action in _CHAT_ACTIONS and len(self.screen_stack) > 1)
 
+    def action_copy_code(self) -> None:
+        """Copy the last code block of the conversation."""
+        replies = [r for r in self.query(AssistantMessage) if code_blocks(r.raw)]
+        if not replies:
+            self.notify("No code block in this conversation yet.")
+            return
+        language, code = code_blocks(replies[-1].raw)[-1]
+        self.copy_to_clipboard(code)
+        self.notify(f"Copied the last code block{f' ({language})' if language else ''}.")
+
     def get_system_commands(self, screen: Screen) -> Iterable[SystemCommand]:
         yield from super().get_system_commands(screen)
+        yield SystemCommand(
+            "Copy code", "Copy the last code block of the conversation", self.action_copy_code
+        )
+        yield SystemCommand(
+            "Edit the last question",
+            "Edit it: sent again, it starts a new branch (the old one is kept)",
+            self._edit_last_question,
+        )
+        for step, which in ((-1, "Previous"), (1, "Next")):
+            yield SystemCommand(
+                f"{which} branch",
+                f"The {which.lower()} branch at the last message that has several",
+                lambda step=step: self._step_last_branch(step),
+            )
         for binding in _BINDINGS:
             if binding.action not in ("quit",):
                 yield SystemCommand(

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 
 from textual.message import Message
 
+from localchat.attachments import Attachment
 from localchat.backend import TurnStats
 from localchat.conversation import ConversationTurn
 from localchat.engine import Engine
@@ -95,6 +96,16 @@ class ReadAhead(Message):
     conversation_id: str
     tokens: int
     kv_tokens: int
+
+
+@dataclass
+class AttachmentReady(Message):
+    """A file read for the next message: ``tokens`` is what it costs in the context,
+    ``head_tokens`` what the system prompt takes."""
+
+    attachment: Attachment
+    tokens: int
+    head_tokens: int
 
 
 @dataclass

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import ClassVar
 
 from rich.table import Table
@@ -15,9 +16,11 @@ from textual.widgets import Label, Static
 class HelpScreen(ModalScreen[None]):
     BINDINGS: ClassVar[list[BindingType]] = [Binding("escape", "close", "Close", id="help-close")]
 
-    def __init__(self, bindings: list[Binding]) -> None:
+    def __init__(self, bindings: list[Binding], message_bindings: Sequence[Binding] = ()) -> None:
+        """``message_bindings``: the keys of a selected message in the log."""
         super().__init__(classes="dialog-screen")
         self.app_bindings = bindings
+        self.message_bindings = list(message_bindings)
 
     def compose(self) -> ComposeResult:
         table = Table(show_header=True, box=None, padding=(0, 2))
@@ -29,6 +32,12 @@ class HelpScreen(ModalScreen[None]):
         for binding in self.app_bindings:
             table.add_row(self.app.get_key_display(binding), binding.description, binding.tooltip)
         table.add_row("Ctrl+P", "Commands", "Every action, searchable")
+        if self.message_bindings:
+            table.add_row("", "", "")
+            table.add_row("", "A selected message", "")
+            for binding in self.message_bindings:
+                key = self.app.get_key_display(binding)
+                table.add_row(key, binding.description, binding.tooltip)
         with VerticalScroll(classes="dialog wide"):
             yield Label("Keys", classes="dialog-title")
             yield Static(table)

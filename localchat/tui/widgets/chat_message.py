@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
+from typing import ClassVar
 
 from markdown_it import MarkdownIt
 from rich.text import Text
 from textual.app import ComposeResult
+from textual.binding import Binding, BindingType
 from textual.containers import Vertical
+from textual.message import Message
 from textual.widgets import Collapsible, Label, Markdown, Static
 
 from localchat.text import printable
@@ -26,34 +30,200 @@ def markdown_parser() -> MarkdownIt:
     return MarkdownIt("gfm-like")
 
 
+def code_blocks(text: str) -> list[tuple[str, str]]:
+    """(language, code) of each fenced or indented code block in a reply, in order."""
+    blocks = []
+    for token in markdown_parser().parse(text):
+        if token.type in ("fence", "code_block"):
+            blocks.append((token.info.strip(), token.content))
+    return blocks
+
+
 def warm_up_markdown() -> None:
     """Parse a sample once, off the app's thread: the patterns the parser compiles on first use
     then do not delay the first reply's first frame."""
     markdown_parser().parse(_WARM_UP_SAMPLE)
 
 
-class UserMessage(Vertical):
-    def __init__(self, text: str) -> None:
-        super().__init__(classes="message user")
+class ChatEntry(Vertical, can_focus=True):
+    """A message in the log that can be selected (Shift+Tab from the message box, then the
+    arrows): its keys act on it. ``message_id`` is its stored record (None while a reply is
+    still being written)."""
+
+    BINDINGS: ClassVar[list[BindingType]] = [
+        Binding("up", "step(-1)", "Previous", show=False, id="message-previous"),
+        Binding("down", "step(1)", "Next", show=False, id="message-next"),
+        Binding("c", "copy", "Copy", tooltip="Copy this message's text", id="message-copy"),
+        Binding("p", "pin", "Pin", tooltip="Pin: it never leaves the context window", id="pin"),
+        Binding(
+            "f",
+            "fork",
+            "Fork",
+            tooltip="A new conversation with the messages up to this one (from the saved cache)",
+            id="fork",
+        ),
+        Binding("tab", "leave", "Back", tooltip="Back to the message box", id="message-back"),
+    ]
+
+    @dataclass
+    class Edit(Message):
+        """Edit this (user) message: what is sent instead starts a new branch from it."""
+
+        message_id: int
+
+    @dataclass
+    class Pin(Message):
+        """Pin this message (or unpin it)."""
+
+        message_id: int
+
+    @dataclass
+    class Fork(Message):
+        """A new conversation holding the messages up to this one."""
+
+        message_id: int
+
+    @dataclass
+    class SwitchBranch(Message):
+        """Show the branch ``step`` places from the one this message is on."""
+
+        message_id: int
+        step: int
+
+    ROLE = ""
+
+    def __init__(self, classes: str, message_id: int | None) -> None:
+        super().__init__(classes=classes)
+        self.message_id = message_id
+
+    @property
+    def copy_text(self) -> str:
+        raise NotImplementedError
+
+    def role_text(self) -> str:
+        """The line above the message: who wrote it, pinned, out of the model's sight."""
+        marks = [self.ROLE]
+        if self.has_class("pinned"):
+            marks.append("pinned")
+        if self.has_class("out-of-window"):
+            marks.append("no longer in the context")
+        return " · ".join(marks)
+
+    def show_window(self, pinned: bool, seen: bool) -> None:
+        """Mark it pinned, and dim it once the model no longer sees it."""
+        self.set_class(pinned, "pinned")
+        self.set_class(not seen, "out-of-window")
+        if self.is_mounted:
+            self.query_one(".role", Label).update(self.role_text())
+
+    def action_pin(self) -> None:
+        if self.message_id is not None:
+            self.post_message(self.Pin(self.message_id))
+
+    def action_fork(self) -> None:
+        if self.message_id is not None:
+            self.post_message(self.Fork(self.message_id))
+
+    def action_step(self, step: int) -> None:
+        entries = list(self.screen.query(ChatEntry))
+        place = entries.index(self) + step
+        if 0 <= place < len(entries):
+            entries[place].focus()
+            entries[place].scroll_visible(animate=False)
+        elif step > 0:
+            self.action_leave()
+
+    def action_copy(self) -> None:
+        self.app.copy_to_clipboard(self.copy_text)
+        self.app.notify("Copied the message.")
+
+    def action_leave(self) -> None:
+        self.screen.query_one("#input").focus()
+
+
+class UserMessage(ChatEntry):
+    ROLE = "you"
+    BINDINGS: ClassVar[list[BindingType]] = [
+        Binding("e", "edit", "Edit", tooltip="Edit: sent again, it starts a new branch", id="edit"),
+        Binding("left", "branch(-1)", "◀ Branch", tooltip="The previous branch", id="branch-prev"),
+        Binding("right", "branch(1)", "Branch ▶", tooltip="The next branch", id="branch-next"),
+    ]
+
+    def __init__(
+        self, text: str, message_id: int | None = None, branch: tuple[int, int] = (1, 1)
+    ) -> None:
+        """``branch``: (which, how many) branches start at this message."""
+        super().__init__("message user", message_id)
         self.text = text
+        self.branch = branch
+
+    @property
+    def copy_text(self) -> str:
+        return self.text
+
+    def role_text(self) -> str:
+        which, count = self.branch
+        text = super().role_text()
+        return f"{text}  ◀ {which}/{count} ▶" if count > 1 else text
 
     def compose(self) -> ComposeResult:
-        yield Label("you", classes="role")
+        yield Label(self.role_text(), classes="role")
         # A Text object: the user's words are never parsed as Rich markup.
         yield Static(Text(self.text), classes="body")
 
+    def show_branch(self, branch: tuple[int, int]) -> None:
+        self.branch = branch
+        if self.is_mounted:
+            self.query_one(".role", Label).update(self.role_text())
 
-class AssistantMessage(Vertical):
+    def action_edit(self) -> None:
+        if self.message_id is not None:
+            self.post_message(self.Edit(self.message_id))
+
+    def action_branch(self, step: int) -> None:
+        if self.message_id is not None:
+            self.post_message(self.SwitchBranch(self.message_id, step))
+
+
+class AssistantMessage(ChatEntry):
     """Model output is text: control characters are made visible before rendering."""
 
-    def __init__(self, text: str = "", reasoning: str = "") -> None:
+    ROLE = "model"
+    BINDINGS: ClassVar[list[BindingType]] = [
+        Binding(
+            "k",
+            "copy_code",
+            "Copy code",
+            tooltip="Copy its last code block (again: the one before)",
+            id="copy-code",
+        ),
+    ]
+
+    def __init__(self, text: str = "", reasoning: str = "", message_id: int | None = None) -> None:
         """A reply being streamed (empty), or a stored one with its answer and thinking."""
-        super().__init__(classes="message assistant")
+        super().__init__("message assistant", message_id)
         self.raw = text  # the answer as the model wrote it
         self.reasoning = reasoning  # a reasoning model's thinking, dimmed and collapsible
+        self._code_pick = 0  # the code block copied last, counted from the end
+
+    @property
+    def copy_text(self) -> str:
+        return self.raw
+
+    def action_copy_code(self) -> None:
+        blocks = code_blocks(self.raw)
+        if not blocks:
+            self.app.notify("No code block in this reply.")
+            return
+        # Each press goes one block further back, from the last.
+        self._code_pick = (self._code_pick - 1) % len(blocks)
+        language, code = blocks[self._code_pick]
+        self.app.copy_to_clipboard(code)
+        kind = f" ({language})" if language else ""
+        self.app.notify(f"Copied code block {self._code_pick + 1} of {len(blocks)}{kind}.")
 
     def compose(self) -> ComposeResult:
-        yield Label("model", classes="role")
+        yield Label(self.role_text(), classes="role")
         # A stored reply's thinking starts folded: its answer is what is read.
         with Collapsible(title="reasoning", collapsed=bool(self.raw.strip()), classes="reasoning"):
             yield Static(Text(printable(self.reasoning.strip())), classes="reasoning-text")
