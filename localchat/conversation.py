@@ -200,12 +200,12 @@ def open_record(
     store: Store, name: str, system_prompt: str | None, model_name: str
 ) -> ConversationRecord:
     """The stored conversation ``name``, created if new; a given system prompt replaces the
-    stored one."""
+    stored one (of the branch in view)."""
     record = store.find(name)
     if record is None:
         return store.create_conversation(name, system_prompt, model_name)
     if system_prompt is not None and system_prompt != record.system_prompt:
-        store.update_conversation(record.id, system_prompt=system_prompt)
+        store.set_system_prompt(record.id, system_prompt)
         return store.get(name)
     return record
 
@@ -413,12 +413,31 @@ class ConversationBase:
         self.exchanges = self._load_exchanges()
         self.window_first = min(self._recorded_window_start(), index)
         self.branched = True
+        root = self.exchanges[0].record if self.exchanges else None
+        if root is not None and root.system_prompt != self.record.system_prompt:
+            # The conversation's system prompt is the branch in view's.
+            self.store.update_conversation(self.record.id, system_prompt=root.system_prompt)
+            self.record = self.store.get(self.record.name)
         return True
 
     def set_system_prompt(self, text: str | None) -> None:
-        """A new system prompt: the next turn re-evaluates (the cache's head changed)."""
-        self.store.update_conversation(self.record.id, system_prompt=text or None)
+        """A new system prompt for the branch in view, in place: the next turn reads it all
+        again (the cache's head changed). ``branch_system_prompt`` keeps the old one."""
+        self.store.set_system_prompt(self.record.id, text or None)
         self.record = self.store.get(self.record.name)
+        if self.exchanges:
+            self.exchanges[0].record.system_prompt = self.record.system_prompt
+        self.branched = True
+
+    def branch_system_prompt(self, text: str | None) -> None:
+        """A new system prompt as a new branch: the conversation starts again under it from
+        its first message, and the branch written under the old one stays beside it."""
+        self.store.update_conversation(self.record.id, system_prompt=text or None)
+        self.store.set_head(self.record.id, None)
+        self.record = self.store.get(self.record.name)
+        self.exchanges = []
+        self.window_first = 0
+        self.branched = True
 
 
 class Conversation(ConversationBase):

@@ -55,6 +55,7 @@ class MessageRecord:
     stats: dict[str, Any] = field(default_factory=dict)
     parent_id: int | None = None  # the message it follows (None: the first of its branch)
     pinned: bool = False  # never leaves the context window
+    system_prompt: str | None = None  # a first message's: the system prompt of its branches
 
 
 def _run_script(db: sqlite3.Connection, script: str) -> None:
@@ -182,6 +183,21 @@ def _create_message_tree(db: sqlite3.Connection) -> None:
     )
 
 
+def _create_branch_system_prompts(db: sqlite3.Connection) -> None:
+    # The system prompt is a branch's: each first message keeps the one its branches were
+    # written under (an edited system prompt starts a branch of its own); the conversation's
+    # is the branch in view's.
+    _run_script(
+        db,
+        """
+        ALTER TABLE messages ADD COLUMN system_prompt TEXT;
+        UPDATE messages SET system_prompt = (
+            SELECT c.system_prompt FROM conversations c WHERE c.id = messages.conversation_id
+        ) WHERE parent_id IS NULL;
+        """,
+    )
+
+
 # Append-only: never edit or reorder an entry once released; add a new one.
 MIGRATIONS: tuple[tuple[str, Callable[[sqlite3.Connection], None]], ...] = (
     ("001_conversations_and_messages", _create_base),
@@ -189,6 +205,7 @@ MIGRATIONS: tuple[tuple[str, Callable[[sqlite3.Connection], None]], ...] = (
     ("003_eval_batches", _create_eval_batches),
     ("004_context_windows", _create_context_windows),
     ("005_message_tree", _create_message_tree),
+    ("006_branch_system_prompts", _create_branch_system_prompts),
 )
 
 
@@ -296,17 +313,9 @@ class Store:
     def create_conversation(
         self, name: str, system_prompt: str | None = None, model: str | None = None
     ) -> ConversationRecord:
-        name = name.strip()
-        if not name:
-            raise UsageError("a conversation name cannot be empty")
-        now = time.time()
-        conversation_id = uuid.uuid4().hex
+        name = _conversation_name(name)
         with self.transaction() as db:
-            db.execute(
-                "INSERT INTO conversations (id, name, title, created_at, updated_at, model,"
-                " system_prompt) VALUES (?, ?, ?, ?, ?, ?, ?)",
-                (conversation_id, name, name, now, now, model, system_prompt),
-            )
+            _insert_conversation(db, uuid.uuid4().hex, name, model, system_prompt)
         return self.get(name)
 
     def find(self, name: str) -> ConversationRecord | None:
@@ -353,26 +362,19 @@ class Store:
         """A new conversation ``name`` holding ``messages`` (the first of the source's branch in
         view) with the source's system prompt, each message's token ids per model, and how
         each model's cache of the source was evaluated (its batches replay the shared part)."""
-        name = name.strip()
-        if not name:
-            raise UsageError("a conversation name cannot be empty")
+        name = _conversation_name(name)
         if self.find(name) is not None:
             raise UsageError(f"a conversation named {name!r} exists; choose another --as name")
-        now = time.time()
         new_id = uuid.uuid4().hex
         with self.transaction() as db:
-            db.execute(
-                "INSERT INTO conversations (id, name, title, created_at, updated_at, model,"
-                " system_prompt) VALUES (?, ?, ?, ?, ?, ?, ?)",
-                (new_id, name, name, now, now, source.model, source.system_prompt),
-            )
+            _insert_conversation(db, new_id, name, source.model, source.system_prompt)
             parent: int | None = None
             new_seq: dict[int, int] = {}
             for seq, message in enumerate(messages):
                 cursor = db.execute(
                     "INSERT INTO messages (conversation_id, seq, role, content, token_count,"
-                    " created_at, status, stats, parent_id, pinned)"
-                    " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                    " created_at, status, stats, parent_id, pinned, system_prompt)"
+                    " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                     (
                         new_id,
                         seq,
@@ -384,6 +386,7 @@ class Store:
                         json.dumps(message.stats),
                         parent,
                         int(message.pinned),
+                        source.system_prompt if parent is None else None,
                     ),
                 )
                 db.execute(
@@ -444,12 +447,16 @@ class Store:
                 (conversation_id,),
             ).fetchone()[0]
             parent = db.execute(
-                "SELECT head_id FROM conversations WHERE id = ?", (conversation_id,)
+                "SELECT head_id, system_prompt FROM conversations WHERE id = ?",
+                (conversation_id,),
             ).fetchone()
             parent_id = parent[0] if parent is not None else None
+            # A first message keeps the system prompt its branch is written under.
+            system_prompt = parent[1] if parent is not None and parent_id is None else None
             cursor = db.execute(
                 "INSERT INTO messages (conversation_id, seq, role, content, token_count, created_at,"
-                " status, stats, parent_id, pinned) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                " status, stats, parent_id, pinned, system_prompt)"
+                " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (
                     conversation_id,
                     seq,
@@ -461,6 +468,7 @@ class Store:
                     json.dumps(stats or {}),
                     parent_id,
                     int(pinned),
+                    system_prompt,
                 ),
             )
             message_id = int(cursor.lastrowid or 0)
@@ -485,6 +493,7 @@ class Store:
             stats or {},
             parent_id,
             pinned,
+            system_prompt,
         )
 
     @staticmethod
@@ -501,6 +510,7 @@ class Store:
             json.loads(row["stats"]),
             row["parent_id"],
             bool(row["pinned"]),
+            row["system_prompt"],
         )
 
     def messages(self, conversation_id: str) -> builtins.list[MessageRecord]:
@@ -566,6 +576,25 @@ class Store:
             (message_id,),
         )
         return int(rows[0]["id"]) if rows else message_id
+
+    def set_system_prompt(self, conversation_id: str, text: str | None) -> None:
+        """The branch in view's system prompt, changed in place: the conversation's and its
+        first message's (other branches keep theirs)."""
+        with self.transaction() as db:
+            db.execute(
+                "UPDATE conversations SET system_prompt = ?, updated_at = ? WHERE id = ?",
+                (text, time.time(), conversation_id),
+            )
+            db.execute(
+                """WITH RECURSIVE branch(id, parent) AS (
+                       SELECT m.id, m.parent_id FROM messages m JOIN conversations c
+                       ON m.id = c.head_id WHERE c.id = ?
+                       UNION ALL
+                       SELECT m.id, m.parent_id FROM messages m JOIN branch b ON m.id = b.parent)
+                   UPDATE messages SET system_prompt = ?
+                   WHERE id = (SELECT id FROM branch WHERE parent IS NULL)""",
+                (conversation_id, text),
+            )
 
     def set_pinned(self, message_id: int, pinned: bool) -> None:
         with self.transaction() as db:
@@ -647,6 +676,28 @@ class Store:
                    AND NOT EXISTS (SELECT 1 FROM messages m WHERE m.id = head_id)""",
                 (message.parent_id, message.conversation_id),
             )
+
+
+def _conversation_name(name: str) -> str:
+    name = name.strip()
+    if not name:
+        raise UsageError("a conversation name cannot be empty")
+    return name
+
+
+def _insert_conversation(
+    db: sqlite3.Connection,
+    conversation_id: str,
+    name: str,
+    model: str | None,
+    system_prompt: str | None,
+) -> None:
+    now = time.time()
+    db.execute(
+        "INSERT INTO conversations (id, name, title, created_at, updated_at, model,"
+        " system_prompt) VALUES (?, ?, ?, ?, ?, ?, ?)",
+        (conversation_id, name, name, now, now, model, system_prompt),
+    )
 
 
 def _not_found_message(name: str, existing: list[str]) -> str:

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from localchat.backend import Sampling
+from localchat.chat_template import ChatMessage
 from localchat.cli import main
 from localchat.conversation import Conversation, ConversationTurn
 from localchat.engine import Engine, LoadOptions
@@ -196,8 +197,12 @@ def test_a_database_from_before_branches_becomes_one_branch(tmp_path: Path) -> N
             (seq, role, f"message {seq}"),
         )
     db.close()
+    db = sqlite3.connect(path, isolation_level=None)
+    db.execute("UPDATE conversations SET system_prompt = 'Be brief.'")
+    db.close()
     store = Store(path)
     messages = store.messages("c1")
+    assert messages[0].system_prompt == "Be brief." and messages[1].system_prompt is None
     assert [m.content for m in messages] == [f"message {i}" for i in range(4)]
     assert [m.parent_id for m in messages] == [None, *(m.id for m in messages[:-1])]
     assert store.head("c1") == messages[-1].id
@@ -233,3 +238,34 @@ def test_a_pinned_message_never_leaves_the_window(tiny_model: Path) -> None:
         assert "".join(d.text for d in fresh) == after.generation.text
     finally:
         engine.close()
+
+
+def test_an_edited_system_prompt_starts_a_branch_and_the_old_one_keeps_its_own(
+    engine: Engine,
+) -> None:
+    store, states = _stores()
+    conversation = Conversation.open(store, states, "personas", engine, "Answer as a pirate.")
+    _say(conversation, "Who are you?")
+    _say(conversation, "Where do you sail?")
+    old = [e.record.content for e in conversation.exchanges]
+    conversation.branch_system_prompt("Answer as a librarian.")
+    assert conversation.exchanges == [] and conversation.window_messages() == [
+        ChatMessage("system", "Answer as a librarian.")
+    ]
+    turn = _say(conversation, "Who are you?")
+    assert "librarian" in engine.detokenize(turn.prompt.tokens)
+    assert conversation.branches_at(0) == (2, 2)
+    assert conversation.switch_branch(0, -1)
+    assert [e.record.content for e in conversation.exchanges] == old
+    assert conversation.record.system_prompt == "Answer as a pirate."
+    back = _say(conversation, "And your ship?")
+    assert "pirate" in engine.detokenize(back.prompt.tokens)
+    # In place, a system prompt changes this branch only.
+    conversation.set_system_prompt("Answer as a captain.")
+    conversation.switch_branch(0, 1)
+    assert conversation.record.system_prompt == "Answer as a librarian."
+    conversation.close()
+    reopened = Conversation.open(store, states, "personas", engine)
+    assert reopened.record.system_prompt == "Answer as a librarian."
+    assert reopened.switch_branch(0, -1)
+    assert reopened.record.system_prompt == "Answer as a captain."

@@ -75,8 +75,10 @@ async def test_regenerate_and_system_prompt(tiny_model: Path) -> None:
         await pilot.press("ctrl+r")
         await wait_for(pilot, seen, ReplyFinished, after=mark)
         await pilot.pause(0.1)
-        records = app.conversation.store.messages(app.conversation.record.id)
-        assert [r.role for r in records] == ["user", "assistant"], "the old reply was replaced"
+        store, conversation_id = app.conversation.store, app.conversation.record.id
+        records = store.messages(conversation_id)
+        assert [r.role for r in records] == ["user", "assistant"], "one answer in view"
+        assert len(store.all_messages(conversation_id)) == 4  # the old one kept, as a branch
         assert len(app.query(AssistantMessage)) == 1
         await pilot.press("ctrl+s")
         await pilot.pause(0.2)
@@ -84,9 +86,11 @@ async def test_regenerate_and_system_prompt(tiny_model: Path) -> None:
         await pilot.press("ctrl+s")
         await pilot.pause(0.1)
         assert app.conversation.record.system_prompt == "Answer in French."
+        assert not app.query(UserMessage)  # under the new system prompt: a new branch
         finished = await say(pilot, seen, "again")
-        # The system prompt moved the head of the prompt: the history was evaluated again.
+        # The system prompt moved the head of the prompt: it was evaluated again.
         assert finished.stats.prompt_tokens_evaluated > 10
+        assert app.conversation.branches_at(0) == (3, 3)  # two answers to "tell me", and this
 
 
 @pytest.fixture

@@ -962,13 +962,29 @@ class LocalChatApp(ReportsWorkerFailures, App[int]):
         if conversation is None or self._generating:
             return
 
-        def save(text: str | None) -> None:
-            if text is not None and self.conversation is conversation:
+        async def save(text: str | None) -> None:
+            if text is None or self.conversation is not conversation:
+                return
+            if (text or None) == conversation.record.system_prompt:
+                return
+            if not conversation.exchanges:
                 conversation.set_system_prompt(text)
-                self.notify("System prompt saved; the next reply re-reads the conversation.")
+                self.notify("System prompt saved.")
+                return
+            # Under another system prompt the conversation starts again, as a branch of its
+            # own; the messages written under the old one stay on theirs.
+            conversation.branch_system_prompt(text)
+            await self._show_transcript()
+            self.query_one(StatsPanel).show_turn_start("new system prompt: a new branch")
+            self.notify(
+                "System prompt saved as a new branch: the conversation starts again under it."
+                " The old branch is kept (select its first message, then ←)."
+            )
 
         current = conversation.record.system_prompt or ""
-        self.push_screen(TextPromptScreen("System prompt for this conversation", current), save)
+        hint = "Ctrl+S saves (a conversation under way goes on as a new branch) · Esc cancels"
+        title = "System prompt for this conversation"
+        self.push_screen(TextPromptScreen(title, current, hint), save)
 
     def action_copy_reply(self) -> None:
         replies = list(self.query(AssistantMessage))

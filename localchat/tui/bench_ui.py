@@ -114,18 +114,10 @@ async def _app_cpu(model_path: Path, max_tokens: int) -> tuple[float, float, int
     app = LocalChatApp(
         model_path, n_ctx=UI_CTX, max_tokens=max_tokens, sampling=Sampling(temperature=0.0)
     )
-    loaded, done = asyncio.Event(), asyncio.Event()
-    finished: list[ReplyFinished] = []
-
-    def hook(message: object) -> None:
-        if isinstance(message, ModelLoaded):
-            loaded.set()
-        elif isinstance(message, ReplyFinished):
-            finished.append(message)
-            done.set()
-
-    async with app.run_test(size=(120, 36), message_hook=hook) as pilot:
-        await _wait(loaded, "the model to load")
+    events = _AppEvents()
+    done, finished = events.done, events.finished
+    async with app.run_test(size=(120, 36), message_hook=events.hook) as pilot:
+        await _wait(events.loaded, "the model to load")
         await pilot.pause(SETTLE_S)  # the conversation opens, the screen settles
         app.query_one("#input").text = MESSAGE  # type: ignore[attr-defined]
         await pilot.pause(SETTLE_S)
@@ -138,6 +130,24 @@ async def _app_cpu(model_path: Path, max_tokens: int) -> tuple[float, float, int
         used = time.process_time() - cpu
         stats = finished[0].stats
     return used, stats.gen_tps, stats.generated_tokens
+
+
+class _AppEvents:
+    """What a measurement waits for in the app: the model loaded, a conversation restored,
+    each reply finished (the test side waits on these, never polling the pilot)."""
+
+    def __init__(self) -> None:
+        self.loaded, self.restored, self.done = asyncio.Event(), asyncio.Event(), asyncio.Event()
+        self.finished: list[ReplyFinished] = []
+
+    def hook(self, message: object) -> None:
+        if isinstance(message, ModelLoaded):
+            self.loaded.set()
+        elif isinstance(message, ConversationRestored):
+            self.restored.set()
+        elif isinstance(message, ReplyFinished):
+            self.finished.append(message)
+            self.done.set()
 
 
 async def _wait(event: asyncio.Event, what: str) -> None:
@@ -180,18 +190,10 @@ async def _first_turns_after_open(
         sampling=Sampling(temperature=0.0),
         conversation_name=name,
     )
-    restored, done = asyncio.Event(), asyncio.Event()
-    finished: list[ReplyFinished] = []
-
-    def hook(message: object) -> None:
-        if isinstance(message, ConversationRestored):
-            restored.set()
-        elif isinstance(message, ReplyFinished):
-            finished.append(message)
-            done.set()
-
-    async with app.run_test(size=(120, 36), message_hook=hook) as pilot:
-        await _wait(restored, "the conversation restored")
+    events = _AppEvents()
+    done, finished = events.done, events.finished
+    async with app.run_test(size=(120, 36), message_hook=events.hook) as pilot:
+        await _wait(events.restored, "the conversation restored")
         # The restore alone is measured: nothing is read ahead of Enter (typeahead_* is that).
         app.settings = replace(app.settings, type_ahead=False)
         for text in messages:
@@ -246,16 +248,9 @@ async def _type_ahead_turns(
     message typed at ``TYPING_CHARS_PER_S`` (read ahead while typed), and the same long
     message with reading ahead off (typed or pasted is then the same: it is put in at once)."""
     app = LocalChatApp(model_path, n_ctx=n_ctx, max_tokens=8, sampling=Sampling(temperature=0.0))
-    loaded, done = asyncio.Event(), asyncio.Event()
-    finished: list[ReplyFinished] = []
+    events = _AppEvents()
+    done, finished = events.done, events.finished
     times: dict[str, list[float]] = {"one_word": [], "typed": [], "cold": [], "read_ahead": []}
-
-    def hook(message: object) -> None:
-        if isinstance(message, ModelLoaded):
-            loaded.set()
-        elif isinstance(message, ReplyFinished):
-            finished.append(message)
-            done.set()
 
     async def turn(kind: str, text: str) -> None:
         done.clear()
@@ -274,8 +269,8 @@ async def _type_ahead_turns(
             times["read_ahead"].append(stats["read_ahead_tokens"])
         await pilot.pause(SETTLE_S)
 
-    async with app.run_test(size=(120, 36), message_hook=hook) as pilot:
-        await _wait(loaded, "the model to load")
+    async with app.run_test(size=(120, 36), message_hook=events.hook) as pilot:
+        await _wait(events.loaded, "the model to load")
         await pilot.pause(SETTLE_S)
         await turn("one_word", "Hello.")  # the conversation is warm from here on
         for long_message in long_messages:
