@@ -84,7 +84,9 @@ def read_attachment(path: Path) -> Attachment:
         raise UsageError(
             f"{path} is not UTF-8 text (byte {exc.start} cannot be read); convert it to UTF-8"
         ) from None
-    return Attachment(path.name, text)
+    if not text.strip():
+        raise UsageError(f"{path} is empty; there is nothing in it to attach")
+    return Attachment(path.name, text.replace("\r\n", "\n"))
 
 
 def with_attachments(text: str, attachments: Sequence[Attachment]) -> str:

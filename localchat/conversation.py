@@ -76,7 +76,7 @@ class _ReadAhead:
     The tokens read are the cache's past ``Engine.committed``."""
 
     report: RestoreReport = field(default_factory=RestoreReport)
-    settled: tuple[str, str | None, int] | None = None
+    settled: tuple[str, str | None, int | None, int] | None = None
 
 
 @dataclass(frozen=True)
@@ -236,14 +236,27 @@ class ConversationBase:
         # The branch in view changed since the last turn (an edit, a regenerate, a switch):
         # the cache holds another branch and is cut back to where the two agree.
         self.branched = False
+        # Where the branch in view ended (and its system prompt) before a branch began that
+        # has no reply yet: a send that fails puts it back.
+        self._head_before: tuple[int | None, str | None] | None = None
 
     def _recorded_window_start(self) -> int:
-        """Where this model's window starts in the branch in view."""
+        """Where this model's window starts in the branch in view: the message recorded as
+        its start when that message is on this branch, else the first (the next turn's plan
+        moves it as far as the context needs)."""
         first_seq = self.store.window_start(self.record.id, self.fingerprint)
-        return next(
-            (i for i, e in enumerate(self.exchanges) if e.record.seq >= first_seq),
-            len(self.exchanges),
-        )
+        return next((i for i, e in enumerate(self.exchanges) if e.record.seq == first_seq), 0)
+
+    def _mark_branched(self) -> None:
+        """The branch in view changed. A saved cache whose window was shifted in place (no
+        record of its batches) cannot be cut back to the branch point exactly, in this
+        process or a later one: it goes, and the next turn reads the branch again."""
+        self.branched = True
+        self.states.discard_unlisted(self.record.id, self.store.model_fingerprints(self.record.id))
+
+    def _remember_head(self) -> None:
+        if self._head_before is None:
+            self._head_before = (self.store.head(self.record.id), self.record.system_prompt)
 
     def close(self) -> None:
         self.closed = True
@@ -284,14 +297,21 @@ class ConversationBase:
         return index >= self.window_first or self.exchanges[index].record.pinned
 
     def pin(self, index: int, pinned: bool = True) -> None:
-        """Keep message ``index`` in the context window however long the conversation grows
-        (or let it leave again). Before the window's start, that changes what the model
-        sees there: the next turn reads from it (exactly, as after an edit)."""
-        record = self.exchanges[index].record
-        self.store.set_pinned(record.id, pinned)
-        record.pinned = pinned
-        if index < self.window_first:
-            self.branched = True
+        """Keep message ``index`` and the other half of its exchange (a question and its
+        reply: templates want them in turn) in the context window however long the
+        conversation grows, or let them leave again. Before the window's start, that changes
+        what the model sees there: the next turn reads from it (exactly, as after an edit)."""
+        role = self.exchanges[index].record.role
+        partner = index + 1 if role == "user" else index - 1
+        indexes = [index]
+        if 0 <= partner < len(self.exchanges) and self.exchanges[partner].record.role != role:
+            indexes.append(partner)
+        for i in indexes:
+            record = self.exchanges[i].record
+            self.store.set_pinned(record.id, pinned)
+            record.pinned = pinned
+        if min(indexes) < self.window_first:
+            self._mark_branched()
 
     def _commit_user(self, text: str) -> Exchange:
         """The user's message, in the transcript before anything can fail."""
@@ -307,6 +327,15 @@ class ConversationBase:
         self.store.delete_message(user.record)
         moved = self.window_first != window_before
         self.window_first = window_before
+        if self._head_before is not None:  # the branch it was to start: back as it was
+            head, system_prompt = self._head_before
+            self._head_before = None
+            if system_prompt != self.record.system_prompt:
+                self.store.update_conversation(self.record.id, system_prompt=system_prompt)
+                self.record = self.store.get(self.record.name)
+            self.store.set_head(self.record.id, head)
+            self.exchanges = self._load_exchanges()
+            self.window_first = self._recorded_window_start()
         return moved
 
     def _store_reply(self, reply: Reply, stats: dict[str, Any], model_name: str) -> Exchange:
@@ -322,6 +351,7 @@ class ConversationBase:
             model_fingerprint=self.fingerprint,
         )
         self.store.update_conversation(self.record.id, model=model_name)
+        self._head_before = None  # the new branch has its reply: it stays
         exchange = Exchange(record, ChatMessage("assistant", reply.text))
         self.exchanges.append(exchange)
         return exchange
@@ -390,10 +420,11 @@ class ConversationBase:
             raise UsageError(
                 f"there is no message {index + 1} (the branch has {len(self.exchanges)})"
             )
+        self._remember_head()
         self.store.set_head(self.record.id, self.exchanges[index].record.parent_id)
         del self.exchanges[index:]
         self.window_first = min(self.window_first, index)
-        self.branched = True
+        self._mark_branched()
 
     def branches_at(self, index: int) -> tuple[int, int]:
         """(which, how many): message ``index``'s place among the branches that start there."""
@@ -409,16 +440,31 @@ class ConversationBase:
         place = [m.id for m in siblings].index(record.id) + step
         if not 0 <= place < len(siblings):
             return False
-        self.store.set_head(self.record.id, self.store.latest_leaf(siblings[place].id))
+        self._show_branch_of(siblings[place].id)
+        return True
+
+    def hidden_branches(self) -> bool:
+        """Whether the branch in view is empty (a new system prompt, nothing sent under it
+        yet) while other branches hold messages."""
+        return not self.exchanges and bool(self.store.all_messages(self.record.id))
+
+    def show_latest_branch(self) -> None:
+        """Put in view the branch written last (from an empty one)."""
+        messages = self.store.all_messages(self.record.id)
+        if messages:
+            self._show_branch_of(messages[-1].id)
+
+    def _show_branch_of(self, message_id: int) -> None:
+        self._head_before = None
+        self.store.set_head(self.record.id, self.store.latest_leaf(message_id))
         self.exchanges = self._load_exchanges()
-        self.window_first = min(self._recorded_window_start(), index)
-        self.branched = True
+        self.window_first = self._recorded_window_start()
+        self._mark_branched()
         root = self.exchanges[0].record if self.exchanges else None
         if root is not None and root.system_prompt != self.record.system_prompt:
             # The conversation's system prompt is the branch in view's.
             self.store.update_conversation(self.record.id, system_prompt=root.system_prompt)
             self.record = self.store.get(self.record.name)
-        return True
 
     def set_system_prompt(self, text: str | None) -> None:
         """A new system prompt for the branch in view, in place: the next turn reads it all
@@ -427,17 +473,18 @@ class ConversationBase:
         self.record = self.store.get(self.record.name)
         if self.exchanges:
             self.exchanges[0].record.system_prompt = self.record.system_prompt
-        self.branched = True
+        self._mark_branched()
 
     def branch_system_prompt(self, text: str | None) -> None:
         """A new system prompt as a new branch: the conversation starts again under it from
         its first message, and the branch written under the old one stays beside it."""
+        self._remember_head()
         self.store.update_conversation(self.record.id, system_prompt=text or None)
         self.store.set_head(self.record.id, None)
         self.record = self.store.get(self.record.name)
         self.exchanges = []
         self.window_first = 0
-        self.branched = True
+        self._mark_branched()
 
 
 class Conversation(ConversationBase):
@@ -607,10 +654,12 @@ class Conversation(ConversationBase):
         engine = self.engine
         if self.closed or not draft.strip():
             return ReadAheadResult(0)
+        last = self.exchanges[-1].record.id if self.exchanges else None
         settled_key = (
             draft[: settled_chars(draft)],
             self.record.system_prompt,
-            len(self.exchanges),
+            last,
+            self.window_first,
         )
         messages = [*self.window_messages(), ChatMessage("user", draft)]
         if engine.cache_owner != self.record.id:

@@ -55,7 +55,16 @@ def export_json(
         "messages": rows,
     }
     if tree is not None:
-        payload["tree"] = [{"id": m.id, "parent": m.parent_id, **_row(m, reasoning)} for m in tree]
+        payload["tree"] = [
+            {
+                "id": m.id,
+                "parent": m.parent_id,
+                **_row(m, reasoning),
+                # A first message carries its branches' system prompt.
+                **({"system_prompt": m.system_prompt} if m.parent_id is None else {}),
+            }
+            for m in tree
+        ]
         payload["head"] = messages[-1].id if messages else None
     return json.dumps(payload, indent=2, ensure_ascii=False) + "\n"
 

@@ -26,7 +26,7 @@ import threading
 import time
 import zlib
 from array import array
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -192,6 +192,14 @@ class StateStore:
             return False
         self.evict(keep=target)
         return True
+
+    def discard_unlisted(self, conversation_id: str, keep_fingerprints: Iterable[str]) -> None:
+        """Delete a conversation's states of every model but ``keep_fingerprints``."""
+        keep = {self.path_for(conversation_id, fingerprint) for fingerprint in keep_fingerprints}
+        for path in self.directory.glob(f"{conversation_id}.*{SUFFIX}"):
+            if path not in keep:
+                with contextlib.suppress(FileNotFoundError):
+                    path.unlink()
 
     def delete_conversation(self, conversation_id: str) -> None:
         for path in self.directory.glob(f"{conversation_id}.*{SUFFIX}"):

@@ -17,6 +17,7 @@ from localchat.chat_template import ChatMessage
 from localchat.cli import main
 from localchat.conversation import Conversation, ConversationTurn
 from localchat.engine import Engine, LoadOptions
+from localchat.errors import UsageError
 from localchat.kvstate import StateStore
 from localchat.paths import app_paths
 from localchat.store import MIGRATIONS, Store
@@ -227,7 +228,8 @@ def test_a_pinned_message_never_leaves_the_window(tiny_model: Path) -> None:
         # What left is one span no more (the pin stays between): re-read, not shifted.
         assert moved.window.mode == "exact"
         assert "falcon" in engine.detokenize(moved.prompt.tokens)
-        assert conversation.sees(0) and not conversation.sees(1)
+        # The pinned question and its reply stay; the next exchange left.
+        assert conversation.sees(0) and conversation.sees(1) and not conversation.sees(2)
         assert store.messages(conversation.record.id)[0].pinned  # kept in the transcript
         # Unpinned, it leaves with the next turn (read exactly from where it was).
         conversation.pin(0, pinned=False)
@@ -269,3 +271,85 @@ def test_an_edited_system_prompt_starts_a_branch_and_the_old_one_keeps_its_own(
     assert reopened.record.system_prompt == "Answer as a librarian."
     assert reopened.switch_branch(0, -1)
     assert reopened.record.system_prompt == "Answer as a captain."
+
+
+def test_a_branch_switched_to_keeps_its_own_window(tiny_model: Path) -> None:
+    """The window another branch moved is no measure of this one's: a branch that fits is
+    seen whole after a switch and after a reopen."""
+    engine = Engine(tiny_model, LoadOptions(n_ctx=256))
+    try:
+        store, states = _stores()
+        conversation = Conversation.open(store, states, "drift", engine, window_mode="exact")
+        _say(conversation, "Question A0 short.")
+        _say(conversation, "Question A1 short.")
+        conversation.branch_before(2)
+        for i in range(14):
+            _say(conversation, f"Question B{i} about topic {i}, in a few words please.")
+            if conversation.window_first > 2:
+                break
+        assert conversation.window_first > 2  # branch B moved its window
+        assert conversation.switch_branch(2, -1)
+        assert conversation.window_first == 0 and conversation.sees(0)
+        turn = _say(conversation, "Next on A")
+        assert len(turn.messages) == 5  # all of branch A and the new question
+        conversation.close()
+        reopened = Conversation.open(store, states, "drift", engine, window_mode="exact")
+        assert reopened.window_first == 0
+    finally:
+        engine.close()
+
+
+def test_an_edit_into_a_shifted_cache_reads_exactly_after_a_reopen(tiny_model: Path) -> None:
+    engine = Engine(tiny_model, LoadOptions(n_ctx=256))
+    try:
+        store, states = _stores()
+        conversation = Conversation.open(store, states, "shift-reopen", engine, window_mode="shift")
+        for i in range(14):
+            if _say(conversation, f"Question {i} about topic {i}, briefly.").window.mode == "shift":
+                break
+        conversation.saver.wait()
+        conversation.branch_before(len(conversation.exchanges) - 2)
+        conversation.close()
+        engine.reset()
+        reopened = Conversation.open(store, states, "shift-reopen", engine, window_mode="shift")
+        reopened.restore_now()  # as the app does on opening: nothing inexact is restored
+        edited = _say(reopened, EDITED)
+        engine.reset()
+        fresh = engine.generate(edited.prompt.tokens, GREEDY, 16)
+        assert "".join(d.text for d in fresh) == edited.generation.text
+        assert (
+            edited.stats_dict()["prompt_tokens_evaluated"] == edited.stats_dict()["prompt_tokens"]
+        )
+    finally:
+        engine.close()
+
+
+def test_a_send_that_fails_after_a_branch_began_puts_the_old_branch_back(
+    engine: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    conversation = _long(engine, turns=2)
+    before = [e.record.content for e in conversation.exchanges]
+    question = conversation.take_back_last_exchange()  # a regenerate
+    assert question is not None
+
+    def refuse(*_args: object, **_kw: object) -> None:
+        raise UsageError("the model refused")
+
+    monkeypatch.setattr(engine, "generate", refuse)
+    with pytest.raises(UsageError):
+        conversation.send(question, GREEDY, 16)
+    assert [e.record.content for e in conversation.exchanges] == before
+    assert [m.content for m in conversation.store.messages(conversation.record.id)] == before
+    conversation.branch_system_prompt("A new persona.")
+    with pytest.raises(UsageError):
+        conversation.send("hello", GREEDY, 16)
+    assert conversation.record.system_prompt == "Be brief."
+    assert [e.record.content for e in conversation.exchanges] == before
+
+
+def test_a_pin_keeps_the_whole_exchange(engine: Engine) -> None:
+    conversation = _long(engine, turns=2)
+    conversation.pin(1)  # a reply: its question comes along
+    assert [e.record.pinned for e in conversation.exchanges] == [True, True, False, False]
+    conversation.pin(0, pinned=False)
+    assert not any(e.record.pinned for e in conversation.exchanges)

@@ -92,13 +92,13 @@ async def test_a_pinned_message_stays_in_the_window_the_others_are_dimmed(
                 break
         assert moved is not None, "the window never moved"
         assert conversation.window_first > 1
-        # The model still reads the pinned message; a message that left is dimmed.
-        assert conversation.sees(0) and not conversation.sees(1)
+        # The model still reads the pinned exchange; a message that left is dimmed.
+        assert conversation.sees(0) and conversation.sees(1) and not conversation.sees(2)
         prompt_text = conversation.engine.detokenize(moved.turn.prompt.tokens)
         assert "falcon" in prompt_text
         entries = list(app.query(ChatEntry))
-        assert not entries[0].has_class("out-of-window") and entries[1].has_class("out-of-window")
-        assert "no longer in the context" in _role(entries[1])
+        assert not entries[1].has_class("out-of-window") and entries[2].has_class("out-of-window")
+        assert "pinned" in _role(entries[1]) and "no longer in the context" in _role(entries[2])
 
 
 async def test_a_selected_message_is_copied(tiny_model: Path) -> None:
@@ -209,3 +209,27 @@ async def test_a_selected_message_forks_a_conversation_from_the_saved_cache(
         app._step_last_branch(-1)
         await pilot.pause(0.2)
         assert any("no other branches" in n.message for n in app._notifications)
+
+
+async def test_an_edit_left_for_another_conversation_gives_the_box_back(
+    tiny_model: Path,
+) -> None:
+    seen: list[Message] = []
+    app = LocalChatApp(tiny_model, n_ctx=1024, max_tokens=8, sampling=GREEDY)
+    async with app.run_test(size=(120, 40), message_hook=seen.append) as pilot:
+        await ready(pilot, app, seen)
+        for text in ("first question", "second question"):
+            await say(pilot, seen, text)
+        box = app.query_one(PromptInput)
+        box.text = "my draft"
+        list(app.query(UserMessage))[1].focus()
+        await pilot.press("e")
+        assert box.text == "second question"
+        await pilot.press("ctrl+n")  # a new conversation: the edit does not follow
+        await pilot.pause(0.3)
+        assert app._editing is None and box.text == "my draft"
+        box.focus()
+        finished = await say(pilot, seen, " and more")
+        assert isinstance(finished, ReplyFinished)
+        assert finished.turn.user.record.content == "my draft and more"
+        assert len(finished.turn.conversation.exchanges) == 2

@@ -545,6 +545,7 @@ class LocalChatApp(ReportsWorkerFailures, App[int]):
         session = self.session
         if session is None:
             return
+        self._end_edit()  # an edit belongs to the conversation it began in
         # Opening reads the database and the model file's fingerprint: off the event loop.
         try:
             conversation = await asyncio.to_thread(
@@ -619,6 +620,13 @@ class LocalChatApp(ReportsWorkerFailures, App[int]):
                 continue
             entry.show_window(record.pinned, conversation.sees(index))
             entries.append(entry)
+        if conversation.hidden_branches():
+            await log.mount(
+                Notice(
+                    "Nothing is written under this system prompt yet; the conversation's other"
+                    " branches are kept (the palette's Previous branch brings the last one back)."
+                )
+            )
         await log.mount_all(entries)
         log.scroll_end(animate=False)
 
@@ -649,6 +657,10 @@ class LocalChatApp(ReportsWorkerFailures, App[int]):
         self._attachments, self._attachment_tokens = [], []
         self.query_one(PromptInput).clear()
         if self._editing is not None:  # in place of an earlier message: a new branch
+            if self._editing >= len(self.conversation.exchanges):
+                self._editing = None
+                self.notify("That message is no longer in view; your text is kept.")
+                return
             self.conversation.branch_before(self._editing)
             self._editing = None
             await self._show_transcript()
@@ -819,8 +831,10 @@ class LocalChatApp(ReportsWorkerFailures, App[int]):
         source = conversation.record.name
         if isinstance(conversation, Conversation):
             await asyncio.to_thread(conversation.saver.wait)  # its last state is the source
-        try:
-            fork, _caches = fork_conversation(session.store, session.states, source, at)
+        try:  # the saved state is copied: off the event loop
+            fork, _caches = await asyncio.to_thread(
+                fork_conversation, session.store, session.states, source, at
+            )
         except LocalchatError as exc:
             self.notify(str(exc), title="Could not fork", severity="error", timeout=15)
             return
@@ -845,6 +859,10 @@ class LocalChatApp(ReportsWorkerFailures, App[int]):
         conversation = self.conversation
         if conversation is None:
             return
+        if conversation.hidden_branches():
+            conversation.show_latest_branch()
+            self.run_worker(self._show_transcript(), group="transcript")
+            return
         forks = [
             e.record.id
             for i, e in enumerate(conversation.exchanges)
@@ -867,14 +885,21 @@ class LocalChatApp(ReportsWorkerFailures, App[int]):
         if self._generating:
             self._cancel.set()
         elif self._editing is not None:
-            self._editing = None
-            self.query_one(PromptInput).text = self._box_before_edit
+            self._end_edit()
             self.notify("Edit cancelled; the conversation is as it was.")
         elif self._attachments:
             names = ", ".join(a.name for a in self._attachments)
             self._attachments, self._attachment_tokens = [], []
             self.query_one(StatsPanel).show_turn_start("no files attached")
             self.notify(f"Removed the attached {names}; the message box is as it was.")
+
+    def _end_edit(self) -> None:
+        """Stop editing: the box gets back what it held before the edit began."""
+        if self._editing is not None:
+            self._editing = None
+            box = self.query_one(PromptInput)
+            box.text = self._box_before_edit
+            box.move_cursor(box.document.end)
 
     def action_attach(self) -> None:
         if self.engine is None:
@@ -950,6 +975,7 @@ class LocalChatApp(ReportsWorkerFailures, App[int]):
     async def action_regenerate(self) -> None:
         if self._generating or self.conversation is None:
             return
+        self._end_edit()
         text = self.conversation.take_back_last_exchange()
         if text is None:
             self.notify("Nothing to regenerate yet.")
@@ -973,6 +999,7 @@ class LocalChatApp(ReportsWorkerFailures, App[int]):
                 return
             # Under another system prompt the conversation starts again, as a branch of its
             # own; the messages written under the old one stay on theirs.
+            self._end_edit()
             conversation.branch_system_prompt(text)
             await self._show_transcript()
             self.query_one(StatsPanel).show_turn_start("new system prompt: a new branch")
