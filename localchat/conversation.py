@@ -614,6 +614,8 @@ class Conversation(ConversationBase):
             messages = self.window_messages()
             held = self._held_tokens(fresh)
             prompt = self.builder.build(messages, held)
+            if self.branched:  # the cache holds another branch: what is cut is not re-read
+                prompt.discarded, prompt.discarded_reason = 0, None
             n_system = len(self.system_messages())
             self._prefix_spans = prefix_spans(self.builder, messages, prompt, n_system)
             plan = self._plan(prompt, messages, max_tokens)

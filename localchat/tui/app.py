@@ -567,6 +567,13 @@ class LocalChatApp(ReportsWorkerFailures, App[int]):
                 self.restore_on_open(conversation)
         self.title = f"localchat — {conversation.record.title}"
         await self._show_transcript()
+        if conversation.hidden_branches():
+            await self.query_one("#log", VerticalScroll).mount(
+                Notice(
+                    "Nothing is written under this system prompt yet; the conversation's other"
+                    " branches are kept (the palette's Previous branch brings the last one back)."
+                )
+            )
         self._read_ahead_box()
 
     @work(thread=True, exit_on_error=False, group="restore")
@@ -620,13 +627,6 @@ class LocalChatApp(ReportsWorkerFailures, App[int]):
                 continue
             entry.show_window(record.pinned, conversation.sees(index))
             entries.append(entry)
-        if conversation.hidden_branches():
-            await log.mount(
-                Notice(
-                    "Nothing is written under this system prompt yet; the conversation's other"
-                    " branches are kept (the palette's Previous branch brings the last one back)."
-                )
-            )
         await log.mount_all(entries)
         log.scroll_end(animate=False)
 
