@@ -118,6 +118,8 @@ async def _app_cpu(model_path: Path, max_tokens: int) -> tuple[float, float, int
     done, finished = events.done, events.finished
     async with app.run_test(size=(120, 36), message_hook=events.hook) as pilot:
         await _wait(events.loaded, "the model to load")
+        # Both sides evaluate the whole prompt in the turn: nothing is read ahead of Enter.
+        app.settings = replace(app.settings, type_ahead=False)
         await pilot.pause(SETTLE_S)  # the conversation opens, the screen settles
         app.query_one("#input").text = MESSAGE  # type: ignore[attr-defined]
         await pilot.pause(SETTLE_S)
