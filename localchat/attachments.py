@@ -16,6 +16,7 @@ from pathlib import Path
 
 from localchat.errors import UsageError
 from localchat.units import format_bytes
+from localchat.window import WindowPolicy
 
 MAX_ATTACHMENT_BYTES = 8 * 1024 * 1024
 _SNIFF_BYTES = 8192
@@ -105,10 +106,12 @@ def check_fits(
     message_tokens: int,
     head_tokens: int,
     n_ctx: int | None,
-    reserve: int,
+    max_tokens: int,
 ) -> None:
     """Refuse, in one line, a message with files that the context cannot hold with the
-    system prompt (``head_tokens``) and room for the reply (a context not known: no check)."""
+    system prompt (``head_tokens``) and the room the window keeps for a reply of up to
+    ``max_tokens`` (a context not known: no check)."""
+    reserve = WindowPolicy().reserve(n_ctx, max_tokens) if n_ctx else max_tokens
     need = head_tokens + message_tokens + reserve + TEMPLATE_ROOM_TOKENS
     if not attachments or n_ctx is None or need <= n_ctx:
         return

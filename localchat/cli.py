@@ -327,8 +327,6 @@ def _report_attachments(
 ) -> None:
     """Each attached file's token cost (stderr); a message the context cannot hold is refused
     before anything is stored."""
-    from localchat.window import WindowPolicy
-
     if not args.attachments:
         return
     for attachment in args.attachments:
@@ -336,9 +334,8 @@ def _report_attachments(
             f"localchat: attached {attachment.name}: {count(attachment.block()):,} tokens",
             file=sys.stderr,
         )
-    reserve = WindowPolicy().reserve(n_ctx, max_tokens) if n_ctx else max_tokens
     head = count(args.system) if args.system else 0
-    check_fits(args.attachments, count(args.message), head, n_ctx, reserve)
+    check_fits(args.attachments, count(args.message), head, n_ctx, max_tokens)
 
 
 def _message_text(message: str | None, stdin: TextIO) -> str:

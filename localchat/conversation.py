@@ -276,16 +276,17 @@ class ConversationBase:
         """What the model sees: the system prompt, the pinned messages before ``first``
         (default: the window's start), and the messages from there."""
         first = self.window_first if first is None else first
-        pinned = [e.prompt for e in self.exchanges[:first] if e.record.pinned]
+        pinned = [e.prompt for e in self._pinned_before(first)]
         return self.system_messages() + pinned + [e.prompt for e in self.exchanges[first:]]
 
     def head_count(self, first: int | None = None) -> int:
         """Messages at the window's head that never leave it: the system prompt and the
         pinned messages before ``first``."""
         first = self.window_first if first is None else first
-        return len(self.system_messages()) + sum(
-            1 for e in self.exchanges[:first] if e.record.pinned
-        )
+        return len(self.system_messages()) + len(self._pinned_before(first))
+
+    def _pinned_before(self, first: int) -> list[Exchange]:
+        return [e for e in self.exchanges[:first] if e.record.pinned]
 
     def pinned_flags(self, n: int) -> list[bool]:
         """For the window's ``n`` messages (from its start; a draft after them): pinned?"""
@@ -983,17 +984,10 @@ def fork_conversation(
             f"--at {at}: message {at} is a question without its reply in the branch; branch"
             f" at {at - 1} (before it) or {at + 1} (after its reply)"
         )
-    target = new_name or _free_name(store, f"{record.name}-at-{at}")
+    target = new_name or store.free_name(f"{record.name}-at-{at}")
     fork = store.fork_conversation(record, messages[:at], target)
     copied = sum(
         states.copy(record.id, fork.id, fingerprint)
         for fingerprint in store.model_fingerprints(record.id)
     )
     return fork, copied
-
-
-def _free_name(store: Store, wanted: str) -> str:
-    name, n = wanted, 2
-    while store.find(name) is not None:
-        name, n = f"{wanted}-{n}", n + 1
-    return name

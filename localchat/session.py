@@ -222,11 +222,7 @@ class Session:
     def new_conversation_name(self) -> str:
         """A fresh name: the time, with a counter when two chats start in the same second."""
         base = time.strftime("chat-%Y%m%d-%H%M%S")
-        name, counter = base, 1
-        while self.store is not None and self.store.find(name) is not None:
-            counter += 1
-            name = f"{base}-{counter}"
-        return name
+        return base if self.store is None else self.store.free_name(base)
 
     def open_conversation(
         self,

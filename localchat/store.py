@@ -413,6 +413,14 @@ class Store:
                     )
         return self.get(name)
 
+    def free_name(self, wanted: str) -> str:
+        """``wanted``, or with a counter after it where a conversation has that name."""
+        name, counter = wanted, 1
+        while self.find(name) is not None:
+            counter += 1
+            name = f"{wanted}-{counter}"
+        return name
+
     def model_fingerprints(self, conversation_id: str) -> builtins.list[str]:
         """The models whose cache of the conversation has a known evaluation record."""
         rows = self._read(
@@ -581,20 +589,15 @@ class Store:
         """The branch in view's system prompt, changed in place: the conversation's and its
         first message's (other branches keep theirs)."""
         with self.transaction() as db:
+            branch = self.messages(conversation_id)
             db.execute(
                 "UPDATE conversations SET system_prompt = ?, updated_at = ? WHERE id = ?",
                 (text, time.time(), conversation_id),
             )
-            db.execute(
-                """WITH RECURSIVE branch(id, parent) AS (
-                       SELECT m.id, m.parent_id FROM messages m JOIN conversations c
-                       ON m.id = c.head_id WHERE c.id = ?
-                       UNION ALL
-                       SELECT m.id, m.parent_id FROM messages m JOIN branch b ON m.id = b.parent)
-                   UPDATE messages SET system_prompt = ?
-                   WHERE id = (SELECT id FROM branch WHERE parent IS NULL)""",
-                (conversation_id, text),
-            )
+            if branch:
+                db.execute(
+                    "UPDATE messages SET system_prompt = ? WHERE id = ?", (text, branch[0].id)
+                )
 
     def set_pinned(self, message_id: int, pinned: bool) -> None:
         with self.transaction() as db:

@@ -382,9 +382,7 @@ class LocalChatApp(ReportsWorkerFailures, App[int]):
             return
         if self._editing is not None:  # it replaces an earlier message: read when sent
             return
-        text = (
-            with_attachments(text, self._attachments) if text.strip() or self._attachments else text
-        )
+        text = with_attachments(text, self._attachments)
         with self._draft_lock:
             self._draft = text
             self._draft_version += 1
@@ -944,7 +942,7 @@ class LocalChatApp(ReportsWorkerFailures, App[int]):
         tokens = [*self._attachment_tokens, message.tokens]
         n_ctx = engine.context_size
         try:
-            check_fits(pending, sum(tokens), message.head_tokens, n_ctx, self._reply_reserve(n_ctx))
+            check_fits(pending, sum(tokens), message.head_tokens, n_ctx, self.max_tokens or 512)
         except LocalchatError as exc:
             self.notify(str(exc), title="Not attached", severity="error", timeout=15)
             return
@@ -956,13 +954,6 @@ class LocalChatApp(ReportsWorkerFailures, App[int]):
         self.notify(f"Attached {message.attachment.name}: {message.tokens:,} tokens.")
         self.query_one(PromptInput).focus()
         self._read_ahead_box()  # the file is read while the question is typed
-
-    def _reply_reserve(self, n_ctx: int | None) -> int:
-        """The room a reply keeps in the context (as the window plans it)."""
-        from localchat.window import WindowPolicy
-
-        max_tokens = self.max_tokens or 512
-        return WindowPolicy().reserve(n_ctx, max_tokens) if n_ctx else max_tokens
 
     async def action_new_chat(self) -> None:
         if self._generating or self.engine is None:
