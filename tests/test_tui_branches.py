@@ -32,7 +32,7 @@ async def test_a_selected_message_is_edited_into_a_branch_and_switched_back(
         await ready(pilot, app, seen)
         for text in ("first question", "second question", "third question"):
             await say(pilot, seen, text)
-        await pilot.press("alt+up")  # the last message is selected; up twice: the 2nd question
+        await pilot.press("alt+up")  # the last message is selected; three up: the 2nd question
         assert isinstance(app.focused, AssistantMessage)
         await pilot.press("up", "up", "up")
         assert isinstance(app.focused, UserMessage) and app.focused.text == "second question"
