@@ -37,6 +37,7 @@ PARTS: tuple[str, ...] = (
     "remote",
     "zerowait",
     "branch",
+    "calibrate",
 )
 
 ENGINE_CTX = 2048
@@ -80,6 +81,8 @@ TARGETS: dict[str, tuple[str, float]] = {
     "app_resume_vs_warm": ("<=", 1.05),
     "typeahead_vs_one_word": ("<=", 1.5),
     "edit_extra_tokens": ("<=", 0),
+    "calibration_first_s": ("<=", 20.0),
+    "calibration_busy_ok": (">=", 1),
 }
 
 ESTIMATE_CTX = 2048
@@ -675,7 +678,8 @@ def bench_plan(model_path: Path, progress: Progress = None) -> dict[str, Any]:
     from localchat.planner import plan_file
 
     paths = app_paths()
-    speed = speed_model(paths, progress)
+    _say(progress, "plan: this machine's calibration (measured now if none is saved)")
+    speed = speed_model(paths)
     hardware = detect_hardware()
     rows: dict[str, dict[str, float]] = {}
     for shape, quant in PLAN_MODELS:
@@ -715,6 +719,14 @@ def bench_plan(model_path: Path, progress: Progress = None) -> dict[str, Any]:
     }
 
 
+def bench_calibrate(model_path: Path, progress: Progress = None) -> dict[str, Any]:
+    """A first calibration's time; two CPU hogs either keep it from settling or move its
+    predictions by no more than 35%."""
+    from localchat.bench_calibrate import bench_calibrate as measure_calibration
+
+    return measure_calibration(model_path, progress)
+
+
 BENCHES: dict[str, Callable[[Path, Progress], dict[str, Any]]] = {
     "engine": bench_engine,
     "resume": bench_resume,
@@ -726,6 +738,7 @@ BENCHES: dict[str, Callable[[Path, Progress], dict[str, Any]]] = {
     "remote": bench_remote,
     "zerowait": bench_zerowait,
     "branch": bench_branch,
+    "calibrate": bench_calibrate,
 }
 
 

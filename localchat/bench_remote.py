@@ -13,7 +13,6 @@ import json
 import socket
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -25,6 +24,7 @@ import httpx_sse
 
 from localchat.backend import Sampling
 from localchat.chat_template import ChatMessage
+from localchat.engine import llama_server_command
 from localchat.remote import RemoteBackend
 
 REMOTE_CTX = 2048
@@ -43,7 +43,7 @@ def _free_port() -> int:
 
 def _start_server(model: Path, log: Path) -> tuple[subprocess.Popen[bytes], str]:
     port = _free_port()
-    command = [sys.executable, "-m", "llama_cpp.server", "--model", str(model)]
+    command = [*llama_server_command(), "--model", str(model)]
     command += ["--host", "127.0.0.1", "--port", str(port), "--n_ctx", str(REMOTE_CTX)]
     with log.open("w") as out:
         process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)

@@ -1,14 +1,33 @@
 """Built-in chat formats: for GGUFs without a template, and for ``--template NAME``.
 
-A GGUF without ``tokenizer.chat_template`` whose vocabulary has a known format's control
-tokens gets that format (as llama.cpp's chat code recognises them); a vocabulary with none of
-them is a base model and gets a plain transcript whose stop strings end the reply where the
-user's next turn would begin.
+A GGUF without ``tokenizer.chat_template`` is a base model unless what it carries says it was
+tuned for chat (``classify_model``). Its vocabulary cannot say: every Gemma vocabulary has
+``<start_of_turn>``, Qwen and SmolLM base vocabularies have ``<|im_start|>``, and a base model
+fed a chat format it never learned writes nonsense. What real files do say:
+
+- the end-of-generation token (``tokenizer.ggml.eos_token_id``): chat conversions of ChatML,
+  Llama 3 and Phi-3 models end on their end-of-turn token (``<|im_end|>``, ``<|eot_id|>``,
+  ``<|end|>``), base ones keep ``<|endoftext|>``, ``<|end_of_text|>``, ``</s>``. Gemma and
+  Mistral instruct files keep ``<eos>`` / ``</s>`` too, so only the name tells them apart.
+  ``tokenizer.ggml.eot_token_id`` is not read: the Gemma converter writes ``<end_of_turn>``
+  there for every Gemma file, base ones included (CodeLlama a fill-in-the-middle ``<EOT>``);
+- the name: ``general.finetune``, which the converter takes from the model's name
+  ("Qwen2.5-0.5B-Instruct" → "Instruct", "gemma-2-2b-it" → "it", "gemma-3-1b-pt" → "pt"),
+  and the name fields it derives it from (``general.name``, ``general.basename``,
+  ``general.size_label``); then the file's own name. Whole parts only (split on ``-``, ``_``,
+  ``.``, space): ``instruct``, ``chat``, ``it``, ``sft``, ``dpo``… mark a chat model, and a
+  ``base``, ``pretrain`` or ``pt`` part anywhere wins (a base model). ``general.type`` is
+  "model" for every file and says nothing.
+
+A chat model gets the format its vocabulary's control tokens name (as llama.cpp's chat code
+recognises them); a base model, or a chat model whose vocabulary names none, gets a plain
+transcript whose stop strings end the reply where the user's next turn would begin.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import re
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -102,6 +121,69 @@ def detect_format(has_control_token: Callable[[str], bool]) -> ChatFormat:
         if all(has_control_token(marker) for marker in chat_format.markers):
             return chat_format
     return PLAIN
+
+
+# A chat conversion's end-of-generation token: the end of an assistant turn. Mistral's
+# ``[/INST]`` is not one (it closes the user's turn; replies end on ``</s>``, as base models'
+# text does), nor is ``<|endoftext|>`` (Qwen, SmolLM and Phi base files end on it).
+CHAT_END_TOKENS: frozenset[str] = frozenset(
+    {"<|im_end|>", "<|eot_id|>", "<end_of_turn>", "<|end|>", "<|END_OF_TURN_TOKEN|>"}
+)
+# Whole name parts that mark a model tuned for chat, and those that mark a base model (which
+# win: "Qwen3-8B-Base", "gemma-3-1b-pt").
+CHAT_PARTS: frozenset[str] = frozenset(
+    {"instruct", "instruction", "inst", "chat", "it", "sft", "dpo", "rlhf", "orpo", "assistant"}
+)
+BASE_PARTS: frozenset[str] = frozenset({"base", "pretrain", "pretrained", "pt"})
+# The name fields converters write, ``general.finetune`` (taken from the name) first.
+NAME_FIELDS: tuple[str, ...] = (
+    "general.finetune",
+    "general.name",
+    "general.basename",
+    "general.size_label",
+)
+_PART_SEPARATORS = re.compile(r"[-_.\s]+")
+
+
+@dataclass(frozen=True)
+class Tuning:
+    """Whether a model without a template was tuned for chat, and the evidence that says so."""
+
+    chat: bool
+    evidence: str  # "end token `<|im_end|>`", "general.finetune part 'Instruct'", …
+
+    @property
+    def reason(self) -> str:
+        """One line for the template's name: "chat-tuned: …" or "base model: …"."""
+        return f"{'chat-tuned' if self.chat else 'base model'}: {self.evidence}"
+
+
+def name_parts(text: str) -> list[str]:
+    """A name's whole parts: "gemma-2-2b-it" has an "it" part, "Quantit" has none."""
+    return [part for part in _PART_SEPARATORS.split(text) if part]
+
+
+def _first_part(names: list[tuple[str, str]], wanted: frozenset[str]) -> str | None:
+    """Where the first of ``wanted`` is a whole part of a name: "file name part 'it'"."""
+    for where, text in names:
+        for part in name_parts(text):
+            if part.lower() in wanted:
+                return f"{where} part {part!r}"
+    return None
+
+
+def classify_model(metadata: Mapping[str, object], eos_text: str, file_name: str) -> Tuning:
+    """Base or chat-tuned, from what a template-less file says (see the module docstring):
+    a base part in its names wins, then a chat end token, then a chat part; else base."""
+    names = [(key, value) for key in NAME_FIELDS if isinstance(value := metadata.get(key), str)]
+    names.append(("file name", Path(file_name).name))
+    if found := _first_part(names, BASE_PARTS):
+        return Tuning(False, found)
+    if eos_text in CHAT_END_TOKENS:
+        return Tuning(True, f"end token `{eos_text}`")
+    if found := _first_part(names, CHAT_PARTS):
+        return Tuning(True, found)
+    return Tuning(False, f"end token `{eos_text}`" if eos_text else "no end token")
 
 
 def format_from_override(value: str) -> ChatFormat:

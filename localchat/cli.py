@@ -7,19 +7,18 @@ mistakes, 1 when the network, a server or the disk failed.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
 from localchat import __version__
 from localchat.attachments import check_fits, read_attachment, with_attachments
 from localchat.demo import (
-    APP_DEMO_QUANT,
-    APP_DEMO_SHAPE,
     QUANTS,
     SHAPES,
     TOKENIZERS,
@@ -28,12 +27,14 @@ from localchat.demo import (
 )
 from localchat.errors import LocalchatError, UsageError, WorldError, one_line
 from localchat.paths import app_paths
+from localchat.progress import StepProgress
 from localchat.text import printable
 
 if TYPE_CHECKING:
-    from localchat.backend import Reply, Sampling, TokenDelta
+    from localchat.backend import Reply, Sampling, TokenDelta, TurnStats
     from localchat.chat_template import ChatMessage
     from localchat.engine import Engine
+    from localchat.hub import Progress
     from localchat.kvstate import StateStore
     from localchat.library import Library
     from localchat.remote import RemoteBackend
@@ -262,15 +263,20 @@ def build_parser() -> argparse.ArgumentParser:
         "--only",
         default=None,
         help="comma-separated parts: engine, resume, window, estimate, ui, plan, memory, remote,"
-        " zerowait, branch",
+        " zerowait, branch, calibrate",
     )
     bench.add_argument("--json", action="store_true", help="print one JSON object")
     return parser
 
 
 def default_model() -> Path:
-    """The offline demo model, generated once into the cache."""
-    return ensure_demo_model(app_paths().demo_models_dir, APP_DEMO_SHAPE, APP_DEMO_QUANT)
+    """The starter model (SmolLM2-135M-Instruct, fetched once), else a generated one."""
+    from localchat.starter import ensure_starter
+
+    with download_progress() as draw:
+        choice = ensure_starter(app_paths(), draw)
+    print(f"localchat: {choice.note or f'no model given: {choice.path.name}'}", file=sys.stderr)
+    return choice.path
 
 
 def cmd_ask(args: argparse.Namespace, out: TextIO) -> int:
@@ -289,10 +295,6 @@ def cmd_ask(args: argparse.Namespace, out: TextIO) -> int:
         model_path = _library().path_of(args.model) or _pull(args.model, json_lines=False)[0]
     if model_path is None:
         model_path = default_model()
-        print(
-            f"localchat: no --model-path given; using the offline demo model {model_path}",
-            file=sys.stderr,
-        )
     from localchat.catalog import catalog_template
 
     settings = load_settings(app_paths().settings_file)
@@ -432,8 +434,18 @@ def _ask_once(
     restore = RestoreReport.from_prefix(prefix)
     generation = engine.generate(prompt.tokens, sampling, args.max_tokens, cancel)
     interrupted = _stream(generation, args, cancel, out)
-    _print_result(out, args, generation, engine, turn_stats_dict(generation.stats, restore), [])
+    notices = _speed_notices(engine, generation.stats)
+    stats = turn_stats_dict(generation.stats, restore)
+    _print_result(out, args, generation, engine, stats, notices)
     return EXIT_INTERRUPTED if interrupted else 0
+
+
+def _speed_notices(engine: Engine, stats: TurnStats) -> list[str]:
+    """The turn's speed counted against the calibration: a notice if it was corrected."""
+    from localchat.session import note_turn_speed
+
+    notice = note_turn_speed(app_paths(), engine, stats)
+    return [notice] if notice else []
 
 
 def _one_off_messages(args: argparse.Namespace) -> list[ChatMessage]:
@@ -468,6 +480,7 @@ def _ask_in_conversation(
         notices = list(turn.notices)
         if conversation.saver.last_error:
             notices.append(conversation.saver.last_error)
+        notices += _speed_notices(engine, turn.generation.stats)
         _print_result(out, args, turn.generation, engine, turn.stats_dict(), notices)
     finally:
         session.close(free_backend=False)  # the caller frees the model
@@ -624,11 +637,16 @@ def cmd_hw(args: argparse.Namespace, out: TextIO) -> int:
             gpu_offload=bool(args.vram),
             notes=(),
         )
-    from localchat.calibrate import speed_model
+    from localchat.calibrate import CalibrationUnsettled, speed_model
     from localchat.settings import load_settings
 
     min_tps = load_settings(app_paths().settings_file).min_tokens_per_s
-    speed = speed_model(app_paths(), _progress(sys.stderr, "localchat"), again=args.calibrate)
+    with step_progress(sys.stderr) as draw:
+        try:
+            speed = speed_model(app_paths(), draw, again=args.calibrate)
+        except CalibrationUnsettled as exc:  # nothing saved: plans by memory this time
+            print(f"localchat: {exc}", file=sys.stderr)
+            speed = None
     if args.model_path is not None:
         plans = [plan_file(args.model_path, hardware, args.ctx, speed, min_tps)]
     else:
@@ -656,9 +674,26 @@ def _pull(
 ) -> list[Path]:
     """Download ``model`` with progress on stderr: a redrawn line on a terminal, plain lines
     otherwise, or JSON lines on ``out``. Ctrl-C stops it (the next pull resumes)."""
-    from localchat.hub import Progress
-
     cancel = threading.Event()
+    with download_progress(json_lines, out) as draw:
+        try:
+            library = _library()
+            wanted = library.projector_for(model) if projector else None  # refused first
+            paths = [library.pull(model, draw, cancel)]
+            if wanted is not None:
+                paths.append(library.pull_projector(wanted, draw, cancel))
+            return paths
+        except KeyboardInterrupt:
+            cancel.set()
+            raise
+
+
+@contextlib.contextmanager
+def download_progress(
+    json_lines: bool = False, out: TextIO | None = None
+) -> Iterator[Callable[[Progress], None]]:
+    """A download's progress on stderr: a redrawn line on a terminal, plain lines otherwise,
+    or JSON lines on ``out``."""
     terminal = sys.stderr.isatty()
     last: dict[str, Any] = {"at": 0.0, "state": None, "drawn": False}
 
@@ -687,15 +722,7 @@ def _pull(
             sys.stderr.flush()
 
     try:
-        library = _library()
-        wanted = library.projector_for(model) if projector else None  # refused before a byte
-        paths = [library.pull(model, draw, cancel)]
-        if wanted is not None:
-            paths.append(library.pull_projector(wanted, draw, cancel))
-        return paths
-    except KeyboardInterrupt:
-        cancel.set()
-        raise
+        yield draw
     finally:
         if last["drawn"] and terminal and not json_lines:
             sys.stderr.write("\n")
@@ -800,6 +827,33 @@ def cmd_app(args: argparse.Namespace, out: TextIO) -> int:
         template=args.template,
         server=args.server,
     )
+
+
+@contextlib.contextmanager
+def step_progress(stream: TextIO) -> Iterator[Callable[[StepProgress], None]]:
+    """A progress bar for a long step (calibration, a first start): one redrawn line on a
+    terminal, else a plain line whenever the detail changes."""
+    terminal = stream.isatty()
+    last: dict[str, Any] = {"detail": "", "at": 0.0, "drawn": False}
+
+    def draw(progress: StepProgress) -> None:
+        now = time.monotonic()
+        if terminal and now - last["at"] >= 0.1:
+            filled = round(20 * progress.fraction)
+            stream.write(f"\r[{'#' * filled}{'.' * (20 - filled)}] {progress.line()}\x1b[K")
+        elif not terminal and progress.detail != last["detail"]:
+            stream.write(f"localchat: {progress.line()}\n")
+        else:
+            return
+        stream.flush()
+        last.update(detail=progress.detail, at=now, drawn=True)
+
+    try:
+        yield draw
+    finally:
+        if terminal and last["drawn"]:
+            stream.write("\n")
+            stream.flush()
 
 
 def _progress(stream: TextIO, label: str = "bench") -> Callable[[str], None]:

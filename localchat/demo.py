@@ -102,8 +102,9 @@ class ModelShape:
 SHAPES: dict[str, ModelShape] = {
     "tiny": ModelShape("tiny", 2, 128, 4, 2, 256, 1024, 4096, 10000.0),
     "small": ModelShape("small", 4, 512, 8, 4, 1408, 8192, 8192, 10000.0),
-    # The speed calibration's shape: big enough that its weights stream from RAM, not cache.
-    "calib": ModelShape("calib", 8, 1024, 16, 4, 4096, 8192, 8192, 10000.0),
+    # The speed calibration's shape: its weights (25-150 MB by type) stream from a laptop's
+    # RAM, not its cache, and its quantized files are made in seconds.
+    "calib": ModelShape("calib", 4, 1024, 16, 4, 4096, 8192, 8192, 10000.0),
     # Qwen2.5-0.5B dimensions.
     "0.5b": ModelShape("0.5b", 24, 896, 14, 2, 4864, 32000, 32768, 1_000_000.0),
     # Llama-3.2-1B dimensions (vocabulary kept at 32k so the file stays laptop-sized).
@@ -118,7 +119,8 @@ SHAPES: dict[str, ModelShape] = {
     ),
 }
 
-# The demo model the app and ``ask`` run on when no model is given (offline, quick to make).
+# The generated model the app and ``ask`` fall back to when the starter model cannot be had
+# (offline, quick to make).
 APP_DEMO_SHAPE, APP_DEMO_QUANT = "small", "Q4_K_M"
 
 
@@ -447,3 +449,13 @@ def ensure_demo_model(
         return path
     make_demo_model(path, shape, quant, seed, tokenizer=tokenizer)
     return path
+
+
+def app_demo_path(directory: Path) -> Path:
+    """Where the generated fallback model lives (made or not)."""
+    return demo_model_path(directory, APP_DEMO_SHAPE, APP_DEMO_QUANT)
+
+
+def ensure_app_demo(directory: Path) -> Path:
+    """The generated fallback model, made on first use."""
+    return ensure_demo_model(directory, APP_DEMO_SHAPE, APP_DEMO_QUANT)

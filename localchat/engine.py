@@ -11,7 +11,10 @@ import codecs
 import contextlib
 import ctypes
 import itertools
+import os
 import re
+import subprocess
+import sys
 import threading
 import time
 from collections import deque
@@ -24,10 +27,16 @@ from typing import Any
 import llama_cpp
 
 from localchat.backend import Sampling, TokenDelta, TurnStats
-from localchat.chat_formats import ChatFormat, detect_format, format_from_override
+from localchat.chat_formats import (
+    PLAIN,
+    ChatFormat,
+    classify_model,
+    detect_format,
+    format_from_override,
+)
 from localchat.chat_template import ChatMessage, ChatTemplate
 from localchat.cpu import physical_cores
-from localchat.errors import ModelLoadError, UsageError
+from localchat.errors import ModelFileError, ModelLoadError, UsageError
 from localchat.estimate import ModelDims, kv_bytes_per_token, preferred_flash_attn
 from localchat.gguf_info import file_fingerprint, read_gguf
 from localchat.kvstate import StateKey
@@ -82,6 +91,67 @@ def _capture_log(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
 
 
 llama_cpp.llama_log_set(_capture_log, ctypes.c_void_p(0))
+
+
+# llama.cpp's "extra" weight buffers (repacked layouts, Intel AMX tiles) are on unless a
+# self-test in a child process crashed: on some machines that report AMX (virtual machines
+# among them) its AMX matrix kernel segfaults on the first decode. The verdict is kept in
+# the environment, so processes started from this one do not test again.
+EXTRA_BUFFERS_ENV = "LOCALCHAT_EXTRA_BUFFERS"
+_DEFAULT_MODEL_PARAMS = llama_cpp.llama_cpp.llama_model_default_params
+
+
+def extra_buffers_allowed() -> bool:
+    """Whether llama.cpp may use its extra weight buffer types here (tested once)."""
+    verdict = os.environ.get(EXTRA_BUFFERS_ENV)
+    if verdict not in ("0", "1"):
+        if b"AMX_INT8 = 1" not in llama_cpp.llama_print_system_info():
+            verdict = "1"
+        else:
+            verdict = "1" if _extra_buffers_survive() else "0"
+        os.environ[EXTRA_BUFFERS_ENV] = verdict
+    return verdict == "1"
+
+
+def _extra_buffers_survive() -> bool:
+    """Run one decode of a tiny Q8_0 model with the extra buffers on, in a child process."""
+    code = (
+        "import sys, tempfile, pathlib\n"
+        "from localchat.demo import make_demo_model\n"
+        "from localchat.engine import bare_generation_benchmark\n"
+        "with tempfile.TemporaryDirectory() as d:\n"
+        "    path = make_demo_model(pathlib.Path(d) / 'probe.gguf', 'tiny', 'Q8_0')\n"
+        "    bare_generation_benchmark(path, 64, 8, 3, 1)\n"
+    )
+    env = {**os.environ, EXTRA_BUFFERS_ENV: "1"}
+    try:
+        result = subprocess.run(
+            [sys.executable, "-c", code], env=env, capture_output=True, timeout=120
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return result.returncode == 0
+
+
+def _model_params() -> Any:
+    """llama.cpp's default model parameters, with the extra buffers off where they crash."""
+    params = _DEFAULT_MODEL_PARAMS()
+    if not extra_buffers_allowed():
+        params.use_extra_bufts = False
+    return params
+
+
+# llama-cpp-python's ``Llama`` asks for the defaults when it loads a model: ours apply.
+llama_cpp.llama_cpp.llama_model_default_params = _model_params
+
+
+def llama_server_command() -> list[str]:
+    """llama-cpp-python's own OpenAI-compatible server (tests and bench serve with it),
+    started through this module so the extra-buffer guard applies in it too."""
+    start = (
+        "import runpy, localchat.engine; runpy.run_module('llama_cpp.server', run_name='__main__')"
+    )
+    return [sys.executable, "-c", start]
 
 
 def _last_error_line() -> str:
@@ -158,7 +228,7 @@ def _parse_buffers(lines: list[str], kv_bytes_per_cell_layer: int) -> Buffers:
 @dataclass(frozen=True)
 class LoadOptions:
     """How to load a model: context size, threads, GPU layers, the KV cache type, and the
-    chat template (``None``: the model's own, else one detected from its vocabulary)."""
+    chat template (``None``: the model's own, else one chosen from what the file says)."""
 
     n_ctx: int | None = None  # None: DEFAULT_CTX, capped at the model's trained context
     n_threads: int | None = None
@@ -395,7 +465,12 @@ class Engine:
         # for the next prompt only where they are its exact ids.
         self.cache_owner: str | None = None
         self.committed = 0
-        self.template = self._chat_template()
+        try:
+            self.template = self._chat_template()
+        except ModelFileError as exc:  # a template that does not compile, or runs away probed
+            self.close()
+            raise type(exc)(f"{self.model_path}: {exc}") from None  # a runaway stays one
+        self.template.model = str(self.model_path)  # a turn's runaway names the file too
         self._warm_up()
 
     def _warm_up(self) -> None:
@@ -461,8 +536,11 @@ class Engine:
         return bool(self.info.metadata.get("tokenizer.ggml.add_space_prefix", default))
 
     def _chat_template(self) -> ChatTemplate:
-        """The template in use: ``--template``, else the model's own, else the format its
-        vocabulary's control tokens name, else a plain transcript with stop strings."""
+        """The template in use: ``--template``, else the model's own; without one, a base
+        model gets a plain transcript with stop strings and a chat-tuned one the format its
+        vocabulary's control tokens name (``classify_model``: a vocabulary alone cannot say)."""
+        eos = int(self._llm.token_eos())
+        eos_text = self.token_text(eos) if eos >= 0 else ""
         chosen: ChatFormat
         if self.options.template:
             chosen = format_from_override(self.options.template)
@@ -471,14 +549,21 @@ class Engine:
             chosen = ChatFormat("the model's own", self.info.chat_template)
             name = chosen.name
         else:
-            chosen = detect_format(self.has_control_token)
-            name = f"{chosen.name} (no template in the file; detected from its vocabulary)"
-            if not chosen.markers:
-                name = f"{chosen.name} (no template in the file: a plain transcript)"
+            tuning = classify_model(self.info.metadata, eos_text, self.model_path.name)
+            chosen = detect_format(self.has_control_token) if tuning.chat else PLAIN
+            if not tuning.chat:
+                name = f"plain (base model: no template in the file, {tuning.evidence})"
+            elif chosen.markers:
+                name = f"{chosen.name} (no template in the file; {tuning.reason})"
+            else:
+                name = (
+                    f"plain (no template in the file; {tuning.reason}, but its vocabulary"
+                    " has no known chat format's control tokens)"
+                )
         return ChatTemplate(
             chosen.source,
             bos_token=self.token_text(self.bos_token),
-            eos_token=self.token_text(int(self._llm.token_eos())),
+            eos_token=eos_text,
             name=name,
             stop=chosen.stop,
         )
@@ -821,6 +906,7 @@ def bare_generation_benchmark(
         prompt = synthetic_prompt(llm.token_bos(), int(llm.n_vocab()), prompt_tokens)
         generated = 0
         start = time.perf_counter()
+        cpu_start = time.process_time()  # every thread of the process
         first_at = last_at = start
         for _token in llm.generate(prompt, temp=0.0):
             last_at = time.perf_counter()
@@ -829,11 +915,15 @@ def bare_generation_benchmark(
             generated += 1
             if generated >= gen_tokens:
                 break
+        cpu_s = time.process_time() - cpu_start
     finally:
         llm.close()
     return {
         "bare_prompt_tps": prompt_tokens / (first_at - start),
         "bare_gen_tps": (generated - 1) / (last_at - first_at),
+        # The CPU its threads got against what they could have had: low when another
+        # program competed for the cores (calibration throws such readings away).
+        "cpu_share": cpu_s / max(1e-9, (last_at - start) * threads),
     }
 
 

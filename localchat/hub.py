@@ -393,6 +393,12 @@ class Downloader:
             filename, meta.location or url, meta.size, sha, meta.etag, meta.commit_hash
         )
 
+    def check(self, repo: str, filename: str, revision: str = "main") -> None:
+        """Raises :class:`HubError` unless the hub answers for this file now."""
+        if offline():
+            raise HubError(f"{repo}/{filename}: {OFFLINE_MESSAGE}")
+        self._meta(repo, filename, revision)
+
     def pull(
         self,
         repo: str,

@@ -23,6 +23,7 @@ from localchat.hardware import Hardware, repacked_weight_types
 from localchat.hub import (
     Downloader,
     HubCache,
+    HubError,
     ProgressCallback,
     RemoteFile,
     choose_file,
@@ -188,6 +189,17 @@ class Library:
     ) -> Path:
         repo, filename, _quant = self.resolve(text)
         return Downloader(self.cache).pull(repo, filename, on_progress=on_progress, cancel=cancel)
+
+    def hub_problem(self, text: str) -> str | None:
+        """Why ``text`` cannot be downloaded now (the hub unreachable, offline, no such
+        model), or None when it can: a quick question asked before a first start spends
+        time on anything else."""
+        try:
+            repo, filename, _quant = self.resolve(text)
+            Downloader(self.cache).check(repo, filename)
+        except HubError as exc:
+            return str(exc)
+        return None
 
     def projector_for(self, text: str) -> RemoteFile:
         """The repo's vision projector that goes with the model ``text`` names."""

@@ -35,6 +35,11 @@ class AppPaths:
         return self.cache_dir / "speed.json"
 
     @property
+    def turn_speeds(self) -> Path:
+        """Recent turns' speeds against the calibration's predictions (speed_feedback.py)."""
+        return self.cache_dir / "turn-speeds.json"
+
+    @property
     def database(self) -> Path:
         return self.data_dir / "conversations.sqlite3"
 

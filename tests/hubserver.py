@@ -107,10 +107,12 @@ class _Handler(BaseHTTPRequestHandler):
             return self._json(entries)
         resolve = re.fullmatch(r"/([^/]+/[^/]+)/resolve/([^/]+)/(.+)", path)
         if resolve:
-            return self._serve_file(resolve.group(1), resolve.group(3), head)
+            # Like the hub, a file asked for at a commit names that commit.
+            commit = resolve.group(2) if re.fullmatch(r"[0-9a-f]{40}", resolve.group(2)) else COMMIT
+            return self._serve_file(resolve.group(1), resolve.group(3), head, commit)
         self._not_found(path)
 
-    def _serve_file(self, repo: str, name: str, head: bool) -> None:
+    def _serve_file(self, repo: str, name: str, head: bool, commit: str = COMMIT) -> None:
         state = self.server.state
         if repo not in state.repos:
             return self._not_found(f"repo {repo}")
@@ -139,7 +141,7 @@ class _Handler(BaseHTTPRequestHandler):
         self.send_header("Accept-Ranges", "bytes")
         etag = state.forged_etag or file_sha256(data_path)
         self.send_header("ETag", f'"{etag}"')
-        self.send_header("X-Repo-Commit", COMMIT)
+        self.send_header("X-Repo-Commit", commit)
         self.send_header("X-Linked-Etag", f'"{etag}"')
         self.send_header("X-Linked-Size", str(size))
         if ranged:

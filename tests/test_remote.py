@@ -21,7 +21,7 @@ from localchat.backend import Backend, Sampling
 from localchat.chat_template import ChatMessage
 from localchat.cli import main
 from localchat.conversation import Conversation
-from localchat.engine import Engine, LoadOptions
+from localchat.engine import Engine, LoadOptions, llama_server_command
 from localchat.kvstate import StateStore
 from localchat.paths import app_paths
 from localchat.remote import (
@@ -51,9 +51,11 @@ def llama_server(small_model: Path, tmp_path_factory: pytest.TempPathFactory) ->
     """``python -m llama_cpp.server`` on 127.0.0.1 with the small generated model and a key."""
     port = _free_port()
     log = tmp_path_factory.mktemp("server") / "server.log"
-    command = [sys.executable, "-m", "llama_cpp.server", "--model", str(small_model)]
+    command = [*llama_server_command(), "--model", str(small_model)]
     command += ["--host", "127.0.0.1", "--port", str(port), "--n_ctx", "1024"]
-    command += ["--api_key", KEY, "--n_threads", "2"]
+    # Flash attention: a one-token step and a batch give the same logits, so a repeated
+    # request (its prompt reused but for one token) answers exactly as the first did.
+    command += ["--api_key", KEY, "--n_threads", "2", "--flash_attn", "true"]
     with log.open("w") as out:
         process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}/v1"

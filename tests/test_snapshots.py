@@ -14,7 +14,7 @@ from rich.text import Text
 from textual.pilot import Pilot
 from textual.widgets import DataTable, Sparkline, Static
 
-from localchat.engine import Sampling
+from localchat.engine import Engine, Sampling
 from localchat.hardware import Hardware
 from localchat.tui.app import LocalChatApp
 from localchat.tui.screens.conversations import ConversationsScreen
@@ -55,6 +55,13 @@ def _fixed_memory_figures(monkeypatch: pytest.MonkeyPatch) -> None:
         panel.query_one("#ram", Static).update(Text("process 100.0 MiB\nfree RAM 20.0 GiB"))
 
     monkeypatch.setattr(StatsPanel, "refresh_memory", fixed)
+    # llama.cpp lays weights out by the CPU's features (repacked for AVX2, AMX tiles, or
+    # not at all where those crash): the weights buffer differs from machine to machine.
+    monkeypatch.setattr(
+        Engine,
+        "buffers_summary",
+        lambda _engine: "weights 450.6 KiB · compute 6.5 MiB · no flash attention",
+    )
 
 
 def _app(model: Path, name: str = "snapshot") -> LocalChatApp:

@@ -210,13 +210,16 @@ def _without_template(source: Path, dest: Path) -> Path:
     return rewrite_metadata(source, dest, remove=("tokenizer.chat_template",))
 
 
-def test_a_model_without_a_template_gets_the_format_its_vocabulary_names(
+def test_a_chat_model_without_a_template_gets_the_format_its_vocabulary_names(
     tmp_path: Path, tiny_model: Path
 ) -> None:
+    """Its end token, ``<|im_end|>``, says it was tuned for chat (tests/test_base_models.py
+    has the base models, which get the plain transcript whatever their vocabulary holds)."""
     bare = _without_template(tiny_model, tmp_path / "no-template.gguf")
     engine = Engine(bare, LoadOptions(n_ctx=256))
     assert engine.info.chat_template is None
-    assert engine.template.name.startswith("chatml (no template in the file; detected")
+    expected = "chatml (no template in the file; chat-tuned: end token `<|im_end|>`)"
+    assert engine.template.name == expected
     prompt = engine.prompt_tokens([ChatMessage("user", "hi")])
     spelled = b"".join(engine.token_bytes(t) for t in prompt)
     assert spelled == b"<s><|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"

@@ -9,6 +9,7 @@ from textual.message import Message
 from textual.pilot import Pilot
 from textual.widgets import Static
 
+import localchat.demo as demo_module
 import localchat.session as session_module
 import localchat.tui.app as app_module
 from localchat.compute_thread import on_compute_thread
@@ -291,7 +292,7 @@ async def test_pasting_100_kb_is_cut_to_fit_with_a_notice(tiny_model: Path) -> N
 async def test_after_demo_a_plain_start_reopens_the_demo_model(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(session_module, "APP_DEMO_SHAPE", "tiny")
+    monkeypatch.setattr(demo_module, "APP_DEMO_SHAPE", "tiny")
     monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # a download attempt would fail
     seen: list[Message] = []
     first = LocalChatApp(demo=True, n_ctx=512, max_tokens=4, sampling=GREEDY)

@@ -3,7 +3,6 @@ regenerate, system prompt, and the first-start paths."""
 
 from __future__ import annotations
 
-import os
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,18 +18,14 @@ from localchat.tui.messages import (
     ModelLoaded,
     ModelMissing,
     ReplyFinished,
-    StartupNotice,
-    StartupProgress,
 )
 from localchat.tui.screens.conversations import ConversationsScreen
-from localchat.tui.screens.download import DownloadScreen
 from localchat.tui.screens.models import (
     DownloadFinished,
     DownloadProgress,
     ModelsScreen,
     RowsLoaded,
 )
-from localchat.tui.screens.no_model import NoModelScreen
 from localchat.tui.widgets.chat_message import AssistantMessage, UserMessage
 
 from .hubserver import HubServer, HubState
@@ -161,22 +156,6 @@ async def test_models_screen_downloads_with_progress_and_switches(
         assert len(states) == 2
 
 
-async def test_first_start_without_network_offers_the_demo(
-    monkeypatch: pytest.MonkeyPatch, calibrated: object
-) -> None:
-    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")
-    seen: list[Message] = []
-    app = LocalChatApp(n_ctx=1024, max_tokens=8, sampling=GREEDY)
-    async with app.run_test(size=(120, 36), message_hook=seen.append) as pilot:
-        missing = await wait_for(pilot, seen, ModelMissing)
-        assert "127.0.0.1:9" in missing.reason
-        await pilot.pause(0.2)
-        assert isinstance(app.screen, NoModelScreen)
-        await pilot.click("#use-demo")
-        await ready(pilot, app, seen)
-        assert app.engine is not None and app.engine.model_path.name.startswith("demo-small")
-
-
 async def test_demo_flag_opens_without_any_network(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")
     seen: list[Message] = []
@@ -184,57 +163,6 @@ async def test_demo_flag_opens_without_any_network(monkeypatch: pytest.MonkeyPat
     async with app.run_test(size=(120, 36), message_hook=seen.append) as pilot:
         await ready(pilot, app, seen)
         assert not [m for m in seen if isinstance(m, ModelMissing)]
-
-
-@pytest.fixture
-def default_model_hub(
-    tmp_path: Path, small_model: Path, monkeypatch: pytest.MonkeyPatch
-) -> Iterator[HubState]:
-    """The hub serving the first-start default model's repo (small-model bytes under every
-    catalog file name, so whichever quant the planner picks here exists)."""
-    from localchat.catalog import find_model, load_catalog
-    from localchat.session import DEFAULT_MODEL
-
-    entry = find_model(load_catalog(), DEFAULT_MODEL)
-    repo = tmp_path / "hub" / entry.repo
-    repo.mkdir(parents=True)
-    for quant_file in entry.files:
-        os.link(small_model, repo / quant_file.file)
-    state = HubState({entry.repo: repo})
-    server = HubServer(state).start()
-    monkeypatch.setenv("HF_ENDPOINT", server.endpoint)
-    yield state
-    server.stop()
-
-
-async def test_first_start_downloads_the_default_model_with_a_progress_screen(
-    default_model_hub: HubState, calibrated: object
-) -> None:
-    seen: list[Message] = []
-    screens: list[str] = []
-    plans: list[str] = []
-    app = LocalChatApp(n_ctx=1024, max_tokens=8, sampling=GREEDY)
-    async with app.run_test(size=(120, 36), message_hook=seen.append) as pilot:
-        for _ in range(400):
-            screens.append(type(app.screen).__name__)
-            if isinstance(app.screen, DownloadScreen):
-                plans += [str(w.render()) for w in app.screen.query("#startup-plan")]
-            if app.conversation is not None:
-                break
-            await pilot.pause(0.02)
-        await ready(pilot, app, seen)
-        progress = [m.progress for m in seen if isinstance(m, StartupProgress)]
-        assert progress and progress[-1].state == "done"
-        assert "DownloadScreen" in screens
-        # The screen says which quant the planner chose here and how fast it will run.
-        notices = [m.text for m in seen if isinstance(m, StartupNotice)]
-        assert any("tok/s here" in n for n in notices), notices
-        assert any("tok/s here" in p for p in plans), plans
-        assert type(app.screen).__name__ == "Screen", (
-            "the progress screen closes when the model loads"
-        )
-        assert app.engine is not None
-        assert app.engine.model_path.is_relative_to(app_paths().hub_cache)
 
 
 async def test_models_screen_never_loads_a_projector_and_says_why(tiny_model: Path) -> None:

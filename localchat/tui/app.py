@@ -55,14 +55,15 @@ from localchat.tui.messages import (
     ReplyFinished,
     StartupNotice,
     StartupProgress,
+    StartupStep,
 )
 from localchat.tui.pacing import MIN_INTERVAL_S, FramePacer
 from localchat.tui.screens.conversations import ConversationsScreen
-from localchat.tui.screens.download import DownloadScreen
 from localchat.tui.screens.hardware import HardwareScreen
 from localchat.tui.screens.help import HelpScreen
 from localchat.tui.screens.models import ModelsScreen, ServerChoice
 from localchat.tui.screens.no_model import NoModelScreen
+from localchat.tui.screens.startup import StartupScreen
 from localchat.tui.screens.text_prompt import TextPromptScreen
 from localchat.tui.widgets.chat_message import (
     AssistantMessage,
@@ -193,8 +194,8 @@ class LocalChatApp(ReportsWorkerFailures, App[int]):
         self._undrawn = ""  # reply text received but not drawn yet (the pacer held it)
         self._stats_shown_at = 0.0
         self._startup_cancel = threading.Event()
-        self._download_screen: DownloadScreen | None = None
-        self._startup_notice = ""  # the first download's plan, shown on its screen
+        self._startup_skip = threading.Event()  # Esc during the speed calibration
+        self._startup_screen: StartupScreen | None = None
         self._quitting = False
         # The message box's text and a count of its changes, read ahead by one worker at a
         # time (see read_ahead).
@@ -288,6 +289,8 @@ class LocalChatApp(ReportsWorkerFailures, App[int]):
                 warn=lambda text: self.call_from_thread(self.notify, text, severity="warning"),
                 progress=lambda p: self.post_message(StartupProgress(p)),
                 cancel=self._startup_cancel,
+                steps=lambda step: self.post_message(StartupStep(step)),
+                skip=self._startup_skip,
             )
         except (HubError, DownloadCancelled) as exc:
             self.post_message(ModelMissing(str(exc)))
@@ -363,6 +366,10 @@ class LocalChatApp(ReportsWorkerFailures, App[int]):
         self.post_message(
             ReplyFinished(replace(turn.stats), _context_tokens(conversation, turn), turn)
         )
+        if self.session is not None:  # real turns correct the speed calibration
+            corrected = self.session.note_turn_speed(turn.stats)
+            if corrected:
+                self.notify(corrected, title="Speed figures", timeout=10)
 
     def _post_chunk(
         self, conversation: ConversationBase, turn: ConversationTurn, text: str, thinking: str
@@ -454,35 +461,39 @@ class LocalChatApp(ReportsWorkerFailures, App[int]):
         self._show_cache(message.kv_tokens)
 
     # -- model lifecycle (app thread) ----------------------------------------------------
+    def _shown_startup_screen(self) -> StartupScreen:
+        if self._startup_screen is None:
+            self._startup_screen = StartupScreen(self._startup_cancel, self._startup_skip)
+            self.push_screen(self._startup_screen)
+        return self._startup_screen
+
     def on_startup_notice(self, message: StartupNotice) -> None:
         self.sub_title = message.text
-        self._startup_notice = message.text
+        self._shown_startup_screen().show_plan(message.text)
+
+    def on_startup_step(self, message: StartupStep) -> None:
+        self.sub_title = message.step.line()
+        self._shown_startup_screen().show(message.step)
 
     def on_startup_progress(self, message: StartupProgress) -> None:
         progress = message.progress
         total = max(1, progress.bytes_total)
         self.sub_title = f"downloading {progress.name}: {100 * progress.bytes_done / total:.0f}%"
-        if self._download_screen is None:
-            self._download_screen = DownloadScreen(
-                progress.name, self._startup_cancel, self._startup_notice
-            )
-            self.push_screen(self._download_screen)
-        if self._download_screen.is_mounted:
-            self._download_screen.show(progress)
+        self._shown_startup_screen().show(progress)
 
-    def _close_download_screen(self) -> None:
-        if self._download_screen is not None:
-            if self._download_screen in self.screen_stack:
-                self._download_screen.dismiss(None)
-            self._download_screen = None
+    def _close_startup_screen(self) -> None:
+        if self._startup_screen is not None:
+            if self._startup_screen in self.screen_stack:
+                self._startup_screen.dismiss(None)
+            self._startup_screen = None
 
     def on_model_chosen(self, message: ModelChosen) -> None:
-        self._close_download_screen()
+        self._close_startup_screen()
         self.sub_title = f"loading {message.path.name}…"
         self.load_model(message.path)
 
     def on_model_missing(self, message: ModelMissing) -> None:
-        self._close_download_screen()
+        self._close_startup_screen()
         self.sub_title = "no model"
 
         def chosen(choice: str | None) -> None:
@@ -529,7 +540,7 @@ class LocalChatApp(ReportsWorkerFailures, App[int]):
         await self._open_conversation(name)
 
     def on_model_load_failed(self, message: ModelLoadFailed) -> None:
-        self._close_download_screen()
+        self._close_startup_screen()
         self.sub_title = "no model" if self.engine is None else self.sub_title
         self.notify(
             f"{message.error}\nPick another model with Ctrl+O.",

@@ -13,6 +13,7 @@ from localchat.backend import TurnStats
 from localchat.conversation import ConversationTurn
 from localchat.engine import Engine
 from localchat.hub import Progress
+from localchat.progress import StepProgress
 
 if TYPE_CHECKING:
     from localchat.remote import RemoteBackend
@@ -76,7 +77,7 @@ class ModelMissing(Message):
 
 @dataclass
 class StartupNotice(Message):
-    """A step of the first start that is not a download (measuring the machine's speed)."""
+    """What the first start decided (which quant the planner chose here, and why)."""
 
     text: str
 
@@ -86,6 +87,13 @@ class StartupProgress(Message):
     """The first start's download, as it goes."""
 
     progress: Progress
+
+
+@dataclass
+class StartupStep(Message):
+    """A step of the first start (the check, the speed calibration), as it goes."""
+
+    step: StepProgress
 
 
 @dataclass

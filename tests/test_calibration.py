@@ -1,0 +1,121 @@
+"""A calibration a busy machine cannot poison: interleaved rounds, each type's best, rounds
+thrown away when llama.cpp's threads did not get the CPU or the reference drifted, nothing
+saved unless two clean readings agree; Esc skips it; the progress counts up with time left.
+The rules are checked on readings; the measurement itself on real llama.cpp runs."""
+
+from __future__ import annotations
+
+import json
+import random
+import threading
+
+import pytest
+
+from localchat import calibrate as cal
+from localchat.calibrate import (
+    OVERHEAD,
+    REFERENCE,
+    CalibrationSkipped,
+    Reading,
+    clean_rounds,
+    round_order,
+    settle,
+    speed_model_or_none,
+)
+from localchat.cli import main
+from localchat.paths import app_paths
+from localchat.progress import StepProgress
+from localchat.speed import machine_name
+
+NAMES = [OVERHEAD, "F16", "Q8_0", "Q4_K_M", "Q2_K", REFERENCE]
+# Seconds per generated token on an idle machine (what contention must not reorder).
+IDLE = {OVERHEAD: 0.0002, "F16": 0.0150, "Q8_0": 0.0090, "Q4_K_M": 0.0080, "Q2_K": 0.0060,
+        REFERENCE: 0.0070}  # fmt: skip
+
+
+def _reading(name: str, slow: float = 1.0, share: float = 0.95) -> Reading:
+    return Reading(name, IDLE[name] * slow, IDLE[name] * slow / 8, share)
+
+
+def _round(slow: dict[str, float] | None = None, share: float = 0.95) -> list[Reading]:
+    slow = slow or {}
+    return [_reading(n, slow.get(n, 1.0), share if n in slow else 0.95) for n in NAMES]
+
+
+def test_each_round_reads_the_reference_first_and_the_rest_in_a_new_order() -> None:
+    orders = [round_order(NAMES, i) for i in range(3)]
+    assert all(order[0] == REFERENCE and sorted(order) == sorted(NAMES) for order in orders)
+    assert orders[0] != orders[1] != orders[2]
+
+
+def test_a_round_where_another_program_had_the_cpu_is_thrown_away() -> None:
+    shared = _round({"Q4_K_M": 2.0}, share=0.5)
+    assert clean_rounds([_round(), shared, _round()]) == [_round(), _round()]
+    # The tiny model's token is too short to load the threads: its share is not judged.
+    assert clean_rounds([_round({OVERHEAD: 1.0}, share=0.3)]) != []
+
+
+def test_a_round_whose_reference_drifted_is_thrown_away() -> None:
+    drifted = _round({REFERENCE: 1.4, "F16": 1.4})  # full share, yet everything slower
+    assert clean_rounds([_round(), drifted]) == [_round()]
+
+
+def test_it_settles_only_on_two_clean_readings_that_agree() -> None:
+    assert settle([_round()], NAMES) is None  # one round proves nothing
+    assert settle([_round(), _round({"Q2_K": 1.3})], NAMES) is None  # they disagree
+    best = settle([_round(), _round({"Q2_K": 1.1}), _round({"Q2_K": 1.3})], NAMES)
+    assert best is not None and best["Q2_K"].gen_s == pytest.approx(IDLE["Q2_K"])
+
+
+def test_contention_that_comes_and_goes_cannot_reorder_the_types() -> None:
+    rng = random.Random(7)
+    rounds = []
+    for _ in range(5):  # two hogs on and off: a random half of each round read 2-3x slow
+        hit = {n: rng.uniform(2, 3) for n in NAMES if rng.random() < 0.5}
+        rounds.append(_round(hit, share=0.5))
+    best = settle(rounds, NAMES)
+    if best is not None:  # settled: on the clean readings, in the idle order
+        assert all(best[n].gen_s == pytest.approx(IDLE[n]) for n in NAMES)
+    # Contention everywhere, always: never settles (nothing would be saved).
+    busy = [_round(dict.fromkeys(NAMES, 2.5), share=0.5) for _ in range(5)]
+    assert settle(busy, NAMES) is None
+
+
+def test_a_calibration_that_never_settles_is_not_saved_and_plans_go_by_memory(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # No reading can have this share of the CPU: every round counts as contended.
+    monkeypatch.setattr(cal, "MIN_CPU_SHARE", 1.5)
+    monkeypatch.setattr(cal, "CALIBRATION_QUANTS", ("Q8_0",))
+    assert main(["hw", "--json"]) == 0
+    captured = capsys.readouterr()
+    assert "too busy to measure its speed" in captured.err and "hw --calibrate" in captured.err
+    assert not app_paths().speed_calibration.exists()
+    plans = json.loads(captured.out)["plans"]
+    assert plans and all(p["predicted_gen_tps"] is None for p in plans)
+
+
+def test_esc_skips_the_calibration_and_plans_go_by_memory() -> None:
+    skip = threading.Event()
+    skip.set()
+    said: list[str] = []
+    assert speed_model_or_none(app_paths(), said.append, skip=skip) is None
+    assert said and "skipped" in said[0]
+    assert not app_paths().speed_calibration.exists()
+    with pytest.raises(CalibrationSkipped):
+        cal.calibrate(app_paths().demo_models_dir, machine_name(), skip=skip)
+
+
+def test_the_progress_counts_up_with_the_time_left(monkeypatch: pytest.MonkeyPatch) -> None:
+    steps: list[StepProgress] = []
+    speed = cal.calibrate(
+        app_paths().demo_models_dir, machine_name(), steps.append, ("Q8_0",), step=(2, 3),
+        strict=False,
+    )  # fmt: skip
+    assert speed.gen_s_per_byte["Q8_0"] > 0
+    fractions = [s.fraction for s in steps]
+    assert fractions == sorted(fractions) and fractions[-1] == 1.0
+    assert all(s.step == 2 and s.steps == 3 and s.skippable for s in steps)
+    assert any(s.eta_s is not None for s in steps[1:])
+    assert any("making the Q8_0 test model" in s.detail for s in steps)
+    assert steps[-1].line().startswith("step 2/3 · measuring this machine's speed 100%")

@@ -1,0 +1,92 @@
+"""Real turns correct the calibration: three timed turns in a row that miss the prediction
+by more than 35% on the same side update the figures that priced the file."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from localchat.cli import main
+from localchat.gguf_info import read_gguf
+from localchat.paths import app_paths
+from localchat.speed import SpeedModel, load_speed_model, machine_name
+from localchat.speed_feedback import TurnSpeed, note_turn
+
+NS = 1e-9
+COSTS = {"F16": 0.04 * NS, "Q8_0": 0.05 * NS, "Q4_K": 0.05 * NS, "Q6_K": 0.07 * NS}
+BYTES = {"Q4_K": 300_000_000, "Q6_K": 60_000_000}
+
+
+def _saved(overhead_s: float = 1e-3) -> SpeedModel:
+    speed = SpeedModel(COSTS, overhead_s, COSTS, overhead_s / 10, machine_name(), 2)
+    speed.save(app_paths().speed_calibration)
+    return speed
+
+
+def _turn(gen_tps: float, tokens: int = 64, model: str = "m.gguf") -> TurnSpeed:
+    return TurnSpeed(model, BYTES, 12_288, 500, tokens, gen_tps)
+
+
+def _note(turn: TurnSpeed) -> str | None:
+    return note_turn(app_paths().speed_calibration, app_paths().turn_speeds, turn)
+
+
+def _predicted() -> float:
+    speed = load_speed_model(app_paths().speed_calibration)
+    assert speed is not None
+    prediction = speed.predict(BYTES, 12_288, 500)
+    assert prediction is not None
+    return prediction.gen_tps
+
+
+def test_three_turns_that_keep_missing_update_the_figures() -> None:
+    _saved()
+    predicted = _predicted()
+    measured = predicted * 0.5  # the machine runs this file at half the predicted speed
+    assert _note(_turn(measured)) is None
+    assert _note(_turn(measured * 1.05)) is None
+    notice = _note(_turn(measured * 0.95))
+    assert notice and "speed figures were updated" in notice and "\n" not in notice
+    assert _predicted() == pytest.approx(measured, rel=0.1)
+    assert json.loads(app_paths().turn_speeds.read_text()) == {}  # counted afresh from here
+
+
+def test_turns_near_the_prediction_short_or_on_both_sides_change_nothing() -> None:
+    speed = _saved()
+    predicted = _predicted()
+    for gen_tps in (predicted * 0.5, predicted * 0.5, predicted * 0.9):  # the last one agrees
+        assert _note(_turn(gen_tps)) is None
+    for gen_tps in (predicted * 0.5, predicted * 2.0, predicted * 0.5):  # both sides
+        assert _note(_turn(gen_tps)) is None
+    for _ in range(4):  # too short to time
+        assert _note(_turn(predicted * 0.2, tokens=8)) is None
+    assert load_speed_model(app_paths().speed_calibration) == speed
+
+
+def test_misses_are_counted_per_model_file() -> None:
+    _saved()
+    predicted = _predicted()
+    assert _note(_turn(predicted * 3, model="a.gguf")) is None
+    assert _note(_turn(predicted * 3, model="b.gguf")) is None
+    assert _note(_turn(predicted * 3, model="a.gguf")) is None
+    assert _note(_turn(predicted * 3, model="a.gguf"))  # a's third
+
+
+def test_ask_turns_on_a_real_model_correct_a_calibration_that_is_far_off(
+    tiny_model: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Figures a hundred times too slow for this machine (as a poisoned calibration was).
+    read = read_gguf(tiny_model).bytes_read_per_token()
+    slow = {t: 1e-6 for t in [*read, "F16"]}
+    SpeedModel(slow, 0.05, slow, 0.005, machine_name(), 2).save(app_paths().speed_calibration)
+    before = app_paths().speed_calibration.read_text()
+    args = ["ask", "count to ten", "--model-path", str(tiny_model), "--temperature", "0"]
+    errors = []
+    for _ in range(3):
+        assert main([*args, "--max-tokens", "48", "--json"]) == 0
+        errors.append(capsys.readouterr().err)
+    assert "speed figures were updated" in errors[-1]
+    assert not any("updated" in e for e in errors[:-1])
+    assert app_paths().speed_calibration.read_text() != before
