@@ -12,28 +12,28 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from localchat.backend import Backend, TurnStats
-from localchat.calibrate import speed_model_or_none
-from localchat.catalog import catalog_template
-from localchat.compute_thread import run_compute
-from localchat.conversation import Conversation, ConversationBase
-from localchat.demo import app_demo_path
-from localchat.engine import Engine, LoadOptions
+from localchat.backends.base import Backend, TurnStats
+from localchat.backends.compute_thread import run_compute
+from localchat.backends.llama.engine import Engine, LoadOptions
+from localchat.conversation.local import Conversation, ConversationBase
+from localchat.conversation.prefix_states import DEFAULT_MIN_TOKENS
 from localchat.errors import LocalchatError
-from localchat.hardware import detect_hardware
-from localchat.hub import HubError, Progress
-from localchat.kvstate import StateStore
-from localchat.library import Library
+from localchat.models.calibrate import speed_model_or_none
+from localchat.models.catalog import catalog_template
+from localchat.models.demo import app_demo_path
+from localchat.models.hardware import detect_hardware
+from localchat.models.hub import HubError, Progress
+from localchat.models.library import Library
+from localchat.models.speed_feedback import TurnSpeed, note_turn
+from localchat.models.starter import STARTER, ensure_starter, starter_on_disk
 from localchat.paths import AppPaths
-from localchat.prefix_states import DEFAULT_MIN_TOKENS
 from localchat.progress import StepCallback, StepProgress
 from localchat.settings import ServerConfig, Settings
-from localchat.speed_feedback import TurnSpeed, note_turn
-from localchat.starter import STARTER, ensure_starter, starter_on_disk
-from localchat.store import Store
+from localchat.state.kvstate import StateStore
+from localchat.state.store import Store
 
 if TYPE_CHECKING:  # the wire (httpx) is imported only when a server is used
-    from localchat.remote import RemoteBackend
+    from localchat.backends.remote import RemoteBackend
 
 # The catalog model a first start downloads.
 DEFAULT_MODEL = "qwen2.5-1.5b-instruct"
@@ -49,7 +49,7 @@ def connect(
 def _server_backend(
     server: ServerConfig, model: str | None = None, context_size: int | None = None
 ) -> RemoteBackend:
-    from localchat.remote import RemoteBackend, api_key_from_env
+    from localchat.backends.remote import RemoteBackend, api_key_from_env
 
     return RemoteBackend(
         server.url,
@@ -125,8 +125,8 @@ def open_on(
             wait_s=wait_s,
             prefix_min_tokens=prefix_min_tokens,
         )
-    from localchat.remote import RemoteBackend
-    from localchat.remote_conversation import RemoteConversation
+    from localchat.backends.remote import RemoteBackend
+    from localchat.conversation.remote import RemoteConversation
 
     if isinstance(backend, RemoteBackend):
         return RemoteConversation.open(store, states, name, backend, system_prompt, wait_s=wait_s)

@@ -6,13 +6,13 @@ import tomllib
 from dataclasses import dataclass, fields
 from pathlib import Path
 
+from localchat.chat.window import WINDOW_MODES
 from localchat.errors import UsageError
-from localchat.estimate import KV_BYTES_PER_VALUE
-from localchat.kvstate import DEFAULT_BUDGET_BYTES
-from localchat.planner import MIN_TOKENS_PER_S
-from localchat.quants import SWA_CACHE_MODES
+from localchat.gguf.estimate import KV_BYTES_PER_VALUE
+from localchat.gguf.quants import SWA_CACHE_MODES
+from localchat.models.planner import MIN_TOKENS_PER_S
+from localchat.state.kvstate import DEFAULT_BUDGET_BYTES
 from localchat.units import parse_size
-from localchat.window import WINDOW_MODES
 
 KV_CACHE_TYPES = tuple(KV_BYTES_PER_VALUE)
 

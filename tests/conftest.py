@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from localchat.demo import make_demo_model
+from localchat.models.demo import make_demo_model
+from localchat.models.starter import STARTER, index_cache_path
 from localchat.paths import app_paths
-from localchat.starter import STARTER, index_cache_path
 
 from .indexserver import IndexServer, IndexState
 from .real_models import fetch_wheel
@@ -32,7 +32,7 @@ def isolated_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 def llama_cpp_buffers_tested() -> None:
     """llama.cpp's extra weight buffers tested once here (they crash on some AMX machines):
     the verdict goes into the environment, so CLI processes the tests start inherit it."""
-    from localchat.engine import extra_buffers_allowed
+    from localchat.backends.llama.runtime import extra_buffers_allowed
 
     extra_buffers_allowed()
 
@@ -74,8 +74,8 @@ def smollm2() -> Path:
 @pytest.fixture(scope="session")
 def speed_calibration(models_dir: Path) -> object:
     """A real (shortened) calibration of this machine, measured once per test session."""
-    from localchat.calibrate import calibrate
-    from localchat.speed import machine_name
+    from localchat.models.calibrate import calibrate
+    from localchat.models.speed import machine_name
 
     # Not strict: these tests need real figures, also beside a CPU hog (test_calibration.py
     # checks the rules that keep a busy machine's figures from being saved).
@@ -87,8 +87,8 @@ def speed_calibration(models_dir: Path) -> object:
 @pytest.fixture
 def calibrated(speed_calibration: object, isolated_home: Path) -> object:
     """This test's LOCALCHAT_HOME already has the machine's calibration (no re-measuring)."""
+    from localchat.models.speed import SpeedModel
     from localchat.paths import app_paths
-    from localchat.speed import SpeedModel
 
     assert isinstance(speed_calibration, SpeedModel)
     speed_calibration.save(app_paths().speed_calibration)

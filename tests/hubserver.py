@@ -15,7 +15,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import unquote
 
-from localchat.hub import file_sha256
+from localchat.models.hub import file_sha256
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 

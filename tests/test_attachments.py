@@ -10,21 +10,21 @@ from pathlib import Path
 
 import pytest
 
-from localchat.attachments import (
+from localchat.backends.base import Sampling
+from localchat.backends.llama.engine import Engine, LoadOptions
+from localchat.chat.attachments import (
     Attachment,
     attachments_end,
     read_attachment,
     with_attachments,
 )
-from localchat.backend import Sampling
-from localchat.cli import main
-from localchat.conversation import Conversation
-from localchat.engine import Engine, LoadOptions
+from localchat.cli.main import main
+from localchat.conversation.local import Conversation
+from localchat.conversation.prefix_states import ID_PREFIX
 from localchat.errors import UsageError
-from localchat.kvstate import StateStore
 from localchat.paths import app_paths
-from localchat.prefix_states import ID_PREFIX
-from localchat.store import Store
+from localchat.state.kvstate import StateStore
+from localchat.state.store import Store
 
 GREEDY = Sampling(temperature=0.0)
 CODE = "".join(f'def f{i}(x):\n    """Times {i}."""\n    return x * {i}\n\n' for i in range(30))
@@ -75,7 +75,7 @@ def test_what_is_not_a_text_file_is_refused_in_one_line(
 def test_a_file_larger_than_allowed_is_refused(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import localchat.attachments as attachments
+    import localchat.chat.attachments as attachments
 
     monkeypatch.setattr(attachments, "MAX_ATTACHMENT_BYTES", 10)
     path = tmp_path / "log.txt"

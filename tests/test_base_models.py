@@ -15,12 +15,13 @@ import gguf
 import pytest
 from gguf.scripts.gguf_new_metadata import MetadataDetails, copy_with_new_metadata
 
-from localchat.chat_formats import PLAIN, Tuning, classify_model, name_parts
-from localchat.chat_template import ChatMessage
-from localchat.conversation import Conversation
-from localchat.engine import Engine, LoadOptions, Sampling
-from localchat.kvstate import StateStore
-from localchat.store import Store
+from localchat.backends.base import Sampling
+from localchat.backends.llama.engine import Engine, LoadOptions
+from localchat.chat.formats import PLAIN, Tuning, classify_model, name_parts
+from localchat.chat.template import ChatMessage
+from localchat.conversation.local import Conversation
+from localchat.state.kvstate import StateStore
+from localchat.state.store import Store
 
 EOS_S = 2  # "</s>" in the demo's SentencePiece vocabulary ("<|im_end|>" is its end token)
 PLAIN_PROMPT = b"<s>User: hi\nAssistant:"
@@ -276,7 +277,7 @@ def test_a_template_in_the_file_is_used_whatever_its_names_say(
 
 
 def test_template_overrides_a_base_model(tmp_path: Path, tiny_model: Path, capsys) -> None:
-    from localchat.cli import main
+    from localchat.cli.main import main
 
     bare = _copy(tiny_model, tmp_path / "demo-base.gguf", eos=EOS_S)
     engine = Engine(bare, LoadOptions(n_ctx=256, template="chatml"))

@@ -27,11 +27,11 @@ def test_startup_is_timed_in_a_fresh_process(tiny_model: Path) -> None:
 def test_the_first_turn_after_opening_is_measured_on_a_restored_conversation(
     tiny_model: Path, tmp_path: Path
 ) -> None:
-    from localchat.backend import Sampling
-    from localchat.conversation import Conversation
-    from localchat.engine import Engine, LoadOptions
-    from localchat.kvstate import StateStore
-    from localchat.store import Store
+    from localchat.backends.base import Sampling
+    from localchat.backends.llama.engine import Engine, LoadOptions
+    from localchat.conversation.local import Conversation
+    from localchat.state.kvstate import StateStore
+    from localchat.state.store import Store
 
     home = tmp_path / "saved"
     engine = Engine(tiny_model, LoadOptions(n_ctx=1024))

@@ -12,15 +12,15 @@ from pathlib import Path
 
 import pytest
 
-from localchat.backend import Sampling
-from localchat.chat_template import ChatMessage
-from localchat.cli import main
-from localchat.conversation import Conversation, ConversationTurn
-from localchat.engine import Engine, LoadOptions
+from localchat.backends.base import Sampling
+from localchat.backends.llama.engine import Engine, LoadOptions
+from localchat.chat.template import ChatMessage
+from localchat.cli.main import main
+from localchat.conversation.local import Conversation, ConversationTurn
 from localchat.errors import UsageError
-from localchat.kvstate import StateStore
 from localchat.paths import app_paths
-from localchat.store import MIGRATIONS, Store
+from localchat.state.kvstate import StateStore
+from localchat.state.store import MIGRATIONS, Store
 
 GREEDY = Sampling(temperature=0.0)
 EDITED = "An edited question, quite different from the first one."

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from textual.message import Message
 
-from localchat.cli import main
+from localchat.cli.main import main
 from localchat.paths import app_paths
 from localchat.tui.app import LocalChatApp
 from localchat.tui.messages import ModelLoaded

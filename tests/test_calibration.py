@@ -11,8 +11,9 @@ import threading
 
 import pytest
 
-from localchat import calibrate as cal
-from localchat.calibrate import (
+from localchat.cli.main import main
+from localchat.models import calibrate as cal
+from localchat.models.calibrate import (
     OVERHEAD,
     REFERENCE,
     CalibrationSkipped,
@@ -22,10 +23,9 @@ from localchat.calibrate import (
     settle,
     speed_model_or_none,
 )
-from localchat.cli import main
+from localchat.models.speed import machine_name
 from localchat.paths import app_paths
 from localchat.progress import StepProgress
-from localchat.speed import machine_name
 
 NAMES = [OVERHEAD, "F16", "Q8_0", "Q4_K_M", "Q2_K", REFERENCE]
 # Seconds per generated token on an idle machine (what contention must not reorder).

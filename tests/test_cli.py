@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from localchat.cli import main
-from localchat.gguf_info import read_gguf
+from localchat.cli.main import main
+from localchat.gguf.info import read_gguf
 
-CLI = [sys.executable, "-m", "localchat.cli"]
+CLI = [sys.executable, "-m", "localchat.cli.main"]
 
 
 def _ask_json(capsys: pytest.CaptureFixture[str], *args: str) -> dict:

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from localchat.compute_thread import on_compute_thread, run_compute
+from localchat.backends.compute_thread import on_compute_thread, run_compute
 
 
 def _where() -> tuple[int, bool]:
@@ -41,7 +41,7 @@ def test_a_call_from_the_compute_thread_runs_in_place() -> None:
 
 
 def test_background_work_sees_when_another_call_waits() -> None:
-    from localchat.compute_thread import compute_waiting
+    from localchat.backends.compute_thread import compute_waiting
 
     started, release = threading.Event(), threading.Event()
     seen: list[bool] = []

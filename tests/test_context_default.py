@@ -8,8 +8,9 @@ from pathlib import Path
 import pytest
 from textual.message import Message
 
-from localchat.cli import main
-from localchat.engine import Engine, LoadOptions, Sampling
+from localchat.backends.base import Sampling
+from localchat.backends.llama.engine import Engine, LoadOptions
+from localchat.cli.main import main
 from localchat.tui.app import LocalChatApp
 
 from .gguf_edit import rewrite_metadata

@@ -8,11 +8,12 @@ from pathlib import Path
 
 import pytest
 
-from localchat.conversation import Conversation
-from localchat.engine import Engine, LoadOptions, Sampling
+from localchat.backends.base import Sampling
+from localchat.backends.llama.engine import Engine, LoadOptions
+from localchat.conversation.local import Conversation
 from localchat.errors import UsageError
-from localchat.kvstate import StateStore
-from localchat.store import Store
+from localchat.state.kvstate import StateStore
+from localchat.state.store import Store
 
 GREEDY = Sampling(temperature=0.0)
 

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from localchat.demo import QUANTS, SHAPES, build_vocab, make_demo_model
-from localchat.engine import Engine, LoadOptions
+from localchat.backends.llama.engine import Engine, LoadOptions
 from localchat.errors import UsageError
-from localchat.gguf_info import read_gguf
+from localchat.gguf.info import read_gguf
+from localchat.models.demo import QUANTS, SHAPES, build_vocab, make_demo_model
 
 
 def _digest(path: Path) -> str:

@@ -13,8 +13,12 @@ from pathlib import Path
 
 import pytest
 
-from localchat.cli import main
-from localchat.demo import (
+from localchat.backends.base import Sampling
+from localchat.backends.llama.engine import Engine, LoadOptions
+from localchat.cli.main import main
+from localchat.errors import UsageError
+from localchat.gguf.info import read_gguf
+from localchat.models.demo import (
     SHAPES,
     TOKENIZERS,
     bpe_split,
@@ -24,9 +28,6 @@ from localchat.demo import (
     ensure_demo_model,
     make_demo_model,
 )
-from localchat.engine import Engine, LoadOptions, Sampling
-from localchat.errors import UsageError
-from localchat.gguf_info import read_gguf
 
 BPE_KINDS = ("gpt2", "llama3", "qwen2")
 

@@ -7,11 +7,13 @@ from pathlib import Path
 
 import pytest
 
-from localchat.chat_template import ChatMessage
-from localchat.demo import SHAPES
-from localchat.engine import Engine, LoadOptions, Sampling, kv_bytes_per_token
+from localchat.backends.base import Sampling
+from localchat.backends.llama.engine import Engine, LoadOptions
+from localchat.chat.template import ChatMessage
 from localchat.errors import ModelLoadError, UsageError
-from localchat.gguf_info import read_gguf
+from localchat.gguf.estimate import kv_bytes_per_token
+from localchat.gguf.info import read_gguf
+from localchat.models.demo import SHAPES
 
 GREEDY = Sampling(temperature=0.0)
 

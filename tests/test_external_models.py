@@ -8,7 +8,7 @@ import json
 import shutil
 from pathlib import Path
 
-from localchat.cli import main
+from localchat.cli.main import main
 
 
 def _layouts(home: Path, tiny_model: Path) -> dict[str, Path]:

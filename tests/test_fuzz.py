@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 
 from localchat.errors import LocalchatError
-from localchat.estimate import LayerWeights, ModelDims
-from localchat.gguf_info import read_gguf
-from localchat.kvstate import SavedState, StateKey, StateRejected, StateStore
+from localchat.gguf.estimate import LayerWeights, ModelDims
+from localchat.gguf.info import read_gguf
+from localchat.state.kvstate import SavedState, StateKey, StateRejected, StateStore
 
 CASES = 1500
 BUDGET_S = 25.0
@@ -42,7 +42,7 @@ def _mutations(data: bytes, rng: random.Random, header_end: int) -> bytes:
 
 def _use(info: object) -> None:
     """What listings and plans read from a header."""
-    from localchat.gguf_info import GGUFInfo
+    from localchat.gguf.info import GGUFInfo
 
     assert isinstance(info, GGUFInfo)
     dims = ModelDims.from_gguf(info)

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from localchat.demo import SHAPES
 from localchat.errors import ModelFileError
-from localchat.gguf_info import read_gguf
+from localchat.gguf.info import read_gguf
+from localchat.models.demo import SHAPES
 
 
 def test_reads_architecture_numbers_and_tensor_sizes(tiny_model: Path) -> None:

@@ -13,12 +13,12 @@ from pathlib import Path
 import pytest
 from huggingface_hub import hf_hub_download
 
-from localchat.cli import main
-from localchat.demo import make_demo_model
+from localchat.cli.main import main
 from localchat.errors import ModelFileError, UsageError, WorldError
-from localchat.hardware import Hardware
-from localchat.hub import DownloadCancelled, HubError, Progress
-from localchat.library import Library
+from localchat.models.demo import make_demo_model
+from localchat.models.hardware import Hardware
+from localchat.models.hub import DownloadCancelled, HubError, Progress
+from localchat.models.library import Library
 from localchat.paths import app_paths
 
 from .hubserver import HubServer, HubState
@@ -165,7 +165,7 @@ def test_bad_names_and_quants_are_clear(hub: HubState) -> None:
 
 
 def test_a_file_missing_on_the_hub(hub: HubState) -> None:
-    from localchat.hub import Downloader, HubCache
+    from localchat.models.hub import Downloader, HubCache
 
     with pytest.raises(HubError, match="no such file on the hub"):
         Downloader(HubCache(app_paths().hub_cache)).pull(REPO, "gone-Q4_K_M.gguf")
@@ -251,7 +251,7 @@ def test_each_tag_pulls_exactly_its_file(hub: HubState) -> None:
 
 
 def test_the_listing_shows_tags_and_never_the_projector(hub: HubState) -> None:
-    from localchat.hub import list_gguf_files
+    from localchat.models.hub import list_gguf_files
 
     files = list_gguf_files(ZOO)
     assert sorted(f.quant for f in files) == sorted(

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from localchat.kvstate import (
+from localchat.state.kvstate import (
     MAGIC,
     SavedState,
     StateKey,
@@ -88,7 +88,7 @@ def test_budget_evicts_least_recently_used(tmp_path: Path) -> None:
 _WRITER = """
 import sys
 from pathlib import Path
-from localchat.kvstate import SavedState, StateKey, StateStore
+from localchat.state.kvstate import SavedState, StateKey, StateStore
 key = StateKey("f" * 64, 4096, "f16", "0.3.36")
 states = StateStore(Path(sys.argv[1]))
 i = 0
@@ -118,7 +118,7 @@ def test_kill_9_mid_save_leaves_a_valid_state(tmp_path: Path, delay_s: float) ->
 def test_the_background_saver_survives_any_failure(tmp_path: Path) -> None:
     """A save that raises something other than OSError used to end the saver's thread, and
     the next wait() then hung forever."""
-    from localchat.kvstate import BackgroundSaver
+    from localchat.state.kvstate import BackgroundSaver
 
     states = StateStore(tmp_path / "states")
     real_save = states.save
@@ -145,7 +145,7 @@ def test_the_background_saver_survives_any_failure(tmp_path: Path) -> None:
 def test_wait_gives_up_after_its_timeout(tmp_path: Path) -> None:
     import threading
 
-    from localchat.kvstate import BackgroundSaver
+    from localchat.state.kvstate import BackgroundSaver
 
     states = StateStore(tmp_path / "states")
     release = threading.Event()

@@ -1,4 +1,16 @@
-"""Layering rules: the runtime never imports Textual, and only engine.py touches llama_cpp."""
+"""The runtime's layers as package contracts: each package imports only the layers below it,
+the runtime never imports Textual, one package (backends/llama) touches llama_cpp, no cycles.
+
+Layers, lowest first (README, Development):
+    leaves        errors, atomic, paths, units, text, cpu, progress
+    gguf/         facts about a file
+    chat/         text and token ids
+    state/        what is stored
+    backends/     who writes a reply (backends/llama: the only llama_cpp importer)
+    conversation/ and models/   a turn over any backend; what to run here (neither sees the other)
+    settings, session           the lifecycle
+    cli/, bench/, tui/          on top
+"""
 
 from __future__ import annotations
 
@@ -13,8 +25,32 @@ import localchat
 
 PACKAGE = Path(localchat.__file__).parent
 RUNTIME_MODULES = sorted(
-    f"localchat.{p.stem}" for p in PACKAGE.glob("*.py") if p.stem not in {"__init__", "__main__"}
+    ".".join(p.relative_to(PACKAGE.parent).with_suffix("").parts)
+    for p in PACKAGE.rglob("*.py")
+    if p.name != "__init__.py" and "tui" not in p.relative_to(PACKAGE).parts
 )
+LEAVES = {"errors", "atomic", "paths", "units", "text", "cpu", "progress"}
+# What each part of the runtime may import from localchat (besides itself).
+BELOW: dict[str, set[str]] = {
+    "leaves": {"leaves"},
+    "gguf": {"leaves"},
+    "chat": {"leaves", "gguf"},
+    "state": {"leaves", "gguf", "chat"},
+    "backends": {"leaves", "gguf", "chat", "state"},
+    "conversation": {"leaves", "gguf", "chat", "state", "backends"},
+    "models": {"leaves", "gguf", "chat", "state", "backends"},
+    "settings": {"leaves", "gguf", "chat", "state", "backends", "models"},
+    "session": {"leaves", "gguf", "chat", "state", "backends", "conversation", "models",
+                "settings"},
+}  # fmt: skip
+
+
+def _part(module: str) -> str:
+    """The layer a module belongs to: its package, a leaf, or a top-level module's name."""
+    parts = module.split(".")
+    if len(parts) == 2:
+        return "leaves" if parts[1] in LEAVES else parts[1]
+    return parts[1]
 
 
 def _imports(path: Path) -> set[str]:
@@ -25,6 +61,73 @@ def _imports(path: Path) -> set[str]:
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             names.add(node.module.split(".")[0])
     return names
+
+
+def _module_name(path: Path) -> str:
+    return ".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+
+
+def _nodes(tree: ast.AST, typing_too: bool) -> list[ast.AST]:
+    """Every node, or every node outside ``if TYPE_CHECKING:`` blocks."""
+    if typing_too:
+        return list(ast.walk(tree))
+    found: list[ast.AST] = []
+    pending = [tree]
+    while pending:
+        node = pending.pop()
+        found.append(node)
+        if isinstance(node, ast.If) and getattr(node.test, "id", "") == "TYPE_CHECKING":
+            pending.extend(node.orelse)
+            continue
+        pending.extend(ast.iter_child_nodes(node))
+    return found
+
+
+def _localchat_imports(path: Path, modules: set[str], typing_too: bool = True) -> set[str]:
+    """The localchat modules a source file imports, at module level or inside functions
+    (``typing_too=False``: not those imported for type hints only)."""
+    names: set[str] = set()
+    for node in _nodes(ast.parse(path.read_text()), typing_too):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            for alias in node.names:
+                child = f"{node.module}.{alias.name}"
+                names.add(child if child in modules else node.module)
+        elif isinstance(node, ast.Import):
+            names.update(a.name for a in node.names)
+    return {n for n in names if n in modules}
+
+
+def _graph(typing_too: bool = True) -> dict[str, set[str]]:
+    paths = [p for p in PACKAGE.rglob("*.py") if p.name != "__init__.py"]
+    modules = {_module_name(p) for p in paths}
+    return {_module_name(p): _localchat_imports(p, modules, typing_too) for p in paths}
+
+
+def test_each_layer_imports_only_the_layers_below_it() -> None:
+    graph = _graph()
+    upward = [
+        f"{module} -> {target}"
+        for module, targets in graph.items()
+        if _part(module) in BELOW
+        for target in targets
+        if _part(target) != _part(module) and _part(target) not in BELOW[_part(module)]
+    ]
+    assert upward == []
+    # The contracts hold something: the layers are there and use what is below them.
+    assert "localchat.backends.llama.engine" in graph["localchat.conversation.local"]
+    assert "localchat.backends.llama.tools" in graph["localchat.models.calibrate"]
+    assert {_part(m) for m in graph} >= {*BELOW, "cli", "bench"}
+
+
+def test_only_backends_llama_imports_llama_cpp() -> None:
+    offenders = [
+        str(path.relative_to(PACKAGE))
+        for path in PACKAGE.rglob("*.py")
+        if "llama_cpp" in _imports(path)
+        and path.relative_to(PACKAGE).parts[:2] != ("backends", "llama")
+    ]
+    assert offenders == []
+    assert "llama_cpp" in _imports(PACKAGE / "backends" / "llama" / "engine.py")
 
 
 def test_runtime_modules_import_without_textual() -> None:
@@ -38,30 +141,26 @@ def test_runtime_modules_import_without_textual() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, check=True
     )
     assert result.stdout.strip() == "", f"runtime pulled in Textual: {result.stdout}"
-    assert "localchat.engine" in RUNTIME_MODULES and "localchat.cli" in RUNTIME_MODULES
-
-
-def test_only_engine_imports_llama_cpp() -> None:
-    offenders = [
-        str(path.relative_to(PACKAGE))
-        for path in PACKAGE.rglob("*.py")
-        if "llama_cpp" in _imports(path) and path.name != "engine.py"
-    ]
-    assert offenders == []
-    assert "llama_cpp" in _imports(PACKAGE / "engine.py")
+    assert "localchat.backends.llama.engine" in RUNTIME_MODULES
+    assert "localchat.cli.main" in RUNTIME_MODULES
 
 
 def test_runtime_source_has_no_textual_import() -> None:
-    offenders = [p.name for p in PACKAGE.glob("*.py") if "textual" in _imports(p)]
+    offenders = [
+        str(p.relative_to(PACKAGE))
+        for p in PACKAGE.rglob("*.py")
+        if "tui" not in p.relative_to(PACKAGE).parts and "textual" in _imports(p)
+    ]
     assert offenders == []
 
 
 # Runtime modules that the planner, the catalog and listings stand on: they load neither
 # llama.cpp nor numpy (a plan or a model list never pays for either).
 LIGHT_MODULES = (
-    "atomic", "backend", "catalog", "chat_formats", "chat_template", "cpu", "errors",
-    "estimate", "gguf_info", "locks", "paths", "planner", "prompt", "quants", "reasoning",
-    "remote", "speed", "stops", "store", "text", "units", "window",
+    "atomic", "backends.base", "models.catalog", "chat.formats", "chat.template", "cpu",
+    "errors", "gguf.estimate", "gguf.info", "state.locks", "paths", "models.planner",
+    "chat.prompt", "gguf.quants", "chat.reasoning", "backends.remote", "models.speed",
+    "chat.stops", "state.store", "text", "units", "chat.window",
 )  # fmt: skip
 
 
@@ -79,7 +178,7 @@ def _loaded_by(name: str) -> list[str]:
     return loaded
 
 
-def test_each_runtime_module_imports_only_what_its_layer_allows() -> None:
+def test_each_runtime_module_loads_only_what_its_layer_allows() -> None:
     with ThreadPoolExecutor(4) as pool:
         loaded = dict(zip(RUNTIME_MODULES, pool.map(_loaded_by, RUNTIME_MODULES), strict=True))
     for name, modules in loaded.items():
@@ -88,31 +187,13 @@ def test_each_runtime_module_imports_only_what_its_layer_allows() -> None:
         assert not [m for m in modules if m.startswith("localchat.tui")], f"{name} loads the app"
         if name.removeprefix("localchat.") in LIGHT_MODULES:
             assert not roots & {"numpy", "llama_cpp"}, f"{name} loads {sorted(roots)}"
-    assert "localchat.bench" in loaded and "localchat.planner" in loaded
-    assert "llama_cpp" in {m.split(".")[0] for m in loaded["localchat.engine"]}
-
-
-def _module_name(path: Path) -> str:
-    return ".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts)
-
-
-def _localchat_imports(path: Path, modules: set[str]) -> set[str]:
-    """The localchat modules a source file imports, at module level or inside functions."""
-    names: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            for alias in node.names:
-                child = f"{node.module}.{alias.name}"
-                names.add(child if child in modules else node.module)
-        elif isinstance(node, ast.Import):
-            names.update(a.name for a in node.names)
-    return {n for n in names if n in modules}
+    assert "localchat.bench.run" in loaded and "localchat.models.planner" in loaded
+    assert "llama_cpp" in {m.split(".")[0] for m in loaded["localchat.backends.llama.engine"]}
 
 
 def test_no_import_cycles() -> None:
-    paths = [p for p in PACKAGE.rglob("*.py") if p.name != "__init__.py"]
-    modules = {_module_name(p) for p in paths}
-    graph = {_module_name(p): _localchat_imports(p, modules) for p in paths}
+    # A generation names its engine in type hints only: that is no cycle when run.
+    graph = _graph(typing_too=False)
     cycles: list[list[str]] = []
     state: dict[str, str] = {}
 
@@ -129,18 +210,22 @@ def test_no_import_cycles() -> None:
         if start not in state:
             visit(start, [start])
     assert cycles == [], f"import cycles: {cycles}"
-    assert "localchat.hardware" in graph["localchat.planner"]
+    assert "localchat.models.hardware" in graph["localchat.models.planner"]
 
 
-def test_only_remote_speaks_http_to_servers_and_the_app_loads_it_only_for_one() -> None:
+def test_only_the_remote_backend_speaks_http_to_servers_and_a_local_start_never_loads_it() -> None:
+    allowed = {
+        "backends/remote.py",  # the wire to servers
+        "bench/remote.py",  # the bare client it is measured against
+        "models/starter.py",  # the package index, read only while the starter model is fetched
+    }
     offenders = [
         str(path.relative_to(PACKAGE))
         for path in PACKAGE.rglob("*.py")
         if _imports(path) & {"httpx", "httpx_sse"}
-        # the bare client; the package index, read only while the starter model is fetched
-        and path.name not in ("remote.py", "bench_remote.py", "starter.py")
+        and path.relative_to(PACKAGE).as_posix() not in allowed
     ]
     assert offenders == []
-    code = "import sys, localchat.tui.app, localchat.cli; print('httpx' in sys.modules)"
+    code = "import sys, localchat.tui.app, localchat.cli.main; print('httpx' in sys.modules)"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.stdout.strip() == "False"  # a local start never pays for the wire

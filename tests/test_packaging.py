@@ -26,7 +26,7 @@ def test_the_wheel_carries_the_catalog_and_an_install_reads_it(tmp_path: Path) -
         archive.extractall(site)
     # The installed copy (not the source tree) lists the catalog.
     code = (
-        "import localchat, localchat.catalog as c;"
+        "import localchat, localchat.models.catalog as c;"
         "print(localchat.__file__); print(len(c.load_catalog()))"
     )
     listed = subprocess.run(

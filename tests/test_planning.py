@@ -7,22 +7,22 @@ from pathlib import Path
 
 import pytest
 
-from localchat.catalog import CatalogError, load_catalog, load_catalog_file
-from localchat.cli import main
-from localchat.engine import Engine, LoadOptions
+from localchat.backends.llama.engine import Engine, LoadOptions
+from localchat.cli.main import main
 from localchat.errors import UsageError
-from localchat.estimate import (
+from localchat.gguf.estimate import (
     LayerWeights,
     ModelDims,
     compute_buffer_bytes,
     estimate_memory,
     kv_cache_bytes,
 )
-from localchat.gguf_info import read_gguf
-from localchat.hardware import GPU_APPLE, GPU_NONE, GPU_NVIDIA, Hardware, detect_hardware
-from localchat.hub import HubError, list_gguf_files, remote_gguf_header
-from localchat.planner import plan_catalog
-from localchat.quants import is_good_enough
+from localchat.gguf.info import read_gguf
+from localchat.gguf.quants import is_good_enough
+from localchat.models.catalog import CatalogError, load_catalog, load_catalog_file
+from localchat.models.hardware import GPU_APPLE, GPU_NONE, GPU_NVIDIA, Hardware, detect_hardware
+from localchat.models.hub import HubError, list_gguf_files, remote_gguf_header
+from localchat.models.planner import plan_catalog
 from localchat.units import count, parse_size
 
 from .hubserver import HubServer, HubState

@@ -9,14 +9,14 @@ from pathlib import Path
 
 import pytest
 
-from localchat.backend import Sampling
-from localchat.cli import main
-from localchat.conversation import Conversation
-from localchat.engine import Engine, LoadOptions
-from localchat.kvstate import StateStore
+from localchat.backends.base import Sampling
+from localchat.backends.llama.engine import Engine, LoadOptions
+from localchat.cli.main import main
+from localchat.conversation.local import Conversation
+from localchat.conversation.prefix_states import ID_PREFIX
 from localchat.paths import app_paths
-from localchat.prefix_states import ID_PREFIX
-from localchat.store import Store
+from localchat.state.kvstate import StateStore
+from localchat.state.store import Store
 
 GREEDY = Sampling(temperature=0.0)
 PERSONA = " ".join(

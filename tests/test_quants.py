@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from localchat.gguf_info import is_projector
-from localchat.hub import normal_tag, quant_of
-from localchat.quants import QUALITY_ORDER, parse_tag, quality_rank, tag_of_file
+from localchat.gguf.info import is_projector
+from localchat.gguf.quants import QUALITY_ORDER, parse_tag, quality_rank, tag_of_file
+from localchat.models.hub import normal_tag, quant_of
 
 
 @pytest.mark.parametrize(
@@ -61,7 +61,7 @@ def test_projectors_are_not_chat_models() -> None:
 
 
 def test_a_vendor_tag_is_sized_like_the_type_it_builds_on() -> None:
-    from localchat.estimate import LayerWeights, ModelDims
+    from localchat.gguf.estimate import LayerWeights, ModelDims
 
     dims = ModelDims(24, 896, 14, 2, 64, 64, 151936, 32768, 0)
     plain = LayerWeights.from_total(491_400_032, dims, "Q4_K_M", repacks=True)
@@ -72,7 +72,7 @@ def test_a_vendor_tag_is_sized_like_the_type_it_builds_on() -> None:
 def test_block_tables_are_ggufs_own_and_every_ranked_type_has_a_size() -> None:
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-    from localchat.quants import GGML_BLOCKS, bytes_per_weight
+    from localchat.gguf.quants import GGML_BLOCKS, bytes_per_weight
 
     for name, block in GGML_BLOCKS.items():
         assert GGML_QUANT_SIZES[GGMLQuantizationType[name]] == block, name
@@ -86,8 +86,8 @@ def test_block_tables_are_ggufs_own_and_every_ranked_type_has_a_size() -> None:
 
 
 def test_a_listing_without_sizes_is_planned_from_bytes_per_weight() -> None:
-    from localchat.catalog import load_catalog
-    from localchat.planner import sized_candidates
+    from localchat.models.catalog import load_catalog
+    from localchat.models.planner import sized_candidates
 
     for name in ("qwen2.5-7b-instruct", "mistral-7b-instruct-v0.3"):
         entry = next(m for m in load_catalog() if m.name == name)

@@ -14,12 +14,13 @@ from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 from textual.message import Message
 from textual.widgets import Markdown, Static
 
-from localchat.chat_template import ChatMessage
-from localchat.cli import main
-from localchat.conversation import Conversation
-from localchat.engine import Engine, LoadOptions, Sampling
-from localchat.kvstate import StateStore
-from localchat.store import Store
+from localchat.backends.base import Sampling
+from localchat.backends.llama.engine import Engine, LoadOptions
+from localchat.chat.template import ChatMessage
+from localchat.cli.main import main
+from localchat.conversation.local import Conversation
+from localchat.state.kvstate import StateStore
+from localchat.state.store import Store
 from localchat.tui.app import LocalChatApp
 from localchat.tui.widgets.chat_message import AssistantMessage
 

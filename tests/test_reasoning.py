@@ -11,12 +11,13 @@ import pytest
 from textual.message import Message
 from textual.widgets import Collapsible, Static
 
-from localchat.chat_template import ChatMessage
-from localchat.cli import main
-from localchat.engine import Engine, LoadOptions, Sampling
-from localchat.export import export_json, export_markdown
-from localchat.reasoning import ReasoningStream, opens_reasoning, split_reasoning
-from localchat.store import Store
+from localchat.backends.base import Sampling
+from localchat.backends.llama.engine import Engine, LoadOptions
+from localchat.chat.reasoning import ReasoningStream, opens_reasoning, split_reasoning
+from localchat.chat.template import ChatMessage
+from localchat.cli.main import main
+from localchat.state.export import export_json, export_markdown
+from localchat.state.store import Store
 from localchat.tui.app import LocalChatApp
 from localchat.tui.widgets.chat_message import AssistantMessage
 

@@ -17,14 +17,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from localchat.backend import Backend, Sampling
-from localchat.chat_template import ChatMessage
-from localchat.cli import main
-from localchat.conversation import Conversation
-from localchat.engine import Engine, LoadOptions, llama_server_command
-from localchat.kvstate import StateStore
-from localchat.paths import app_paths
-from localchat.remote import (
+from localchat.backends.base import Backend, Sampling
+from localchat.backends.llama.engine import Engine, LoadOptions
+from localchat.backends.llama.tools import llama_server_command
+from localchat.backends.remote import (
     KV_USAGE_METRICS,
     ContextExceeded,
     RemoteBackend,
@@ -32,8 +28,13 @@ from localchat.remote import (
     ServerRefused,
     _metric,
 )
-from localchat.remote_conversation import RemoteConversation
-from localchat.store import Store
+from localchat.chat.template import ChatMessage
+from localchat.cli.main import main
+from localchat.conversation.local import Conversation
+from localchat.conversation.remote import RemoteConversation
+from localchat.paths import app_paths
+from localchat.state.kvstate import StateStore
+from localchat.state.store import Store
 from tests.sse_server import ServerScript, SSEServer
 
 KEY = "sekret-key"

@@ -17,12 +17,13 @@ from pathlib import Path
 
 import pytest
 
-from localchat.conversation import Conversation
-from localchat.engine import Engine, LoadOptions, Sampling
-from localchat.kvstate import StateStore
-from localchat.locks import ConversationInUse
+from localchat.backends.base import Sampling
+from localchat.backends.llama.engine import Engine, LoadOptions
+from localchat.conversation.local import Conversation
 from localchat.paths import app_paths
-from localchat.store import Store
+from localchat.state.kvstate import StateStore
+from localchat.state.locks import ConversationInUse
+from localchat.state.store import Store
 
 FIRST, SECOND = "Tell me about caches.", "And what about windows?"
 GREEDY_ARGS = ("--temperature", "0", "--max-tokens", "24")
@@ -33,7 +34,7 @@ def ask(model: Path, conversation: str, message: str, *extra: str, env: dict | N
         [
             sys.executable,
             "-m",
-            "localchat.cli",
+            "localchat.cli.main",
             "ask",
             message,
             "--model-path",
@@ -161,7 +162,7 @@ def test_a_conversation_in_use_is_refused_with_a_clear_message(tiny_model: Path)
             [
                 sys.executable,
                 "-m",
-                "localchat.cli",
+                "localchat.cli.main",
                 "ask",
                 "hi",
                 "--model-path",
@@ -195,7 +196,7 @@ def test_full_disk_skips_the_state_but_keeps_the_transcript(small_model: Path) -
         [
             sys.executable,
             "-m",
-            "localchat.cli",
+            "localchat.cli.main",
             "ask",
             FIRST,
             "--model-path",
@@ -238,7 +239,7 @@ def test_a_q8_0_cache_halves_state_files_and_resumes_identically(small_model: Pa
     assert fresh["stats"]["restored_from_state"] is False
     settings.write_text('kv_type = "q5"\n')
     result = subprocess.run(
-        [sys.executable, "-m", "localchat.cli", "ask", "x", "--model-path", str(small_model)],
+        [sys.executable, "-m", "localchat.cli.main", "ask", "x", "--model-path", str(small_model)],
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert result.returncode == 2 and "kv_type must be one of f16, q8_0, q4_0" in result.stderr

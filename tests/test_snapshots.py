@@ -14,8 +14,9 @@ from rich.text import Text
 from textual.pilot import Pilot
 from textual.widgets import DataTable, Sparkline, Static
 
-from localchat.engine import Engine, Sampling
-from localchat.hardware import Hardware
+from localchat.backends.base import Sampling
+from localchat.backends.llama.engine import Engine
+from localchat.models.hardware import Hardware
 from localchat.tui.app import LocalChatApp
 from localchat.tui.screens.conversations import ConversationsScreen
 from localchat.tui.screens.models import ModelsScreen
@@ -103,8 +104,8 @@ def test_conversations_screen(snap_compare, tiny_model: Path) -> None:
 
 
 def test_models_screen(snap_compare, tiny_model: Path) -> None:
+    from localchat.models.speed import SpeedModel, machine_name
     from localchat.paths import app_paths
-    from localchat.speed import SpeedModel, machine_name
 
     app = _app(tiny_model)
     laptop = Hardware(16 * GIB, 12 * GIB, 8)

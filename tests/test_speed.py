@@ -7,14 +7,14 @@ from pathlib import Path
 
 import pytest
 
-from localchat.calibrate import solve_costs
-from localchat.catalog import find_model, load_catalog
-from localchat.cli import main
-from localchat.demo import make_demo_model
-from localchat.hardware import GPU_NVIDIA, Hardware
+from localchat.cli.main import main
+from localchat.models.calibrate import solve_costs
+from localchat.models.catalog import find_model, load_catalog
+from localchat.models.demo import make_demo_model
+from localchat.models.hardware import GPU_NVIDIA, Hardware
+from localchat.models.planner import plan_catalog, plan_file, plan_model, sized_candidates
+from localchat.models.speed import SpeedModel, load_speed_model, machine_name
 from localchat.paths import app_paths
-from localchat.planner import plan_catalog, plan_file, plan_model, sized_candidates
-from localchat.speed import SpeedModel, load_speed_model, machine_name
 
 GIB = 1024**3
 LAPTOP = Hardware(24 * GIB, 23 * GIB, 2)
@@ -124,10 +124,10 @@ def test_a_calibration_from_another_machine_or_damaged_is_measured_again(
 def test_hw_measures_once_keeps_it_and_calibrate_measures_again(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    monkeypatch.setattr("localchat.calibrate.CALIBRATION_QUANTS", ("F16",))
+    monkeypatch.setattr("localchat.models.calibrate.CALIBRATION_QUANTS", ("F16",))
     # The caching is tested here, not the acceptance of readings (test_calibration.py).
-    monkeypatch.setattr("localchat.calibrate.MIN_CPU_SHARE", 0.0)
-    monkeypatch.setattr("localchat.calibrate.AGREE", 100.0)
+    monkeypatch.setattr("localchat.models.calibrate.MIN_CPU_SHARE", 0.0)
+    monkeypatch.setattr("localchat.models.calibrate.AGREE", 100.0)
     assert main(["hw", "--json"]) == 0
     first = capsys.readouterr()
     assert "measuring this machine's speed" in first.err

@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from localchat.cli import main
-from localchat.gguf_info import read_gguf
+from localchat.cli.main import main
+from localchat.gguf.info import read_gguf
+from localchat.models.speed import SpeedModel, load_speed_model, machine_name
+from localchat.models.speed_feedback import TurnSpeed, note_turn
 from localchat.paths import app_paths
-from localchat.speed import SpeedModel, load_speed_model, machine_name
-from localchat.speed_feedback import TurnSpeed, note_turn
 
 NS = 1e-9
 COSTS = {"F16": 0.04 * NS, "Q8_0": 0.05 * NS, "Q4_K": 0.05 * NS, "Q6_K": 0.07 * NS}

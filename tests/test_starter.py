@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 from textual.message import Message
 
-from localchat.cli import main
-from localchat.engine import Sampling
-from localchat.hub import Progress, file_sha256
+from localchat.backends.base import Sampling
+from localchat.cli.main import main
+from localchat.models.hub import Progress, file_sha256
+from localchat.models.starter import STARTER, ensure_starter, index_cache_path, starter_on_disk
 from localchat.paths import app_paths
-from localchat.starter import STARTER, ensure_starter, index_cache_path, starter_on_disk
 from localchat.tui.app import LocalChatApp
 
 from .hubserver import HubServer, HubState

@@ -3,7 +3,7 @@ reply ends otherwise."""
 
 from __future__ import annotations
 
-from localchat.stops import StopFilter
+from localchat.chat.stops import StopFilter
 
 
 def _stream(pieces: list[str], stops: tuple[str, ...]) -> tuple[list[str], bool, str]:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from localchat.store import MIGRATIONS, ConversationNotFound, Store
+from localchat.state.store import MIGRATIONS, ConversationNotFound, Store
 
 
 @pytest.fixture
@@ -80,7 +80,7 @@ def test_unwritable_data_dir_is_a_clear_error(tmp_path: Path) -> None:
 
 
 def test_migrations_run_as_whole_statements() -> None:
-    from localchat.store import sql_statements
+    from localchat.state.store import sql_statements
 
     script = """
         CREATE TABLE t (a TEXT DEFAULT 'x;y');
@@ -144,7 +144,7 @@ def test_processes_starting_together_on_a_new_data_dir_all_open_it(tmp_path: Pat
     path = tmp_path / "fresh" / "conversations.sqlite3"
     code = (
         "import pathlib, sys, time\n"
-        "from localchat.store import Store\n"
+        "from localchat.state.store import Store\n"
         f"go = pathlib.Path({str(go)!r})\n"
         "while not go.exists(): time.sleep(0.001)\n"
         f"s = Store(pathlib.Path({str(path)!r}))\n"

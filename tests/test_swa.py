@@ -13,12 +13,13 @@ from pathlib import Path
 
 import pytest
 
-from localchat.conversation import Conversation
-from localchat.demo import make_demo_model
-from localchat.engine import Engine, LoadOptions, Sampling
-from localchat.kvstate import StateStore
+from localchat.backends.base import Sampling
+from localchat.backends.llama.engine import Engine, LoadOptions
+from localchat.conversation.local import Conversation
+from localchat.models.demo import make_demo_model
 from localchat.paths import app_paths
-from localchat.store import Store
+from localchat.state.kvstate import StateStore
+from localchat.state.store import Store
 
 GREEDY = Sampling(temperature=0.0)
 CTX = 4096
@@ -131,8 +132,8 @@ def test_turns_regenerate_and_resume_match_the_full_cache(swa_model: Path) -> No
 def test_the_estimate_counts_window_caches_and_the_kernel(
     swa_model: Path, n_ctx: int, swa_cache: str
 ) -> None:
-    from localchat.estimate import ModelDims, compute_buffer_bytes, kv_cache_bytes
-    from localchat.gguf_info import read_gguf
+    from localchat.gguf.estimate import ModelDims, compute_buffer_bytes, kv_cache_bytes
+    from localchat.gguf.info import read_gguf
 
     dims = ModelDims.from_gguf(read_gguf(swa_model))
     assert dims.swa_pattern == 6 and dims.window_layers() == 5
@@ -151,10 +152,10 @@ def test_the_estimate_counts_window_caches_and_the_kernel(
 
 
 def test_plans_choose_the_attention_kernel_and_micro_batch_with_a_reason() -> None:
-    from localchat.catalog import find_model, load_catalog
-    from localchat.estimate import estimate_memory
-    from localchat.hardware import Hardware
-    from localchat.planner import plan_model, sized_candidates
+    from localchat.gguf.estimate import estimate_memory
+    from localchat.models.catalog import find_model, load_catalog
+    from localchat.models.hardware import Hardware
+    from localchat.models.planner import plan_model, sized_candidates
 
     gib = 1024**3
     entry = find_model(load_catalog(), "llama-3.2-1b-instruct")

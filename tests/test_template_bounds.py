@@ -23,9 +23,9 @@ from gguf.scripts.gguf_new_metadata import MetadataDetails, copy_with_new_metada
 from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from localchat.chat_formats import BUILTIN
-from localchat.chat_template import ChatMessage, ChatTemplate, TemplateRunaway
-from localchat.engine import Engine, LoadOptions
+from localchat.backends.llama.engine import Engine, LoadOptions
+from localchat.chat.formats import BUILTIN
+from localchat.chat.template import ChatMessage, ChatTemplate, TemplateRunaway
 from localchat.errors import ModelFileError
 
 TEMPLATES = Path(__file__).parent / "templates"
@@ -286,7 +286,7 @@ def test_a_turn_whose_render_runs_away_fails_with_one_line(
 
 
 def _run_cli(*args: str) -> subprocess.CompletedProcess[str]:
-    command = [sys.executable, "-m", "localchat.cli", *args]
+    command = [sys.executable, "-m", "localchat.cli.main", *args]
     return subprocess.run(command, capture_output=True, text=True, timeout=120)
 
 

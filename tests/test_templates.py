@@ -14,13 +14,14 @@ from pathlib import Path
 
 import pytest
 
-from localchat.chat_formats import BUILTIN, PLAIN, detect_format
-from localchat.chat_template import ChatMessage, ChatTemplate
-from localchat.conversation import Conversation
-from localchat.engine import Engine, LoadOptions, Sampling
+from localchat.backends.base import Sampling
+from localchat.backends.llama.engine import Engine, LoadOptions
+from localchat.chat.formats import BUILTIN, PLAIN, detect_format
+from localchat.chat.template import ChatMessage, ChatTemplate
+from localchat.conversation.local import Conversation
 from localchat.errors import ModelFileError, UsageError
-from localchat.kvstate import StateStore
-from localchat.store import Store
+from localchat.state.kvstate import StateStore
+from localchat.state.store import Store
 
 from .gguf_edit import rewrite_metadata
 
@@ -284,7 +285,7 @@ Q4_K_M = {{ file = "{file_name}", size = 1000 }}
 
 
 def test_a_catalog_entry_names_the_template(tiny_model: Path, capsys) -> None:
-    from localchat.cli import main
+    from localchat.cli.main import main
     from localchat.paths import app_paths
 
     catalog = app_paths().user_catalog
@@ -304,7 +305,7 @@ def test_a_catalog_entry_names_the_template(tiny_model: Path, capsys) -> None:
 
 
 def test_a_bad_catalog_template_field_names_the_entry(tmp_path: Path) -> None:
-    from localchat.catalog import CatalogError, load_catalog_file
+    from localchat.models.catalog import CatalogError, load_catalog_file
 
     path = tmp_path / "models.toml"
     path.write_text(_catalog_entry("x.gguf", "").replace('template = ""', "template = 3"))

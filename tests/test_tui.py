@@ -9,11 +9,12 @@ from textual.message import Message
 from textual.pilot import Pilot
 from textual.widgets import Static
 
-import localchat.demo as demo_module
+import localchat.models.demo as demo_module
 import localchat.session as session_module
 import localchat.tui.app as app_module
-from localchat.compute_thread import on_compute_thread
-from localchat.engine import Engine, Sampling
+from localchat.backends.base import Sampling
+from localchat.backends.compute_thread import on_compute_thread
+from localchat.backends.llama.engine import Engine
 from localchat.text import printable
 from localchat.tui.app import LocalChatApp
 from localchat.tui.messages import (
@@ -83,9 +84,9 @@ async def test_quitting_mid_reply_keeps_the_partial_reply(
 ) -> None:
     """Ctrl+Q (or SIGTERM/SIGHUP, which call exit) while the model answers: the reply so far
     is committed and its state saved before the app is gone."""
-    from localchat.kvstate import StateStore
     from localchat.paths import app_paths
-    from localchat.store import Store
+    from localchat.state.kvstate import StateStore
+    from localchat.state.store import Store
 
     seen: list[Message] = []
     app = LocalChatApp(small_model, n_ctx=4096, max_tokens=3000, sampling=GREEDY)
@@ -372,8 +373,8 @@ async def test_a_worker_that_fails_unexpectedly_leaves_a_notice_and_the_app_up(
 
 
 async def test_the_hardware_screen_plans_with_the_speed_setting(tiny_model: Path) -> None:
+    from localchat.models.speed import SpeedModel, machine_name
     from localchat.paths import app_paths
-    from localchat.speed import SpeedModel, machine_name
 
     costs = {"F16": 3.7e-11, "Q8_0": 5e-11, "Q6_K": 7e-11, "Q4_K": 5.2e-11, "Q2_K": 7.4e-11}
     SpeedModel(costs, 1e-4, costs, 1e-5, machine_name(), 2).save(app_paths().speed_calibration)
@@ -397,7 +398,7 @@ async def test_closing_and_opening_a_conversation_stay_off_the_event_loop(
 ) -> None:
     import threading
 
-    from localchat.conversation import Conversation
+    from localchat.conversation.local import Conversation
 
     on_loop: list[tuple[str, bool]] = []
     real_open = Conversation.open.__func__  # type: ignore[attr-defined]

@@ -9,7 +9,7 @@ from pathlib import Path
 from textual.message import Message
 from textual.widgets import Label
 
-from localchat.backend import Sampling
+from localchat.backends.base import Sampling
 from localchat.tui.app import LocalChatApp
 from localchat.tui.messages import ReplyFinished
 from localchat.tui.widgets.chat_message import AssistantMessage, ChatEntry, UserMessage

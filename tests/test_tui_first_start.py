@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 from textual.message import Message
 
-from localchat.engine import Sampling
+from localchat.backends.base import Sampling
+from localchat.models.starter import STARTER
 from localchat.paths import app_paths
-from localchat.starter import STARTER
 from localchat.tui.app import LocalChatApp
 from localchat.tui.messages import ModelMissing, StartupNotice, StartupProgress, StartupStep
 from localchat.tui.screens.no_model import NoModelScreen
@@ -33,7 +33,7 @@ def default_model_hub(
 ) -> Iterator[HubState]:
     """The hub serving the first-start default model's repo (small-model bytes under every
     catalog file name, so whichever quant the planner picks here exists)."""
-    from localchat.catalog import find_model, load_catalog
+    from localchat.models.catalog import find_model, load_catalog
     from localchat.session import DEFAULT_MODEL
 
     entry = find_model(load_catalog(), DEFAULT_MODEL)

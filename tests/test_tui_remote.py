@@ -9,10 +9,10 @@ import pytest
 from textual.message import Message
 from textual.widgets import DataTable, Markdown, Static
 
-from localchat.backend import Sampling
+from localchat.backends.base import Sampling
+from localchat.backends.remote import RemoteBackend
 from localchat.paths import app_paths
-from localchat.remote import RemoteBackend
-from localchat.store import Store
+from localchat.state.store import Store
 from localchat.tui.app import LocalChatApp
 from localchat.tui.messages import ModelLoaded, ReplyFailed, ReplyFinished
 from localchat.tui.screens.models import ModelsScreen, RowsLoaded

@@ -7,12 +7,12 @@ from pathlib import Path
 
 from textual.message import Message
 
-from localchat.backend import Sampling
-from localchat.conversation import Conversation
-from localchat.engine import Engine, LoadOptions
-from localchat.kvstate import StateStore
+from localchat.backends.base import Sampling
+from localchat.backends.llama.engine import Engine, LoadOptions
+from localchat.conversation.local import Conversation
 from localchat.paths import app_paths
-from localchat.store import Store
+from localchat.state.kvstate import StateStore
+from localchat.state.store import Store
 from localchat.tui.app import LocalChatApp
 from localchat.tui.messages import ConversationRestored
 from tests.tui_helpers import ready, say, wait_for

@@ -11,7 +11,7 @@ import pytest
 from textual.message import Message
 from textual.widgets import DataTable, TextArea
 
-from localchat.engine import Sampling
+from localchat.backends.base import Sampling
 from localchat.paths import app_paths
 from localchat.tui.app import LocalChatApp
 from localchat.tui.messages import (

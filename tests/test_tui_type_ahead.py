@@ -12,8 +12,8 @@ from textual.message import Message
 from textual.pilot import Pilot
 from textual.widgets import Static
 
-from localchat.backend import Sampling
-from localchat.cli import main
+from localchat.backends.base import Sampling
+from localchat.cli.main import main
 from localchat.paths import app_paths
 from localchat.tui.app import LocalChatApp
 from localchat.tui.messages import ConversationRestored, ReadAhead, ReplyFinished

@@ -9,15 +9,15 @@ from pathlib import Path
 
 import pytest
 
-from localchat.backend import Sampling
-from localchat.conversation import READ_AHEAD_BATCH, Conversation, ReadAheadResult
-from localchat.demo import make_demo_model
-from localchat.engine import Engine, LoadOptions
-from localchat.kvstate import StateStore
+from localchat.backends.base import Sampling
+from localchat.backends.llama.engine import Engine, LoadOptions
+from localchat.chat.prompt import settled_chars
+from localchat.conversation.local import READ_AHEAD_BATCH, Conversation, ReadAheadResult
+from localchat.conversation.prefix_states import ID_PREFIX
+from localchat.models.demo import make_demo_model
 from localchat.paths import app_paths
-from localchat.prefix_states import ID_PREFIX
-from localchat.prompt import settled_chars
-from localchat.store import Store
+from localchat.state.kvstate import StateStore
+from localchat.state.store import Store
 
 GREEDY = Sampling(temperature=0.0)
 MESSAGE = (

@@ -9,12 +9,13 @@ from pathlib import Path
 
 import pytest
 
-from localchat.conversation import Conversation
-from localchat.engine import Engine, LoadOptions, Sampling
+from localchat.backends.base import Sampling
+from localchat.backends.llama.engine import Engine, LoadOptions
+from localchat.chat.window import WindowPolicy, plan_window, resolve_mode, shift_is_safe
+from localchat.conversation.local import Conversation
 from localchat.errors import UsageError
-from localchat.kvstate import StateStore
-from localchat.store import Store
-from localchat.window import WindowPolicy, plan_window, resolve_mode, shift_is_safe
+from localchat.state.kvstate import StateStore
+from localchat.state.store import Store
 
 CTX = 256
 GREEDY = Sampling(temperature=0.0)
@@ -134,7 +135,7 @@ def test_ask_reports_window_fields(tiny_model: Path) -> None:
     result = None
     for i in range(14):
         completed = subprocess.run(
-            [sys.executable, "-m", "localchat.cli", "ask", _message(i), "--model-path", str(tiny_model),
+            [sys.executable, "-m", "localchat.cli.main", "ask", _message(i), "--model-path", str(tiny_model),
              "--conversation", "cli", "--ctx", str(CTX), "--temperature", "0", "--max-tokens", "24",
              "--json", "--window", "auto"],
             capture_output=True, text=True, timeout=60, check=True,
@@ -213,7 +214,7 @@ def test_a_turn_that_fails_after_the_window_moved_leaves_everything_as_it_was(
 
 
 def test_the_window_passes_pinned_messages_by() -> None:
-    from localchat.window import WindowPolicy, plan_window
+    from localchat.chat.window import WindowPolicy, plan_window
 
     counts = [("user", 50), ("assistant", 50), ("user", 50), ("assistant", 50), ("user", 30)]
     free = plan_window(10, counts, 0, 200, 20, WindowPolicy(drop_share=0.0))

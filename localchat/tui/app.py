@@ -24,24 +24,25 @@ from textual.screen import Screen
 from textual.widgets import Footer, Header, Markdown, TextArea
 from textual.widgets.markdown import MarkdownStream
 
-from localchat.attachments import Attachment, check_fits, read_attachment, with_attachments
-from localchat.compute_thread import compute_waiting, run_compute, wait_idle
-from localchat.conversation import (
+from localchat.backends.base import Sampling
+from localchat.backends.compute_thread import compute_waiting, run_compute, wait_idle
+from localchat.backends.llama.engine import Engine
+from localchat.chat.attachments import Attachment, check_fits, read_attachment, with_attachments
+from localchat.chat.reasoning import split_reasoning
+from localchat.conversation.local import (
     Conversation,
     ConversationBase,
     ConversationTurn,
     ReadAheadResult,
     fork_conversation,
 )
-from localchat.engine import Engine, Sampling
 from localchat.errors import LocalchatError, one_line
-from localchat.hub import DownloadCancelled, HubError
-from localchat.kvstate import StateStore
+from localchat.models.hub import DownloadCancelled, HubError
 from localchat.paths import app_paths
-from localchat.reasoning import split_reasoning
 from localchat.session import Session
 from localchat.settings import Settings, load_settings
-from localchat.store import Store
+from localchat.state.kvstate import StateStore
+from localchat.state.store import Store
 from localchat.tui.messages import (
     AttachmentReady,
     ConversationRestored,
@@ -79,7 +80,7 @@ from localchat.tui.worker_failures import ReportsWorkerFailures
 from localchat.units import count
 
 if TYPE_CHECKING:  # the wire to servers is imported only when one is used
-    from localchat.remote import RemoteBackend
+    from localchat.backends.remote import RemoteBackend
 
 # How long quitting waits for a reply being written to stop and be committed.
 QUIT_WAIT_S = 10.0

@@ -26,12 +26,13 @@ from typing import Any
 import psutil
 from textual import events
 
-from localchat.compute_thread import run_compute
-from localchat.conversation import Conversation
-from localchat.engine import Engine, LoadOptions, Sampling
-from localchat.kvstate import StateStore
+from localchat.backends.base import Sampling
+from localchat.backends.compute_thread import run_compute
+from localchat.backends.llama.engine import Engine, LoadOptions
+from localchat.conversation.local import Conversation
 from localchat.paths import HOME_ENV
-from localchat.store import Store
+from localchat.state.kvstate import StateStore
+from localchat.state.store import Store
 from localchat.tui.app import LocalChatApp
 from localchat.tui.messages import ConversationRestored, ModelLoaded, ReplyFinished
 

@@ -8,15 +8,15 @@ from typing import TYPE_CHECKING
 
 from textual.message import Message
 
-from localchat.attachments import Attachment
-from localchat.backend import TurnStats
-from localchat.conversation import ConversationTurn
-from localchat.engine import Engine
-from localchat.hub import Progress
+from localchat.backends.base import TurnStats
+from localchat.backends.llama.engine import Engine
+from localchat.chat.attachments import Attachment
+from localchat.conversation.local import ConversationTurn
+from localchat.models.hub import Progress
 from localchat.progress import StepProgress
 
 if TYPE_CHECKING:
-    from localchat.remote import RemoteBackend
+    from localchat.backends.remote import RemoteBackend
 
 
 @dataclass

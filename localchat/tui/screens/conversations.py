@@ -13,12 +13,12 @@ from textual.screen import ModalScreen
 from textual.widgets import DataTable, Input, Label
 
 from localchat.atomic import write_atomic
-from localchat.conversation import delete_conversation
+from localchat.conversation.local import delete_conversation
 from localchat.errors import LocalchatError
-from localchat.export import export_markdown
-from localchat.kvstate import StateStore
 from localchat.paths import app_paths
-from localchat.store import Store
+from localchat.state.export import export_markdown
+from localchat.state.kvstate import StateStore
+from localchat.state.store import Store
 from localchat.tui.screens.text_prompt import TextPromptScreen
 
 

@@ -12,12 +12,12 @@ from textual.containers import VerticalScroll
 from textual.screen import ModalScreen
 from textual.widgets import Label, Static
 
-from localchat.catalog import load_catalog
 from localchat.errors import LocalchatError, one_line
-from localchat.hardware import detect_hardware
+from localchat.models.catalog import load_catalog
+from localchat.models.hardware import detect_hardware
+from localchat.models.planner import MIN_TOKENS_PER_S, format_hardware_report, plan_catalog
+from localchat.models.speed import load_speed_model
 from localchat.paths import app_paths
-from localchat.planner import MIN_TOKENS_PER_S, format_hardware_report, plan_catalog
-from localchat.speed import load_speed_model
 from localchat.tui.worker_failures import ReportsWorkerFailures
 
 

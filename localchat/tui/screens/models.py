@@ -22,12 +22,12 @@ from textual.screen import ModalScreen
 from textual.widgets import DataTable, Label, ProgressBar, Static
 
 from localchat.errors import LocalchatError
-from localchat.gguf_info import is_projector
-from localchat.hardware import Hardware, detect_hardware
-from localchat.hub import DownloadCancelled, Progress
-from localchat.library import Library, ModelRow
+from localchat.gguf.info import is_projector
+from localchat.models.hardware import Hardware, detect_hardware
+from localchat.models.hub import DownloadCancelled, Progress
+from localchat.models.library import Library, ModelRow
+from localchat.models.planner import MIN_TOKENS_PER_S, format_tps
 from localchat.paths import app_paths
-from localchat.planner import MIN_TOKENS_PER_S, format_tps
 from localchat.session import ServerModelRow, server_model_rows
 from localchat.settings import ServerConfig
 from localchat.tui.screens.text_prompt import TextPromptScreen

@@ -14,7 +14,7 @@ from textual.containers import Vertical
 from textual.screen import ModalScreen
 from textual.widgets import Label, ProgressBar, Static
 
-from localchat.hub import Progress
+from localchat.models.hub import Progress
 from localchat.progress import StepProgress
 
 SKIP_HINT = "Esc skips this step: plans go by memory until the speed is measured"

@@ -8,7 +8,7 @@ from textual.app import ComposeResult
 from textual.containers import Vertical
 from textual.widgets import Label, ProgressBar, Sparkline, Static
 
-from localchat.engine import TurnStats
+from localchat.backends.base import TurnStats
 from localchat.units import format_bytes
 
 

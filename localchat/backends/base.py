@@ -1,0 +1,118 @@
+"""What a turn needs from whatever writes the reply, and the data every backend hands back.
+
+Two backends exist: llama.cpp in this process (``engine.Engine``) and an OpenAI-compatible
+server (``remote.RemoteBackend``: vLLM, llama-server, Ollama, LM Studio). The transcript, the
+context window and the figures are the same over both; only the local one holds a KV cache
+that localchat saves and restores itself. A leaf: neither llama.cpp nor the network.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+from localchat.chat.template import ChatMessage
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """Sampling settings; temperature 0 is greedy and deterministic."""
+
+    temperature: float = 0.7
+    top_k: int = 40
+    top_p: float = 0.95
+    min_p: float = 0.05
+    repeat_penalty: float = 1.0
+    seed: int = 0
+
+
+@dataclass
+class TurnStats:
+    """What one generation cost and what the KV cache holds afterwards.
+
+    On a server the cache is the server's: ``kv_bytes_*`` are None, and ``server_kv_usage``
+    is the fraction of its cache in use where the server publishes it (None otherwise).
+    ``counted`` says where the token counts come from: ``"model"`` (the tokenizer),
+    ``"server"`` (its usage report) or ``"estimated"`` (stream chunks or characters).
+    """
+
+    prompt_tokens: int = 0
+    prompt_tokens_evaluated: int = 0
+    generated_tokens: int = 0
+    ttft_s: float = 0.0
+    prompt_tps: float = 0.0
+    gen_tps: float = 0.0
+    kv_bytes_used: int | None = 0
+    kv_bytes_allocated: int | None = 0
+    stop_reason: str = ""
+    server_kv_usage: float | None = None
+    counted: str = "model"
+    first_token_at: float | None = None  # when it came, on time.perf_counter's clock
+
+
+@dataclass(frozen=True)
+class TokenDelta:
+    """One generated token and the text it completes (empty mid-way through a UTF-8 char,
+    or while it may be the start of a stop string). ``token`` is None for held-back text
+    released when the reply ends, and for text a server sent (it sends no token ids)."""
+
+    token: int | None
+    text: str
+    reasoning: bool = False  # part of a <think> block, not the answer
+
+
+class Reply(Protocol):
+    """A reply being written: iterate it for deltas; ``stats`` and ``text`` fill as it runs."""
+
+    stats: TurnStats
+    text: str
+    tokens: list[int]  # the reply's token ids where the backend has them (a server: none)
+
+    def __iter__(self) -> Iterator[TokenDelta]: ...
+
+    @property
+    def answer(self) -> str: ...
+
+    @property
+    def reasoning(self) -> str: ...
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """What the conversation layer, the CLI and the app ask of either backend: who answers,
+    how many tokens a text takes, a reply to messages (streamed, cancellable). The local
+    engine also saves and restores its KV cache (``save_sequence_state`` and
+    ``load_sequence_state``); a server keeps its own."""
+
+    @property
+    def model_name(self) -> str:
+        """What the transcript records as the model that answered."""
+        ...
+
+    @property
+    def fingerprint(self) -> str:
+        """Keys what is stored per model (token ids, window start)."""
+        ...
+
+    @property
+    def context_size(self) -> int | None:
+        """Tokens a prompt plus reply may hold; None where the server does not say."""
+        ...
+
+    def count_tokens(self, text: str) -> int:
+        """Tokens ``text`` takes (a server that cannot count: an estimate)."""
+        ...
+
+    def stream(
+        self,
+        messages: Sequence[ChatMessage],
+        sampling: Sampling | None = None,
+        max_tokens: int = 512,
+        cancel: threading.Event | None = None,
+    ) -> Reply:
+        """A reply to ``messages`` (the chat template applied by whoever answers)."""
+        ...
+
+    def close(self) -> None: ...

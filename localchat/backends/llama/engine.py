@@ -1,0 +1,577 @@
+"""A loaded model and its context: load, tokenize, the chat template, KV cache surgery and
+sequence state. With the rest of ``backends/llama`` the only code that touches llama_cpp:
+everything above works with token ids, dataclasses and plain bytes, so the rest of
+localchat (and its tests) never depend on llama-cpp-python's objects.
+"""
+
+from __future__ import annotations
+
+import bisect
+import contextlib
+import ctypes
+import itertools
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+
+import llama_cpp
+
+from localchat.backends.base import Sampling
+from localchat.backends.llama.buffers import parse_buffers
+from localchat.backends.llama.generation import Generation
+from localchat.backends.llama.runtime import buffer_lines, last_error_line, prepare, start_capture
+from localchat.chat.formats import (
+    PLAIN,
+    ChatFormat,
+    classify_model,
+    detect_format,
+    format_from_override,
+)
+from localchat.chat.prompt import PromptBuilder, common_prefix
+from localchat.chat.template import ChatMessage, ChatTemplate
+from localchat.cpu import physical_cores
+from localchat.errors import ModelFileError, ModelLoadError, UsageError
+from localchat.gguf.estimate import ModelDims, kv_bytes_per_token, preferred_flash_attn
+from localchat.gguf.info import file_fingerprint, read_gguf
+from localchat.gguf.quants import SWA_CACHE_MODES
+from localchat.state.kvstate import StateKey
+from localchat.units import format_bytes
+
+LLAMA_CPP_VERSION: str = llama_cpp.__version__
+
+KV_TYPES: dict[str, int] = {
+    "f16": llama_cpp.GGML_TYPE_F16,
+    "q8_0": llama_cpp.GGML_TYPE_Q8_0,
+    "q4_0": llama_cpp.GGML_TYPE_Q4_0,
+}
+
+MIN_CTX = 32
+# The context used when none is asked for (capped at the model's trained context).
+DEFAULT_CTX = 4096
+
+
+class ReplayStopped(Exception):
+    """A replay gave way between two batches (``Engine.replay``'s ``stop``); the cache is
+    empty."""
+
+
+@dataclass(frozen=True)
+class LoadOptions:
+    """How to load a model: context size, threads, GPU layers, the KV cache type, and the
+    chat template (``None``: the model's own, else one chosen from what the file says)."""
+
+    n_ctx: int | None = None  # None: DEFAULT_CTX, capped at the model's trained context
+    n_threads: int | None = None
+    n_gpu_layers: int = 0
+    kv_type: str = "f16"
+    n_batch: int = 512
+    template: str | None = None  # a built-in format name or a .jinja file
+    swa_cache: str = "window"  # sliding-window layers: "window" (their window) or "full"
+    flash_attn: bool | None = None  # None: where it costs nothing (``preferred_flash_attn``)
+    n_ubatch: int = 512  # the micro-batch: the compute buffer grows with it
+
+
+class _CountingLlama(llama_cpp.Llama):
+    """Llama that records what it evaluates: how many tokens (reused vs computed), and where
+    each batch started.
+
+    llama.cpp's numerics depend on how tokens are batched (a token evaluated alone and the
+    same token inside a batch of 500 can differ in the last bits), so a history re-evaluated
+    in other batches can continue differently. Replaying the recorded batches rebuilds the
+    cache bit for bit. ``batch_starts`` is None when the history is not fully known.
+    """
+
+    tokens_evaluated: int = 0
+    batch_starts: list[int] | None = None
+
+    def eval(self, tokens: Sequence[int]) -> None:
+        n_past = self.n_tokens
+        starts = self.batch_starts
+        if starts is not None:  # sorted; in place, so a long reply costs O(1) per token
+            if starts and starts[-1] >= n_past:
+                del starts[bisect.bisect_left(starts, n_past) :]
+            starts.extend(range(n_past, n_past + len(tokens), self.n_batch))
+        self.tokens_evaluated += len(tokens)
+        super().eval(tokens)
+
+
+class Engine:
+    """A loaded model with its context: the only owner of llama.cpp objects."""
+
+    def __init__(self, model_path: Path, options: LoadOptions | None = None) -> None:
+        self.options = options or LoadOptions()
+        self.model_path = Path(model_path)
+        self.info = read_gguf(self.model_path)
+        if self.options.kv_type not in KV_TYPES:
+            raise UsageError(
+                f"unknown KV cache type {self.options.kv_type!r}; choose one of {', '.join(KV_TYPES)}"
+            )
+        trained = self.info.context_length
+        n_ctx = self.options.n_ctx or (min(DEFAULT_CTX, trained) if trained else DEFAULT_CTX)
+        if n_ctx < MIN_CTX:
+            raise UsageError(f"context size {n_ctx} is too small; use at least {MIN_CTX}")
+        if trained and n_ctx > trained:
+            raise UsageError(
+                f"{self.model_path}: context size {n_ctx} is larger than the model's trained"
+                f" context {trained}; use --ctx {trained} or less"
+            )
+        threads = self.options.n_threads or physical_cores()
+        # How many threads generate: the app sizes its own CPU budget by it.
+        self.threads = threads
+        kv_id = KV_TYPES[self.options.kv_type]
+        # Quantized V caches need flash attention in llama.cpp; elsewhere the plan's rule.
+        self.flash_attn = self.options.kv_type != "f16" or (
+            self.options.flash_attn
+            if self.options.flash_attn is not None
+            else preferred_flash_attn(n_ctx, self.options.kv_type, self.options.n_gpu_layers > 0)
+        )
+        if self.options.swa_cache not in SWA_CACHE_MODES:
+            raise UsageError(
+                f"unknown swa_cache {self.options.swa_cache!r}; choose one of"
+                f" {', '.join(SWA_CACHE_MODES)}"
+            )
+        prepare()
+        start_capture()
+        try:
+            self._llm = _CountingLlama(
+                model_path=str(self.model_path),
+                n_ctx=n_ctx,
+                n_batch=min(self.options.n_batch, n_ctx),
+                n_threads=threads,
+                n_threads_batch=threads,
+                n_gpu_layers=self.options.n_gpu_layers,
+                type_k=kv_id,
+                type_v=kv_id,
+                flash_attn=self.flash_attn,
+                n_ubatch=self.options.n_ubatch,
+                # Sliding-window layers keep only their window (as llama-server runs them):
+                # a fraction of the full-size cache that llama.cpp's library default is.
+                swa_full=self.options.swa_cache == "full",
+                verbose=False,
+            )
+        except Exception as exc:  # llama-cpp-python raises ValueError/RuntimeError
+            raise ModelLoadError(
+                f"{self.model_path}: llama.cpp could not load it: {last_error_line()}"
+            ) from exc
+        # K and V bytes one token occupies across all layers: the KV cache's unit of growth.
+        self.kv_bytes_per_token = kv_bytes_per_token(
+            ModelDims.from_gguf(self.info), self.options.kv_type
+        )
+        lines = buffer_lines()
+        # The cells and layers of each cache llama.cpp made, times what one cell of one
+        # layer takes (its log rounds sizes to 0.01 MiB).
+        self.buffers = parse_buffers(lines, self.kv_bytes_per_token // max(1, self.info.n_layer))
+        # Positions a sliding-window layer looks back; its cache keeps only those when the
+        # window cache is in use, so the cache cannot be cut back far (see ``keeps``).
+        self.n_swa = int(llama_cpp.llama_model_n_swa(self._llm.model))
+        self.windowed = self.n_swa > 0 and self.options.swa_cache == "window"
+        # Which conversation the cache holds now (set by the conversation layer), and how
+        # many of its tokens that conversation's turns (or a restore, a replay) put there:
+        # tokens past ``committed`` were read ahead of a message still being typed, and count
+        # for the next prompt only where they are its exact ids.
+        self.cache_owner: str | None = None
+        self.committed = 0
+        try:
+            self.template = self._chat_template()
+        except ModelFileError as exc:  # a template that does not compile, or runs away probed
+            self.close()
+            raise type(exc)(f"{self.model_path}: {exc}") from None  # a runaway stays one
+        self.template.model = str(self.model_path)  # a turn's runaway names the file too
+        self._warm_up()
+
+    def _warm_up(self) -> None:
+        """One throwaway decode at load, as llama.cpp's own tools do: it faults in the mapped
+        weights and sets up compute buffers, so the first real turn does not pay for that."""
+        self._llm.eval([self.bos_token])
+        self.reset()
+        self._fingerprint: str | None = None
+
+    @property
+    def fingerprint(self) -> str:
+        """Identity of the model file: keys saved states and per-model token ids."""
+        if self._fingerprint is None:
+            self._fingerprint = file_fingerprint(self.model_path)
+        return self._fingerprint
+
+    # -- model facts -------------------------------------------------------------------
+    @property
+    def state_key(self) -> StateKey:
+        """What a saved state of this model's cache depends on (file, context, KV type, build)."""
+        return StateKey(self.fingerprint, self.n_ctx, self.options.kv_type, LLAMA_CPP_VERSION)
+
+    @property
+    def n_batch(self) -> int:
+        """Tokens one evaluation batch holds: a cold prompt is read in batches of this."""
+        return int(self._llm.n_batch)
+
+    @property
+    def model_name(self) -> str:
+        """The file's name: what the transcript records as the model that answered."""
+        return self.model_path.name
+
+    @property
+    def context_size(self) -> int:
+        return self.n_ctx
+
+    @property
+    def n_ctx(self) -> int:
+        """The context size asked for: how many tokens a prompt plus reply may hold."""
+        return len(self._llm.input_ids)
+
+    @property
+    def kv_cells(self) -> int:
+        """Cells llama.cpp really allocated for the KV cache (it pads the context size up)."""
+        return int(self._llm.n_ctx())
+
+    @property
+    def n_vocab(self) -> int:
+        return int(self._llm.n_vocab())
+
+    @property
+    def bos_token(self) -> int:
+        return int(self._llm.token_bos())
+
+    @property
+    def add_bos(self) -> bool:
+        return bool(self.info.metadata.get("tokenizer.ggml.add_bos_token", True))
+
+    @property
+    def add_space_prefix(self) -> bool:
+        """SentencePiece vocabularies that start every text after a control token with a space."""
+        default = self.info.metadata.get("tokenizer.ggml.model") == "llama"
+        return bool(self.info.metadata.get("tokenizer.ggml.add_space_prefix", default))
+
+    def _chat_template(self) -> ChatTemplate:
+        """The template in use: ``--template``, else the model's own; without one, a base
+        model gets a plain transcript with stop strings and a chat-tuned one the format its
+        vocabulary's control tokens name (``classify_model``: a vocabulary alone cannot say)."""
+        eos = int(self._llm.token_eos())
+        eos_text = self.token_text(eos) if eos >= 0 else ""
+        chosen: ChatFormat
+        if self.options.template:
+            chosen = format_from_override(self.options.template)
+            name = f"{chosen.name} (chosen)"
+        elif self.info.chat_template:
+            chosen = ChatFormat("the model's own", self.info.chat_template)
+            name = chosen.name
+        else:
+            tuning = classify_model(self.info.metadata, eos_text, self.model_path.name)
+            chosen = detect_format(self.has_control_token) if tuning.chat else PLAIN
+            if not tuning.chat:
+                name = f"plain (base model: no template in the file, {tuning.evidence})"
+            elif chosen.markers:
+                name = f"{chosen.name} (no template in the file; {tuning.reason})"
+            else:
+                name = (
+                    f"plain (no template in the file; {tuning.reason}, but its vocabulary"
+                    " has no known chat format's control tokens)"
+                )
+        return ChatTemplate(
+            chosen.source,
+            bos_token=self.token_text(self.bos_token),
+            eos_token=eos_text,
+            name=name,
+            stop=chosen.stop,
+        )
+
+    def has_control_token(self, text: str) -> bool:
+        """Whether ``text`` is one control token of this vocabulary."""
+        ids = self.tokenize(text, special=True)
+        vocab = self._llm._model.vocab
+        return len(ids) == 1 and bool(llama_cpp.llama_vocab_is_control(vocab, ids[0]))
+
+    def strips_reply_space(self, last_prompt_token: int) -> bool:
+        """Whether a reply's first space is the tokenizer's own (after a control token)."""
+        vocab = self._llm._model.vocab
+        return self.add_space_prefix and bool(
+            llama_cpp.llama_vocab_is_control(vocab, last_prompt_token)
+        )
+
+    def token_bytes(self, token: int) -> bytes:
+        """The bytes a token stands for, control tokens spelled out: the prompt builder
+        compares token sequences by what they say."""
+        vocab = self._llm._model.vocab
+        size = 64
+        while True:
+            buffer = ctypes.create_string_buffer(size)
+            n = llama_cpp.llama_token_to_piece(vocab, token, buffer, size, 0, True)
+            if n >= 0:
+                return buffer.raw[:n]
+            size = -n
+
+    def prompt_builder(self, now: datetime | None = None) -> PromptBuilder:
+        """Builds prompts for this model: its template, its tokenizer, its BOS rule.
+        ``now`` is the date the template may write (a conversation's start)."""
+        return PromptBuilder(
+            self.template,
+            lambda text: self.tokenize(text, special=True),
+            [self.bos_token] if self.add_bos else [],
+            self.token_bytes,
+            now,
+        )
+
+    def prompt_tokens(self, messages: list[ChatMessage]) -> list[int]:
+        """The token ids asking for a reply to ``messages`` (a one-off exchange)."""
+        return self.prompt_builder().build(messages).tokens
+
+    def count_tokens(self, text: str) -> int:
+        return len(self.tokenize(text))
+
+    def stream(
+        self,
+        messages: Sequence[ChatMessage],
+        sampling: Sampling | None = None,
+        max_tokens: int = 512,
+        cancel: threading.Event | None = None,
+    ) -> Generation:
+        """A one-off reply to ``messages``, rendered with the model's template."""
+        return self.generate(self.prompt_tokens(list(messages)), sampling, max_tokens, cancel)
+
+    def is_end_of_generation(self, token: int) -> bool:
+        return bool(llama_cpp.llama_vocab_is_eog(self._llm._model.vocab, token))
+
+    def token_text(self, token: int) -> str:
+        """A token's text as the model sees it, specials included (for templates and debugging)."""
+        return bytes(self._llm.detokenize([token], special=True)).decode("utf-8", errors="replace")
+
+    # -- tokens ------------------------------------------------------------------------
+    def tokenize(self, text: str, *, add_bos: bool = False, special: bool = False) -> list[int]:
+        """Token ids of ``text``; ``special`` parses control tokens such as ``<|im_end|>``."""
+        return list(self._llm.tokenize(text.encode("utf-8"), add_bos=add_bos, special=special))
+
+    def detokenize(self, tokens: Sequence[int], special: bool = False) -> str:
+        """Text of ``tokens``; ``special`` spells control tokens out."""
+        data = self._llm.detokenize(list(tokens), special=special)
+        return bytes(data).decode("utf-8", errors="replace")
+
+    # -- the KV cache ------------------------------------------------------------------
+    @property
+    def cached_tokens(self) -> list[int]:
+        """Token ids whose keys and values are in the cache now, in position order."""
+        return [int(t) for t in self._llm.input_ids[: self._llm.n_tokens]]
+
+    @property
+    def kv_bytes_used(self) -> int:
+        return self.kv_bytes_for(int(self._llm.n_tokens))
+
+    def kv_bytes_for(self, n_tokens: int) -> int:
+        """What the caches llama.cpp allocated hold for ``n_tokens`` positions."""
+        if self.buffers.kv:
+            return self.buffers.kv_bytes_for(n_tokens)
+        return n_tokens * self.kv_bytes_per_token
+
+    @property
+    def kv_bytes_allocated(self) -> int:
+        """The KV caches llama.cpp allocated (both caches of a sliding-window model)."""
+        return self.buffers.kv_bytes or self.kv_cells * self.kv_bytes_per_token
+
+    def buffers_summary(self) -> str:
+        """llama.cpp's own buffers in a line or two: weights, compute, the attention kernel,
+        and the window cache of a sliding-window model."""
+        weights = sum(self.buffers.weights.values())
+        compute = sum(self.buffers.compute.values())
+        kernel = "flash attention" if self.flash_attn else "no flash attention"
+        line = f"weights {format_bytes(weights)} · compute {format_bytes(compute)} · {kernel}"
+        window = [c for c in self.buffers.kv if c.cells < self.kv_cells]
+        if self.windowed and window:
+            line += f"\nwindow cache: {window[0].layers} layers keep {window[0].cells} cells"
+        return line
+
+    def keeps(self, n_tokens: int) -> bool:
+        """Whether the cache can be cut back to its first ``n_tokens`` and continue exactly.
+        A window cache has dropped positions its sliding-window layers no longer look at;
+        cut back past them, the next token would see too little (llama-server's rule)."""
+        if not self.windowed or n_tokens >= self._llm.n_tokens:
+            return True
+        memory = llama_cpp.llama_get_memory(self._llm.ctx)
+        pos_min = int(llama_cpp.llama_memory_seq_pos_min(memory, 0))
+        return pos_min <= max(0, n_tokens - self.n_swa)
+
+    def prepare_prefix(self, prompt: Sequence[int]) -> None:
+        """Before a generation: where it would cut the cache back further than a window
+        cache allows, rebuild that prefix instead (llama.cpp would not refuse the cut)."""
+        cached = self._llm.n_tokens
+        if not self.windowed or not cached:
+            return
+        held = self.cached_tokens
+        shared = common_prefix(held, prompt)
+        if shared == cached == len(prompt) and not self._llm._requires_eval:
+            return  # the prompt is the cache: generation samples at once
+        keep = shared - 1 if shared == len(prompt) else shared  # what llama-cpp-python keeps
+        if keep < cached and not self.keeps(keep):
+            self.cut_back(held[:keep])
+
+    def cut_back(self, tokens: Sequence[int]) -> None:
+        """Make the cache hold a prefix of ``tokens`` (itself a prefix of what it holds) where
+        it cannot simply be cut: replayed up to the last batch boundary in the batches that
+        first built it (the next evaluation then redoes the rest as the first one did, bit
+        for bit), else forgotten. Never a cache that would continue wrongly."""
+        starts = self._llm.batch_starts
+        cut = len(tokens)
+        if starts:
+            boundary = max((s for s in starts if s <= cut), default=0)
+            prefix = list(tokens[:boundary])
+            if boundary > 0 and self.replay(prefix, [s for s in starts if s < boundary]):
+                return
+        self.reset()
+
+    @property
+    def batch_starts(self) -> list[int] | None:
+        """Positions where each evaluation batch of the cached tokens began (None: unknown)."""
+        starts = self._llm.batch_starts
+        return None if starts is None else list(starts)
+
+    def reset(self) -> None:
+        """Forget the cache: the next generation evaluates its whole prompt."""
+        self._llm.reset()
+        self._llm._ctx.kv_cache_seq_rm(-1, 0, -1)
+        self._llm.batch_starts = []
+        self.cache_owner = None
+        self.committed = 0
+
+    def can_shift(self) -> bool:
+        """Whether llama.cpp can move cached positions for this model (RoPE re-rotation)."""
+        memory = llama_cpp.llama_get_memory(self._llm.ctx)
+        return memory is not None and bool(llama_cpp.llama_memory_can_shift(memory))
+
+    def drop_span(self, start: int, count: int) -> None:
+        """Remove cached tokens [start, start + count) and shift the later ones down in place.
+
+        The shifted keys are re-rotated to their new positions; nothing is re-evaluated. The
+        result is not what evaluating the shorter sequence would give (the kept tokens saw the
+        dropped ones), so the cache's evaluation history becomes unknown.
+        """
+        n_tokens = self._llm.n_tokens
+        if count <= 0 or start < 0 or start + count > n_tokens:
+            raise ValueError(
+                f"cannot drop [{start}, {start + count}) from {n_tokens} cached tokens"
+            )
+        memory = llama_cpp.llama_get_memory(self._llm.ctx)
+        if not llama_cpp.llama_memory_seq_rm(memory, 0, start, start + count):
+            raise ModelLoadError("llama.cpp could not remove tokens from the KV cache")
+        llama_cpp.llama_memory_seq_add(memory, 0, start + count, -1, -count)
+        ids = self._llm.input_ids
+        ids[start : n_tokens - count] = ids[start + count : n_tokens].copy()
+        self._llm.n_tokens = n_tokens - count
+        self._llm.batch_starts = None
+        self.committed = max(0, self.committed - count)
+
+    def replay(
+        self,
+        tokens: Sequence[int],
+        batch_starts: Sequence[int],
+        stop: Callable[[], bool] | None = None,
+    ) -> bool:
+        """Evaluate ``tokens`` in exactly the batches that first evaluated them.
+
+        The cache comes out bit-identical to the one those batches built, so the continuation
+        matches a process that never lost its cache. False (and nothing evaluated) if the
+        batches do not describe ``tokens``; ``ReplayStopped`` (the cache empty) if ``stop``
+        said to give way between two batches.
+        """
+        bounds = [*batch_starts, len(tokens)]
+        valid = bool(batch_starts) and batch_starts[0] == 0
+        valid = valid and all(0 < b - a <= self._llm.n_batch for a, b in itertools.pairwise(bounds))
+        if not valid or len(tokens) >= self.n_ctx:
+            return False
+        self.reset()
+        for a, b in itertools.pairwise(bounds):
+            if stop is not None and a > 0 and stop():
+                self.reset()
+                raise ReplayStopped
+            self._llm.eval(list(tokens[a:b]))
+        self.committed = len(tokens)
+        return True
+
+    def extend(self, tokens: Sequence[int]) -> None:
+        """Evaluate ``tokens`` after what the cache holds, as one batch (at most ``n_batch``):
+        reading a message ahead adds a few tokens at a time (past ``committed``)."""
+        if len(tokens) > self.n_batch or self._llm.n_tokens + len(tokens) >= self.n_ctx:
+            raise ValueError(f"cannot add {len(tokens)} tokens to {self._llm.n_tokens} cached")
+        if tokens:
+            self._llm.eval(list(tokens))
+
+    def hold(self, sequence: Sequence[int]) -> None:
+        """Make the cache hold exactly ``sequence`` where it holds a prefix of it or it is a
+        prefix of the cache: a reply's last generated token is never evaluated by generation,
+        and tokens generated past a stop string are not part of the reply. The next prompt
+        (and a saved state) then hold the reply as it stands."""
+        cached = self._llm.n_tokens
+        n = len(sequence)
+        common = min(cached, n)
+        if n >= self.n_ctx or [int(t) for t in self._llm.input_ids[:common]] != list(
+            sequence[:common]
+        ):
+            return
+        if cached < n:
+            self._llm.eval(list(sequence[cached:]))
+        elif n < cached and not self.keeps(n):
+            self.cut_back(sequence)
+        elif n < cached:
+            memory = llama_cpp.llama_get_memory(self._llm.ctx)
+            if llama_cpp.llama_memory_seq_rm(memory, 0, n, -1):
+                self._llm.n_tokens = n
+                self.committed = min(self.committed, n)
+                starts = self._llm.batch_starts
+                if starts is not None:
+                    del starts[bisect.bisect_left(starts, n) :]
+
+    def save_sequence_state(self) -> bytes:
+        """The raw KV state of sequence 0 (no logits array): what a state file stores."""
+        ctx = self._llm.ctx
+        size = llama_cpp.llama_state_seq_get_size(ctx, 0)
+        buffer = (ctypes.c_uint8 * size)()
+        written = llama_cpp.llama_state_seq_get_data(ctx, buffer, size, 0)
+        return bytes(memoryview(buffer)[:written])
+
+    def load_sequence_state(
+        self,
+        data: bytes | memoryview,
+        tokens: Sequence[int],
+        batch_starts: Sequence[int] | None = None,
+    ) -> bool:
+        """Restore a saved KV state that holds ``tokens``; False if llama.cpp rejects it.
+
+        ``batch_starts`` is how those tokens were evaluated, if known. A writable buffer (a
+        view of a bytearray) is handed to llama.cpp without a copy.
+        """
+        self.reset()
+        array_type = ctypes.c_uint8 * len(data)
+        writable = isinstance(data, memoryview) and not data.readonly
+        buffer = array_type.from_buffer(data) if writable else array_type.from_buffer_copy(data)
+        read = llama_cpp.llama_state_seq_set_data(self._llm.ctx, buffer, len(data), 0)
+        if read != len(data) or len(tokens) > self.n_ctx:
+            self.reset()
+            return False
+        self._llm.input_ids[: len(tokens)] = list(tokens)
+        self._llm.n_tokens = len(tokens)
+        self.committed = len(tokens)
+        self._llm._requires_eval = True
+        self._llm.batch_starts = None if batch_starts is None else list(batch_starts)
+        return True
+
+    # -- generation --------------------------------------------------------------------
+    def generate(
+        self,
+        prompt_tokens: Sequence[int],
+        sampling: Sampling | None = None,
+        max_tokens: int = 256,
+        cancel: threading.Event | None = None,
+    ) -> Generation:
+        """Stream a reply to ``prompt_tokens``, reusing the cached prefix they share."""
+        tokens = list(prompt_tokens)
+        if not tokens:
+            raise UsageError("empty prompt")
+        if len(tokens) >= self.n_ctx:
+            raise UsageError(
+                f"the prompt is {len(tokens)} tokens but the context holds {self.n_ctx};"
+                " use a larger --ctx or a shorter message"
+            )
+        room = self.n_ctx - len(tokens)
+        return Generation(self, tokens, sampling or Sampling(), min(max_tokens, room), cancel)
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self._llm.close()

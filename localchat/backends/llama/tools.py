@@ -1,0 +1,101 @@
+"""llama.cpp outside a chat: quantizing a file, what the build supports, the bare loop the
+bench and the calibration measure, and llama-cpp-python's own server for tests and bench."""
+
+from __future__ import annotations
+
+import ctypes
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import llama_cpp
+
+from localchat.backends.llama.runtime import last_error_line, prepare
+from localchat.errors import ModelLoadError, UsageError
+
+QUANT_FTYPES: dict[str, int] = {
+    "F16": llama_cpp.LLAMA_FTYPE_MOSTLY_F16,
+    "Q8_0": llama_cpp.LLAMA_FTYPE_MOSTLY_Q8_0,
+    "Q6_K": llama_cpp.LLAMA_FTYPE_MOSTLY_Q6_K,
+    "Q5_K_M": llama_cpp.LLAMA_FTYPE_MOSTLY_Q5_K_M,
+    "Q4_K_M": llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_K_M,
+    "Q3_K_M": llama_cpp.LLAMA_FTYPE_MOSTLY_Q3_K_M,
+    "Q2_K": llama_cpp.LLAMA_FTYPE_MOSTLY_Q2_K,
+    "Q5_0": llama_cpp.LLAMA_FTYPE_MOSTLY_Q5_0,
+    "Q4_0": llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_0,
+    "IQ4_XS": llama_cpp.LLAMA_FTYPE_MOSTLY_IQ4_XS,
+}
+
+
+def quantize_model(source: Path, dest: Path, quant: str, threads: int = 0) -> None:
+    """Quantize ``source`` (F16/F32 GGUF) into ``dest`` with llama.cpp's own quantizer."""
+    prepare()
+    if quant not in QUANT_FTYPES:
+        raise UsageError(f"unknown quant {quant!r}; choose one of {', '.join(QUANT_FTYPES)}")
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = QUANT_FTYPES[quant]
+    params.nthread = threads
+    result = llama_cpp.llama_model_quantize(
+        str(source).encode("utf-8"), str(dest).encode("utf-8"), ctypes.byref(params)
+    )
+    if result != 0:
+        raise ModelLoadError(
+            f"{source}: llama.cpp could not quantize it to {quant} ({last_error_line()})"
+        )
+
+
+def supports_gpu_offload() -> bool:
+    """Whether this llama.cpp build was compiled with a GPU backend."""
+    return bool(llama_cpp.llama_supports_gpu_offload())
+
+
+def bare_generation_benchmark(
+    model_path: Path, n_ctx: int, prompt_tokens: int, gen_tokens: int, threads: int
+) -> dict[str, Any]:
+    """A bare llama-cpp-python loop, no localchat code in it: the yardstick for the engine."""
+    prepare()
+    llm = llama_cpp.Llama(
+        model_path=str(model_path),
+        n_ctx=n_ctx,
+        n_batch=min(512, n_ctx),
+        n_threads=threads,
+        n_threads_batch=threads,
+        verbose=False,
+    )
+    try:
+        prompt = synthetic_prompt(llm.token_bos(), int(llm.n_vocab()), prompt_tokens)
+        generated = 0
+        start = time.perf_counter()
+        cpu_start = time.process_time()  # every thread of the process
+        first_at = last_at = start
+        for _token in llm.generate(prompt, temp=0.0):
+            last_at = time.perf_counter()
+            if generated == 0:
+                first_at = last_at
+            generated += 1
+            if generated >= gen_tokens:
+                break
+        cpu_s = time.process_time() - cpu_start
+    finally:
+        llm.close()
+    return {
+        "bare_prompt_tps": prompt_tokens / (first_at - start),
+        "bare_gen_tps": (generated - 1) / (last_at - first_at),
+        # The CPU its threads got against what they could have had: low when another
+        # program competed for the cores (calibration throws such readings away).
+        "cpu_share": cpu_s / max(1e-9, (last_at - start) * threads),
+    }
+
+
+def synthetic_prompt(bos: int, n_vocab: int, length: int) -> list[int]:
+    """A fixed, reproducible prompt of ``length`` ordinary tokens (ids past the specials)."""
+    first_normal = 300
+    return [bos] + [first_normal + (i * 7919) % (n_vocab - first_normal) for i in range(length - 1)]
+
+
+def llama_server_command() -> list[str]:
+    """llama-cpp-python's own OpenAI-compatible server (tests and bench serve with it),
+    started through this module so the extra-buffer guard applies in it too."""
+    start = "import runpy, localchat.backends.llama.runtime as r; r.prepare(); runpy.run_module('llama_cpp.server', run_name='__main__')"
+    return [sys.executable, "-c", start]

@@ -1,0 +1,629 @@
+"""An OpenAI-compatible server as a backend: vLLM, llama-server, Ollama, LM Studio, or
+llama-cpp-python's own server, all streamed over Server-Sent Events.
+
+The server renders the chat template and keeps its own cache (vLLM's prefix cache,
+llama-server's slots); localchat keeps the transcript, the window and the figures. What a
+server answers is outside text: every error names the server and is one bounded line, and
+replies are shown as text by the layers above. httpx and httpx-sse carry the wire.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import socket
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import urlsplit
+
+import httpx
+import httpx_sse
+
+from localchat.backends.base import Sampling, TokenDelta, TurnStats
+from localchat.chat.reasoning import CLOSE, OPEN, ReasoningStream, split_reasoning
+from localchat.chat.template import ChatMessage
+from localchat.errors import UsageError, WorldError, one_line
+from localchat.text import shown
+
+# The key: localchat's own variable first, then the one every OpenAI client reads.
+API_KEY_ENVS = ("LOCALCHAT_API_KEY", "OPENAI_API_KEY")
+CONNECT_TIMEOUT_S = 5.0
+# A long prompt on a busy server can take minutes before its first token.
+READ_TIMEOUT_S = 600.0
+# What a chat template adds around each message (role header, end marker) where the server
+# cannot count: the window plans with it, and the figures say "estimated".
+MESSAGE_OVERHEAD_TOKENS = 6
+CHARS_PER_TOKEN = 4
+# How often a waiting stream looks at the cancel flag (a slow first token is cancellable).
+CANCEL_POLL_S = 0.05
+# The cache figure after a turn is a nicety: never worth more than this wait.
+METRICS_TIMEOUT_S = 1.0
+# Texts whose counts are remembered (a long conversation's messages, not without bound).
+COUNT_CACHE_SIZE = 4096
+ERROR_TEXT_LIMIT = 160
+# Prometheus gauges that say how full the server's KV cache is (0–1).
+KV_USAGE_METRICS = (
+    "llamacpp:kv_cache_usage_ratio",
+    "vllm:kv_cache_usage_perc",
+    "vllm:gpu_cache_usage_perc",
+)
+_CONTEXT_ERROR = re.compile(
+    r"context length|context window|context size|exceed_context|context_length_exceeded", re.I
+)
+_CONTEXT_LIMIT = re.compile(
+    r"(?:maximum context length|context window of|n_ctx)\D{0,20}(\d+)", re.I
+)
+
+
+class RemoteError(WorldError):
+    """The server or the network failed (exit code 1); the message names the server."""
+
+
+class ServerRefused(UsageError):
+    """The server refused what the user asked for: the key, the model, the URL (exit 2)."""
+
+
+class ContextExceeded(RemoteError):
+    """The server said the prompt does not fit; ``limit`` is its context where it said so."""
+
+    def __init__(self, message: str, limit: int | None) -> None:
+        super().__init__(message)
+        self.limit = limit
+
+
+def api_key_from_env(key_env: str | None = None) -> str | None:
+    """The API key: ``key_env`` if a server names one, else LOCALCHAT_API_KEY, OPENAI_API_KEY."""
+    names = (key_env,) if key_env else API_KEY_ENVS
+    return next((os.environ[n] for n in names if os.environ.get(n)), None)
+
+
+@dataclass(frozen=True)
+class ServerModel:
+    """One model a server lists, with its context size where the listing gives it."""
+
+    id: str
+    context_size: int | None = None
+
+
+def server_label(url: str) -> str:
+    """How errors and the app name a server: its host and port."""
+    parts = urlsplit(url)
+    return parts.netloc or url
+
+
+def _check_url(url: str) -> str:
+    """The API base as given, if httpx can reach it: an http(s) URL with a host and port."""
+    bad = UsageError(
+        f"server URL {shown(url)!r} is not an http(s) address; give the API base,"
+        " e.g. http://gpu-box:8000/v1"
+    )
+    try:
+        parsed = httpx.URL(url.strip())
+        _ = parsed.port  # a port that is not a number fails here
+    except (ValueError, httpx.InvalidURL):
+        raise bad from None
+    if parsed.scheme not in ("http", "https") or not parsed.host:
+        raise bad
+    return url.strip().rstrip("/")
+
+
+def _check_key(api_key: str | None, key_source: str) -> None:
+    """An API key goes into an HTTP header: printable ASCII only."""
+    if api_key is not None and not (api_key.isascii() and api_key.isprintable()):
+        raise UsageError(
+            f"the API key in {key_source} has characters an HTTP header cannot carry;"
+            " check the variable's value"
+        )
+
+
+def _transport_error(server: str, exc: Exception) -> RemoteError:
+    """A refused connection or a timeout, as one line naming the server."""
+    if isinstance(exc, httpx.TimeoutException):
+        return RemoteError(f"{server} did not answer in time")
+    return RemoteError(
+        f"cannot reach {server} ({shown(one_line(exc), 80)}); is the server running at that"
+        " address?"
+    )
+
+
+def _error_text(response: httpx.Response) -> str:
+    """The server's own words about a failed request, bounded to one line."""
+    with contextlib.suppress(httpx.HTTPError):
+        response.read()
+    body: Any = None
+    with contextlib.suppress(ValueError, UnicodeDecodeError):
+        body = json.loads(response.content or b"null")
+    if isinstance(body, dict):
+        error = body.get("error", body.get("detail", body.get("message")))
+        if isinstance(error, dict):
+            error = error.get("message") or error.get("type") or json.dumps(error)
+        if error is not None:
+            return shown(" ".join(str(error).split()), ERROR_TEXT_LIMIT)
+    text = response.content.decode("utf-8", "replace")
+    return shown(" ".join(text.split()), ERROR_TEXT_LIMIT) or response.reason_phrase
+
+
+def _context_limit(text: str) -> int | None:
+    match = _CONTEXT_LIMIT.search(text)
+    return int(match.group(1)) if match else None
+
+
+def _metric(text: str, names: Sequence[str]) -> float | None:
+    """The first of ``names`` in a Prometheus text exposition (any labels), as a number."""
+    for line in text.splitlines():
+        if line.startswith("#") or not line.strip():
+            continue
+        name = re.split(r"[{\s]", line, maxsplit=1)[0]
+        if name in names:
+            rest = line.rsplit("}", 1)[1] if "{" in line else line[len(name) :]
+            with contextlib.suppress(ValueError, IndexError):
+                return float(rest.split()[0])  # a timestamp may follow the value
+    return None
+
+
+class RemoteBackend:
+    """A model on an OpenAI-compatible server: lists, counts, streams, reports its cache."""
+
+    def __init__(
+        self,
+        url: str,
+        model: str | None = None,
+        api_key: str | None = None,
+        *,
+        name: str | None = None,
+        context_size: int | None = None,
+        transport: httpx.BaseTransport | None = None,
+        key_env: str | None = None,
+    ) -> None:
+        """``context_size``: the server's context where the user knows it better than the
+        server says (llama-cpp-python's server does not publish it). ``key_env``: the
+        variable the key came from, named when the server refuses it."""
+        self.url = _check_url(url)
+        self.key_source = key_env or " or ".join(API_KEY_ENVS)
+        _check_key(api_key, self.key_source)
+        self.server = name or server_label(self.url)
+        # The server's root, where llama-server and vLLM put /tokenize, /props and /metrics.
+        self.root = self.url.removesuffix("/v1")
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._client = httpx.Client(
+            headers=headers,
+            timeout=httpx.Timeout(READ_TIMEOUT_S, connect=CONNECT_TIMEOUT_S),
+            transport=transport,
+        )
+        try:
+            self._choose(model, context_size)
+        except BaseException:
+            self._client.close()
+            raise
+        # Which tokenize route the server has: unknown (None), found (a path) or none ("").
+        self._tokenize_path: str | None = None
+        self._metrics_seen: bool | None = None
+        self._counts: dict[str, int] = {}
+
+    def _choose(self, model: str | None, context_size: int | None) -> None:
+        self.models = self.list_models()
+        if not self.models:
+            raise RemoteError(f"{self.server} lists no models; load one on the server")
+        if model is None:
+            chosen = self.models[0]
+        else:
+            found = next((m for m in self.models if m.id == model), None)
+            if found is None:
+                ids = ", ".join(shown(m.id, 60) for m in self.models[:8])
+                raise ServerRefused(
+                    f"{self.server} has no model {shown(model)!r}; it serves {ids}"
+                    " (pick one with --model)"
+                )
+            chosen = found
+        self.model = chosen.id
+        self._context = context_size or chosen.context_size or self._probe_context()
+
+    # -- what the conversation layer asks (backend.Backend) ------------------------------
+    @property
+    def model_name(self) -> str:
+        return f"{self.model} @ {self.server}"
+
+    @property
+    def fingerprint(self) -> str:
+        return f"remote:{self.url}#{self.model}"
+
+    @property
+    def context_size(self) -> int | None:
+        return self._context
+
+    def learn_context_size(self, n_ctx: int) -> None:
+        """The server told its context in an error: plan with it from now on."""
+        self._context = n_ctx
+
+    def close(self) -> None:
+        self._client.close()
+
+    # -- requests -------------------------------------------------------------------------
+    def _request(self, method: str, url: str, **kwargs: Any) -> httpx.Response:
+        """One request; a refused connection or a timeout becomes one line naming the server."""
+        try:
+            return self._client.request(method, url, **kwargs)
+        except httpx.HTTPError as exc:
+            raise _transport_error(self.server, exc) from None
+
+    def _raise_for(self, response: httpx.Response, what: str) -> None:
+        """The one-line error for a refused request, by what the status means to the user."""
+        status = response.status_code
+        if status < 400:
+            return
+        text = _error_text(response)
+        if status in (401, 403):
+            raise ServerRefused(
+                f"{self.server} refused the API key (HTTP {status}: {text}); set"
+                f" {self.key_source} to a key it accepts"
+            )
+        if status == 404:
+            raise ServerRefused(
+                f"{self.server}: {what} not found (HTTP 404: {text}); check --model and that"
+                " the URL is the API base (e.g. http://host:8000/v1)"
+            )
+        if status in (400, 413, 422) and _CONTEXT_ERROR.search(text):
+            raise ContextExceeded(
+                f"{self.server}: the prompt does not fit the model's context ({text});"
+                " start a new conversation or send a shorter message",
+                _context_limit(text),
+            )
+        raise RemoteError(f"{self.server} failed on {what} (HTTP {status}: {text})")
+
+    def _json(self, response: httpx.Response, what: str) -> Any:
+        try:
+            return response.json()
+        except ValueError:
+            raise RemoteError(f"{self.server} answered {what} with something not JSON") from None
+
+    def list_models(self) -> list[ServerModel]:
+        """The models the server serves (``/models``), with contexts where it says them."""
+        response = self._request("GET", f"{self.url}/models")
+        self._raise_for(response, "the model list")
+        data = self._json(response, "the model list")
+        entries = data.get("data") if isinstance(data, dict) else None
+        if not isinstance(entries, list):
+            raise RemoteError(f"{self.server} answered the model list without a 'data' list")
+        models = []
+        for entry in entries:
+            if not isinstance(entry, dict) or not isinstance(entry.get("id"), str):
+                continue
+            meta = entry.get("meta")
+            context = entry.get("max_model_len") or (
+                meta.get("n_ctx") if isinstance(meta, dict) else None
+            )  # vLLM, llama-server
+            models.append(ServerModel(entry["id"], context if isinstance(context, int) else None))
+        return models
+
+    def _probe_context(self) -> int | None:
+        """llama-server's ``/props`` says the context of its slots; others have no such page."""
+        with contextlib.suppress(RemoteError):
+            response = self._request("GET", f"{self.root}/props")
+            if response.status_code == 200:
+                with contextlib.suppress(ValueError, AttributeError):
+                    settings = response.json().get("default_generation_settings", {})
+                    n_ctx = settings.get("n_ctx")
+                    if isinstance(n_ctx, int) and n_ctx > 0:
+                        return n_ctx
+        return None
+
+    # -- counting -------------------------------------------------------------------------
+    @property
+    def counts_exactly(self) -> bool:
+        """Whether token counts come from the server's tokenizer (else they are estimates)."""
+        return bool(self._tokenize_path)
+
+    def count_tokens(self, text: str) -> int:
+        """Tokens in ``text``: by the server's ``/tokenize`` where it has one (llama-server,
+        vLLM, llama-cpp-python's ``/extras/tokenize``), else estimated from its length."""
+        if text in self._counts:
+            return self._counts[text]
+        count = self._tokenize(text) if self._tokenize_path != "" else None
+        if count is None:
+            count = max(1, -(-len(text) // CHARS_PER_TOKEN)) if text else 0
+        if len(self._counts) >= COUNT_CACHE_SIZE:
+            self._counts.clear()
+        self._counts[text] = count
+        return count
+
+    def _tokenize(self, text: str) -> int | None:
+        # One body both llama-server ("content") and vLLM ("prompt") read.
+        body: dict[str, Any] = {"model": self.model, "content": text, "prompt": text}
+        body |= {"input": text, "add_special": False, "add_special_tokens": False}
+        paths = [self._tokenize_path] if self._tokenize_path else ["/tokenize", "/extras/tokenize"]
+        for path in paths:
+            try:
+                response = self._request("POST", f"{self.root}{path}", json=body)
+            except RemoteError:
+                return None
+            if response.status_code != 200:
+                if path == self._tokenize_path:
+                    return None  # a route that worked, failing once: estimate this one
+                continue
+            with contextlib.suppress(ValueError, AttributeError):
+                tokens = response.json().get("tokens")
+                if isinstance(tokens, list):
+                    self._tokenize_path = path
+                    return len(tokens)
+        if not self._tokenize_path:
+            self._tokenize_path = ""
+        return None
+
+    def message_tokens(self, message: ChatMessage) -> int:
+        """What one message takes in the prompt: its text and the template around it."""
+        return self.count_tokens(message.content) + MESSAGE_OVERHEAD_TOKENS
+
+    # -- the server's cache ---------------------------------------------------------------
+    def cache_usage(self) -> float | None:
+        """How full the server's KV cache is (0–1) where its ``/metrics`` says; else None."""
+        if self._metrics_seen is False:
+            return None
+        try:
+            response = self._client.get(f"{self.root}/metrics", timeout=METRICS_TIMEOUT_S)
+        except Exception:  # a closed client, a stalled server: the figure is just not shown
+            return None
+        usage = _metric(response.text, KV_USAGE_METRICS) if response.status_code == 200 else None
+        self._metrics_seen = usage is not None
+        if usage is not None and usage > 1.0:  # some versions report percent
+            usage /= 100.0
+        return usage
+
+    # -- a reply --------------------------------------------------------------------------
+    def stream(
+        self,
+        messages: Sequence[ChatMessage],
+        sampling: Sampling | None = None,
+        max_tokens: int = 512,
+        cancel: threading.Event | None = None,
+    ) -> RemoteReply:
+        """Send the conversation and open the reply's stream: a refusal (key, model, context,
+        server down) raises here, before anything is shown; the text comes as it is read."""
+        sampling = sampling or Sampling()
+        body: dict[str, Any] = {
+            "model": self.model,
+            "messages": [{"role": m.role, "content": m.content} for m in messages],
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "max_tokens": max_tokens,
+            "temperature": sampling.temperature,
+            "top_p": sampling.top_p,
+            "top_k": sampling.top_k,
+            "min_p": sampling.min_p,
+            "repeat_penalty": sampling.repeat_penalty,
+            "seed": sampling.seed,
+        }
+        # Counted before the stream opens: llama-cpp-python's server cuts a running stream
+        # short when another request (a tokenize) waits for its model.
+        prompt_tokens = sum(self.message_tokens(m) for m in messages)
+        sent = time.perf_counter()
+        context = httpx_sse.connect_sse(
+            self._client, "POST", f"{self.url}/chat/completions", json=body
+        )
+        try:
+            source = context.__enter__()
+        except httpx.HTTPError as exc:
+            raise _transport_error(self.server, exc) from None
+        try:
+            self._raise_for(source.response, "the chat request")
+        except BaseException:
+            context.__exit__(None, None, None)
+            raise
+        return RemoteReply(self, context, source, sent, cancel, prompt_tokens)
+
+
+@dataclass
+class RemoteReply:
+    """A reply streaming from the server: iterate for deltas; the stream is closed however
+    iteration ends, and a cancel closes the connection so the server stops generating."""
+
+    backend: RemoteBackend
+    _context: Any  # httpx_sse's context manager, exited when the reply ends
+    _source: httpx_sse.EventSource
+    _sent_at: float
+    _cancel: threading.Event | None
+    _prompt_estimate: int
+    stats: TurnStats = field(default_factory=TurnStats)
+    text: str = ""
+    tokens: list[int] = field(default_factory=list)
+    chunks: int = 0  # content-bearing events: about one token each on llama.cpp servers
+    _closed: threading.Event = field(default_factory=threading.Event)
+    _close_lock: threading.Lock = field(default_factory=threading.Lock)
+    _ended: bool = False  # the server said the reply is over ([DONE] or a finish reason)
+    _thinking: bool = False  # inside reasoning the server sends apart from the content
+    _server_generated: int | None = None  # the server's own count of the reply's tokens
+
+    @property
+    def answer(self) -> str:
+        return split_reasoning(self.text)[1]
+
+    @property
+    def reasoning(self) -> str:
+        return split_reasoning(self.text)[0]
+
+    def __iter__(self) -> Iterator[TokenDelta]:
+        watcher = threading.Thread(target=self._watch_cancel, name="remote-cancel", daemon=True)
+        watcher.start()
+        failed = False
+        try:
+            yield from self._read()
+        except RemoteError:
+            self.stats.stop_reason = "error"  # what arrived is kept, as a partial reply
+            failed = True
+            raise
+        except BaseException:  # the reader stopped early (Ctrl-C, a closed iterator)
+            if not self._ended:
+                self.stats.stop_reason = "cancelled"
+            failed = True
+            raise
+        finally:
+            self._close()
+            self._settle()
+            if not failed and not self._cancelled():
+                self.stats.server_kv_usage = self.backend.cache_usage()
+
+    def _settle(self) -> None:
+        """The figures however the reply ended (finished, stopped, cut): a reasoning block
+        left open is closed in the text; the prompt's rate from what the server said, else
+        from the first token's wait."""
+        stats = self.stats
+        if self._thinking:
+            self.text += CLOSE
+            self._thinking = False
+        stats.prompt_tokens_evaluated = stats.prompt_tokens_evaluated or stats.prompt_tokens
+        if not stats.prompt_tps and stats.ttft_s > 0:
+            stats.prompt_tps = stats.prompt_tokens_evaluated / stats.ttft_s
+
+    def _cancelled(self) -> bool:
+        return self._cancel is not None and self._cancel.is_set()
+
+    def _watch_cancel(self) -> None:
+        """Hang up as soon as the user cancels, even while the server is still reading the
+        prompt and sends nothing (no event arrives to look at the flag)."""
+        while not self._closed.wait(CANCEL_POLL_S):
+            if self._cancelled():
+                self._hang_up()
+                return
+
+    def _hang_up(self) -> None:
+        """Shut the socket down: on Linux that wakes a reader blocked in ``recv`` (closing
+        alone does not) and tells the server, which stops generating. The reader closes the
+        response itself when it wakes."""
+        stream = self._source.response.extensions.get("network_stream")
+        sock = stream.get_extra_info("socket") if stream is not None else None
+        if isinstance(sock, socket.socket):
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+
+    def _close(self) -> None:
+        with self._close_lock:
+            if self._closed.is_set():
+                return
+            self._closed.set()
+        with contextlib.suppress(Exception):
+            self._context.__exit__(None, None, None)
+
+    def _read(self) -> Iterator[TokenDelta]:
+        stats = self.stats
+        stats.kv_bytes_used = stats.kv_bytes_allocated = None
+        stats.prompt_tokens = self._prompt_estimate
+        stats.counted = "estimated"  # until the server's usage report says otherwise
+        stats.stop_reason = "length"
+        reasoning = ReasoningStream(False)
+        server = self.backend.server
+        first_at = last_at = 0.0
+        finished = False
+        try:
+            for event in self._source.iter_sse():
+                if self._cancelled():
+                    break
+                data = event.data.strip()
+                if data == "[DONE]":
+                    finished = self._ended = True
+                    break
+                if not data:
+                    continue
+                try:
+                    chunk = json.loads(data)
+                except ValueError:
+                    raise RemoteError(
+                        f"{server} sent a malformed event ({shown(data, 60)}); the partial"
+                        " reply is kept"
+                    ) from None
+                if not isinstance(chunk, dict):
+                    raise RemoteError(f"{server} sent an event that is not a JSON object")
+                if "error" in chunk:
+                    error = chunk["error"]
+                    message = error.get("message") if isinstance(error, dict) else error
+                    raise RemoteError(
+                        f"{server} failed mid-reply ({shown(str(message), ERROR_TEXT_LIMIT)});"
+                        " the partial reply is kept"
+                    )
+                self._read_figures(chunk)
+                for choice in chunk.get("choices") or []:
+                    if not isinstance(choice, dict):
+                        continue
+                    delta = choice.get("delta") or {}
+                    parts: list[tuple[bool, str]] = []
+                    # A server that parses reasoning sends it apart; the transcript keeps
+                    # it as the model wrote it, inside <think>…</think>.
+                    thought = delta.get("reasoning_content") or delta.get("reasoning")
+                    if isinstance(thought, str) and thought:
+                        if not self._thinking:
+                            self.text += OPEN
+                            self._thinking = True
+                        parts.append((True, thought))
+                        self.text += thought
+                    content = delta.get("content")
+                    if isinstance(content, str) and content:
+                        if self._thinking:
+                            self.text += CLOSE + "\n"
+                            self._thinking = False
+                        self.text += content
+                        parts.extend(reasoning.feed(content))
+                    if parts:
+                        now = time.perf_counter()
+                        if not self.chunks:
+                            first_at = now
+                            stats.ttft_s = now - self._sent_at
+                            stats.first_token_at = now
+                        self.chunks += 1
+                        last_at = now
+                        self._count_generated(first_at, last_at)
+                        for is_reasoning, text in parts:
+                            yield TokenDelta(None, text, is_reasoning)
+                    reason = choice.get("finish_reason")
+                    if isinstance(reason, str) and reason:
+                        stats.stop_reason = {"stop": "eos"}.get(reason, reason)
+                        self._ended = True
+            else:
+                finished = finished or self._cancelled()
+        except httpx.HTTPError as exc:
+            if not self._cancelled():
+                raise RemoteError(
+                    f"{server}: the connection broke mid-reply ({shown(str(exc), 80)});"
+                    " the partial reply is kept"
+                ) from None
+        if self._cancelled():
+            stats.stop_reason = "cancelled"
+            return
+        for is_reasoning, text in reasoning.flush():
+            yield TokenDelta(None, text, is_reasoning)
+        if not finished:
+            raise RemoteError(
+                f"{server}: the stream ended before the reply did; the partial reply is kept"
+            )
+        self._count_generated(first_at, last_at)
+
+    def _count_generated(self, first_at: float, last_at: float) -> None:
+        """Tokens written and their rate, by the server's count where it sent one."""
+        stats = self.stats
+        stats.generated_tokens = self._server_generated or self.chunks
+        if stats.generated_tokens > 1 and last_at > first_at:
+            stats.gen_tps = (stats.generated_tokens - 1) / (last_at - first_at)
+
+    def _read_figures(self, chunk: dict[str, Any]) -> None:
+        """The server's own counts: OpenAI ``usage`` (vLLM, llama-server, Ollama) and
+        llama-server's ``timings`` (what it evaluated, what its cache already held)."""
+        stats = self.stats
+        usage = chunk.get("usage")
+        if isinstance(usage, dict):
+            if isinstance(usage.get("prompt_tokens"), int):
+                stats.prompt_tokens = usage["prompt_tokens"]
+                stats.prompt_tokens_evaluated = (
+                    stats.prompt_tokens_evaluated or usage["prompt_tokens"]
+                )
+            if isinstance(usage.get("completion_tokens"), int):
+                self._server_generated = usage["completion_tokens"]
+            stats.counted = "server"
+        timings = chunk.get("timings")
+        if isinstance(timings, dict):
+            if isinstance(timings.get("prompt_n"), int):
+                stats.prompt_tokens_evaluated = timings["prompt_n"]
+            rate = timings.get("prompt_per_second")
+            if isinstance(rate, (int, float)) and rate > 0:
+                stats.prompt_tps = float(rate)

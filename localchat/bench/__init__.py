@@ -1,0 +1,1 @@
+"""``localchat bench``: speed and memory figures against their targets."""

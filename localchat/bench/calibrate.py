@@ -1,0 +1,85 @@
+"""``localchat bench --only calibrate``: a first calibration's time, and what two CPU hogs do
+to the figures.
+
+Three calibrations in one run: from nothing (the test models made too: ``calibration_first_s``,
+the first start's wait), again on an idle machine, and again with two busy-looping processes
+beside it. The busy one must either refuse to settle (nothing would be saved) or predict every
+calibration file's generation speed within ``calibration_busy_error`` of the idle one:
+``calibration_busy_ok`` is 1 when either holds.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from localchat.gguf.info import read_gguf
+from localchat.models.calibrate import (
+    CALIBRATION_QUANTS,
+    CalibrationUnsettled,
+    calibrate,
+    calibration_files,
+)
+from localchat.models.speed import SpeedModel, machine_name
+
+HOGS = 2
+BUSY_LIMIT = 0.35
+
+
+def _predicted(speed: SpeedModel, files: dict[str, Path]) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for quant in CALIBRATION_QUANTS:
+        prediction = speed.predict(read_gguf(files[quant]).bytes_read_per_token())
+        out[quant] = prediction.gen_tps if prediction else 0.0
+    return out
+
+
+def bench_calibrate(model_path: Path, progress: Callable[[str], None] | None) -> dict[str, Any]:
+    say = progress or (lambda _line: None)
+    with tempfile.TemporaryDirectory(prefix="localchat-calib-") as scratch:
+        models = Path(scratch)
+        say("calibrate: from nothing (test models made too)")
+        start = time.monotonic()
+        first = _settled(models)
+        first_s = time.monotonic() - start
+        say("calibrate: again, idle")
+        idle = _settled(models) or first
+        say(f"calibrate: beside {HOGS} busy processes")
+        hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(HOGS)]
+        try:
+            busy = _settled(models)
+        finally:
+            for hog in hogs:
+                hog.kill()
+                hog.wait()
+        files = calibration_files(models, CALIBRATION_QUANTS)
+        result: dict[str, Any] = {
+            "calibration_first_s": round(first_s, 1),
+            "calibration_busy_saved": busy is not None,
+        }
+        if idle is None:
+            result["calibration_idle_settled"] = False
+            return result
+        calm = _predicted(idle, files)
+        result["calibration_idle_gen_tps"] = {q: round(v, 1) for q, v in calm.items()}
+        if busy is None:
+            result["calibration_busy_ok"] = 1
+            return result
+        loaded = _predicted(busy, files)
+        error = max(abs(loaded[q] - calm[q]) / calm[q] for q in calm)
+        result["calibration_busy_gen_tps"] = {q: round(v, 1) for q, v in loaded.items()}
+        result["calibration_busy_error"] = round(error, 3)
+        result["calibration_busy_ok"] = int(error <= BUSY_LIMIT)
+        return result
+
+
+def _settled(models: Path) -> SpeedModel | None:
+    try:
+        return calibrate(models, machine_name())
+    except CalibrationUnsettled:
+        return None

@@ -1,0 +1,312 @@
+"""Measure this machine's speed per weight type, once, and keep it (``hw --calibrate``).
+
+Generated models of one shape at several quant types (made once by the demo factory and
+kept) are each run for a short prompt and a few tokens through llama.cpp; a tiny model
+gives the fixed cost of a token. Each file's time, less what the types already solved
+explain, gives the cost per byte of the one type it adds (files are taken in an order where
+each adds one). The result is saved with the name of the machine it was measured on.
+
+Another program on the cores must not poison the figures for good, so the types are
+measured in rounds, each round in a new order (contention then slows a different type each
+time), and each type keeps its best reading. A round is thrown away when llama.cpp's threads
+got less than their share of the CPU (the process's CPU time against the wall clock: the
+direct sign of contention) or when the reference type, read first in every round, drifts
+from its best. The figures are kept only when every type was read at least twice within
+``AGREE`` of its best; otherwise nothing is saved and plans go by memory until a later try.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from localchat.cpu import physical_cores
+from localchat.errors import LocalchatError, WorldError
+from localchat.gguf.info import read_gguf
+from localchat.models.speed import SpeedModel, load_speed_model, machine_name
+from localchat.paths import AppPaths
+from localchat.progress import Countdown, StepCallback, StepProgress
+
+CALIBRATION_SHAPE = "calib"
+# Each adds one weight type to those before it (Q2_K files mix Q2_K with Q3_K: one unknown).
+CALIBRATION_QUANTS = ("F16", "Q8_0", "Q6_K", "Q4_K_M", "Q2_K", "Q4_0", "Q5_0")
+OVERHEAD = "tiny"  # the tiny model's reading: the fixed cost of a token
+REFERENCE = "Q4_0"  # read first in every round: a drift there marks the round
+TIED_TYPES = {"Q3_K": "Q2_K"}  # solved together: llama.cpp's Q2_K files always mix the two
+MINOR_SHARE = 0.05  # a type under this share of a file's bytes is not solved from that file
+PROMPT_TOKENS = 64
+GEN_TOKENS = 17
+MIN_CPU_SHARE = 0.7  # of threads x wall time: below it another program had the cores
+DRIFT = 0.2  # a round whose reference reads this much slower than its best is thrown away
+AGREE = 0.15  # a type's two best readings within this of each other: settled
+MIN_ROUNDS = 2
+MAX_ROUNDS = 5
+BUDGET_S = 40.0  # readings past this (a machine kept busy) end the calibration unsettled
+TITLE = "measuring this machine's speed"
+
+
+class CalibrationSkipped(LocalchatError):
+    """The user skipped calibration: plans go by memory until it is measured."""
+
+
+class CalibrationUnsettled(WorldError):
+    """The readings never agreed (a busy machine): nothing was saved."""
+
+
+@dataclass(frozen=True)
+class Reading:
+    """One measured file: seconds per generated and per prompt token, and the share of the
+    CPU its threads got while it ran."""
+
+    name: str  # a quant, or OVERHEAD
+    gen_s: float
+    prompt_s: float
+    cpu_share: float
+
+
+def round_order(names: list[str], round_index: int) -> list[str]:
+    """The reference first, then the others rotated by the round: contention that comes and
+    goes slows a different type in each round, and a best-of keeps the clean reading."""
+    rest = [n for n in names if n != REFERENCE]
+    shift = round_index % max(1, len(rest))
+    order = rest[shift:] + rest[:shift]
+    return [REFERENCE, *order] if REFERENCE in names else order
+
+
+def clean_rounds(rounds: list[list[Reading]]) -> list[list[Reading]]:
+    """The rounds worth keeping: every reading had its CPU share, and the reference read
+    within ``DRIFT`` of the best clean reference."""
+    # The tiny model's token is too short to load both threads: its share says nothing.
+    fair = [
+        r
+        for r in rounds
+        if r and all(x.cpu_share >= MIN_CPU_SHARE or x.name == OVERHEAD for x in r)
+    ]
+    references = [x.gen_s for r in fair for x in r if x.name == REFERENCE]
+    if not references:
+        return fair
+    best = min(references)
+    return [r for r in fair if all(x.gen_s <= best * (1 + DRIFT) for x in r if x.name == REFERENCE)]
+
+
+def settle(rounds: list[list[Reading]], names: list[str]) -> dict[str, Reading] | None:
+    """Each file's best reading, once every file has two clean readings that agree within
+    ``AGREE`` (generation and prompt; the tiny model's milliseconds need only be clean);
+    None while they do not."""
+    kept = clean_rounds(rounds)
+    best = best_readings(kept, names)
+    for name in names:
+        readings = [x for r in kept for x in r if x.name == name]
+        if name not in best or (name != OVERHEAD and not _two_agree(readings)):
+            return None
+    return best
+
+
+def best_readings(rounds: list[list[Reading]], names: list[str]) -> dict[str, Reading]:
+    """Each file's fastest generation and prompt reading over ``rounds``."""
+    best: dict[str, Reading] = {}
+    for name in names:
+        readings = [x for r in rounds for x in r if x.name == name]
+        if readings:
+            gen = min(readings, key=lambda x: x.gen_s)
+            best[name] = Reading(name, gen.gen_s, min(x.prompt_s for x in readings), gen.cpu_share)
+    return best
+
+
+def _two_agree(readings: list[Reading]) -> bool:
+    if len(readings) < 2:
+        return False
+    gens = sorted(x.gen_s for x in readings)
+    prompts = sorted(x.prompt_s for x in readings)
+    return gens[1] <= gens[0] * (1 + AGREE) and prompts[1] <= prompts[0] * (1 + AGREE)
+
+
+def solve_costs(files: list[tuple[dict[str, int], float]], overhead_s: float) -> dict[str, float]:
+    """Seconds per byte of each weight type from (bytes by type, seconds per token) of files,
+    each adding one unknown type (or a tied pair) to those already solved."""
+    costs: dict[str, float] = {}
+    pending = list(files)
+
+    def unknown_of(by_type: dict[str, int]) -> dict[str, int]:
+        total = sum(by_type.values())
+        return {t: n for t, n in by_type.items() if t not in costs and n >= MINOR_SHARE * total}
+
+    while pending:
+        solvable = [
+            f for f in pending if len({TIED_TYPES.get(t, t) for t in unknown_of(f[0])}) <= 1
+        ]
+        if not solvable:
+            raise ValueError("calibration files do not add one weight type at a time")
+        by_type, seconds = solvable[0]
+        pending.remove(solvable[0])
+        unknown = unknown_of(by_type)
+        explained = sum(n * costs.get(t, 0.0) for t, n in by_type.items() if t not in unknown)
+        if unknown:
+            left = seconds - overhead_s - explained
+            if left <= 0:  # a noisy round: never a free type, so no overhead
+                left = seconds * sum(unknown.values()) / max(1, sum(by_type.values()))
+            cost = left / sum(unknown.values())
+            for weight_type in (*unknown, *(TIED_TYPES.get(t, t) for t in unknown)):
+                costs[weight_type] = cost
+    return costs
+
+
+def _read(path: Path, name: str, threads: int) -> Reading:
+    from localchat.backends.llama.tools import bare_generation_benchmark
+
+    result = bare_generation_benchmark(path, 256, PROMPT_TOKENS, GEN_TOKENS, threads)
+    return Reading(
+        name, 1.0 / result["bare_gen_tps"], 1.0 / result["bare_prompt_tps"], result["cpu_share"]
+    )
+
+
+def calibration_files(models_dir: Path, quants: tuple[str, ...]) -> dict[str, Path]:
+    """Where each calibration model lives (the tiny one under ``OVERHEAD``)."""
+    from localchat.models.demo import demo_model_path
+
+    files = {OVERHEAD: demo_model_path(models_dir, "tiny", "F16")}
+    files.update({q: demo_model_path(models_dir, CALIBRATION_SHAPE, q) for q in quants})
+    return files
+
+
+def calibrate(
+    models_dir: Path,
+    machine: str,
+    progress: StepCallback | None = None,
+    quants: tuple[str, ...] | None = None,
+    rounds: int | None = None,
+    skip: threading.Event | None = None,
+    step: tuple[int, int] = (1, 1),
+    strict: bool = True,
+) -> SpeedModel:
+    """Measure, fit and return this machine's speed model (saving is the caller's).
+
+    ``rounds`` caps the rounds (at least ``MIN_ROUNDS`` are read); ``skip`` set stops at the
+    next file with :class:`CalibrationSkipped`; readings that never agree raise
+    :class:`CalibrationUnsettled` (``strict=False``: the best readings are fitted anyway, for
+    tests that need real figures on a machine they keep busy). ``step`` is (this step, of
+    how many) for the progress."""
+    from localchat.models.demo import ensure_demo_model
+
+    quants = quants or CALIBRATION_QUANTS
+    max_rounds = max(MIN_ROUNDS, rounds or MAX_ROUNDS)
+    threads = physical_cores()
+    files = calibration_files(models_dir, quants)
+    names = list(files)
+    missing = [n for n, p in files.items() if not p.exists()]
+    # Making a model costs about two readings; the bar counts both in those units.
+    countdown = Countdown(2 * len(missing) + MIN_ROUNDS * len(names))
+    done = 0.0
+    shown = 0.0  # the bar never runs back when a round is added
+
+    def report(detail: str) -> None:
+        nonlocal shown
+        if skip is not None and skip.is_set():
+            raise CalibrationSkipped("speed calibration skipped: plans go by memory for now")
+        shown = max(shown, countdown.fraction(done))
+        if progress is not None:
+            progress(
+                StepProgress(
+                    TITLE,
+                    shown,
+                    detail,
+                    countdown.eta_s(done),
+                    *step,
+                    skippable=True,
+                )
+            )
+
+    for name in missing:
+        report(f"making the {name} test model")
+        shape, quant = ("tiny", "F16") if name == OVERHEAD else (CALIBRATION_SHAPE, name)
+        ensure_demo_model(models_dir, shape, quant)
+        done += 2
+    taken: list[list[Reading]] = []
+    best: dict[str, Reading] | None = None
+    started = time.monotonic()
+    for index in range(max_rounds):
+        if index >= MIN_ROUNDS and time.monotonic() - started > BUDGET_S:
+            break
+        readings: list[Reading] = []
+        for name in round_order(names, index):
+            report(f"{name} weights, round {index + 1}")
+            readings.append(_read(files[name], name, threads))
+            done += 1
+        taken.append(readings)
+        best = settle(taken, names) if index + 1 >= MIN_ROUNDS else None
+        if best is not None:
+            break
+        countdown.total = max(countdown.total, done + len(names))  # one more round
+    if best is None and not strict:
+        best = best_readings(taken, names)
+    if best is None:
+        shares = [x.cpu_share for r in taken for x in r]
+        raise CalibrationUnsettled(
+            f"the machine was too busy to measure its speed (localchat's threads got as little"
+            f" as {100 * min(shares):.0f}% of the CPU): plans go by memory for now;"
+            " `localchat hw --calibrate` measures again"
+        )
+    report("done")
+    return _fit(best, quants, files, machine, threads)
+
+
+def _fit(
+    best: dict[str, Reading],
+    quants: tuple[str, ...],
+    files: dict[str, Path],
+    machine: str,
+    threads: int,
+) -> SpeedModel:
+    overhead = best[OVERHEAD]
+    by_type = {q: read_gguf(files[q]).bytes_read_per_token() for q in quants}
+    return SpeedModel(
+        solve_costs([(by_type[q], best[q].gen_s) for q in quants], overhead.gen_s),
+        overhead.gen_s,
+        solve_costs([(by_type[q], best[q].prompt_s) for q in quants], overhead.prompt_s),
+        overhead.prompt_s,
+        machine,
+        threads,
+        {
+            q: {
+                "gen_tps": round(1 / best[q].gen_s, 2),
+                "prompt_tps": round(1 / best[q].prompt_s, 2),
+            }
+            for q in quants
+        },
+    )
+
+
+def speed_model(
+    paths: AppPaths,
+    progress: StepCallback | None = None,
+    again: bool = False,
+    skip: threading.Event | None = None,
+    step: tuple[int, int] = (1, 1),
+) -> SpeedModel:
+    """This machine's calibration: the saved one, else (or ``again``) measured now and saved.
+    Raises :class:`CalibrationUnsettled` (nothing saved) or :class:`CalibrationSkipped`."""
+    if not again:
+        saved = load_speed_model(paths.speed_calibration)
+        if saved is not None:
+            return saved
+    model = calibrate(paths.demo_models_dir, machine_name(), progress, skip=skip, step=step)
+    model.save(paths.speed_calibration)
+    return model
+
+
+def speed_model_or_none(
+    paths: AppPaths,
+    say: Callable[[str], object],
+    progress: StepCallback | None = None,
+    skip: threading.Event | None = None,
+    step: tuple[int, int] = (1, 1),
+) -> SpeedModel | None:
+    """The calibration, or None (plans by memory) with the reason said in one line."""
+    try:
+        return speed_model(paths, progress, skip=skip, step=step)
+    except (CalibrationUnsettled, CalibrationSkipped) as exc:
+        say(str(exc))
+        return None

@@ -1,0 +1,171 @@
+"""The model catalog: ``models.toml`` at the repo root plus the user's own in the config dir.
+
+Entries carry everything planning needs offline; a malformed file or entry is an error that
+names the file, the entry and the field.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from localchat.chat.formats import BUILTIN
+from localchat.errors import UsageError
+from localchat.gguf.estimate import ModelDims, swa_pattern_of
+from localchat.gguf.quants import parse_tag, quality_rank
+
+# The repo's top-level models.toml is the source; the package holds it (a link in the source
+# tree, a copy in every built wheel), so every install reads the same catalog.
+REPO_CATALOG = Path(str(resources.files("localchat") / "models.toml"))
+
+_INT_FIELDS = ("n_layer", "n_embd", "n_head", "n_head_kv", "head_dim", "n_vocab", "context_length")
+
+
+class CatalogError(UsageError):
+    """A catalog file that cannot be used as it is."""
+
+
+@dataclass(frozen=True)
+class QuantFile:
+    quant: str
+    file: str
+    size: int
+
+
+@dataclass(frozen=True)
+class CatalogModel:
+    name: str
+    repo: str
+    architecture: str
+    dims: ModelDims
+    files: tuple[QuantFile, ...]  # in quality order, best first
+    source: str
+    template: str | None = None  # a built-in chat format or a .jinja file overriding the GGUF's
+
+    def file_for(self, quant: str) -> QuantFile | None:
+        return next((f for f in self.files if f.quant == quant), None)
+
+    @property
+    def quants(self) -> list[str]:
+        return [f.quant for f in self.files]
+
+
+def _fail(path: Path, entry: str, field: str, problem: str) -> CatalogError:
+    return CatalogError(f"{path}: model {entry!r}: field {field!r} {problem}")
+
+
+def _parse_model(path: Path, index: int, raw: Any) -> CatalogModel:
+    if not isinstance(raw, dict):
+        raise CatalogError(f"{path}: entry {index + 1} is not a table")
+    name = raw.get("name")
+    entry = name if isinstance(name, str) and name else f"#{index + 1}"
+    for field in ("name", "repo", "architecture"):
+        if not isinstance(raw.get(field), str) or not raw[field].strip():
+            raise _fail(path, entry, field, "must be a non-empty string")
+    for field in _INT_FIELDS:
+        value = raw.get(field)
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise _fail(path, entry, field, "must be a positive integer")
+    window = raw.get("sliding_window", 0)
+    if not isinstance(window, int) or window < 0:
+        raise _fail(path, entry, "sliding_window", "must be 0 or a positive integer")
+    files_raw = raw.get("files")
+    if not isinstance(files_raw, dict) or not files_raw:
+        raise _fail(path, entry, "files", "must be a table of quant = { file, size }")
+    files = []
+    for quant, spec in files_raw.items():
+        tag = parse_tag(quant)
+        if tag is None:
+            raise _fail(
+                path,
+                entry,
+                f"files.{quant}",
+                "is not a quant tag llama.cpp knows (e.g. Q4_K_M, IQ4_XS, UD-Q4_K_XL)",
+            )
+        if not isinstance(spec, dict) or not isinstance(spec.get("file"), str):
+            raise _fail(path, entry, f"files.{quant}.file", "must be a file name")
+        size = spec.get("size")
+        if not isinstance(size, int) or isinstance(size, bool) or size <= 0:
+            raise _fail(path, entry, f"files.{quant}.size", "must be a positive number of bytes")
+        files.append(QuantFile(tag.tag, spec["file"], size))
+    files.sort(key=lambda f: quality_rank(f.quant))
+    head_dim = raw["head_dim"]
+    dims = ModelDims(
+        raw["n_layer"],
+        raw["n_embd"],
+        raw["n_head"],
+        raw["n_head_kv"],
+        head_dim,
+        head_dim,
+        raw["n_vocab"],
+        raw["context_length"],
+        window,
+        swa_pattern_of(raw["architecture"]),
+    )
+    template = raw.get("template")
+    if template is not None:
+        if not isinstance(template, str) or not template.strip():
+            raise _fail(path, entry, "template", "must be a format name or a .jinja file")
+        if template not in BUILTIN:
+            template = str((path.parent / template).expanduser())  # relative to the catalog
+    return CatalogModel(
+        raw["name"], raw["repo"], raw["architecture"], dims, tuple(files), str(path), template
+    )
+
+
+def load_catalog_file(path: Path) -> list[CatalogModel]:
+    try:
+        data = tomllib.loads(path.read_text())
+    except OSError as exc:
+        raise CatalogError(f"{path}: cannot read the catalog ({exc.strerror})") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise CatalogError(f"{path}: not valid TOML ({exc})") from None
+    entries = data.get("model", [])
+    if not isinstance(entries, list):
+        raise CatalogError(f"{path}: [[model]] entries expected")
+    models = [_parse_model(path, i, raw) for i, raw in enumerate(entries)]
+    seen: set[str] = set()
+    for model in models:
+        if model.name in seen:
+            raise CatalogError(f"{path}: model {model.name!r} appears twice")
+        seen.add(model.name)
+    return models
+
+
+def load_catalog(
+    user_catalog: Path | None = None, repo_catalog: Path = REPO_CATALOG
+) -> list[CatalogModel]:
+    """The repo's catalog with the user's entries added (same name: the user's wins)."""
+    models = {m.name: m for m in load_catalog_file(repo_catalog)} if repo_catalog.exists() else {}
+    if user_catalog is not None and user_catalog.exists():
+        for model in load_catalog_file(user_catalog):
+            models[model.name] = model
+    return list(models.values())
+
+
+def catalog_template(model_file: Path, user_catalog: Path | None) -> str | None:
+    """The template a catalog entry names for this downloaded file, if any. A catalog that
+    cannot be read names none here (listing and planning report it)."""
+    try:
+        models = load_catalog(user_catalog)
+    except CatalogError:
+        return None
+    for model in models:
+        if model.template and any(f.file == model_file.name for f in model.files):
+            return model.template
+    return None
+
+
+def find_model(models: list[CatalogModel], name: str) -> CatalogModel:
+    """The entry called ``name``; the error lists the closest names."""
+    for model in models:
+        if model.name == name:
+            return model
+    import difflib
+
+    near = difflib.get_close_matches(name, [m.name for m in models], n=3, cutoff=0.3)
+    hint = f"did you mean {', '.join(near)}?" if near else "`localchat models` lists them"
+    raise UsageError(f"no model named {name!r} in the catalog; {hint}")

@@ -1,0 +1,461 @@
+"""The offline model factory: seeded random-weight llama-architecture GGUF files.
+
+Random weights talk nonsense but give real speed, memory and KV-cache behaviour, so tests,
+benchmarks and users without a network all get a model that llama.cpp really runs. The
+tokenizer is real, in one of the kinds in ``TOKENIZERS``: a SentencePiece-style vocabulary
+(byte fallback, BOS/EOS, ChatML control tokens) without or with the space prefix, or a GPT-2
+style byte-level BPE vocabulary with merges under the GPT-2, Llama 3 or Qwen2 pre-tokenizer.
+Every kind carries the ChatML control tokens and chat template, so tests can check prompt
+tokenization against llama.cpp for each kind. Quantized variants come from llama.cpp's own
+quantizer. The same shape, quant, seed and tokenizer always give the same bytes.
+"""
+
+from __future__ import annotations
+
+import math
+import string
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from gguf import GGUFWriter, LlamaFileType, TokenType
+
+from localchat.errors import UsageError
+
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+# Quality order, best first: the planner walks it in this order.
+QUANTS: tuple[str, ...] = (
+    "F16", "Q8_0", "Q6_K", "Q5_K_M", "Q4_K_M", "Q3_K_M", "Q2_K", "Q5_0", "Q4_0", "IQ4_XS"
+)  # fmt: skip
+
+# The tokenizer kinds, named after the models whose tokenizer they stand for. "spm" is the
+# original demo vocabulary (no space prefix); "spm-space" is the same one with the Llama 2 /
+# Mistral space prefix; the rest share one byte-level BPE vocabulary and differ in llama.cpp's
+# pre-tokenizer (how text is split into words before the merges run).
+TOKENIZERS: tuple[str, ...] = ("spm", "spm-space", "gpt2", "llama3", "qwen2")
+
+# ``tokenizer.ggml.pre`` of each BPE kind: the names llama.cpp's loader knows. It spells GPT-2's
+# "gpt-2" ("gpt2" is refused as an unknown pre-tokenizer) and Llama 3's "llama-bpe" (what
+# convert_hf_to_gguf.py writes for Llama 3 models).
+_BPE_PRE: dict[str, str] = {"gpt2": "gpt-2", "llama3": "llama-bpe", "qwen2": "qwen2"}
+
+# BOS of each BPE kind and whether prompts start with it, as in the real models: Llama 3 adds
+# <|begin_of_text|>; GPT-2 and Qwen2 name <|endoftext|> (which llama.cpp also counts as an
+# end-of-generation token) and add nothing.
+_BPE_BOS: dict[str, tuple[str, bool]] = {
+    "gpt2": ("<|endoftext|>", False),
+    "llama3": ("<|begin_of_text|>", True),
+    "qwen2": ("<|endoftext|>", False),
+}
+
+# Control tokens of the BPE vocabulary, ids 0..3; <|im_end|> is EOS so replies end there.
+BPE_CONTROL_TOKENS: tuple[str, ...] = (
+    "<|endoftext|>",
+    "<|begin_of_text|>",
+    "<|im_start|>",
+    "<|im_end|>",
+)
+
+_COMMON_WORDS = tuple(
+    """
+the of and to in is you that it he was for on are as with his they at be this have from
+or one had by word but not what all were we when your can said there use an each which
+she do how their if will up other about out many then them these so some her would make
+like him into time has look two more write go see number no way could people my than
+first water been call who oil its now find long down day did get come made may part
+hello world chat model local cache memory token context window quick brown fox jumps
+over lazy dog
+""".split()
+)
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """Architecture numbers of a generated model."""
+
+    name: str
+    n_layer: int
+    n_embd: int
+    n_head: int
+    n_head_kv: int
+    n_ff: int
+    n_vocab: int
+    context_length: int
+    rope_freq_base: float
+    architecture: str = "llama"
+    sliding_window: int = 0  # gemma3: 5 of every 6 layers attend this many positions back
+    head_dim_set: int = 0  # when it is not n_embd / n_head (Gemma 3)
+
+    @property
+    def head_dim(self) -> int:
+        return self.head_dim_set or self.n_embd // self.n_head
+
+
+SHAPES: dict[str, ModelShape] = {
+    "tiny": ModelShape("tiny", 2, 128, 4, 2, 256, 1024, 4096, 10000.0),
+    "small": ModelShape("small", 4, 512, 8, 4, 1408, 8192, 8192, 10000.0),
+    # The speed calibration's shape: its weights (25-150 MB by type) stream from a laptop's
+    # RAM, not its cache, and its quantized files are made in seconds.
+    "calib": ModelShape("calib", 4, 1024, 16, 4, 4096, 8192, 8192, 10000.0),
+    # Qwen2.5-0.5B dimensions.
+    "0.5b": ModelShape("0.5b", 24, 896, 14, 2, 4864, 32000, 32768, 1_000_000.0),
+    # Llama-3.2-1B dimensions (vocabulary kept at 32k so the file stays laptop-sized).
+    "1b": ModelShape("1b", 16, 2048, 32, 8, 8192, 32000, 131072, 500_000.0),
+    # Sliding-window attention as Gemma 3 has it (gemma3 architecture, window 64 here).
+    "swa-tiny": ModelShape(
+        "swa-tiny", 6, 128, 4, 2, 256, 1024, 8192, 1_000_000.0, "gemma3", 64, 32
+    ),
+    # Gemma-3-270M's dimensions (vocabulary kept at 32k so the file stays small).
+    "gemma3": ModelShape(
+        "gemma3", 18, 640, 4, 1, 2048, 32000, 32768, 1_000_000.0, "gemma3", 512, 256
+    ),
+}
+
+# The generated model the app and ``ask`` fall back to when the starter model cannot be had
+# (offline, quick to make).
+APP_DEMO_SHAPE, APP_DEMO_QUANT = "small", "Q4_K_M"
+
+
+def build_vocab(n_vocab: int) -> tuple[list[str], list[float], list[int]]:
+    """A SentencePiece-style vocabulary: specials, 256 byte-fallback tokens, then pieces.
+
+    Every multi-character piece is reachable by SPM merges because all its prefixes are
+    in the vocabulary too.
+    """
+    tokens = ["<unk>", "<s>", "</s>"]
+    types = [TokenType.UNKNOWN, TokenType.CONTROL, TokenType.CONTROL]
+    tokens += [f"<0x{b:02X}>" for b in range(256)]
+    types += [TokenType.BYTE] * 256
+    tokens += ["<|im_start|>", "<|im_end|>"]
+    types += [TokenType.CONTROL, TokenType.CONTROL]
+    n_special = len(tokens)
+    seen = set(tokens)
+    pieces: list[str] = []
+
+    def add(piece: str) -> None:
+        if piece not in seen:
+            seen.add(piece)
+            pieces.append(piece)
+
+    for piece in _candidate_pieces():
+        if n_special + len(pieces) >= n_vocab:
+            break
+        add(piece)
+    if n_special + len(pieces) < n_vocab:
+        raise UsageError(f"cannot build a vocabulary of {n_vocab} tokens")
+    tokens += pieces
+    types += [TokenType.NORMAL] * len(pieces)
+    scores = [0.0] * n_special + [-float(i) for i in range(len(pieces))]
+    return tokens, scores, [int(t) for t in types]
+
+
+def _letter_ngrams(word_start: str) -> Iterator[str]:
+    """Letter bigrams then trigrams, each also with the vocabulary's word-start marker."""
+    letters = string.ascii_lowercase
+    for a in letters:
+        for b in letters:
+            yield a + b
+            yield word_start + a + b
+    for a in letters:
+        for b in letters:
+            for c in letters:
+                yield a + b + c
+                yield word_start + a + b + c
+
+
+def _candidate_pieces() -> Iterator[str]:
+    """Pieces in merge-priority order: characters, common words with their prefixes, n-grams."""
+    chars = string.ascii_lowercase + string.ascii_uppercase + string.digits + string.punctuation
+    yield "▁"
+    for ch in chars:
+        yield ch
+        yield "▁" + ch
+    for word in _COMMON_WORDS:
+        for end in range(2, len(word) + 1):
+            yield word[:end]
+            yield "▁" + word[:end]
+    yield from _letter_ngrams("▁")
+
+
+def bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte-to-character table: printable bytes stand for themselves, the others
+    (space, control bytes) for characters from U+0100 on, so every token is visible text and
+    every byte has a token ("Ġ" is the space, "Ċ" the newline)."""
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
+    table = {b: chr(b) for b in printable}
+    shifted = 0
+    for b in range(256):
+        if b not in table:
+            table[b] = chr(256 + shifted)
+            shifted += 1
+    return table
+
+
+def bpe_split(word: str, ranks: dict[tuple[str, str], int]) -> list[str]:
+    """Byte-level BPE of one pre-tokenized word (in ``bytes_to_unicode`` characters):
+    repeatedly merge the adjacent pair of the lowest rank (leftmost on ties), as llama.cpp
+    does; the factory plans its merges with it, tests compare llama.cpp against it."""
+    parts = list(word)
+    while len(parts) > 1:
+        best_rank, best = math.inf, -1
+        for i in range(len(parts) - 1):
+            rank = ranks.get((parts[i], parts[i + 1]), math.inf)
+            if rank < best_rank:
+                best_rank, best = rank, i
+        if best < 0:
+            break
+        parts[best : best + 2] = [parts[best] + parts[best + 1]]
+    return parts
+
+
+def build_bpe_vocab(n_vocab: int) -> tuple[list[str], list[int], list[str]]:
+    """A byte-level BPE vocabulary: control tokens, the 256 byte tokens (in byte order), then
+    merge results in merge order. Returns tokens, token types and merges ("left right").
+
+    Merges come in left-to-right chains ("t h", "th e"; "Ġ t", "Ġt h", "Ġth e"), planned
+    with ``bpe_split`` so every common word, bare and with its leading space, really
+    becomes one token under BPE (in the tiny vocabulary too); digit pairs follow, then letter
+    bigrams and trigrams fill the vocabulary up.
+    """
+    tokens = list(BPE_CONTROL_TOKENS)
+    types = [int(TokenType.CONTROL)] * len(tokens)
+    byte_chars = bytes_to_unicode()
+    tokens += [byte_chars[b] for b in range(256)]
+    types += [int(TokenType.NORMAL)] * 256
+    seen = set(tokens)
+    merges: list[str] = []
+    ranks: dict[tuple[str, str], int] = {}
+    for target in _bpe_targets():
+        # A merge joins the first two parts BPE leaves; being the newest (highest rank) it
+        # fires only after all older merges did, so earlier words keep their single tokens.
+        parts = bpe_split(target, ranks)
+        while len(parts) > 1 and len(tokens) < n_vocab:
+            left, right = parts[0], parts[1]
+            ranks[(left, right)] = len(merges)
+            merges.append(f"{left} {right}")
+            if left + right not in seen:
+                seen.add(left + right)
+                tokens.append(left + right)
+                types.append(int(TokenType.NORMAL))
+            parts = bpe_split(target, ranks)
+        if len(tokens) >= n_vocab:
+            break
+    if len(tokens) < n_vocab:
+        raise UsageError(f"cannot build a BPE vocabulary of {n_vocab} tokens")
+    return tokens, types, merges
+
+
+def _bpe_targets() -> Iterator[str]:
+    """Words the BPE vocabulary makes single tokens, in merge-priority order ("Ġ" is the
+    space): each character after a space, common words, digit pairs (so the pre-tokenizers'
+    different digit rules give different tokens), then letter bigrams and trigrams."""
+    chars = string.ascii_lowercase + string.ascii_uppercase + string.digits + string.punctuation
+    for ch in chars:
+        yield "Ġ" + ch
+    for word in _COMMON_WORDS:
+        yield word
+        yield "Ġ" + word
+    for a in string.digits:
+        for b in string.digits:
+            yield a + b
+    yield from _letter_ngrams("Ġ")
+
+
+def _check_tokenizer(tokenizer: str) -> None:
+    """Refuse an unknown kind in one line before any file or cache path is made for it."""
+    if tokenizer not in TOKENIZERS:
+        raise UsageError(f"unknown tokenizer {tokenizer!r}; choose one of {', '.join(TOKENIZERS)}")
+
+
+def _add_spm_tokenizer(writer: GGUFWriter, n_vocab: int, space_prefix: bool) -> None:
+    """The SentencePiece vocabulary ("llama" model) with BOS added to every prompt."""
+    tokens, scores, types = build_vocab(n_vocab)
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(tokens)
+    writer.add_token_scores(scores)
+    writer.add_token_types(types)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(tokens.index("<|im_end|>"))
+    writer.add_unk_token_id(0)
+    writer.add_add_bos_token(True)
+    writer.add_add_eos_token(False)
+    # Without the prefix (like Qwen's and Llama 3's tokenizers) no space is invented after
+    # control tokens, so the rendered template and the tokens say exactly the same thing;
+    # with it (Llama 2, Mistral) llama.cpp starts the text after every control token, and
+    # the prompt's first text, with a space.
+    writer.add_add_space_prefix(space_prefix)
+
+
+def _add_bpe_tokenizer(writer: GGUFWriter, n_vocab: int, tokenizer: str) -> None:
+    """The byte-level BPE vocabulary ("gpt2" model) under this kind's pre-tokenizer."""
+    tokens, types, merges = build_bpe_vocab(n_vocab)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre(_BPE_PRE[tokenizer])
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    writer.add_token_merges(merges)
+    bos, add_bos = _BPE_BOS[tokenizer]
+    writer.add_bos_token_id(tokens.index(bos))
+    writer.add_eos_token_id(tokens.index("<|im_end|>"))
+    writer.add_add_bos_token(add_bos)
+    writer.add_add_eos_token(False)
+
+
+def _write_f16(shape: ModelShape, seed: int, out: Path, tokenizer: str = "spm") -> None:
+    """Write the unquantized model (F16 matrices, F32 norms) with seeded random weights."""
+    rng = np.random.default_rng(seed)
+    writer = GGUFWriter(str(out), shape.architecture)
+    suffix = "" if tokenizer == "spm" else f"-{tokenizer}"
+    writer.add_name(f"localchat-demo-{shape.name}{suffix}")
+    writer.add_file_type(LlamaFileType.MOSTLY_F16)
+    writer.add_context_length(shape.context_length)
+    writer.add_embedding_length(shape.n_embd)
+    writer.add_block_count(shape.n_layer)
+    writer.add_feed_forward_length(shape.n_ff)
+    writer.add_head_count(shape.n_head)
+    writer.add_head_count_kv(shape.n_head_kv)
+    writer.add_layer_norm_rms_eps(1e-6)
+    writer.add_rope_dimension_count(shape.head_dim)
+    writer.add_rope_freq_base(shape.rope_freq_base)
+    writer.add_vocab_size(shape.n_vocab)
+    gemma3 = shape.architecture == "gemma3"
+    if gemma3:
+        writer.add_key_length(shape.head_dim)
+        writer.add_value_length(shape.head_dim)
+        writer.add_sliding_window(shape.sliding_window)
+    if tokenizer in _BPE_PRE:
+        _add_bpe_tokenizer(writer, shape.n_vocab, tokenizer)
+    else:
+        _add_spm_tokenizer(writer, shape.n_vocab, space_prefix=tokenizer == "spm-space")
+    writer.add_chat_template(CHATML_TEMPLATE)
+
+    def matrix(rows: int, cols: int) -> np.ndarray:
+        # Scaled by fan-in so every layer moves the residual stream and replies vary with
+        # the context (std 0.02 leaves the embedding dominant and the model echoes its input).
+        std = np.float32(1.0 / np.sqrt(cols))
+        return (rng.standard_normal((rows, cols), dtype=np.float32) * std).astype(np.float16)
+
+    def norm(size: int = shape.n_embd) -> np.ndarray:
+        return np.ones(size, dtype=np.float32)
+
+    hd = shape.head_dim
+    writer.add_tensor("token_embd.weight", matrix(shape.n_vocab, shape.n_embd))
+    writer.add_tensor("output_norm.weight", norm())
+    # A separate output matrix: tied embeddings on random weights make the model repeat its
+    # last input token, which would let a wrong KV cache go unnoticed in tests.
+    writer.add_tensor("output.weight", matrix(shape.n_vocab, shape.n_embd))
+    for i in range(shape.n_layer):
+        writer.add_tensor(f"blk.{i}.attn_norm.weight", norm())
+        writer.add_tensor(f"blk.{i}.attn_q.weight", matrix(shape.n_head * hd, shape.n_embd))
+        writer.add_tensor(f"blk.{i}.attn_k.weight", matrix(shape.n_head_kv * hd, shape.n_embd))
+        writer.add_tensor(f"blk.{i}.attn_v.weight", matrix(shape.n_head_kv * hd, shape.n_embd))
+        writer.add_tensor(f"blk.{i}.attn_output.weight", matrix(shape.n_embd, shape.n_head * hd))
+        writer.add_tensor(f"blk.{i}.ffn_norm.weight", norm())
+        writer.add_tensor(f"blk.{i}.ffn_gate.weight", matrix(shape.n_ff, shape.n_embd))
+        writer.add_tensor(f"blk.{i}.ffn_up.weight", matrix(shape.n_ff, shape.n_embd))
+        writer.add_tensor(f"blk.{i}.ffn_down.weight", matrix(shape.n_embd, shape.n_ff))
+        if gemma3:  # Gemma 3's extra norms: per-head q/k, and after attention and the FFN
+            writer.add_tensor(f"blk.{i}.attn_q_norm.weight", norm(hd))
+            writer.add_tensor(f"blk.{i}.attn_k_norm.weight", norm(hd))
+            writer.add_tensor(f"blk.{i}.post_attention_norm.weight", norm())
+            writer.add_tensor(f"blk.{i}.post_ffw_norm.weight", norm())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def make_demo_model(
+    out: Path,
+    shape: str = "tiny",
+    quant: str = "Q4_K_M",
+    seed: int = 0,
+    *,
+    tokenizer: str = "spm",
+) -> Path:
+    """Write a demo model to ``out``; returns ``out``. Same arguments, same bytes."""
+    if shape not in SHAPES:
+        raise UsageError(f"unknown shape {shape!r}; choose one of {', '.join(SHAPES)}")
+    if quant not in QUANTS:
+        raise UsageError(f"unknown quant {quant!r}; choose one of {', '.join(QUANTS)}")
+    _check_tokenizer(tokenizer)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    model_shape = SHAPES[shape]
+    if quant == "F16":
+        tmp = out.with_name(f".{out.name}.tmp")
+        _write_f16(model_shape, seed, tmp, tokenizer)
+        tmp.replace(out)
+        return out
+    with tempfile.TemporaryDirectory(dir=out.parent) as tmp_dir:
+        f16 = Path(tmp_dir) / "f16.gguf"
+        _write_f16(model_shape, seed, f16, tokenizer)
+        _quantize_into(f16, out, quant)
+    return out
+
+
+def _quantize_into(f16: Path, out: Path, quant: str) -> None:
+    """llama.cpp's quantizer from ``f16`` to ``out``, staged beside it and renamed in."""
+    # Imported here: the quantizer lives in the engine, the one module that touches llama_cpp.
+    from localchat.backends.llama.tools import quantize_model
+
+    with tempfile.TemporaryDirectory(dir=out.parent) as tmp_dir:
+        staged = Path(tmp_dir) / out.name
+        quantize_model(f16, staged, quant)
+        staged.replace(out)
+
+
+def demo_model_path(
+    directory: Path,
+    shape: str = "tiny",
+    quant: str = "Q4_K_M",
+    seed: int = 0,
+    *,
+    tokenizer: str = "spm",
+) -> Path:
+    """Where the cached demo model of these arguments lives (the default tokenizer keeps the
+    name it always had, so caches made before tokenizer kinds existed stay valid)."""
+    _check_tokenizer(tokenizer)
+    suffix = "" if tokenizer == "spm" else f"-{tokenizer}"
+    return directory / f"demo-{shape}-{quant}-s{seed}{suffix}.gguf"
+
+
+def ensure_demo_model(
+    directory: Path,
+    shape: str = "tiny",
+    quant: str = "Q4_K_M",
+    seed: int = 0,
+    *,
+    tokenizer: str = "spm",
+) -> Path:
+    """The cached demo model, generated on first use."""
+    path = demo_model_path(directory, shape, quant, seed, tokenizer=tokenizer)
+    if path.exists():
+        return path
+    f16 = demo_model_path(directory, shape, "F16", seed, tokenizer=tokenizer)
+    if quant != "F16" and f16.exists() and quant in QUANTS:
+        _quantize_into(f16, path, quant)  # the same weights, written once already
+        return path
+    make_demo_model(path, shape, quant, seed, tokenizer=tokenizer)
+    return path
+
+
+def app_demo_path(directory: Path) -> Path:
+    """Where the generated fallback model lives (made or not)."""
+    return demo_model_path(directory, APP_DEMO_SHAPE, APP_DEMO_QUANT)
+
+
+def ensure_app_demo(directory: Path) -> Path:
+    """The generated fallback model, made on first use."""
+    return ensure_demo_model(directory, APP_DEMO_SHAPE, APP_DEMO_QUANT)

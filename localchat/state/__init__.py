@@ -1,0 +1,1 @@
+"""What is stored: the SQLite store and its migrations, saved KV states, locks, exports."""

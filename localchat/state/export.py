@@ -1,0 +1,99 @@
+"""A conversation as Markdown or JSON, for `localchat export` and the app's export action.
+
+A reasoning model's thinking (its ``<think>`` block) is left out unless asked for: an export
+is the conversation as read, and the thinking is often longer than the answer.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from localchat.chat.reasoning import split_reasoning
+from localchat.state.store import ConversationRecord, MessageRecord
+
+
+def _parts(message: MessageRecord) -> tuple[str, str]:
+    """(reasoning, content) of a message; only replies think."""
+    if message.role != "assistant":
+        return "", message.content
+    return split_reasoning(message.content)
+
+
+def _row(m: MessageRecord, reasoning: bool) -> dict[str, Any]:
+    thought, content = _parts(m)
+    row: dict[str, Any] = {
+        "role": m.role,
+        "content": content,
+        "status": m.status,
+        "created_at": m.created_at,
+        "token_count": m.token_count,
+        "stats": m.stats,
+        "pinned": m.pinned,
+    }
+    if reasoning and thought:
+        row["reasoning"] = thought
+    return row
+
+
+def export_json(
+    record: ConversationRecord,
+    messages: list[MessageRecord],
+    reasoning: bool = False,
+    tree: list[MessageRecord] | None = None,
+) -> str:
+    """The branch in view as ``messages``; with ``tree`` (every message of every branch),
+    also ``tree``: each message with its ``id`` and the ``parent`` it follows."""
+    rows = [_row(m, reasoning) for m in messages]
+    payload: dict[str, Any] = {
+        "name": record.name,
+        "title": record.title,
+        "system_prompt": record.system_prompt,
+        "model": record.model,
+        "created_at": record.created_at,
+        "updated_at": record.updated_at,
+        "messages": rows,
+    }
+    if tree is not None:
+        payload["tree"] = [
+            {
+                "id": m.id,
+                "parent": m.parent_id,
+                **_row(m, reasoning),
+                # A first message carries its branches' system prompt.
+                **({"system_prompt": m.system_prompt} if m.parent_id is None else {}),
+            }
+            for m in tree
+        ]
+        payload["head"] = messages[-1].id if messages else None
+    return json.dumps(payload, indent=2, ensure_ascii=False) + "\n"
+
+
+def export_markdown(
+    record: ConversationRecord, messages: list[MessageRecord], reasoning: bool = False
+) -> str:
+    lines = [f"# {record.title}", ""]
+    if record.system_prompt:
+        lines += [f"> **system:** {record.system_prompt}", ""]
+    for m in messages:
+        suffix = " *(stopped)*" if m.status == "partial" else ""
+        thought, content = _parts(m)
+        lines += [f"## {m.role}{suffix}", ""]
+        if reasoning and thought:
+            lines += ["<details><summary>reasoning</summary>", "", thought, "", "</details>", ""]
+        lines += [content, ""]
+    return "\n".join(lines).rstrip("\n") + "\n"
+
+
+def export_conversation(
+    record: ConversationRecord,
+    messages: list[MessageRecord],
+    fmt: str,
+    reasoning: bool = False,
+    tree: list[MessageRecord] | None = None,
+) -> str:
+    """JSON (the branch in view, and every branch as a tree) or Markdown (the branch in
+    view)."""
+    if fmt == "json":
+        return export_json(record, messages, reasoning, tree)
+    return export_markdown(record, messages, reasoning)
