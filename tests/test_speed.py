@@ -39,7 +39,8 @@ def test_costs_are_solved_one_type_at_a_time() -> None:
         {"Q8_0": 60, "F32": 1},  # a norm's bytes are too few to solve from
         {"Q6_K": 40},
         {"Q4_K": 30, "Q6_K": 10},
-        {"Q2_K": 20, "Q3_K": 15, "Q6_K": 3},  # the tied pair
+        {"Q3_K": 15, "Q6_K": 3},
+        {"Q2_K": 20, "Q3_K": 15},
     ]
     timed = [(f, overhead + sum(n * true.get(t, 0.0) for t, n in f.items())) for f in files]
     solved = solve_costs(list(reversed(timed)), overhead)  # any order: each waits its turn
@@ -124,9 +125,10 @@ def test_a_calibration_from_another_machine_or_damaged_is_measured_again(
 def test_hw_measures_once_keeps_it_and_calibrate_measures_again(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    monkeypatch.setattr("localchat.models.calibrate.CALIBRATION_QUANTS", ("F16",))
+    monkeypatch.setattr("localchat.models.calibrate.CALIBRATION_TYPES", ("F16",))
     # The caching is tested here, not the acceptance of readings (test_calibration.py).
     monkeypatch.setattr("localchat.models.calibrate.MIN_CPU_SHARE", 0.0)
+    monkeypatch.setattr("localchat.models.calibrate.MAX_OTHERS_SHARE", 1.0)
     monkeypatch.setattr("localchat.models.calibrate.AGREE", 100.0)
     assert main(["hw", "--json"]) == 0
     first = capsys.readouterr()

@@ -4,6 +4,7 @@ by more than 35% on the same side update the figures that priced the file."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -26,7 +27,7 @@ def _saved(overhead_s: float = 1e-3) -> SpeedModel:
 
 
 def _turn(gen_tps: float, tokens: int = 64, model: str = "m.gguf") -> TurnSpeed:
-    return TurnSpeed(model, BYTES, 12_288, 500, tokens, gen_tps)
+    return TurnSpeed(model, BYTES, 12_288, 500, tokens, gen_tps, 2)
 
 
 def _note(turn: TurnSpeed) -> str | None:
@@ -63,6 +64,26 @@ def test_turns_near_the_prediction_short_or_on_both_sides_change_nothing() -> No
     for _ in range(4):  # too short to time
         assert _note(_turn(predicted * 0.2, tokens=8)) is None
     assert load_speed_model(app_paths().speed_calibration) == speed
+
+
+def test_turns_on_other_threads_than_measured_say_nothing() -> None:
+    speed = _saved()
+    slow = _turn(_predicted() * 0.3)
+    for _ in range(4):
+        assert _note(replace(slow, threads=1)) is None
+    assert load_speed_model(app_paths().speed_calibration) == speed
+
+
+def test_a_correction_leaves_alone_the_types_a_file_has_only_a_little_of() -> None:
+    _saved()
+    with_norms = {**BYTES, "F16": 1_000_000}  # norms priced as F16: under 5% of the file
+    predicted = _predicted()
+    for _ in range(3):
+        notice = _note(TurnSpeed("m.gguf", with_norms, 12_288, 500, 64, predicted * 0.5, 2))
+    assert notice
+    speed = load_speed_model(app_paths().speed_calibration)
+    assert speed is not None and speed.gen_s_per_byte["F16"] == COSTS["F16"]
+    assert speed.gen_s_per_byte["Q4_K"] > COSTS["Q4_K"]
 
 
 def test_misses_are_counted_per_model_file() -> None:

@@ -171,6 +171,108 @@ def test_a_render_that_runs_away_fails_and_later_ones_fail_at_once() -> None:
     assert time.monotonic() - started < 0.5
 
 
+# -- one call that runs for minutes, many values that fill memory, a pause (review 2) -------------
+
+@pytest.mark.parametrize(
+    ("source", "match"),
+    [
+        ("{{ ('x' * 1900000)|wordwrap(1) }}", "asked wordwrap for more than 65,536 characters"),
+        ("{{ ('.' * 30000 + 'a.')|urlize }}", "asked urlize"),  # one word: quadratic
+        ("{{ ('.' * 3000 + 'a.')|urlize }}", "asked urlize"),  # short, but 3,000² steps
+        ("{{ range(500000)|sort(attribute='real')|length }}", "asked sort for more than 16,384"),
+        ("{{ range(500000)|groupby('real')|length }}", "asked groupby"),
+        ("{{ {}.fromkeys(range(100000))|dictsort|length }}", "asked dictsort"),
+        ("{{ ('a' * 1000000).rfind('ab' + 'a' * 500000) }}", "asked rfind for more than"),
+        ("{{ ('a' * 1000000).rsplit(sep='ab' + 'a' * 500000) }}", "asked rsplit"),
+        ("{{ ('x' * 2000000).strip('y' * 2000000 + 'x') }}", "asked strip"),
+        ("{{ ('x' * 2000000)|trim(chars='y' * 2000000 + 'x') }}", "asked trim"),
+        ("{{ ('\u00e9' * 20000).encode('punycode') }}", "asked encode for more than 1,024"),
+        ("{{ ('\u00e9' * 20000).encode('IDNA') }}", "asked encode"),
+        (
+            "{% set ns = namespace(x=[]) %}{% for i in range(300) %}"
+            "{% set ns.x = [ns.x, 'abcdefgh' * 20] %}{% endfor %}{{ ns.x|pprint }}",
+            "asked pprint",  # each level printed again at each level above it
+        ),
+    ],
+)
+def test_a_call_slower_than_linear_is_refused_before_it_runs(source: str, match: str) -> None:
+    """The clock is not read inside one call: wordwrap(1) on 1.9 M characters took 119 s."""
+    _refused(source, match)
+
+
+def test_a_filter_reading_many_items_checks_the_clock_at_each() -> None:
+    """A long chat allows long values: one ``select`` over millions of items is a long call."""
+    source = (
+        "{% if messages[0].content|length > 1000 %}"
+        "{{ range(4400000)|select('none')|first }}{% endif %}"
+    )
+    template = ChatTemplate(source)  # short probes: it loads
+    with pytest.raises(TemplateRunaway, match="ran past 1 s of CPU time"):
+        template.render([ChatMessage("user", "x" * 8_000_000)])
+
+
+@pytest.mark.parametrize(
+    "source",
+    [
+        "{{ range(3000)|map('center', 60000)|list|length }}",  # 180 MB in 0.1 s before
+        "{% set ns = namespace(x=[]) %}{% for i in range(3000) %}"
+        "{% set ns.x = [ns.x, 'y' * 60000] %}{% endfor %}",
+        "{% set s = 'y' * 60000 %}{% set ns = namespace(x=[]) %}{% for i in range(3000) %}"
+        "{% set ns.x = [ns.x, s[i:]] %}{% endfor %}",
+        "{% set s = 'y' * 60000 %}{% set ns = namespace(x=[]) %}{% for i in range(3000) %}"
+        "{% set ns.x = [ns.x, s|upper] %}{% endfor %}",
+        "{% set s = 'y' * 60000 %}{% set ns = namespace(x=[]) %}{% for i in range(3000) %}"
+        "{% set ns.x = [ns.x, s ~ i] %}{% endfor %}",
+        "{% set s = 'y' * 60000 %}{% set ns = namespace(x=[]) %}{% for i in range(3000) %}"
+        "{% set ns.x = [ns.x, s.replace('y', 'z')] %}{% endfor %}",
+        "{% set s = 'y' * 1000000 %}{{ ([s] * 3000)|length }}",  # a list weighs what it holds
+    ],
+)
+def test_many_values_below_64_ki_are_counted_in_all(source: str) -> None:
+    _refused(source, "64.0 million characters in all")
+
+
+@pytest.mark.parametrize(
+    "use",
+    ["{{ 'x' ~ ns.x }}", "{{ ns.x|upper }}", "{{ ns.x|trim }}", "{{ raise_exception(ns.x) }}"],
+)
+def test_a_value_shared_many_times_over_is_sized_before_it_is_spelled_out(use: str) -> None:
+    doubled = (
+        "{% set ns = namespace(x=['x' * 1000]) %}"
+        "{% for i in range(40) %}{% set ns.x = [ns.x, ns.x] %}{% endfor %}"
+    )  # 2**40 copies of one text, in a few KB
+    _refused(doubled + use, "million characters")
+
+
+def test_numbers_from_text_and_bytes_from_numbers_are_bounded() -> None:
+    _refused("{{ ('f' * 1000000)|int(base=16) % 7 }}", "bits")
+    _refused("{{ (1).to_bytes(1500000000, 'big')|length }}", "million characters")
+    _refused("{{ strftime_now('%Y' * 100000) }}", "million characters")
+
+
+class _Suspended(datetime):
+    """A clock whose ``strftime`` finds the machine suspended for a while (no CPU spent)."""
+
+    def strftime(self, fmt: str) -> str:
+        time.sleep(1.3)
+        return super().strftime(fmt)
+
+
+def test_a_pause_during_a_render_is_not_a_runaway() -> None:
+    """Time is the render thread's CPU time: a laptop asleep mid-render costs none of it."""
+    source = "{{ strftime_now('%Y') }}{% for m in messages %}{{ m.content }}{% endfor %}"
+    template = ChatTemplate(source)
+    paused = _Suspended(2025, 3, 4, 12, 0)
+    assert template.render([ChatMessage("user", "hi")], now=paused) == "2025hi"
+    assert template.render([ChatMessage("user", "hi")], now=DAY) == "2025hi"  # not sticky
+
+
+def test_a_literal_python_cannot_spell_out_does_not_compile() -> None:
+    with pytest.raises(ModelFileError, match="does not compile") as caught:
+        ChatTemplate("{{ 0x" + "f" * 5000 + " }}")
+    assert not isinstance(caught.value, TemplateRunaway) and "\n" not in str(caught.value)
+
+
 # -- ordinary templates: exactly what plain Jinja renders, as before ---------------------------
 
 CONSTRUCTS = """\

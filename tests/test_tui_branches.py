@@ -165,6 +165,10 @@ async def test_code_blocks_and_selected_text_are_copied(tiny_model: Path) -> Non
         entry = AssistantMessage(reply, message_id=None)
         await log.mount(entry)
         entry.focus()
+        for _ in range(100):  # the keys go to the entry once it has the focus
+            if app.focused is entry:
+                break
+            await pilot.pause(0.02)
         await pilot.press("k", "k", "k")  # the last block, the one before, round again
         assert copied == ["echo 1\n", "print(1)\n", "echo 1\n"]
         app.action_copy_code()

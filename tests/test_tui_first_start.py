@@ -88,10 +88,10 @@ async def test_first_start_measures_the_machine_and_esc_skips_it(
     seen: list[Message] = []
     app = LocalChatApp(n_ctx=1024, max_tokens=8, sampling=GREEDY)
     async with app.run_test(size=(120, 36), message_hook=seen.append) as pilot:
-        for _ in range(600):  # until the calibration step shows
+        for _ in range(1200):  # until the calibration step shows (a minute at most)
             if any(isinstance(m, StartupStep) and m.step.skippable for m in seen):
                 break
-            await pilot.pause(0.02)
+            await pilot.pause(0.05)
         await pilot.pause(0.1)
         assert isinstance(app.screen, StartupScreen)
         hint = str(app.screen.query_one("#startup-hint").render())

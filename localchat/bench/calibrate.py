@@ -20,7 +20,7 @@ from typing import Any
 
 from localchat.gguf.info import read_gguf
 from localchat.models.calibrate import (
-    CALIBRATION_QUANTS,
+    CALIBRATION_TYPES,
     CalibrationUnsettled,
     calibrate,
     calibration_files,
@@ -33,7 +33,7 @@ BUSY_LIMIT = 0.35
 
 def _predicted(speed: SpeedModel, files: dict[str, Path]) -> dict[str, float]:
     out: dict[str, float] = {}
-    for quant in CALIBRATION_QUANTS:
+    for quant in CALIBRATION_TYPES:
         prediction = speed.predict(read_gguf(files[quant]).bytes_read_per_token())
         out[quant] = prediction.gen_tps if prediction else 0.0
     return out
@@ -57,7 +57,7 @@ def bench_calibrate(model_path: Path, progress: Callable[[str], None] | None) ->
             for hog in hogs:
                 hog.kill()
                 hog.wait()
-        files = calibration_files(models, CALIBRATION_QUANTS)
+        files = calibration_files(models, CALIBRATION_TYPES)
         result: dict[str, Any] = {
             "calibration_first_s": round(first_s, 1),
             "calibration_busy_saved": busy is not None,

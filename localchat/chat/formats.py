@@ -127,7 +127,14 @@ def detect_format(has_control_token: Callable[[str], bool]) -> ChatFormat:
 # ``[/INST]`` is not one (it closes the user's turn; replies end on ``</s>``, as base models'
 # text does), nor is ``<|endoftext|>`` (Qwen, SmolLM and Phi base files end on it).
 CHAT_END_TOKENS: frozenset[str] = frozenset(
-    {"<|im_end|>", "<|eot_id|>", "<end_of_turn>", "<|end|>", "<|END_OF_TURN_TOKEN|>"}
+    {
+        "<|im_end|>",
+        "<|eot_id|>",
+        "<end_of_turn>",
+        "<|end|>",
+        "<|END_OF_TURN_TOKEN|>",
+        "<|end_of_turn|>",  # OpenChat
+    }
 )
 # Whole name parts that mark a model tuned for chat, and those that mark a base model (which
 # win: "Qwen3-8B-Base", "gemma-3-1b-pt").
@@ -177,12 +184,13 @@ def classify_model(metadata: Mapping[str, object], eos_text: str, file_name: str
     a base part in its names wins, then a chat end token, then a chat part; else base."""
     names = [(key, value) for key in NAME_FIELDS if isinstance(value := metadata.get(key), str)]
     names.append(("file name", Path(file_name).name))
-    if found := _first_part(names, BASE_PARTS):
-        return Tuning(False, found)
+    chat_part = _first_part(names, CHAT_PARTS)
+    if found := _first_part(names, BASE_PARTS - {"pt"} if chat_part else BASE_PARTS):
+        return Tuning(False, found)  # ("pt" is also Portuguese: "…-Instruct-pt-br")
     if eos_text in CHAT_END_TOKENS:
         return Tuning(True, f"end token `{eos_text}`")
-    if found := _first_part(names, CHAT_PARTS):
-        return Tuning(True, found)
+    if chat_part:
+        return Tuning(True, chat_part)
     return Tuning(False, f"end token `{eos_text}`" if eos_text else "no end token")
 
 

@@ -1,14 +1,26 @@
 """Jinja's immutable sandbox with bounds: a chat template is code from whoever published the
 file. The sandbox stops it touching the machine, not running for hours or filling memory, so
-every render is bounded: ``RENDER_SECONDS``, ``RENDER_CHARS`` characters (more for long
-chats), whichever comes first. A thread cannot be stopped from outside, so the bound is
-cooperative: each loop step, call and filter checks the clock, and whatever can make far more
-than it is given (``*``, ``+``, ``~``, ``%``, ``**``, ``range``, padding, joining, formatting,
-printing a nested value, a captured block, the output) checks what it would make first.
+every render is bounded: ``RENDER_SECONDS`` of its thread's CPU time, ``RENDER_CHARS``
+characters in any one value (more for long chats), and ``MADE_IN_ALL_FACTOR`` times that in all
+it makes, whichever comes first.
+
+Time is CPU time (``time.thread_time``), not the wall clock: a template that spins burns CPU,
+one merely paused (a laptop asleep, SIGSTOP, swapping, other threads holding the GIL) does not.
+So every failure here is a property of the template, time included, and ``ChatTemplate`` keeps
+refusing a template once it ran past a bound.
+
+A thread cannot be stopped from outside, so the bounds are cooperative: each loop step, call and
+filter checks the clock, and a filter given many items checks it at each; whatever can make far
+more than it is given (``*``, ``+``, ``~``, ``%``, ``**``, ``range``, padding, joining,
+formatting, spelling out a nested value, a captured block, the output) checks what it would make
+first; a call whose time grows faster than what it is given (``wordwrap``, ``urlize``, sorting,
+``rfind`` and ``strip`` with long arguments, punycode) is refused past a size first, since the
+clock is not read while it runs; and every value made counts toward what a render makes in all.
 """
 
 from __future__ import annotations
 
+import codecs
 import functools
 import json
 import re
@@ -16,7 +28,8 @@ import string
 import threading
 from collections.abc import Callable, Generator, Iterable, Iterator
 from itertools import islice, repeat
-from time import monotonic
+from operator import length_hint
+from time import monotonic, thread_time
 from types import BuiltinMethodType, FunctionType
 from typing import Any, cast
 
@@ -27,14 +40,21 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from jinja2.utils import Namespace
 from jinja2.visitor import NodeTransformer
 
-RENDER_SECONDS = 1.0  # how long one render may run (40 messages take well under 1 ms)
+RENDER_SECONDS = 1.0  # CPU time one render may take (40 messages take well under 1 ms)
 RENDER_CHARS = 4_000_000  # characters in any one value a render makes, and in its output
 CHARS_PER_MESSAGE_CHAR = 4  # and more per character of the messages: long chats are long
-MADE_IN_ALL_FACTOR = 16  # times as much a render may make in all (values of 64 Ki or more)
+MADE_IN_ALL_FACTOR = 16  # times as much a render may make in all (every value it makes)
 INT_BITS = 65_536  # bits in any number a template computes
+CALL_CHARS = 65_536  # characters a call slower than linear may take (wordwrap, urlize, pprint)
+CALL_ITEMS = 16_384  # items a sort may take (a key each in Python, then n log n comparisons)
+CALL_STEPS = 2**28  # steps of a backward search or a strip by many characters (~0.1 s)
+CODEC_CHARS = 1_024  # characters punycode and idna may take (quadratic, in Python)
 
 _LARGE = 65_536
-_LATE = f"ran past {RENDER_SECONDS:g} s"
+_SHORT = 64  # a text made that is not counted toward all made (see _check_size)
+_PACE = 4_096  # a filter given more items than this checks the clock at each
+_LATE = f"ran past {RENDER_SECONDS:g} s of CPU time"
+_SCALARS = frozenset({bool, float, type(None)})
 
 
 # -- bounds ---------------------------------------------------------------------------------
@@ -46,11 +66,15 @@ class RanAway(Exception):
 
 class _Budget:
     """One render's bounds (current on this thread while it runs): when it must end, the
-    largest value, and what it may still make in all (many large values fill memory too)."""
+    largest value, and what it may still make in all (many values fill memory too).
 
-    __slots__ = ("deadline", "left", "limit", "outer")
+    ``cpu`` is the end in this thread's CPU time; ``deadline`` the wall-clock time before which
+    it cannot have come (CPU time never runs faster), read cheaply at each check."""
+
+    __slots__ = ("cpu", "deadline", "left", "limit", "outer")
 
     def __init__(self, limit: int) -> None:
+        self.cpu = thread_time() + RENDER_SECONDS
         self.deadline = monotonic() + RENDER_SECONDS
         self.limit = limit
         self.left = MADE_IN_ALL_FACTOR * limit
@@ -75,6 +99,15 @@ def _budget() -> _Budget:
     return _BOUNDS.budget or _Budget(RENDER_CHARS)
 
 
+def _late(budget: _Budget) -> None:
+    """Past the wall-clock mark: refuse if the render spent its CPU time, else move the mark to
+    the earliest it can (a pause, a suspend, a wait for the GIL costs nothing)."""
+    left = budget.cpu - thread_time()
+    if left <= 0:
+        raise RanAway(_LATE)
+    budget.deadline = monotonic() + left
+
+
 def _too_big(limit: int, what: str = "") -> RanAway:
     return RanAway(f"made more than {limit / 1e6:.1f} million characters{what}")
 
@@ -90,7 +123,7 @@ def _check_bits(bits: int) -> None:
 
 
 def _size(value: Any) -> int:
-    """A value's cost in characters: an item of a list costs 8, of a set or dict 16."""
+    """A value's own size in characters: an item of a list costs 8, of a set or dict 16."""
     if isinstance(value, (list, tuple)):
         return 8 * len(value)
     if isinstance(value, (dict, set, frozenset)):
@@ -98,22 +131,46 @@ def _size(value: Any) -> int:
     return len(value) if isinstance(value, (str, bytes)) else 0
 
 
+def _held(value: Any) -> int:
+    """What a new value holds, in characters: its own size and its items' lengths, one level
+    deep (a short list of long texts holds them all; read in C, cheaply)."""
+    if isinstance(value, (list, tuple, set, frozenset)):
+        return _size(value) + sum(map(length_hint, value))
+    if isinstance(value, dict):
+        return _size(value) + sum(map(length_hint, value)) + sum(map(length_hint, value.values()))
+    if isinstance(value, Namespace):
+        return _held(object.__getattribute__(value, "_Namespace__attrs"))
+    return len(value) if isinstance(value, (str, bytes)) else 0
+
+
 def _check_size(value: Any, budget: _Budget) -> None:
-    """Refuse a value the sandbox made past the bounds; a large one counts toward all made."""
-    if type(value) is int:
+    """Refuse a value the sandbox made past the bounds; what it holds counts toward all made
+    (a short text does not: keeping it costs less than the loop step that keeps it)."""
+    kind = type(value)
+    if kind is str:
+        size = held = len(value)
+        if size <= _SHORT:
+            return
+    elif kind is int:
         _check_bits(value.bit_length())
-    elif (size := _size(value)) > _LARGE:
-        _check_bound(size, budget.limit)
-        budget.left -= size
-        if budget.left < 0:
-            raise _too_big(MADE_IN_ALL_FACTOR * budget.limit, " in all")
+        return
+    elif kind in _SCALARS:
+        return
+    else:
+        size, held = _size(value), _held(value)
+    if size > budget.limit:
+        raise _too_big(budget.limit)
+    budget.left -= held
+    if budget.left < 0:
+        raise _too_big(MADE_IN_ALL_FACTOR * budget.limit, " in all")
 
 
 def _weight(value: Any, limit: int, indent: int = 0) -> int:
     """About how many characters ``value`` spells out as (``str``, ``repr``, JSON indented by
     ``indent``), counted until past ``limit``: a short list may hold one long text many times
-    over, or nest deeply. Past ``limit // 16`` parts it is too big (no template prints that)."""
-    total, parts = 0, limit // 16
+    over, or nest deeply. Past ``limit // 16`` parts (250,000 at most: spelling each out is a
+    step in Python for some) it is too big (no template prints that)."""
+    total, parts = 0, min(limit, RENDER_CHARS) // 16
     stack: list[tuple[Any, int]] = [(value, 0)]
     while stack and total <= limit:
         parts -= 1
@@ -139,12 +196,13 @@ def _weight(value: Any, limit: int, indent: int = 0) -> int:
 
 
 def _estimate(bound: Callable[..., int], args: Iterable[Any], kwargs: dict[str, Any]) -> int:
-    """At most what a call that can make far more than it is given makes, by ``bound`` (which
-    takes the call's arguments, a str method's string first); 0 where they do not fit."""
-    kwargs = {k: v for k, v in kwargs.items() if k not in ("_loop_vars", "_block_vars")}
+    """What ``bound`` says of a call (given its arguments, a method's owner first): at most
+    what it makes, or what it costs; 0 where they do not fit (the call fails on its own)."""
+    if kwargs:
+        kwargs = {k: v for k, v in kwargs.items() if k not in ("_loop_vars", "_block_vars")}
     try:
         return bound(*args, **kwargs)
-    except (TypeError, ValueError, AttributeError, OverflowError):
+    except (TypeError, ValueError, AttributeError, OverflowError, LookupError):
         return 0
 
 
@@ -205,6 +263,31 @@ def _summed(iterable: Any, attribute: Any = None, start: Any = 0) -> int:
     return max(1, len(iterable)) * _weight(iterable, limit) + _weight(start, limit)
 
 
+def _searched(s: Any, sub: Any = None, *_: Any, **kwargs: Any) -> int:
+    """``rfind`` and its kin compare up to ``len(sub)`` characters at each place of ``s`` (only
+    forward search is linear); ``strip`` looks each character up in ``chars`` as long."""
+    sub = kwargs.get("sep", kwargs.get("chars", sub))
+    if not isinstance(sub, (str, bytes)) or len(sub) <= 32:
+        return 0  # a short one: at most 32 times linear
+    return len(sub) * (len(s) if isinstance(s, (str, bytes)) else _weight(s, _budget().limit))
+
+
+def _coded(s: Any, encoding: str = "utf-8", *_: Any, **__: Any) -> int:
+    """punycode (and idna, which uses it) run in Python in quadratic time; the others in C."""
+    return len(s) if codecs.lookup(encoding).name in ("punycode", "idna") else 0
+
+
+def _urlized(text: Any, *_: Any, **__: Any) -> int:
+    """``urlize`` peels punctuation off each word a step at a time: quadratic in its length."""
+    if not isinstance(text, str):
+        if _weight(text, CALL_CHARS) > CALL_CHARS:
+            return CALL_CHARS + 1
+        text = str(text)
+    if len(text) > CALL_CHARS:
+        return len(text)
+    return max(len(text), sum(len(word) ** 2 for word in text.split()) // 16)
+
+
 _METHOD_BOUNDS: dict[str, Callable[..., int]] = {
     **dict.fromkeys(("center", "ljust", "rjust", "zfill"), _padded),
     "expandtabs": lambda s, tabsize=8: len(s) + s.count("\t") * max(0, tabsize),
@@ -213,6 +296,8 @@ _METHOD_BOUNDS: dict[str, Callable[..., int]] = {
     "format": _formatted,
     "format_map": lambda fmt, mapping: _formatted(fmt, mapping),
     "translate": lambda s, table: len(s) * max([1, *map(_size, table.values())]),
+    "to_bytes": lambda n, length=1, *_, **__: _padded("", length),  # however small n is
+    "strftime": lambda when, fmt: 256 * len(fmt),  # Python tries buffers up to this
 }
 _FILTER_BOUNDS: dict[str, Callable[..., int]] = {
     "center": _padded,
@@ -227,48 +312,85 @@ _FILTER_BOUNDS: dict[str, Callable[..., int]] = {
     "string": lambda value: _weight(value, _budget().limit),
     "pprint": lambda value: _weight(value, _budget().limit, 1),
     "sum": _summed,
+    "urlencode": lambda value: (3 if value.isascii() else 12) * len(value),  # a str's %XX
 }
-# Filters that make about what they are given, in one pass (the others are watched).
-_LINEAR_FILTERS = frozenset(
-    "abs attr capitalize count d default first float int items last length lower max min"
-    " random reverse round safe striptags title trim truncate upper wordcount".split()
+# Calls whose time grows faster than what they are given, and how far they may go.
+_Cost = tuple[Callable[..., int], int, str]
+_SORTED: _Cost = (lambda value, *_, **__: len(value), CALL_ITEMS, "items")
+_STEPS: _Cost = (_searched, CALL_STEPS, "steps")
+_METHOD_COSTS: dict[str, _Cost] = {
+    **dict.fromkeys(("rfind", "rindex", "rsplit", "rpartition"), _STEPS),
+    **dict.fromkeys(("strip", "lstrip", "rstrip"), _STEPS),
+    **dict.fromkeys(("encode", "decode"), (_coded, CODEC_CHARS, "characters")),
+}
+_METHODS = frozenset(_METHOD_BOUNDS) | frozenset(_METHOD_COSTS)
+_FILTER_COSTS: dict[str, _Cost] = {
+    "wordwrap": (lambda s, *_, **__: len(s), CALL_CHARS, "characters"),  # long words: quadratic
+    "urlize": (_urlized, CALL_CHARS, "characters"),
+    "pprint": (lambda value: _weight(value, CALL_CHARS, 1), CALL_CHARS, "characters"),  # × depth
+    **dict.fromkeys(("sort", "groupby", "dictsort"), _SORTED),
+}
+_ARGUMENT_COSTS: dict[str, _Cost] = {"trim": _STEPS}  # only when given more than the value
+# Filters that make nothing new, in constant or linear time: left as they are.
+_PLAIN_FILTERS = frozenset(
+    "abs attr count d default first float items last length random round".split()
 )
-_READ_WHOLE = frozenset({"join", "sum"})  # an iterator given is read into a list, then sized
+# Filters that read their input item by item, in Python for most: the clock is checked at
+# each past ``_PACE`` of them. Those that read an iterator whole are given it as a list.
+_EACH_FILTERS = frozenset(
+    "batch groupby join list map max min reject rejectattr select selectattr slice sort sum"
+    " unique".split()
+)
+_READ_WHOLE = frozenset({"groupby", "join", "sort", "sum"})
+# Filters that spell a value that is not text out as text first: sized as printing it is.
+_TEXT_FILTERS = frozenset(
+    "capitalize center e escape forceescape format indent lower replace safe striptags title"
+    " trim truncate upper urlencode urlize wordcount wordwrap xmlattr".split()
+)
+
+
+def _check_cost(name: str, cost: _Cost, args: Iterable[Any], kwargs: dict[str, Any]) -> None:
+    bound, most, what = cost
+    if _estimate(bound, args, kwargs) > most:
+        raise RanAway(f"asked {name} for more than {most:,} {what}")
 
 
 # -- the hooks ------------------------------------------------------------------------------
 
 
 class _Steps:
-    """A ``{% for %}``'s items; each step checks the render's clock."""
+    """Items read one at a time, each step checking the render's clock: a ``{% for %}``'s, or
+    what a filter given many items reads."""
 
-    __slots__ = ("_deadline", "_items")
+    __slots__ = ("_budget", "_items")
 
     def __init__(self, items: Any) -> None:
         self._items = items
-        self._deadline = _budget().deadline
+        self._budget = _budget()
 
     def __len__(self) -> int:
         return len(self._items)  # an iterator's TypeError: Jinja's loop counts as it goes
 
+    def __bool__(self) -> bool:  # as the items are (``map`` asks), an iterator's True
+        return isinstance(self._items, Iterator) or bool(self._items)
+
     def __iter__(self) -> Iterator[Any]:
-        deadline = self._deadline
+        budget = self._budget
         for item in self._items:
-            if monotonic() > deadline:
-                raise RanAway(_LATE)
+            if monotonic() > budget.deadline:
+                _late(budget)
             yield item
 
 
-def _bounded_text(text: str) -> str:
-    """What a ``~`` concatenation made, sized."""
-    if len(text) > _LARGE:
-        _check_size(text, _budget())
-    return text
+def _made(value: Any) -> Any:
+    """A value made where the sandbox has no hook (a slice, a ``~``), counted."""
+    _check_size(value, _budget())
+    return value
 
 
-def _finalize(value: Any) -> Any:
-    """What ``{{ … }}`` prints, as is; a value that is not text is sized before Jinja spells
-    it out (a list may hold one long text many times over)."""
+def _spelled(value: Any) -> Any:
+    """What ``{{ … }}`` prints, or ``~`` joins, as is; a value that is not text is sized before
+    Jinja spells it out (a list may hold one long text many times over)."""
     if type(value) is not str:
         limit = _budget().limit
         _check_bound(_weight(value, limit), limit)
@@ -285,31 +407,52 @@ def _range(*args: int) -> range:
 
 
 def _bounded_filter(name: str, func: Callable[..., Any]) -> Callable[..., Any]:
-    """``func`` checking the clock, what it would make, and what it made."""
-    bound = _FILTER_BOUNDS.get(name)
+    """``func`` checking the clock, what it would make and cost, and counting what it made."""
+    bound, cost = _FILTER_BOUNDS.get(name), _FILTER_COSTS.get(name)
+    given = _ARGUMENT_COSTS.get(name)
     skip = 0 if getattr(func, "jinja_pass_arg", None) is None else 1  # context, environment
-    read_whole = name in _READ_WHOLE
+    read_whole, each, text = name in _READ_WHOLE, name in _EACH_FILTERS, name in _TEXT_FILTERS
 
     @functools.wraps(func)  # keeps jinja_pass_arg: Jinja still passes what func takes
     def bounded(*args: Any, **kwargs: Any) -> Any:
         budget = _budget()
         if monotonic() > budget.deadline:
-            raise RanAway(_LATE)
-        if read_whole and len(args) > skip and isinstance(args[skip], Iterator):
-            args = (*args[:skip], list(args[skip]), *args[skip + 1 :])
-        if bound is not None:
-            _check_bound(_estimate(bound, args[skip:], kwargs), budget.limit)
+            _late(budget)
+        if len(args) > skip:
+            value = args[skip]
+            if read_whole and isinstance(value, Iterator):
+                value = list(value)
+            elif text and type(value) is not str:
+                _check_bound(_weight(value, budget.limit), budget.limit)
+            if bound is not None:
+                _check_bound(_estimate(bound, (value, *args[skip + 1 :]), kwargs), budget.limit)
+            if cost is not None:
+                _check_cost(name, cost, (value, *args[skip + 1 :]), kwargs)
+            if each and length_hint(value) > _PACE:
+                value = _Steps(value)
+            args = (*args[:skip], value, *args[skip + 1 :])
         result = func(*args, **kwargs)
-        if type(result) is not str or len(result) > _LARGE:
+        if type(result) is not str or len(result) > _SHORT:
             _check_size(result, budget)
         return result
 
-    return bounded
+    @functools.wraps(func)
+    def counted(*args: Any, **kwargs: Any) -> Any:  # trim, upper, title…: linear, text only
+        if type(value := args[skip]) is not str:
+            _spelled(value)
+        if given is not None and (kwargs or len(args) > skip + 1):
+            _check_cost(name, given, args[skip:], kwargs)
+        result = func(*args, **kwargs)
+        if result is not value and (type(result) is not str or len(result) > _SHORT):
+            _check_size(result, _budget())  # (a text trimmed of nothing is the same text)
+        return result
+
+    return bounded if bound or cost or each or read_whole or not text else counted
 
 
 class _Guard(NodeTransformer):
     """Bounds what the sandbox has no hook for: each ``{% for %}`` iterates ``_steps`` of its
-    items, and each ``~`` passes ``_text``."""
+    items, each ``~`` sizes its parts and counts what it made, and so does each slice."""
 
     def visit_For(self, node: nodes.For) -> nodes.Node:
         self.generic_visit(node)
@@ -318,7 +461,19 @@ class _Guard(NodeTransformer):
 
     def visit_Concat(self, node: nodes.Concat) -> nodes.Node:
         self.generic_visit(node)
-        return nodes.Filter(node, "_text", [], [], None, None, lineno=node.lineno)
+        node.nodes = [
+            part if isinstance(part, nodes.Const) else self._filter(part, "_spelled")
+            for part in node.nodes
+        ]
+        return self._filter(node, "_made")
+
+    def visit_Getitem(self, node: nodes.Getitem) -> nodes.Node:
+        self.generic_visit(node)
+        return self._filter(node, "_made") if isinstance(node.arg, nodes.Slice) else node
+
+    @staticmethod
+    def _filter(node: nodes.Expr, name: str) -> nodes.Expr:
+        return nodes.Filter(node, name, [], [], None, None, lineno=node.lineno)
 
 
 class _BoundedEnvironment(ImmutableSandboxedEnvironment):
@@ -328,10 +483,15 @@ class _BoundedEnvironment(ImmutableSandboxedEnvironment):
     intercepted_binops = frozenset({"+", "*", "%", "**"})
 
     def call_binop(self, context: Context, operator: str, left: Any, right: Any) -> Any:
-        if operator == "+":  # the common case, kept quick: building short texts
+        if operator == "+":  # the common case, kept quick: building texts
             result = left + right
-            if type(result) is not str or len(result) > _LARGE:
-                _check_size(result, _budget())
+            if type(result) is str and (size := len(result)) <= _LARGE:
+                if size <= _SHORT or (budget := _BOUNDS.budget) is None:
+                    return result
+                budget.left -= size
+                if budget.left >= 0:
+                    return result
+            _check_size(result, _budget())  # refuses, or sizes what is not a text
             return result
         budget = _budget()
         ints = type(left) is int and type(right) is int
@@ -351,16 +511,21 @@ class _BoundedEnvironment(ImmutableSandboxedEnvironment):
     def call(self, context: Context, obj: Any, /, *args: Any, **kwargs: Any) -> Any:
         budget = _budget()
         if monotonic() > budget.deadline:
-            raise RanAway(_LATE)
-        # A str method (str.format comes wrapped by the sandbox) that can make far more.
+            _late(budget)
+        # A builtin method (str.format comes wrapped by the sandbox) that can make far more
+        # than it is given, or take far longer.
         method: Any = getattr(obj, "__wrapped__", None) if type(obj) is FunctionType else obj
-        owner = method.__self__ if type(method) is BuiltinMethodType else None
-        if isinstance(owner, (str, bytes)) and (bound := _METHOD_BOUNDS.get(method.__name__)):
-            if method.__name__ == "join" and args and isinstance(args[0], Iterator):
-                args = (list(args[0]), *args[1:])  # str.join reads it whole anyway
-            _check_bound(_estimate(bound, (owner, *args), kwargs), budget.limit)
+        if type(method) is BuiltinMethodType and (name := method.__name__) in _METHODS:
+            owner = method.__self__
+            if bound := _METHOD_BOUNDS.get(name):
+                if name == "join" and args and isinstance(args[0], Iterator):
+                    args = (list(args[0]), *args[1:])  # str.join reads it whole anyway
+                _check_bound(_estimate(bound, (owner, *args), kwargs), budget.limit)
+            given = args or len(kwargs) > ("_loop_vars" in kwargs) + ("_block_vars" in kwargs)
+            if given and (cost := _METHOD_COSTS.get(name)):  # none costs much without
+                _check_cost(name, cost, (owner, *args), kwargs)
         result = super().call(context, obj, *args, **kwargs)
-        if type(result) is not str or len(result) > _LARGE:
+        if type(result) is not str or len(result) > _SHORT:
             _check_size(result, budget)
         return result
 
@@ -374,8 +539,8 @@ class _BoundedEnvironment(ImmutableSandboxedEnvironment):
         return text
 
 
-def _raise_exception(message: str) -> None:
-    raise TemplateError(message)
+def _raise_exception(message: Any) -> None:
+    raise TemplateError(_spelled(message))
 
 
 def _tojson(
@@ -392,23 +557,26 @@ def _tojson(
 
 
 def compile_bounded(source: str) -> Template:
-    """``source`` compiled with its loops and ``~`` bounded (constants fold within bounds)."""
+    """``source`` compiled with its loops, ``~`` and slices bounded (constants fold within
+    bounds); a literal Python cannot spell out (an integer of 4,300 digits) does not compile."""
     env = _BoundedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols], finalize=_finalize
+        trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols], finalize=_spelled
     )
     env.filters["tojson"] = _tojson
     for name, func in list(env.filters.items()):
-        if name not in _LINEAR_FILTERS:
+        if name not in _PLAIN_FILTERS:
             env.filters[name] = _bounded_filter(name, func)
-    env.filters["_steps"] = _Steps
-    env.filters["_text"] = _bounded_text
+    env.filters.update(_steps=_Steps, _made=_made, _spelled=_spelled)
     env.globals["raise_exception"] = _raise_exception
     env.globals["range"] = _range
     del env.globals["lipsum"]  # thousands of paragraphs in one call; minja has none
     with _Budget(RENDER_CHARS):
-        tree = _Guard().visit(env.parse(source))
-        tree.set_environment(env)
-        return env.from_string(tree)
+        try:
+            tree = _Guard().visit(env.parse(source))
+            tree.set_environment(env)
+            return env.from_string(tree)
+        except (ValueError, OverflowError) as exc:
+            raise TemplateError(str(exc)) from None
 
 
 def render_bounded(template: Template, context: dict[str, Any], limit: int) -> str:

@@ -1,17 +1,18 @@
 """Measure this machine's speed per weight type, once, and keep it (``hw --calibrate``).
 
-Generated models of one shape at several quant types (made once by the demo factory and
-kept) are each run for a short prompt and a few tokens through llama.cpp; a tiny model
-gives the fixed cost of a token. Each file's time, less what the types already solved
-explain, gives the cost per byte of the one type it adds (files are taken in an order where
-each adds one). The result is saved with the name of the machine it was measured on.
+Generated models of one shape, each with every matrix of one weight type (random blocks:
+speed does not depend on the values, so they are written in a blink, no quantizer), are run
+for a short prompt and a few tokens through llama.cpp; a tiny model gives the fixed cost of
+a token. Each file's time, less that fixed cost, over its bytes gives its type's cost per
+byte. The result is saved with the name of the machine it was measured on.
 
 Another program on the cores must not poison the figures for good, so the types are
 measured in rounds, each round in a new order (contention then slows a different type each
 time), and each type keeps its best reading. A round is thrown away when llama.cpp's threads
-got less than their share of the CPU (the process's CPU time against the wall clock: the
-direct sign of contention) or when the reference type, read first in every round, drifts
-from its best. The figures are kept only when every type was read at least twice within
+got less than their share of the CPU (the process's CPU time against the wall clock), when
+other programs kept more than a sliver of the machine's CPUs busy (the system's CPU time
+less ours: it shows contention on machines with more cores than threads), or when the
+reference type, read first in every round, drifts from its best. The figures are kept only when every type was read at least twice within
 ``AGREE`` of its best; otherwise nothing is saved and plans go by memory until a later try.
 """
 
@@ -23,6 +24,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import psutil
+
 from localchat.cpu import physical_cores
 from localchat.errors import LocalchatError, WorldError
 from localchat.gguf.info import read_gguf
@@ -31,19 +34,20 @@ from localchat.paths import AppPaths
 from localchat.progress import Countdown, StepCallback, StepProgress
 
 CALIBRATION_SHAPE = "calib"
-# Each adds one weight type to those before it (Q2_K files mix Q2_K with Q3_K: one unknown).
-CALIBRATION_QUANTS = ("F16", "Q8_0", "Q6_K", "Q4_K_M", "Q2_K", "Q4_0", "Q5_0")
+# One file per weight type the planner prices (llama.cpp's quant mixes are made of these).
+CALIBRATION_TYPES = ("F16", "Q8_0", "Q6_K", "Q5_K", "Q4_K", "Q3_K", "Q2_K", "Q4_0", "Q5_0")
 OVERHEAD = "tiny"  # the tiny model's reading: the fixed cost of a token
 REFERENCE = "Q4_0"  # read first in every round: a drift there marks the round
-TIED_TYPES = {"Q3_K": "Q2_K"}  # solved together: llama.cpp's Q2_K files always mix the two
 MINOR_SHARE = 0.05  # a type under this share of a file's bytes is not solved from that file
 PROMPT_TOKENS = 64
 GEN_TOKENS = 17
-MIN_CPU_SHARE = 0.7  # of threads x wall time: below it another program had the cores
+MIN_CPU_SHARE = 0.8  # of threads x wall time: below it another program had the cores
+MAX_OTHERS_SHARE = 0.15  # of all CPUs' time, used by other programs while a file was read
 DRIFT = 0.2  # a round whose reference reads this much slower than its best is thrown away
 AGREE = 0.15  # a type's two best readings within this of each other: settled
 MIN_ROUNDS = 2
 MAX_ROUNDS = 5
+MAKE_COST = 0.5  # making a test model, in readings (for the progress bar)
 BUDGET_S = 40.0  # readings past this (a machine kept busy) end the calibration unsettled
 TITLE = "measuring this machine's speed"
 
@@ -61,10 +65,11 @@ class Reading:
     """One measured file: seconds per generated and per prompt token, and the share of the
     CPU its threads got while it ran."""
 
-    name: str  # a quant, or OVERHEAD
+    name: str  # a weight type, or OVERHEAD
     gen_s: float
     prompt_s: float
     cpu_share: float
+    others_share: float = 0.0  # what other programs used of all CPUs meanwhile
 
 
 def round_order(names: list[str], round_index: int) -> list[str]:
@@ -80,11 +85,7 @@ def clean_rounds(rounds: list[list[Reading]]) -> list[list[Reading]]:
     """The rounds worth keeping: every reading had its CPU share, and the reference read
     within ``DRIFT`` of the best clean reference."""
     # The tiny model's token is too short to load both threads: its share says nothing.
-    fair = [
-        r
-        for r in rounds
-        if r and all(x.cpu_share >= MIN_CPU_SHARE or x.name == OVERHEAD for x in r)
-    ]
+    fair = [r for r in rounds if r and all(_fair(x) for x in r)]
     references = [x.gen_s for r in fair for x in r if x.name == REFERENCE]
     if not references:
         return fair
@@ -126,7 +127,7 @@ def _two_agree(readings: list[Reading]) -> bool:
 
 def solve_costs(files: list[tuple[dict[str, int], float]], overhead_s: float) -> dict[str, float]:
     """Seconds per byte of each weight type from (bytes by type, seconds per token) of files,
-    each adding one unknown type (or a tied pair) to those already solved."""
+    each adding one unknown type to those already solved."""
     costs: dict[str, float] = {}
     pending = list(files)
 
@@ -135,9 +136,7 @@ def solve_costs(files: list[tuple[dict[str, int], float]], overhead_s: float) ->
         return {t: n for t, n in by_type.items() if t not in costs and n >= MINOR_SHARE * total}
 
     while pending:
-        solvable = [
-            f for f in pending if len({TIED_TYPES.get(t, t) for t in unknown_of(f[0])}) <= 1
-        ]
+        solvable = [f for f in pending if len(unknown_of(f[0])) <= 1]
         if not solvable:
             raise ValueError("calibration files do not add one weight type at a time")
         by_type, seconds = solvable[0]
@@ -149,26 +148,47 @@ def solve_costs(files: list[tuple[dict[str, int], float]], overhead_s: float) ->
             if left <= 0:  # a noisy round: never a free type, so no overhead
                 left = seconds * sum(unknown.values()) / max(1, sum(by_type.values()))
             cost = left / sum(unknown.values())
-            for weight_type in (*unknown, *(TIED_TYPES.get(t, t) for t in unknown)):
+            for weight_type in unknown:
                 costs[weight_type] = cost
     return costs
+
+
+def _fair(reading: Reading) -> bool:
+    """Read without contention: llama.cpp's threads had the CPU and others had little of it
+    (the tiny model's token is too short to load the threads: only the others count)."""
+    if reading.others_share > MAX_OTHERS_SHARE:
+        return False
+    return reading.name == OVERHEAD or reading.cpu_share >= MIN_CPU_SHARE
+
+
+def _busy_cpu_s() -> float:
+    """CPU seconds every program on the machine has used (all CPUs)."""
+    times = psutil.cpu_times()
+    return float(sum(times)) - times.idle - getattr(times, "iowait", 0.0)
 
 
 def _read(path: Path, name: str, threads: int) -> Reading:
     from localchat.backends.llama.tools import bare_generation_benchmark
 
+    wall, busy, ours = time.monotonic(), _busy_cpu_s(), time.process_time()
     result = bare_generation_benchmark(path, 256, PROMPT_TOKENS, GEN_TOKENS, threads)
+    wall, busy = time.monotonic() - wall, _busy_cpu_s() - busy
+    others = max(0.0, busy - (time.process_time() - ours))
     return Reading(
-        name, 1.0 / result["bare_gen_tps"], 1.0 / result["bare_prompt_tps"], result["cpu_share"]
+        name,
+        1.0 / result["bare_gen_tps"],
+        1.0 / result["bare_prompt_tps"],
+        result["cpu_share"],
+        others / max(1e-9, wall * (psutil.cpu_count() or 1)),
     )
 
 
-def calibration_files(models_dir: Path, quants: tuple[str, ...]) -> dict[str, Path]:
+def calibration_files(models_dir: Path, types: tuple[str, ...]) -> dict[str, Path]:
     """Where each calibration model lives (the tiny one under ``OVERHEAD``)."""
-    from localchat.models.demo import demo_model_path
+    from localchat.models.demo import demo_model_path, speed_model_path
 
     files = {OVERHEAD: demo_model_path(models_dir, "tiny", "F16")}
-    files.update({q: demo_model_path(models_dir, CALIBRATION_SHAPE, q) for q in quants})
+    files.update({t: speed_model_path(models_dir, t) for t in types})
     return files
 
 
@@ -176,7 +196,7 @@ def calibrate(
     models_dir: Path,
     machine: str,
     progress: StepCallback | None = None,
-    quants: tuple[str, ...] | None = None,
+    types: tuple[str, ...] | None = None,
     rounds: int | None = None,
     skip: threading.Event | None = None,
     step: tuple[int, int] = (1, 1),
@@ -189,16 +209,16 @@ def calibrate(
     :class:`CalibrationUnsettled` (``strict=False``: the best readings are fitted anyway, for
     tests that need real figures on a machine they keep busy). ``step`` is (this step, of
     how many) for the progress."""
-    from localchat.models.demo import ensure_demo_model
+    from localchat.models.demo import ensure_demo_model, make_speed_model
 
-    quants = quants or CALIBRATION_QUANTS
+    types = types or CALIBRATION_TYPES
     max_rounds = max(MIN_ROUNDS, rounds or MAX_ROUNDS)
     threads = physical_cores()
-    files = calibration_files(models_dir, quants)
+    files = calibration_files(models_dir, types)
     names = list(files)
     missing = [n for n, p in files.items() if not p.exists()]
-    # Making a model costs about two readings; the bar counts both in those units.
-    countdown = Countdown(2 * len(missing) + MIN_ROUNDS * len(names))
+    # Making a model costs about half a reading; the bar counts both in those units.
+    countdown = Countdown(MAKE_COST * len(missing) + MIN_ROUNDS * len(names))
     done = 0.0
     shown = 0.0  # the bar never runs back when a round is added
 
@@ -221,9 +241,11 @@ def calibrate(
 
     for name in missing:
         report(f"making the {name} test model")
-        shape, quant = ("tiny", "F16") if name == OVERHEAD else (CALIBRATION_SHAPE, name)
-        ensure_demo_model(models_dir, shape, quant)
-        done += 2
+        if name == OVERHEAD:
+            ensure_demo_model(models_dir, "tiny", "F16")
+        else:
+            make_speed_model(files[name], name, CALIBRATION_SHAPE)
+        done += MAKE_COST
     taken: list[list[Reading]] = []
     best: dict[str, Reading] | None = None
     started = time.monotonic()
@@ -243,14 +265,27 @@ def calibrate(
     if best is None and not strict:
         best = best_readings(taken, names)
     if best is None:
-        shares = [x.cpu_share for r in taken for x in r]
         raise CalibrationUnsettled(
-            f"the machine was too busy to measure its speed (localchat's threads got as little"
-            f" as {100 * min(shares):.0f}% of the CPU): plans go by memory for now;"
-            " `localchat hw --calibrate` measures again"
+            f"this machine's speed could not be measured ({_why_unsettled(taken)}): plans go"
+            " by memory for now; `localchat hw --calibrate` measures again"
         )
+    done = countdown.total
     report("done")
-    return _fit(best, quants, files, machine, threads)
+    return _fit(best, types, files, machine, threads)
+
+
+def _why_unsettled(rounds: list[list[Reading]]) -> str:
+    """Which rule kept the readings from settling, in words."""
+    readings = [x for r in rounds for x in r]
+    others = max(x.others_share for x in readings)
+    if others > MAX_OTHERS_SHARE:
+        return f"other programs kept up to {100 * others:.0f}% of the CPUs busy"
+    share = min(x.cpu_share for x in readings if x.name != OVERHEAD)
+    if share < MIN_CPU_SHARE:
+        return f"localchat's threads got as little as {100 * share:.0f}% of the CPU"
+    if len(clean_rounds(rounds)) < len(rounds):
+        return "its speed drifted from round to round"
+    return f"repeated readings differed by more than {100 * AGREE:.0f}%"
 
 
 def _fit(
@@ -294,6 +329,7 @@ def speed_model(
             return saved
     model = calibrate(paths.demo_models_dir, machine_name(), progress, skip=skip, step=step)
     model.save(paths.speed_calibration)
+    paths.turn_speeds.unlink(missing_ok=True)  # turns are counted against the new figures
     return model
 
 
@@ -307,6 +343,9 @@ def speed_model_or_none(
     """The calibration, or None (plans by memory) with the reason said in one line."""
     try:
         return speed_model(paths, progress, skip=skip, step=step)
-    except (CalibrationUnsettled, CalibrationSkipped) as exc:
+    except LocalchatError as exc:  # unsettled, skipped, a test model llama.cpp refused
         say(str(exc))
+        return None
+    except ValueError as exc:  # files that do not solve (a llama.cpp that mixes types anew)
+        say(f"this machine's speed could not be measured ({exc}): plans go by memory for now")
         return None

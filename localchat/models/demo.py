@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from gguf import GGUFWriter, LlamaFileType, TokenType
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter, LlamaFileType, TokenType
 
 from localchat.errors import UsageError
 
@@ -104,7 +104,7 @@ SHAPES: dict[str, ModelShape] = {
     "small": ModelShape("small", 4, 512, 8, 4, 1408, 8192, 8192, 10000.0),
     # The speed calibration's shape: its weights (25-150 MB by type) stream from a laptop's
     # RAM, not its cache, and its quantized files are made in seconds.
-    "calib": ModelShape("calib", 4, 1024, 16, 4, 4096, 8192, 8192, 10000.0),
+    "calib": ModelShape("calib", 8, 1024, 16, 4, 4096, 8192, 8192, 10000.0),
     # Qwen2.5-0.5B dimensions.
     "0.5b": ModelShape("0.5b", 24, 896, 14, 2, 4864, 32000, 32768, 1_000_000.0),
     # Llama-3.2-1B dimensions (vocabulary kept at 32k so the file stays laptop-sized).
@@ -313,13 +313,67 @@ def _add_bpe_tokenizer(writer: GGUFWriter, n_vocab: int, tokenizer: str) -> None
     writer.add_add_eos_token(False)
 
 
+# Where a block of each weight type keeps its f16 scales (ggml-common.h's block layouts): a
+# speed model's random blocks get sane scales there, so its numbers stay finite.
+_SCALE_OFFSETS: dict[str, tuple[int, ...]] = {
+    "Q8_0": (0,), "Q4_0": (0,), "Q5_0": (0,), "Q4_K": (0, 2), "Q5_K": (0, 2),
+    "Q6_K": (208,), "Q3_K": (108,), "Q2_K": (80, 82),
+}  # fmt: skip
+SPEED_TYPES: tuple[str, ...] = ("F16", *_SCALE_OFFSETS)
+
+
+def _random_blocks(rng: np.random.Generator, rows: int, cols: int, weight_type: str) -> np.ndarray:
+    """``rows`` x ``cols`` weights of ``weight_type`` as random block bytes: what llama.cpp
+    reads and how fast does not depend on the values, so no quantizer needs to run."""
+    if weight_type == "F16":  # random halves, the top exponent bit cleared: finite, under 2
+        bits = rng.integers(0, 1 << 16, size=(rows, cols), dtype=np.uint16) & np.uint16(0xBFFF)
+        return bits.view(np.float16)
+    kind = GGMLQuantizationType[weight_type]
+    block_weights, block_bytes = GGML_QUANT_SIZES[kind]
+    blocks = rng.integers(0, 256, size=(rows * cols // block_weights, block_bytes), dtype=np.uint8)
+    scale = np.frombuffer(np.float16(0.001).tobytes(), dtype=np.uint8)
+    for offset in _SCALE_OFFSETS[weight_type]:
+        blocks[:, offset : offset + 2] = scale
+    return blocks.reshape(rows, cols // block_weights * block_bytes)
+
+
+def speed_model_path(directory: Path, weight_type: str, shape: str = "calib") -> Path:
+    """Where the speed model of one weight type is kept."""
+    return directory / f"speed-{shape}-{weight_type}.gguf"
+
+
+def make_speed_model(out: Path, weight_type: str, shape: str = "calib", seed: int = 0) -> Path:
+    """A model whose every matrix is of one weight type, its blocks random: the calibration
+    times one type per file, and such a file is written in a blink (no quantizer)."""
+    if weight_type not in SPEED_TYPES:
+        raise UsageError(f"no speed model of {weight_type!r}; one of {', '.join(SPEED_TYPES)}")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp")
+    _write_model(SHAPES[shape], seed, tmp, weight_type=weight_type)
+    tmp.replace(out)
+    return out
+
+
 def _write_f16(shape: ModelShape, seed: int, out: Path, tokenizer: str = "spm") -> None:
     """Write the unquantized model (F16 matrices, F32 norms) with seeded random weights."""
+    _write_model(shape, seed, out, tokenizer)
+
+
+def _write_model(
+    shape: ModelShape,
+    seed: int,
+    out: Path,
+    tokenizer: str = "spm",
+    weight_type: str | None = None,
+) -> None:
+    """Seeded random weights: normal F16 matrices (a model that runs), or with ``weight_type``
+    random blocks of that type in every matrix (a model that is only timed)."""
     rng = np.random.default_rng(seed)
     writer = GGUFWriter(str(out), shape.architecture)
     suffix = "" if tokenizer == "spm" else f"-{tokenizer}"
     writer.add_name(f"localchat-demo-{shape.name}{suffix}")
-    writer.add_file_type(LlamaFileType.MOSTLY_F16)
+    if weight_type in (None, "F16"):  # one type throughout has no llama.cpp file type name
+        writer.add_file_type(LlamaFileType.MOSTLY_F16)
     writer.add_context_length(shape.context_length)
     writer.add_embedding_length(shape.n_embd)
     writer.add_block_count(shape.n_layer)
@@ -342,6 +396,8 @@ def _write_f16(shape: ModelShape, seed: int, out: Path, tokenizer: str = "spm") 
     writer.add_chat_template(CHATML_TEMPLATE)
 
     def matrix(rows: int, cols: int) -> np.ndarray:
+        if weight_type is not None:
+            return _random_blocks(rng, rows, cols, weight_type)
         # Scaled by fan-in so every layer moves the residual stream and replies vary with
         # the context (std 0.02 leaves the embedding dominant and the model echoes its input).
         std = np.float32(1.0 / np.sqrt(cols))
@@ -351,21 +407,30 @@ def _write_f16(shape: ModelShape, seed: int, out: Path, tokenizer: str = "spm") 
         return np.ones(size, dtype=np.float32)
 
     hd = shape.head_dim
-    writer.add_tensor("token_embd.weight", matrix(shape.n_vocab, shape.n_embd))
+
+    def add_matrix(name: str, rows: int, cols: int) -> None:
+        data = matrix(rows, cols)
+        if weight_type in (None, "F16"):
+            writer.add_tensor(name, data)
+        else:
+            kind = GGMLQuantizationType[weight_type]
+            writer.add_tensor(name, data, raw_dtype=kind)  # rows x block bytes
+
+    add_matrix("token_embd.weight", shape.n_vocab, shape.n_embd)
     writer.add_tensor("output_norm.weight", norm())
     # A separate output matrix: tied embeddings on random weights make the model repeat its
     # last input token, which would let a wrong KV cache go unnoticed in tests.
-    writer.add_tensor("output.weight", matrix(shape.n_vocab, shape.n_embd))
+    add_matrix("output.weight", shape.n_vocab, shape.n_embd)
     for i in range(shape.n_layer):
         writer.add_tensor(f"blk.{i}.attn_norm.weight", norm())
-        writer.add_tensor(f"blk.{i}.attn_q.weight", matrix(shape.n_head * hd, shape.n_embd))
-        writer.add_tensor(f"blk.{i}.attn_k.weight", matrix(shape.n_head_kv * hd, shape.n_embd))
-        writer.add_tensor(f"blk.{i}.attn_v.weight", matrix(shape.n_head_kv * hd, shape.n_embd))
-        writer.add_tensor(f"blk.{i}.attn_output.weight", matrix(shape.n_embd, shape.n_head * hd))
+        add_matrix(f"blk.{i}.attn_q.weight", shape.n_head * hd, shape.n_embd)
+        add_matrix(f"blk.{i}.attn_k.weight", shape.n_head_kv * hd, shape.n_embd)
+        add_matrix(f"blk.{i}.attn_v.weight", shape.n_head_kv * hd, shape.n_embd)
+        add_matrix(f"blk.{i}.attn_output.weight", shape.n_embd, shape.n_head * hd)
         writer.add_tensor(f"blk.{i}.ffn_norm.weight", norm())
-        writer.add_tensor(f"blk.{i}.ffn_gate.weight", matrix(shape.n_ff, shape.n_embd))
-        writer.add_tensor(f"blk.{i}.ffn_up.weight", matrix(shape.n_ff, shape.n_embd))
-        writer.add_tensor(f"blk.{i}.ffn_down.weight", matrix(shape.n_embd, shape.n_ff))
+        add_matrix(f"blk.{i}.ffn_gate.weight", shape.n_ff, shape.n_embd)
+        add_matrix(f"blk.{i}.ffn_up.weight", shape.n_ff, shape.n_embd)
+        add_matrix(f"blk.{i}.ffn_down.weight", shape.n_embd, shape.n_ff)
         if gemma3:  # Gemma 3's extra norms: per-head q/k, and after attention and the FFN
             writer.add_tensor(f"blk.{i}.attn_q_norm.weight", norm(hd))
             writer.add_tensor(f"blk.{i}.attn_k_norm.weight", norm(hd))

@@ -543,6 +543,8 @@ class Downloader:
     def _link(self, repo_dir: Path, meta: _FileMeta, revision: str) -> None:
         link = repo_dir / "snapshots" / meta.commit / meta.filename
         link.parent.mkdir(parents=True, exist_ok=True)
+        if link.is_symlink() and not link.exists():  # dangling (a cache moved or copied)
+            link.unlink()
         if not link.exists():
             target = os.path.relpath(repo_dir / "blobs" / meta.etag, link.parent)
             with contextlib.suppress(FileExistsError):

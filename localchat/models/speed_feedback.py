@@ -22,18 +22,20 @@ from localchat.models.speed import SpeedModel, load_speed_model
 DISAGREE = 0.35
 TURNS = 3
 MIN_TOKENS = 16
+MINOR_SHARE = 0.05  # weight types under this share of a file's bytes are left as they are
 
 
 @dataclass(frozen=True)
 class TurnSpeed:
     """What a local turn read and how fast it generated."""
 
-    model: str  # the file's name: misses are counted per file
+    model: str  # the file's path: misses are counted per file
     bytes_by_type: dict[str, int]  # what one token reads, by weight type (CPU only)
     kv_bytes_per_token: int
     filled: int  # KV positions behind the generated tokens, on average
     generated_tokens: int
     gen_tps: float
+    threads: int  # what generated it: a turn on other threads than measured says nothing
 
 
 def note_turn(calibration: Path, log: Path, turn: TurnSpeed) -> str | None:
@@ -42,6 +44,8 @@ def note_turn(calibration: Path, log: Path, turn: TurnSpeed) -> str | None:
     calibration, changes nothing."""
     speed = load_speed_model(calibration)
     if speed is None or turn.generated_tokens < MIN_TOKENS or turn.gen_tps <= 0:
+        return None
+    if turn.threads != speed.threads:
         return None
     prediction = speed.predict(turn.bytes_by_type, turn.kv_bytes_per_token, turn.filled)
     if prediction is None or prediction.gen_tps <= 0:
@@ -61,18 +65,21 @@ def note_turn(calibration: Path, log: Path, turn: TurnSpeed) -> str | None:
     if not update:
         return None
     return (
-        f"{turn.model} kept generating at {turn.gen_tps:.1f} tok/s where"
+        f"{Path(turn.model).name} kept generating at {turn.gen_tps:.1f} tok/s where"
         f" {prediction.gen_tps:.1f} was predicted: this machine's speed figures were updated"
     )
 
 
 def corrected(speed: SpeedModel, bytes_by_type: dict[str, int], factor: float) -> SpeedModel:
-    """``speed`` with the generation costs of these weight types (as the model prices them)
-    and of a token's fixed part divided by ``factor`` (measured over predicted tok/s)."""
+    """``speed`` with the generation costs of the weight types this file is made of (as the
+    model prices them; not the norms, under ``MINOR_SHARE`` of its bytes, which would move
+    F16's price for every model) and of a token's fixed part divided by ``factor``
+    (measured over predicted tok/s)."""
     gen = dict(speed.gen_s_per_byte)
-    for weight_type in {speed.cost_key(gen, t) for t in bytes_by_type}:
-        if weight_type in gen:
-            gen[weight_type] /= factor
+    total = max(1, sum(bytes_by_type.values()))
+    major = [t for t, n in bytes_by_type.items() if n >= MINOR_SHARE * total]
+    for weight_type in {speed.cost_key(gen, t) for t in major}:
+        gen[weight_type] /= factor
     return SpeedModel(
         gen,
         speed.gen_overhead_s / factor,

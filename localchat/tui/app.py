@@ -57,6 +57,7 @@ from localchat.tui.messages import (
     StartupNotice,
     StartupProgress,
     StartupStep,
+    StartupWarning,
 )
 from localchat.tui.pacing import MIN_INTERVAL_S, FramePacer
 from localchat.tui.screens.conversations import ConversationsScreen
@@ -281,13 +282,15 @@ class LocalChatApp(ReportsWorkerFailures, App[int]):
     def choose_model(self) -> None:
         """Find the model to run: the one asked for, the last one used, or a first download."""
         assert self.session is not None
+        self._startup_cancel.clear()  # an Esc of an earlier start does not stop this one
+        self._startup_skip.clear()
         try:
             path = self.session.startup_model(
                 self.model_path,
                 self.model_name,
                 self.demo,
                 notice=lambda text: self.post_message(StartupNotice(text)),
-                warn=lambda text: self.call_from_thread(self.notify, text, severity="warning"),
+                warn=lambda text: self.post_message(StartupWarning(text)),
                 progress=lambda p: self.post_message(StartupProgress(p)),
                 cancel=self._startup_cancel,
                 steps=lambda step: self.post_message(StartupStep(step)),
@@ -298,6 +301,9 @@ class LocalChatApp(ReportsWorkerFailures, App[int]):
             return
         except LocalchatError as exc:
             self.post_message(ModelLoadFailed(str(exc)))
+            return
+        except Exception as exc:  # never a start screen left up with nothing behind it
+            self.post_message(ModelLoadFailed(f"the start failed: {one_line(exc)}"))
             return
         self.post_message(ModelChosen(path))
 
@@ -471,6 +477,9 @@ class LocalChatApp(ReportsWorkerFailures, App[int]):
     def on_startup_notice(self, message: StartupNotice) -> None:
         self.sub_title = message.text
         self._shown_startup_screen().show_plan(message.text)
+
+    def on_startup_warning(self, message: StartupWarning) -> None:
+        self.notify(message.text, severity="warning", timeout=15)
 
     def on_startup_step(self, message: StartupStep) -> None:
         self.sub_title = message.step.line()
@@ -1120,8 +1129,11 @@ class LocalChatApp(ReportsWorkerFailures, App[int]):
         )
 
     def exit(self, *args: Any, **kwargs: Any) -> None:
-        """Quitting stops a reply at once (the turn then commits what was written)."""
+        """Quitting stops a reply at once (the turn then commits what was written), and a
+        first start's calibration or download at its next step."""
         self._cancel.set()
+        self._startup_cancel.set()
+        self._startup_skip.set()
         self._quitting = True
         super().exit(*args, **kwargs)
 

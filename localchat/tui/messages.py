@@ -90,6 +90,13 @@ class StartupProgress(Message):
 
 
 @dataclass
+class StartupWarning(Message):
+    """Something the start skipped or fell back on, and why (one line)."""
+
+    text: str
+
+
+@dataclass
 class StartupStep(Message):
     """A step of the first start (the check, the speed calibration), as it goes."""
 

@@ -84,7 +84,9 @@ def _extra_buffers_survive() -> bool:
         )
     except (OSError, subprocess.TimeoutExpired):
         return False
-    return result.returncode == 0
+    # Killed by a signal (the segfault) is the verdict; a child that failed otherwise (an
+    # import, the disk) says nothing against the buffers.
+    return result.returncode >= 0
 
 
 def _model_params() -> Any:

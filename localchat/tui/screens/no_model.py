@@ -21,13 +21,13 @@ class NoModelScreen(ModalScreen[str]):
             yield Label("No model to chat with", classes="dialog-title")
             yield Static(
                 f"No model is on this machine yet, and none could be downloaded: {self.reason}.\n"
-                "Chat with the offline demo model (random weights: it talks nonsense, but everything"
-                " else is real), or open a GGUF file you have. A stopped download resumes the next"
-                " time localchat starts."
+                "Chat with the demo model (SmolLM2-135M-Instruct where it can be fetched, else a"
+                " generated one with random weights that talks nonsense), or open a GGUF file"
+                " you have. A stopped download resumes the next time localchat starts."
             )
             yield Input(placeholder="/path/to/model.gguf", id="no-model-path")
             with Horizontal(classes="dialog-buttons"):
-                yield Button("Use the offline demo model", id="use-demo", variant="primary")
+                yield Button("Use the demo model", id="use-demo", variant="primary")
                 yield Button("Open this file", id="use-file")
 
     @on(Button.Pressed, "#use-demo")
