@@ -173,6 +173,7 @@ def test_a_render_that_runs_away_fails_and_later_ones_fail_at_once() -> None:
 
 # -- one call that runs for minutes, many values that fill memory, a pause (review 2) -------------
 
+
 @pytest.mark.parametrize(
     ("source", "match"),
     [

@@ -15,7 +15,8 @@ more than it is given (``*``, ``+``, ``~``, ``%``, ``**``, ``range``, padding, j
 formatting, spelling out a nested value, a captured block, the output) checks what it would make
 first; a call whose time grows faster than what it is given (``wordwrap``, ``urlize``, sorting,
 ``rfind`` and ``strip`` with long arguments, punycode) is refused past a size first, since the
-clock is not read while it runs; and every value made counts toward what a render makes in all.
+clock is not read while it runs; and every value made but a short text counts toward what a
+render makes in all, a list, dict or namespace by the texts it holds.
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ CALL_ITEMS = 16_384  # items a sort may take (a key each in Python, then n log n
 CALL_STEPS = 2**28  # steps of a backward search or a strip by many characters (~0.1 s)
 CODEC_CHARS = 1_024  # characters punycode and idna may take (quadratic, in Python)
 
-_LARGE = 65_536
+_LARGE = 65_536  # a text this long is within any render's bound on one value
 _SHORT = 64  # a text made that is not counted toward all made (see _check_size)
 _PACE = 4_096  # a filter given more items than this checks the clock at each
 _LATE = f"ran past {RENDER_SECONDS:g} s of CPU time"
