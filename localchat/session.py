@@ -17,7 +17,7 @@ from localchat.backends.compute_thread import run_compute
 from localchat.backends.llama.engine import Engine, LoadOptions
 from localchat.conversation.local import Conversation, ConversationBase
 from localchat.conversation.prefix_states import DEFAULT_MIN_TOKENS
-from localchat.errors import LocalchatError
+from localchat.errors import LocalchatError, UsageError
 from localchat.models.calibrate import speed_model_or_none
 from localchat.models.catalog import catalog_template
 from localchat.models.demo import app_demo_path
@@ -146,13 +146,13 @@ class Session:
         self,
         paths: AppPaths,
         settings: Settings,
-        backend: Engine | RemoteBackend | None = None,
+        backend: Backend | None = None,
         open_stores: bool = True,
     ) -> None:
         """``open_stores=False``: no conversations (the database could not be opened)."""
         self.paths = paths
         self.settings = settings
-        self.backend: Engine | RemoteBackend | None = backend
+        self.backend: Backend | None = backend
         self.store: Store | None = None
         self.states: StateStore | None = None
         self.conversation: ConversationBase | None = None
@@ -237,7 +237,7 @@ class Session:
     ) -> Path | None:
         if model_name is not None:
             return library.path_of(model_name)
-        recent = self.store.list() if self.store is not None else []
+        recent = self.store.conversations() if self.store is not None else []
         last_model = recent[0].model if recent else None
         # After --demo, a plain start reopens the demo model the last conversation used.
         demo = app_demo_path(self.paths.demo_models_dir)
@@ -269,6 +269,16 @@ class Session:
         )
         return run_compute(Engine, path, options)
 
+    def count_tokens(self, text: str) -> int:
+        """Tokens ``text`` takes with the backend in use: a local model's tokenizer on the
+        compute thread, a server's over the network (blocking: a thread)."""
+        backend = self.backend
+        if backend is None:
+            raise UsageError("no model is loaded yet")
+        if isinstance(backend, Engine):
+            return run_compute(backend.count_tokens, text)
+        return backend.count_tokens(text)
+
     def note_turn_speed(self, stats: TurnStats) -> str | None:
         """A finished turn's speed counted against the calibration (a notice if corrected)."""
         return None if self.backend is None else note_turn_speed(self.paths, self.backend, stats)
@@ -278,7 +288,7 @@ class Session:
     ) -> RemoteBackend:
         return connect(self.settings, spec, model, context_size)
 
-    def use(self, backend: Engine | RemoteBackend) -> Engine | RemoteBackend | None:
+    def use(self, backend: Backend) -> Backend | None:
         """Answer with ``backend`` from now on; returns the previous one for the caller to
         free (a local model on the compute thread). Close the conversation first."""
         previous, self.backend = self.backend, backend
@@ -305,7 +315,7 @@ class Session:
                 return None
             self._close_conversation()
             if name is None:
-                recent = self.store.list()
+                recent = self.store.conversations()
                 name = recent[0].name if recent else self.new_conversation_name()
             conversation = open_on(
                 self.backend,
@@ -334,10 +344,15 @@ class Session:
         if conversation is not None:
             conversation.close()
 
-    def close(self, wait_s: float | None = None, free_backend: bool = True) -> bool:
+    def close(
+        self, wait_s: float | None = None, free_backend: bool = True, quitting: bool = False
+    ) -> bool:
         """The conversation (its state saves finish), then the store, then the backend unless
-        the caller frees it. ``wait_s`` bounds the wait for an open or close in flight;
+        the caller frees it (``quitting``: a server's client is closed, a local model goes
+        with the process). ``wait_s`` bounds the wait for an open or close in flight;
         False if it ran out (the database is then closed anyway, after that one)."""
+        if quitting:
+            free_backend = not isinstance(self.backend, Engine)
         self.closing = True
         held = self._io.acquire(timeout=-1 if wait_s is None else wait_s)
         try:

@@ -75,6 +75,6 @@ async def test_the_app_starts_on_the_next_usable_model(
     async with app.run_test(message_hook=seen.append) as pilot:
         loaded = await wait_for(pilot, seen, ModelLoaded)
         assert isinstance(loaded, ModelLoaded)
-        assert loaded.engine.model_path == good
+        assert loaded.backend.model_path == good
         notes = [n.message for n in app._notifications]
         assert any(n.startswith("skipped old: ") for n in notes)

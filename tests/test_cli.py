@@ -7,14 +7,22 @@ import os
 import signal
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
 
+from localchat.backends.base import Sampling
+from localchat.backends.llama import runtime
+from localchat.backends.llama.engine import Engine, LoadOptions
 from localchat.cli.main import main
 from localchat.gguf.info import read_gguf
 
-CLI = [sys.executable, "-m", "localchat.cli.main"]
+CLI = [sys.executable, "-m", "localchat"]
+# How long a process may take to exit after Ctrl+C: it stops within a second, but a 2-core
+# machine with two CPU hogs beside the test suite can starve it for many.
+STOP_WAIT_S = 30
 
 
 def _ask_json(capsys: pytest.CaptureFixture[str], *args: str) -> dict:
@@ -134,27 +142,135 @@ def test_bad_arguments_are_one_line(tiny_model: Path, args: list[str]) -> None:
     assert "Traceback" not in result.stderr
 
 
-def test_ctrl_c_during_ask_stops_cleanly(small_model: Path) -> None:
-    proc = subprocess.Popen(
-        [
-            *CLI,
-            "ask",
-            "write a long story",
-            "--model-path",
-            str(small_model),
-            "--max-tokens",
-            "4000",
-        ],
+def _start(*args: str, python: tuple[str, ...] = ()) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(
+        [sys.executable, *python, *CLI[1:], *args],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
+
+
+def _interrupt(proc: subprocess.Popen[bytes]) -> tuple[bytes, bytes]:
+    """Ctrl+C: the process exits 130 with no traceback (and nothing printed as ignored)."""
+    proc.send_signal(signal.SIGINT)
+    try:
+        out, err = proc.communicate(timeout=STOP_WAIT_S)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, err = proc.communicate()
+        pytest.fail(f"still running {STOP_WAIT_S} s after Ctrl+C; stderr: {err[-2000:]!r}")
+    assert proc.returncode == 130, err[-2000:]
+    assert b"Traceback" not in err and b"Exception ignored" not in err, err[-2000:]
+    return out, err
+
+
+def _read_stderr_until(proc: subprocess.Popen[bytes], marker: bytes) -> bytes:
+    """Lines of stderr up to and including the first with ``marker``."""
+    assert proc.stderr is not None
+    seen = b""
+    while marker not in seen:
+        line = proc.stderr.readline()
+        assert line, f"the process ended before saying {marker!r}: {seen[-2000:]!r}"
+        seen += line
+    return seen
+
+
+@pytest.mark.parametrize("after", ["localchat.cli.entry", "localchat.cli.main"])
+def test_ctrl_c_during_imports_stops_cleanly(tiny_model: Path, after: str) -> None:
+    # -X importtime names each module as its import ends: Ctrl+C lands in the next ones
+    # (the CLI's own, then the command's: llama_cpp among them).
+    proc = _start("ask", "hi", "--model-path", str(tiny_model), python=("-X", "importtime"))
+    _read_stderr_until(proc, f"| {after}\n".encode())
+    _out, err = _interrupt(proc)
+    assert b"localchat: interrupted" in err
+
+
+def test_ctrl_c_during_ask_stops_cleanly(small_model: Path) -> None:
+    proc = _start(
+        "ask", "write a long story", "--model-path", str(small_model), "--max-tokens", "4000"
+    )
     assert proc.stdout is not None
     proc.stdout.read(1)  # the reply has started streaming
-    proc.send_signal(signal.SIGINT)
-    _out, err = proc.communicate(timeout=60)
-    assert proc.returncode == 130
-    assert b"Traceback" not in err
+    _interrupt(proc)
+
+
+def test_ctrl_c_during_a_long_prompt_stops_cleanly(small_model: Path, tmp_path: Path) -> None:
+    # About 6,700 tokens: seconds of prompt evaluation, stopped between two graph nodes.
+    text = tmp_path / "long.txt"
+    text.write_text(
+        " ".join(f"line {i}: the quick brown fox jumps over the lazy dog." for i in range(400))
+    )
+    proc = _start(
+        "ask", "summarize", "--attach", str(text), "--model-path", str(small_model), "--ctx", "8192"
+    )
+    _read_stderr_until(proc, b"localchat: attached long.txt")  # loaded; the prompt is next
+    time.sleep(0.3)
+    out, _err = _interrupt(proc)
+    assert out == b""  # stopped before the reply's first token
+
+
+def test_ctrl_c_in_a_conversation_keeps_the_partial_reply(small_model: Path) -> None:
+    ask = ("ask", "--conversation", "story", "--model-path", str(small_model))
+    proc = _start(*ask, "write a long story", "--max-tokens", "4000")
+    assert proc.stdout is not None
+    first = proc.stdout.read(20)  # some of the reply
+    out, _err = _interrupt(proc)
+    reply = (first + out).decode()
+    result = _run_cli("export", "story", "--format", "json")
+    assert result.returncode == 0, result.stderr
+    stored = json.loads(result.stdout)["messages"][-1]
+    assert stored["role"] == "assistant" and reply.strip()
+    assert stored["content"].strip().startswith(reply.strip())
+    # The saved cache holds that partial turn: the next one starts from it.
+    again = _run_cli(*ask, "go on", "--max-tokens", "2", "--json")
+    assert again.returncode == 0, again.stderr
+    assert json.loads(again.stdout)["stats"]["restored_from_state"] is True
+
+
+def test_an_abort_stops_a_load(small_model: Path) -> None:
+    runtime.request_abort()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            Engine(small_model)
+    finally:
+        runtime.clear_abort()
+
+
+def test_an_aborted_prompt_keeps_whole_batches_and_goes_on_exactly(small_model: Path) -> None:
+    engine = Engine(small_model, LoadOptions(n_ctx=4096))
+    try:
+        prompt = engine.tokenize("the quick brown fox " * 600, add_bos=True)[:2000]
+        greedy = Sampling(temperature=0.0)
+
+        def abort_after_the_first_batch() -> None:
+            while not engine.cached_tokens:
+                time.sleep(0.002)
+            runtime.request_abort()
+
+        watcher = threading.Thread(target=abort_after_the_first_batch)
+        watcher.start()
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                list(engine.generate(prompt, greedy, 8))
+        finally:
+            watcher.join()
+            runtime.clear_abort()
+        kept = len(engine.cached_tokens)
+        assert 0 < kept < len(prompt) and kept % engine.n_batch == 0
+        assert engine.cached_tokens == prompt[:kept]
+        assert engine.batch_starts == list(range(0, kept, engine.n_batch))
+        # Going on from the kept batches evaluates the rest in the batches a fresh prompt
+        # would: the reply is the one an uninterrupted evaluation gives.
+        resumed = engine.generate(prompt, greedy, 8)
+        list(resumed)
+        assert resumed.stats.prompt_tokens_evaluated == len(prompt) - kept
+        engine.reset()
+        fresh = engine.generate(prompt, greedy, 8)
+        list(fresh)
+        assert resumed.tokens == fresh.tokens
+    finally:
+        engine.close()
 
 
 def test_model_flags_count_before_or_after_the_subcommand(

@@ -50,4 +50,4 @@ async def test_the_app_opens_a_2k_model_without_ctx(short_model: Path) -> None:
     app = LocalChatApp(short_model, max_tokens=4, sampling=Sampling(temperature=0.0))
     async with app.run_test(message_hook=seen.append) as pilot:
         await ready(pilot, app, seen)
-        assert app.engine is not None and app.engine.n_ctx == 2048
+        assert app.backend is not None and app.backend.n_ctx == 2048

@@ -99,6 +99,6 @@ async def test_the_app_demo_chats_on_smollm2_and_names_it(starter_cached: Path) 
     app = LocalChatApp(demo=True, n_ctx=1024, max_tokens=8, sampling=Sampling(temperature=0))
     async with app.run_test(size=(120, 36), message_hook=seen.append) as pilot:
         await ready(pilot, app, seen)
-        assert app.engine is not None and app.engine.model_path.name == STARTER.filename
+        assert app.backend is not None and app.backend.model_path.name == STARTER.filename
         assert "Smollm2 135M" in app.sub_title  # the file's own name for itself
         assert not app._notifications  # nothing to warn about: the real model is here

@@ -52,9 +52,9 @@ def test_search_matches_titles_and_message_text(store: Store) -> None:
     a = store.create_conversation("recipes")
     store.add_message(a.id, "user", "how long to boil an egg")
     store.create_conversation("travel")
-    assert [c.name for c in store.list("egg")] == ["recipes"]
-    assert [c.name for c in store.list("trav")] == ["travel"]
-    assert {c.name for c in store.list()} == {"recipes", "travel"}
+    assert [c.name for c in store.conversations("egg")] == ["recipes"]
+    assert [c.name for c in store.conversations("trav")] == ["travel"]
+    assert {c.name for c in store.conversations()} == {"recipes", "travel"}
 
 
 def test_unknown_name_lists_near_names(store: Store) -> None:
@@ -158,4 +158,4 @@ def test_processes_starting_together_on_a_new_data_dir_all_open_it(tmp_path: Pat
     go.touch()
     results = [(p.wait(60), p.stderr.read() if p.stderr else "") for p in procs]
     assert all(code == 0 for code, _ in results), [err for _, err in results if err]
-    assert len(Store(path).list()) == 6
+    assert len(Store(path).conversations()) == 6

@@ -300,12 +300,12 @@ async def test_after_demo_a_plain_start_reopens_the_demo_model(
     async with first.run_test(message_hook=seen.append) as pilot:
         await ready(pilot, first, seen)
         await say(pilot, seen, "hello")
-        demo_path = first.engine.model_path
+        demo_path = first.backend.model_path
     seen.clear()
     second = LocalChatApp(n_ctx=512, max_tokens=4, sampling=GREEDY)
     async with second.run_test(message_hook=seen.append) as pilot:
         await ready(pilot, second, seen)  # loaded and the conversation shown, no download
-        assert second.engine is not None and second.engine.model_path == demo_path
+        assert second.backend is not None and second.backend.model_path == demo_path
         assert second.conversation is not None and len(second.conversation.exchanges) == 2
 
 

@@ -78,8 +78,8 @@ async def test_first_start_downloads_the_default_model_with_a_progress_screen(
         assert type(app.screen).__name__ == "Screen", (
             "the progress screen closes when the model loads"
         )
-        assert app.engine is not None
-        assert app.engine.model_path.is_relative_to(app_paths().hub_cache)
+        assert app.backend is not None
+        assert app.backend.model_path.is_relative_to(app_paths().hub_cache)
 
 
 async def test_first_start_measures_the_machine_and_esc_skips_it(
@@ -103,7 +103,7 @@ async def test_first_start_measures_the_machine_and_esc_skips_it(
         await ready(pilot, app, seen)
         assert not app_paths().speed_calibration.exists()  # measured later, not now
         assert any("skipped" in n.message for n in app._notifications)
-        assert app.engine is not None  # the download went on, planned by memory
+        assert app.backend is not None  # the download went on, planned by memory
         steps = [m.step for m in seen if isinstance(m, StartupStep)]
         assert steps[0].step == 1 and steps[-1].title.startswith("downloading")
 
@@ -115,7 +115,7 @@ async def test_first_start_without_the_hub_chats_on_the_starter_from_the_index(
     app = LocalChatApp(n_ctx=1024, max_tokens=8, sampling=GREEDY)
     async with app.run_test(size=(120, 36), message_hook=seen.append) as pilot:
         await ready(pilot, app, seen)
-        assert app.engine is not None and app.engine.model_path.name == STARTER.filename
+        assert app.backend is not None and app.backend.model_path.name == STARTER.filename
         assert any("hub cannot be reached" in n.message for n in app._notifications)
         assert not app_paths().speed_calibration.exists()  # no time spent calibrating
         assert [m.progress for m in seen if isinstance(m, StartupProgress)][-1].state == "done"
@@ -135,5 +135,5 @@ async def test_first_start_without_any_network_offers_the_demo(
         assert isinstance(app.screen, NoModelScreen)
         await pilot.click("#use-demo")
         await ready(pilot, app, seen)
-        assert app.engine is not None and app.engine.model_path.name.startswith("demo-small")
+        assert app.backend is not None and app.backend.model_path.name.startswith("demo-small")
         assert any("talks nonsense" in n.message for n in app._notifications)

@@ -56,7 +56,7 @@ async def test_the_app_chats_through_a_server_with_live_figures(
         assert "[b]friend[/b]" in shown  # Rich markup stays text
         assert "first token" in _text(app, "#speed")
     store = Store(app_paths().database)
-    record = store.list()[0]
+    record = store.conversations()[0]
     assert [m.content for m in store.messages(record.id)] == ["hi", "".join(script.reply)]
     store.close()
 
@@ -101,7 +101,7 @@ async def test_server_faults_are_one_line_and_nothing_is_lost(
         assert "\n" not in failed.error
         assert app.query_one(PromptInput).text == "second"  # handed back, not lost
     store = Store(app_paths().database)
-    record = store.list()[0]
+    record = store.conversations()[0]
     stored = store.messages(record.id)
     assert [(m.role, m.content, m.status) for m in stored] == [
         ("user", "first", "complete"),
@@ -150,7 +150,7 @@ async def test_models_screen_lists_server_models_and_switches_to_one(
         screen.query_one(DataTable).move_cursor(row=len(screen.rows))
         await pilot.press("enter")
         loaded = await wait_for(pilot, seen, ModelLoaded, after=mark)
-        assert isinstance(loaded, ModelLoaded) and isinstance(loaded.engine, RemoteBackend)
+        assert isinstance(loaded, ModelLoaded) and isinstance(loaded.backend, RemoteBackend)
         await pilot.pause(0.3)
         assert app.conversation.record.name == name  # the same conversation, on the server
         await say(pilot, seen, "hello there")

@@ -146,7 +146,7 @@ async def test_models_screen_downloads_with_progress_and_switches(
         assert progress[0].state == "downloading" and progress[-1].state == "done"
         assert progress[-1].bytes_done == progress[-1].bytes_total > 0
         loaded = await wait_for(pilot, seen, ModelLoaded, after=mark)
-        assert loaded.engine.model_path == finished.path
+        assert loaded.backend.model_path == finished.path
         await pilot.pause(0.3)
         # Same conversation, now on the new model; the tiny model's state file is kept.
         assert app.conversation.record.name == name
@@ -182,5 +182,5 @@ async def test_models_screen_never_loads_a_projector_and_says_why(tiny_model: Pa
         await pilot.press("enter")
         await pilot.pause(0.3)
         assert app.screen is screen, "the projector was not taken as a chat model"
-        assert app.engine is not None and app.engine.model_path == tiny_model
+        assert app.backend is not None and app.backend.model_path == tiny_model
         assert any("vision projector" in n.message for n in app._notifications)

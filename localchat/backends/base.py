@@ -79,6 +79,29 @@ class Reply(Protocol):
     def reasoning(self) -> str: ...
 
 
+@dataclass(frozen=True)
+class BackendView:
+    """How a backend shows itself: the app's title and model panel, ``ask --json``."""
+
+    title: str  # "Smollm2 135M · Q4_1", "qwen2.5-7b · gpu-box"
+    panel: str  # the model panel's lines
+    model: str  # what answers
+    template: str | None  # the chat template in use; None where a server renders its own
+    server: str | None  # where it runs; None for this machine
+
+
+@dataclass(frozen=True)
+class CacheView:
+    """The KV cache as the panel shows it: bytes held here, or the server's fill."""
+
+    tokens: int  # what the context holds
+    n_ctx: int | None  # None where the server does not say
+    used_bytes: int | None = None  # None: the cache is the server's
+    allocated_bytes: int | None = None
+    server_usage: float | None = None  # the server's own fill, where it publishes one
+    counted: bool = True  # False: the tokens are an estimate
+
+
 @runtime_checkable
 class Backend(Protocol):
     """What the conversation layer, the CLI and the app ask of either backend: who answers,
@@ -99,6 +122,19 @@ class Backend(Protocol):
     @property
     def context_size(self) -> int | None:
         """Tokens a prompt plus reply may hold; None where the server does not say."""
+        ...
+
+    @property
+    def threads(self) -> int:
+        """CPU threads a reply keeps busy here (a server's: one, the reader's)."""
+        ...
+
+    def describe(self) -> BackendView:
+        """What answers, in words for the app and ``ask --json``."""
+        ...
+
+    def cache_view(self, tokens: int, server_usage: float | None = None) -> CacheView:
+        """The cache behind ``tokens`` of context, for the panel."""
         ...
 
     def count_tokens(self, text: str) -> int:

@@ -24,7 +24,7 @@ from urllib.parse import urlsplit
 import httpx
 import httpx_sse
 
-from localchat.backends.base import Sampling, TokenDelta, TurnStats
+from localchat.backends.base import BackendView, CacheView, Sampling, TokenDelta, TurnStats
 from localchat.chat.reasoning import CLOSE, OPEN, ReasoningStream, split_reasoning
 from localchat.chat.template import ChatMessage
 from localchat.errors import UsageError, WorldError, one_line
@@ -235,6 +235,27 @@ class RemoteBackend:
     @property
     def context_size(self) -> int | None:
         return self._context
+
+    @property
+    def threads(self) -> int:
+        """A server's reply costs this machine one thread: the reader's."""
+        return 1
+
+    def describe(self) -> BackendView:
+        context = f"ctx {self._context}" if self._context else "ctx not published by the server"
+        return BackendView(
+            f"{self.model} · {self.server}",
+            f"{self.model}\non {self.server}\n{context}",
+            self.model,
+            None,  # the server renders its own template and does not say which
+            self.url,
+        )
+
+    def cache_view(self, tokens: int, server_usage: float | None = None) -> CacheView:
+        """The cache is the server's: its fill where its /metrics says, never a zero here."""
+        return CacheView(
+            tokens, self._context, server_usage=server_usage, counted=self.counts_exactly
+        )
 
     def learn_context_size(self, n_ctx: int) -> None:
         """The server told its context in an error: plan with it from now on."""

@@ -40,6 +40,8 @@ def _predicted(speed: SpeedModel, files: dict[str, Path]) -> dict[str, float]:
 
 
 def bench_calibrate(model_path: Path, progress: Callable[[str], None] | None) -> dict[str, Any]:
+    """A first calibration's time; two CPU hogs either keep it from settling or move its
+    predictions by no more than 35%."""
     say = progress or (lambda _line: None)
     with tempfile.TemporaryDirectory(prefix="localchat-calib-") as scratch:
         models = Path(scratch)

@@ -98,6 +98,9 @@ def _localchat_turn(backend: RemoteBackend) -> tuple[float, float, int]:
 
 
 def bench_remote(model: Path, say: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """Tokens/s through localchat's remote backend vs a bare client, on a local server."""
+    if say:
+        say("remote: llama-cpp-python's server on the bench model")
     with tempfile.TemporaryDirectory(prefix="localchat-bench-remote-") as tmp:
         process, url = _start_server(model, Path(tmp) / "server.log")
         try:

@@ -31,9 +31,8 @@ from localchat.progress import StepProgress
 from localchat.text import printable
 
 if TYPE_CHECKING:
-    from localchat.backends.base import Reply, Sampling, TokenDelta, TurnStats
+    from localchat.backends.base import Backend, Reply, Sampling, TokenDelta, TurnStats
     from localchat.backends.llama.engine import Engine
-    from localchat.backends.remote import RemoteBackend
     from localchat.chat.template import ChatMessage
     from localchat.models.hub import Progress
     from localchat.models.library import Library
@@ -262,8 +261,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--only",
         default=None,
-        help="comma-separated parts: engine, resume, window, estimate, ui, plan, memory, remote,"
-        " zerowait, branch, calibrate",
+        help="comma-separated parts (default: all): engine, resume, window, estimate, ui,"
+        " plan, memory, remote, zerowait, branch, calibrate",
     )
     bench.add_argument("--json", action="store_true", help="print one JSON object")
     return parser
@@ -360,8 +359,9 @@ def _stream(
     thinking to stderr (dimmed on a terminal). Returns True if Ctrl-C stopped the reply."""
     safe = out.isatty()
     dim = sys.stderr.isatty()
+    stream = iter(deltas)
     try:
-        for delta in deltas:
+        for delta in stream:
             if args.json:
                 continue
             if delta.reasoning:
@@ -373,34 +373,43 @@ def _stream(
             out.flush()
     except KeyboardInterrupt:
         cancel.set()
+        _close_after_interrupt(stream)
         return True
     if not args.json:
         out.write("\n")
     return False
 
 
+def _close_after_interrupt(stream: Iterator[TokenDelta]) -> None:
+    """End an interrupted reply here, not when the stream is garbage: its cleanup (the partial
+    reply committed, the cache held) then runs now, and a ``KeyboardInterrupt`` it raises (the
+    engine evaluates nothing after Ctrl+C) is not printed as "Exception ignored"."""
+    close = getattr(stream, "close", None)
+    if close is not None:
+        with contextlib.suppress(KeyboardInterrupt):
+            close()
+
+
 def _print_result(
     out: TextIO,
     args: argparse.Namespace,
     generation: Reply,
-    backend: Engine | RemoteBackend,
+    backend: Backend,
     stats: dict[str, Any],
     notices: list[str],
 ) -> None:
-    from localchat.backends.llama.engine import Engine
-
     for notice in notices:
         print(f"localchat: notice: {notice}", file=sys.stderr)
     if args.json:
+        view = backend.describe()
         payload = {
             "reply": generation.answer,
             "reasoning": generation.reasoning or None,
             "conversation": args.conversation,
-            "model": backend.model_name if isinstance(backend, Engine) else backend.model,
-            # A server renders the template itself: it does not say which.
-            "template": backend.template.name if isinstance(backend, Engine) else None,
+            "model": view.model,
+            "template": view.template,  # None: a server renders its own and does not say
             "n_ctx": backend.context_size,
-            "server": None if isinstance(backend, Engine) else backend.url,
+            "server": view.server,
             "stats": stats,
         }
         if notices:
@@ -545,7 +554,7 @@ def _open_store(settings: Settings | None = None) -> tuple[Store, StateStore]:
 def cmd_conversations(args: argparse.Namespace, out: TextIO) -> int:
     store, _states = _open_store()
     try:
-        records = store.list()
+        records = store.conversations()
     finally:
         store.close()
     if args.json:
@@ -823,8 +832,10 @@ def cmd_bench(args: argparse.Namespace, out: TextIO) -> int:
 
 
 def cmd_app(args: argparse.Namespace, out: TextIO) -> int:
+    from localchat.cli import interrupt
     from localchat.tui.app import run_app
 
+    interrupt.uninstall()  # the app handles Ctrl+C as a key, and its loop the signal
     return run_app(
         args.model_path,
         n_ctx=args.ctx,
@@ -908,4 +919,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from localchat.cli import interrupt
+
+    sys.exit(interrupt.run(main))

@@ -262,6 +262,29 @@ class ConversationBase:
         self.closed = True
         self._lock.release()
 
+    # -- what a cache kept here adds (a local model); a server keeps its own --------------
+    reads_ahead = False  # the message being typed is evaluated before it is sent
+
+    def restore_now(self) -> RestoreReport | None:
+        """The saved cache into memory now (None: there is none to restore here)."""
+        return None
+
+    def on_save_error(self, report: Callable[[str], None]) -> None:
+        """Where a failed background save of the cache is reported."""
+
+    def wait_saved(self) -> None:
+        """Until the last background save of the cache is written."""
+
+    def context_tokens(self, turn: ConversationTurn | None = None) -> int:
+        """Tokens the context holds now (a server's: the last turn's prompt and reply)."""
+        if turn is None:
+            return 0
+        return turn.stats.prompt_tokens + turn.stats.generated_tokens
+
+    def read_ahead(self, draft: str, max_tokens: int, stop: Callable[[], bool]) -> ReadAheadResult:
+        """Evaluate the message being typed (only where ``reads_ahead``)."""
+        return ReadAheadResult(0)
+
     # -- transcript ----------------------------------------------------------------------
     def _load_exchanges(self) -> list[Exchange]:
         records = self.store.messages(self.record.id)
@@ -566,6 +589,17 @@ class Conversation(ConversationBase):
             return list(self._loaded[0].tokens)
         record = self.store.eval_batches(self.record.id, self.fingerprint)
         return record[0] if record is not None else []
+
+    reads_ahead = True
+
+    def on_save_error(self, report: Callable[[str], None]) -> None:
+        self.saver.on_error = report
+
+    def wait_saved(self) -> None:
+        self.saver.wait()
+
+    def context_tokens(self, turn: ConversationTurn | None = None) -> int:
+        return len(self.engine.cached_tokens)
 
     def restore_now(self) -> RestoreReport:
         """Restore the saved state into the model at once (the app does it when it opens a

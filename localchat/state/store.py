@@ -7,7 +7,6 @@ read while a headless ``ask`` writes.
 
 from __future__ import annotations
 
-import builtins
 import json
 import os
 import sqlite3
@@ -273,7 +272,7 @@ class Store:
                 raise
             self.db.execute("COMMIT")
 
-    def _read(self, sql: str, params: tuple[Any, ...] = ()) -> builtins.list[sqlite3.Row]:
+    def _read(self, sql: str, params: tuple[Any, ...] = ()) -> list[sqlite3.Row]:
         with self._lock:
             return self.db.execute(sql, params).fetchall()
 
@@ -326,10 +325,12 @@ class Store:
         """The conversation called ``name``; the error names the closest existing ones."""
         found = self.find(name)
         if found is None:
-            raise ConversationNotFound(_not_found_message(name, [c.name for c in self.list()]))
+            raise ConversationNotFound(
+                _not_found_message(name, [c.name for c in self.conversations()])
+            )
         return found
 
-    def list(self, search: str | None = None) -> builtins.list[ConversationRecord]:
+    def conversations(self, search: str | None = None) -> list[ConversationRecord]:
         """Most recently updated first; ``search`` matches titles, names and message text."""
         if search:
             like = f"%{search}%"
@@ -421,7 +422,7 @@ class Store:
             name = f"{wanted}-{counter}"
         return name
 
-    def model_fingerprints(self, conversation_id: str) -> builtins.list[str]:
+    def model_fingerprints(self, conversation_id: str) -> list[str]:
         """The models whose cache of the conversation has a known evaluation record."""
         rows = self._read(
             "SELECT model_fingerprint FROM eval_batches WHERE conversation_id = ?",
@@ -521,7 +522,7 @@ class Store:
             row["system_prompt"],
         )
 
-    def messages(self, conversation_id: str) -> builtins.list[MessageRecord]:
+    def messages(self, conversation_id: str) -> list[MessageRecord]:
         """The branch in view, first message first: the head and the messages it follows."""
         rows = self._read(
             """WITH RECURSIVE branch(id) AS (
@@ -534,7 +535,7 @@ class Store:
         )
         return [self._message(row) for row in rows]
 
-    def all_messages(self, conversation_id: str) -> builtins.list[MessageRecord]:
+    def all_messages(self, conversation_id: str) -> list[MessageRecord]:
         """Every message of every branch, in the order they were written."""
         rows = self._read(
             "SELECT * FROM messages WHERE conversation_id = ? ORDER BY seq", (conversation_id,)
@@ -560,7 +561,7 @@ class Store:
                 (message_id, time.time(), conversation_id),
             )
 
-    def siblings(self, message: MessageRecord) -> builtins.list[MessageRecord]:
+    def siblings(self, message: MessageRecord) -> list[MessageRecord]:
         """The message and the others that follow the same parent (its branches), oldest
         first."""
         parent = "parent_id IS NULL" if message.parent_id is None else "parent_id = ?"
@@ -603,9 +604,7 @@ class Store:
         with self.transaction() as db:
             db.execute("UPDATE messages SET pinned = ? WHERE id = ?", (int(pinned), message_id))
 
-    def message_tokens(
-        self, conversation_id: str, model_fingerprint: str
-    ) -> dict[int, builtins.list[int]]:
+    def message_tokens(self, conversation_id: str, model_fingerprint: str) -> dict[int, list[int]]:
         """Message id → the token ids it was evaluated as by this model."""
         rows = self._read(
             """SELECT t.message_id, t.tokens FROM message_tokens t
@@ -642,7 +641,7 @@ class Store:
 
     def eval_batches(
         self, conversation_id: str, model_fingerprint: str
-    ) -> tuple[builtins.list[int], builtins.list[int]] | None:
+    ) -> tuple[list[int], list[int]] | None:
         """(tokens, batch starts) of this model's last cache of the conversation, if known."""
         rows = self._read(
             "SELECT tokens, batch_starts FROM eval_batches WHERE conversation_id = ? AND model_fingerprint = ?",

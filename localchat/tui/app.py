@@ -24,13 +24,11 @@ from textual.screen import Screen
 from textual.widgets import Footer, Header, Markdown, TextArea
 from textual.widgets.markdown import MarkdownStream
 
-from localchat.backends.base import Sampling
+from localchat.backends.base import Backend, Sampling
 from localchat.backends.compute_thread import compute_waiting, run_compute, wait_idle
-from localchat.backends.llama.engine import Engine
 from localchat.chat.attachments import Attachment, check_fits, read_attachment, with_attachments
 from localchat.chat.reasoning import split_reasoning
 from localchat.conversation.local import (
-    Conversation,
     ConversationBase,
     ConversationTurn,
     ReadAheadResult,
@@ -81,7 +79,7 @@ from localchat.tui.worker_failures import ReportsWorkerFailures
 from localchat.units import count
 
 if TYPE_CHECKING:  # the wire to servers is imported only when one is used
-    from localchat.backends.remote import RemoteBackend
+    pass
 
 # How long quitting waits for a reply being written to stop and be committed.
 QUIT_WAIT_S = 10.0
@@ -225,7 +223,7 @@ class LocalChatApp(ReportsWorkerFailures, App[int]):
         yield Footer()
 
     @property
-    def engine(self) -> Engine | RemoteBackend | None:
+    def backend(self) -> Backend | None:
         """What answers: a model loaded here, or a server."""
         return None if self.session is None else self.session.backend
 
@@ -332,17 +330,17 @@ class LocalChatApp(ReportsWorkerFailures, App[int]):
         self.post_message(ModelLoaded(engine, time.perf_counter() - start))
 
     @work(thread=True, exit_on_error=False, exclusive=True, group="generate")
-    def generate(self, conversation: Conversation, text: str, entered_at: float) -> None:
+    def generate(self, conversation: ConversationBase, text: str, entered_at: float) -> None:
         run_compute(self._run_turn, conversation, text, entered_at)
 
-    def _run_turn(self, conversation: Conversation, text: str, entered_at: float) -> None:
+    def _run_turn(self, conversation: ConversationBase, text: str, entered_at: float) -> None:
         """One turn, on the compute thread: posts the reply as it comes, in chunks."""
         try:
             self._stream_turn(conversation, text, entered_at)
         finally:
             self._turn_idle.set()
 
-    def _stream_turn(self, conversation: Conversation, text: str, entered_at: float) -> None:
+    def _stream_turn(self, conversation: ConversationBase, text: str, entered_at: float) -> None:
         try:
             turn = conversation.send(
                 text, self.sampling, self.max_tokens or 512, self._cancel, entered_at=entered_at
@@ -371,7 +369,7 @@ class LocalChatApp(ReportsWorkerFailures, App[int]):
         if pending or thinking:
             self._post_chunk(conversation, turn, pending, thinking)
         self.post_message(
-            ReplyFinished(replace(turn.stats), _context_tokens(conversation, turn), turn)
+            ReplyFinished(replace(turn.stats), conversation.context_tokens(turn), turn)
         )
         if self.session is not None:  # real turns correct the speed calibration
             corrected = self.session.note_turn_speed(turn.stats)
@@ -381,7 +379,7 @@ class LocalChatApp(ReportsWorkerFailures, App[int]):
     def _post_chunk(
         self, conversation: ConversationBase, turn: ConversationTurn, text: str, thinking: str
     ) -> None:
-        kv_tokens = _context_tokens(conversation, turn)
+        kv_tokens = conversation.context_tokens(turn)
         stats = replace(turn.stats)
         self.post_message(ReplyChunk(text, stats, kv_tokens, thinking, turn.sent_ttft_s))
 
@@ -392,7 +390,7 @@ class LocalChatApp(ReportsWorkerFailures, App[int]):
 
     def _schedule_read_ahead(self, text: str) -> None:
         conversation = self.conversation
-        if not self.settings.type_ahead or not isinstance(conversation, Conversation):
+        if not self.settings.type_ahead or conversation is None or not conversation.reads_ahead:
             return
         if self._editing is not None:  # it replaces an earlier message: read when sent
             return
@@ -415,7 +413,7 @@ class LocalChatApp(ReportsWorkerFailures, App[int]):
             self._schedule_read_ahead(text)
 
     @work(thread=True, exit_on_error=False, group="read-ahead")
-    def read_ahead(self, conversation: Conversation) -> None:
+    def read_ahead(self, conversation: ConversationBase) -> None:
         """Read the newest text of the message box ahead until it is read, on the compute
         thread, giving way at once to anything else asked of it (the turn Enter starts, a
         model switch, a restore); one such worker runs at a time."""
@@ -440,7 +438,7 @@ class LocalChatApp(ReportsWorkerFailures, App[int]):
             raise
 
     def _read_ahead_now(
-        self, conversation: Conversation, draft: str, version: int
+        self, conversation: ConversationBase, draft: str, version: int
     ) -> tuple[ReadAheadResult, int]:
         """On the compute thread: what was read ahead, and what the cache holds in all."""
         if conversation.closed or self._quitting:  # its model and stores may be gone too
@@ -452,7 +450,7 @@ class LocalChatApp(ReportsWorkerFailures, App[int]):
         except Exception as exc:  # reading ahead is a bonus: the turn will say what is wrong
             self.log.warning(f"reading ahead failed: {exc}")
             return ReadAheadResult(0), 0
-        return result, len(conversation.engine.cached_tokens)
+        return result, conversation.context_tokens()
 
     def _give_way(self) -> bool:
         return self._quitting or compute_waiting()
@@ -520,38 +518,23 @@ class LocalChatApp(ReportsWorkerFailures, App[int]):
         assert self.session is not None
         name = self.conversation.record.name if self.conversation else self.conversation_name
         await self._close_conversation()
-        old = self.session.use(message.engine)
+        old = self.session.use(message.backend)
         if old is not None:  # llama.cpp frees it on the compute thread, off the event loop
             await asyncio.to_thread(run_compute, old.close)
         if self._torn_down():
             return
         panel = self.query_one(StatsPanel)
-        if not isinstance(message.engine, Engine):  # a server
-            backend = message.engine
-            self.sub_title = f"{backend.model} · {backend.server}"
-            panel.show_server(backend.model, backend.server, backend.context_size)
-            self._show_cache(0)
-            panel.show_turn_start(f"connected in {message.load_s:.2f} s")
-            await self._open_conversation(name)
-            return
-        info = message.engine.info
-        self.sub_title = f"{info.name} · {info.file_type}"
-        panel.show_model(
-            info.name,
-            info.file_type,
-            message.engine.options.kv_type,
-            message.engine.n_ctx,
-            message.engine.options.n_gpu_layers,
-            message.engine.template.name,
-            message.engine.buffers_summary(),
-        )
+        view = message.backend.describe()
+        self.sub_title = view.title
+        panel.show_backend(view)
         self._show_cache(0)
-        panel.show_turn_start(f"model loaded in {message.load_s:.2f} s")
+        done = "connected" if view.server else "model loaded"
+        panel.show_turn_start(f"{done} in {message.load_s:.2f} s")
         await self._open_conversation(name)
 
     def on_model_load_failed(self, message: ModelLoadFailed) -> None:
         self._close_startup_screen()
-        self.sub_title = "no model" if self.engine is None else self.sub_title
+        self.sub_title = "no model" if self.backend is None else self.sub_title
         self.notify(
             f"{message.error}\nPick another model with Ctrl+O.",
             title="Model failed to load",
@@ -580,10 +563,9 @@ class LocalChatApp(ReportsWorkerFailures, App[int]):
         if self._torn_down():  # the app went away while it opened
             await asyncio.to_thread(session.close_conversation)
             return
-        if isinstance(conversation, Conversation):
-            conversation.saver.on_error = lambda error: self.notify(error, severity="warning")
-            if self.settings.restore_on_open:
-                self.restore_on_open(conversation)
+        conversation.on_save_error(lambda error: self.notify(error, severity="warning"))
+        if self.settings.restore_on_open:
+            self.restore_on_open(conversation)
         self.title = f"localchat — {conversation.record.title}"
         await self._show_transcript()
         if conversation.hidden_branches():
@@ -596,11 +578,11 @@ class LocalChatApp(ReportsWorkerFailures, App[int]):
         self._read_ahead_box()
 
     @work(thread=True, exit_on_error=False, group="restore")
-    def restore_on_open(self, conversation: Conversation) -> None:
+    def restore_on_open(self, conversation: ConversationBase) -> None:
         """Its saved cache into memory now, on the compute thread (a turn sent meanwhile waits
         there for it), so the first turn after opening starts warm."""
         report = run_compute(conversation.restore_now)
-        if report.restored:  # the cache now holds exactly the state's tokens
+        if report is not None and report.restored:  # the cache holds exactly the state's
             self.post_message(ConversationRestored(report.tokens, report.seconds))
 
     def on_conversation_restored(self, message: ConversationRestored) -> None:
@@ -705,10 +687,11 @@ class LocalChatApp(ReportsWorkerFailures, App[int]):
         # with generation for the cores.
         self.call_after_refresh(self._begin_generation, self.conversation, text, entered_at)
 
-    def _begin_generation(self, conversation: Conversation, text: str, entered_at: float) -> None:
-        # A server's reply costs this machine no CPU: the app's share is of one thread.
-        threads = conversation.engine.threads if isinstance(conversation, Conversation) else 1
-        self._pacer = FramePacer(threads)
+    def _begin_generation(
+        self, conversation: ConversationBase, text: str, entered_at: float
+    ) -> None:
+        # The app's drawing budget is a share of what generating costs this machine.
+        self._pacer = FramePacer(self.backend.threads if self.backend is not None else 1)
         self.generate(conversation, text, entered_at)
 
     async def on_reply_chunk(self, message: ReplyChunk) -> None:
@@ -848,8 +831,7 @@ class LocalChatApp(ReportsWorkerFailures, App[int]):
         at = index + 1 if record.role == "assistant" else index
         assert session.store is not None and session.states is not None
         source = conversation.record.name
-        if isinstance(conversation, Conversation):
-            await asyncio.to_thread(conversation.saver.wait)  # its last state is the source
+        await asyncio.to_thread(conversation.wait_saved)  # its last state is the source
         try:  # the saved state is copied: off the event loop
             fork, _caches = await asyncio.to_thread(
                 fork_conversation, session.store, session.states, source, at
@@ -921,33 +903,27 @@ class LocalChatApp(ReportsWorkerFailures, App[int]):
             box.move_cursor(box.document.end)
 
     def action_attach(self) -> None:
-        if self.engine is None:
+        if self.backend is None:
             self.notify("No model is loaded yet.", severity="warning")
             return
 
         def chosen(path: str | None) -> None:
-            if path:
-                self.load_attachment(Path(path).expanduser())
+            if path and self.session is not None:
+                conversation = self.conversation
+                system = conversation.record.system_prompt if conversation else None
+                self.load_attachment(self.session, Path(path).expanduser(), system)
 
         hint = "its path · Ctrl+S attaches · Esc cancels"
         self.push_screen(TextPromptScreen("Attach a text file", "", hint), chosen)
 
     @work(thread=True, exit_on_error=False, group="attach")
-    def load_attachment(self, path: Path) -> None:
-        """Read the file and count its tokens (the model's tokenizer, or the server's)."""
-        engine = self.engine
-        conversation = self.conversation
+    def load_attachment(self, session: Session, path: Path, system: str | None) -> None:
+        """Read the file and count its tokens (the model's tokenizer, or the server's) and
+        the system prompt's (``system``: what the conversation had when it was chosen)."""
         try:
             attachment = read_attachment(path)
-            if engine is None:
-                return
-            system = conversation.record.system_prompt if conversation else None
-            if isinstance(engine, Engine):
-                tokens = run_compute(engine.count_tokens, attachment.block())
-                head = run_compute(engine.count_tokens, system) if system else 0
-            else:
-                tokens = engine.count_tokens(attachment.block())
-                head = engine.count_tokens(system) if system else 0
+            tokens = session.count_tokens(attachment.block())
+            head = session.count_tokens(system) if system else 0
         except LocalchatError as exc:
             self.call_from_thread(
                 self.notify, str(exc), title="Not attached", severity="error", timeout=15
@@ -956,12 +932,12 @@ class LocalChatApp(ReportsWorkerFailures, App[int]):
         self.post_message(AttachmentReady(attachment, tokens, head))
 
     def on_attachment_ready(self, message: AttachmentReady) -> None:
-        engine = self.engine
-        if engine is None or self._torn_down():
+        backend = self.backend
+        if backend is None or self._torn_down():
             return
         pending = [*self._attachments, message.attachment]
         tokens = [*self._attachment_tokens, message.tokens]
-        n_ctx = engine.context_size
+        n_ctx = backend.context_size
         try:
             check_fits(pending, sum(tokens), message.head_tokens, n_ctx, self.max_tokens or 512)
         except LocalchatError as exc:
@@ -977,7 +953,7 @@ class LocalChatApp(ReportsWorkerFailures, App[int]):
         self._read_ahead_box()  # the file is read while the question is typed
 
     async def action_new_chat(self) -> None:
-        if self._generating or self.engine is None:
+        if self._generating or self.backend is None:
             return
         await self._close_conversation()
         assert self.session is not None
@@ -1039,7 +1015,7 @@ class LocalChatApp(ReportsWorkerFailures, App[int]):
         current = self.conversation.record.name if self.conversation else None
 
         async def open_chosen(name: str | None) -> None:
-            if name and self.engine is not None and name != current:
+            if name and self.backend is not None and name != current:
                 await self._close_conversation()
                 await self._open_conversation(name)
 
@@ -1116,17 +1092,8 @@ class LocalChatApp(ReportsWorkerFailures, App[int]):
         self.query_one(PromptInput).cursor_blink = True
 
     def _show_cache(self, tokens: int, server_usage: float | None = None) -> None:
-        if self.engine is None:
-            return
-        engine = self.engine
-        if not isinstance(engine, Engine):  # a server's cache is the server's
-            self.query_one(StatsPanel).show_server_cache(
-                server_usage, tokens, engine.context_size, engine.counts_exactly
-            )
-            return
-        self.query_one(StatsPanel).show_cache(
-            engine.kv_bytes_for(tokens), engine.kv_bytes_allocated, tokens, engine.n_ctx
-        )
+        if self.backend is not None:
+            self.query_one(StatsPanel).show_cache(self.backend.cache_view(tokens, server_usage))
 
     def exit(self, *args: Any, **kwargs: Any) -> None:
         """Quitting stops a reply at once (the turn then commits what was written), and a
@@ -1147,15 +1114,7 @@ class LocalChatApp(ReportsWorkerFailures, App[int]):
         wait_idle(QUIT_WAIT_S)  # a step of reading ahead ends before the stores close
         # A conversation still to open in a thread is not opened; one in flight is waited for.
         if self.session is not None:
-            # A server's client is closed; a local model goes with the process.
-            self.session.close(QUIT_WAIT_S, free_backend=not isinstance(self.engine, Engine))
-
-
-def _context_tokens(conversation: ConversationBase, turn: ConversationTurn) -> int:
-    """Tokens the context holds now: the local cache's, or the server's prompt and reply."""
-    if isinstance(conversation, Conversation):
-        return len(conversation.engine.cached_tokens)
-    return turn.stats.prompt_tokens + turn.stats.generated_tokens
+            self.session.close(QUIT_WAIT_S, quitting=True)
 
 
 def describe_turn_start(turn: ConversationTurn) -> str:

@@ -8,22 +8,21 @@ from typing import TYPE_CHECKING
 
 from textual.message import Message
 
-from localchat.backends.base import TurnStats
-from localchat.backends.llama.engine import Engine
+from localchat.backends.base import Backend, TurnStats
 from localchat.chat.attachments import Attachment
 from localchat.conversation.local import ConversationTurn
 from localchat.models.hub import Progress
 from localchat.progress import StepProgress
 
 if TYPE_CHECKING:
-    from localchat.backends.remote import RemoteBackend
+    pass
 
 
 @dataclass
 class ModelLoaded(Message):
-    """A model loaded here, or a server connected to (``engine`` is then its backend)."""
+    """What answers from now on: a model loaded here, or a server connected to."""
 
-    engine: Engine | RemoteBackend
+    backend: Backend
     load_s: float
 
 

@@ -18,10 +18,17 @@ from pathlib import Path
 
 import llama_cpp
 
-from localchat.backends.base import Sampling
+from localchat.backends.base import BackendView, CacheView, Sampling
 from localchat.backends.llama.buffers import parse_buffers
 from localchat.backends.llama.generation import Generation
-from localchat.backends.llama.runtime import buffer_lines, last_error_line, prepare, start_capture
+from localchat.backends.llama.runtime import (
+    abort_requested,
+    buffer_lines,
+    last_error_line,
+    prepare,
+    start_capture,
+    watch_abort,
+)
 from localchat.chat.formats import (
     PLAIN,
     ChatFormat,
@@ -81,12 +88,18 @@ class _CountingLlama(llama_cpp.Llama):
     same token inside a batch of 500 can differ in the last bits), so a history re-evaluated
     in other batches can continue differently. Replaying the recorded batches rebuilds the
     cache bit for bit. ``batch_starts`` is None when the history is not fully known.
+
+    While an abort is requested (``runtime.request_abort``: Ctrl+C in the CLI) it evaluates
+    nothing: a decode stops between two graph nodes and the evaluation raises
+    ``KeyboardInterrupt``, the cache holding the batches that were finished.
     """
 
     tokens_evaluated: int = 0
     batch_starts: list[int] | None = None
 
     def eval(self, tokens: Sequence[int]) -> None:
+        if abort_requested():
+            raise KeyboardInterrupt
         n_past = self.n_tokens
         starts = self.batch_starts
         if starts is not None:  # sorted; in place, so a long reply costs O(1) per token
@@ -94,7 +107,22 @@ class _CountingLlama(llama_cpp.Llama):
                 del starts[bisect.bisect_left(starts, n_past) :]
             starts.extend(range(n_past, n_past + len(tokens), self.n_batch))
         self.tokens_evaluated += len(tokens)
-        super().eval(tokens)
+        try:
+            super().eval(tokens)
+        except RuntimeError:  # llama_decode returned an error code: 2 when it was aborted
+            if not abort_requested():
+                raise
+            self._forget_unfinished(n_past + len(tokens))
+            raise KeyboardInterrupt from None
+
+    def _forget_unfinished(self, end: int) -> None:
+        """After an aborted evaluation: the cache and the records end where the last whole
+        batch did (llama.cpp keeps an aborted batch's finished micro-batches)."""
+        self._ctx.kv_cache_seq_rm(-1, self.n_tokens, -1)
+        self.tokens_evaluated -= end - self.n_tokens
+        starts = self.batch_starts
+        if starts is not None:
+            del starts[bisect.bisect_left(starts, self.n_tokens) :]
 
 
 class Engine:
@@ -151,7 +179,10 @@ class Engine:
                 swa_full=self.options.swa_cache == "full",
                 verbose=False,
             )
+            watch_abort(self._llm.ctx)  # decodes stop midway on request (the warm-up's too)
         except Exception as exc:  # llama-cpp-python raises ValueError/RuntimeError
+            if abort_requested():  # stopped between two tensors: an interrupt, not a failure
+                raise KeyboardInterrupt from None
             raise ModelLoadError(
                 f"{self.model_path}: llama.cpp could not load it: {last_error_line()}"
             ) from exc
@@ -366,6 +397,21 @@ class Engine:
     def kv_bytes_allocated(self) -> int:
         """The KV caches llama.cpp allocated (both caches of a sliding-window model)."""
         return self.buffers.kv_bytes or self.kv_cells * self.kv_bytes_per_token
+
+    def describe(self) -> BackendView:
+        """The model panel's lines: the file's name for itself, its type, the cache, the
+        context, GPU layers, the template and what llama.cpp allocated."""
+        buffers = self.buffers_summary()
+        panel = (
+            f"{self.info.name}\n{self.info.file_type} · KV {self.options.kv_type} ·"
+            f" ctx {self.n_ctx}\nGPU layers {self.options.n_gpu_layers}"
+            f"\ntemplate: {self.template.name}" + (f"\n{buffers}" if buffers else "")
+        )
+        title = f"{self.info.name} · {self.info.file_type}"
+        return BackendView(title, panel, self.model_name, self.template.name, None)
+
+    def cache_view(self, tokens: int, server_usage: float | None = None) -> CacheView:
+        return CacheView(tokens, self.n_ctx, self.kv_bytes_for(tokens), self.kv_bytes_allocated)
 
     def buffers_summary(self) -> str:
         """llama.cpp's own buffers in a line or two: weights, compute, the attention kernel,

@@ -1,7 +1,8 @@
 """What llama.cpp is told once per process, before it loads anything: where its log goes
-(kept, not printed, so a failure can name its cause in one line) and whether its extra
-weight buffers may be used. ``prepare`` does both, the first time an engine, a quantization
-or a bare benchmark needs llama.cpp — importing this package changes nothing.
+(kept, not printed, so a failure can name its cause in one line), whether its extra
+weight buffers may be used, and how a load or a decode is stopped midway (``request_abort``).
+``prepare`` installs them the first time an engine, a quantization or a bare benchmark needs
+llama.cpp — importing this package changes nothing.
 """
 
 from __future__ import annotations
@@ -27,13 +28,87 @@ _BUFFER_LINES: list[str] = []
 _BUFFER_LINE_RE = re.compile(r"buffer size =|llama_kv_cache: size =")
 
 
-@llama_cpp.llama_log_callback
-def _capture_log(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
-    line = text.decode("utf-8", errors="replace")
-    with _LOG_LOCK:
-        _LOG_LINES.append(line)
-        if _BUFFER_LINE_RE.search(line):
-            _BUFFER_LINES.append(line)
+def _log_line(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
+    try:
+        line = text.decode("utf-8", errors="replace")
+        with _LOG_LOCK:
+            _LOG_LINES.append(line)
+            if _BUFFER_LINE_RE.search(line):
+                _BUFFER_LINES.append(line)
+    except KeyboardInterrupt:
+        # Raised here it would be printed as "Exception ignored" and lost: the load or the
+        # decode that logged stops instead, and the engine raises it (see ``request_abort``).
+        request_abort()
+
+
+_capture_log = llama_cpp.llama_log_callback(_log_line)
+
+
+# -- stopping llama.cpp midway ---------------------------------------------------------------
+# One byte, set to stop whatever llama.cpp is doing (a load between two tensors, a decode
+# between two graph nodes) and everything it would do next, until ``clear_abort``. Any thread
+# may set it (a signal watcher does), while the main thread is inside llama.cpp.
+_ABORT = ctypes.create_string_buffer(2)  # b"\0\0": go on; b"x\0": stop
+_ABORT_ADDRESS = ctypes.addressof(_ABORT)
+
+
+def request_abort() -> None:
+    """Stop llama.cpp's work in progress and refuse more: an interrupted load or evaluation
+    raises ``KeyboardInterrupt`` (safe from any thread)."""
+    _ABORT[0] = b"x"
+
+
+def clear_abort() -> None:
+    """Let llama.cpp work again."""
+    _ABORT[0] = b"\0"
+
+
+def abort_requested() -> bool:
+    return _ABORT.raw[0] != 0
+
+
+def _abort_callback() -> Any:
+    """llama.cpp's abort callback, asked after every graph node of a decode. A Python callback
+    would take the GIL hundreds of times per token (a third slower here, and behind any busy
+    Python thread), so it is C's ``strlen`` on the abort byte: 0 (go on) or 1 (stop), read
+    without Python. A Python function only where there is no C library to take it from."""
+    try:
+        address = ctypes.cast(ctypes.CDLL(None).strlen, ctypes.c_void_p).value
+    except (OSError, AttributeError):  # no process-wide C library (Windows)
+        address = None
+    if address is None:
+        return llama_cpp.llama_cpp.ggml_abort_callback(_abort_in_python)
+    return llama_cpp.llama_cpp.ggml_abort_callback(address)
+
+
+def _abort_in_python(user_data: ctypes.c_void_p) -> bool:
+    return abort_requested()
+
+
+_ABORT_CALLBACK = _abort_callback()
+
+
+def watch_abort(ctx: Any) -> None:
+    """Make ``request_abort`` stop this context's decodes between two graph nodes."""
+    llama_cpp.llama_set_abort_callback(ctx, _ABORT_CALLBACK, ctypes.c_void_p(_ABORT_ADDRESS))
+
+
+def _load_step(progress: float, user_data: ctypes.c_void_p) -> bool:
+    """Asked between two tensors of a load: False stops it."""
+    try:
+        return not abort_requested()
+    except KeyboardInterrupt:  # as in the log callback: it stops the load, not lost
+        request_abort()
+        return False
+
+
+_LOAD_PROGRESS = llama_cpp.llama_cpp.llama_progress_callback(_load_step)
+
+# The Python functions llama.cpp calls back into: an exception raised in one of their frames
+# is lost (ctypes prints it and returns), so a SIGINT handler must not raise there.
+CALLBACK_CODES = frozenset(
+    f.__code__ for f in (_log_line, _load_step, _abort_in_python, abort_requested)
+)
 
 
 def last_error_line() -> str:
@@ -94,6 +169,7 @@ def _model_params() -> Any:
     params = _DEFAULT_MODEL_PARAMS()
     if not extra_buffers_allowed():
         params.use_extra_bufts = False
+    params.progress_callback = _LOAD_PROGRESS  # a load stops between tensors on request
     return params
 
 

@@ -63,7 +63,7 @@ class ConversationsScreen(ModalScreen[str | None]):
     def refresh_rows(self, search: str | None = None) -> None:
         table = self.query_one(DataTable)
         table.clear()
-        for record in self.store.list(search):
+        for record in self.store.conversations(search):
             updated = time.strftime("%Y-%m-%d %H:%M", time.localtime(record.updated_at))
             marker = " ●" if record.name == self.current else ""
             table.add_row(

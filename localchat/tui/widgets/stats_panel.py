@@ -8,7 +8,7 @@ from textual.app import ComposeResult
 from textual.containers import Vertical
 from textual.widgets import Label, ProgressBar, Sparkline, Static
 
-from localchat.backends.base import TurnStats
+from localchat.backends.base import BackendView, CacheView, TurnStats
 from localchat.units import format_bytes
 
 
@@ -43,48 +43,26 @@ class StatsPanel(Vertical):
         repaint of their own lines is enough, without a layout of the whole screen."""
         self.query_one(f"#{widget_id}", Static).update(Text(text), layout=layout)
 
-    def show_model(
-        self,
-        name: str,
-        quant: str,
-        kv_type: str,
-        n_ctx: int,
-        gpu_layers: int,
-        template: str,
-        buffers: str = "",
-    ) -> None:
-        """``buffers``: what llama.cpp allocated besides the KV cache, as the engine says."""
-        self._set(
-            "model-info",
-            f"{name}\n{quant} · KV {kv_type} · ctx {n_ctx}\nGPU layers {gpu_layers}"
-            f"\ntemplate: {template}" + (f"\n{buffers}" if buffers else ""),
-            layout=True,
-        )
+    def show_backend(self, view: BackendView) -> None:
+        """What answers: a model here (its file, cache type, context, template, buffers) or
+        a model on a server (where it runs, its context where the server says)."""
+        self._set("model-info", view.panel, layout=True)
 
-    def show_server(self, model: str, server: str, n_ctx: int | None) -> None:
-        """A model on a server: its name, where it runs, its context where the server says."""
-        context = f"ctx {n_ctx}" if n_ctx else "ctx not published by the server"
-        self._set("model-info", f"{model}\non {server}\n{context}", layout=True)
-
-    def show_server_cache(
-        self, usage: float | None, tokens: int, n_ctx: int | None, counted: bool
-    ) -> None:
-        """The cache is the server's: its fill where its /metrics says, never a zero here."""
-        if usage is None:
-            self._set("kv-memory", "server-side (not published)")
+    def show_cache(self, view: CacheView) -> None:
+        """The KV cache: bytes held here, or the server's fill where its /metrics says
+        (never a zero for a cache that is not here)."""
+        if view.used_bytes is not None and view.allocated_bytes is not None:
+            memory = f"{format_bytes(view.used_bytes)} / {format_bytes(view.allocated_bytes)}"
+        elif view.server_usage is None:
+            memory = "server-side (not published)"
         else:
-            self._set("kv-memory", f"server-side, {100 * usage:.0f}% in use")
+            memory = f"server-side, {100 * view.server_usage:.0f}% in use"
+        self._set("kv-memory", memory)
         bar = self.query_one("#ctx-fill", ProgressBar)
-        bar.update(total=n_ctx or 1, progress=tokens if n_ctx else 0)
-        about = "" if counted else "≈"
-        limit = f" / {n_ctx:,}" if n_ctx else ""
-        self._set("ctx-tokens", f"{about}{tokens:,}{limit} tokens")
-
-    def show_cache(self, used_bytes: int, allocated_bytes: int, tokens: int, n_ctx: int) -> None:
-        self._set("kv-memory", f"{format_bytes(used_bytes)} / {format_bytes(allocated_bytes)}")
-        bar = self.query_one("#ctx-fill", ProgressBar)
-        bar.update(total=n_ctx, progress=tokens)
-        self._set("ctx-tokens", f"{tokens:,} / {n_ctx:,} tokens")
+        bar.update(total=view.n_ctx or 1, progress=view.tokens if view.n_ctx else 0)
+        about = "" if view.counted else "≈"
+        limit = f" / {view.n_ctx:,}" if view.n_ctx else ""
+        self._set("ctx-tokens", f"{about}{view.tokens:,}{limit} tokens")
 
     def show_speed(self, stats: TurnStats, ttft_s: float, final: bool = False) -> None:
         """``ttft_s``: from the message being sent (Enter) to its first token."""

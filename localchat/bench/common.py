@@ -1,0 +1,95 @@
+"""What several bench parts share: progress lines, scratch homes, greedy turns, filler text
+and the 2,000-token conversation (one definition, so every part measures the same thing)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from localchat.paths import HOME_ENV
+
+if TYPE_CHECKING:
+    from localchat.backends.base import TurnStats
+    from localchat.backends.llama.engine import Engine
+    from localchat.conversation.local import Conversation
+
+Progress = Callable[[str], None] | None
+"""Where a part reports what it is doing (None: quietly, as with ``--json``)."""
+
+# The long conversation that resume, zerowait and branch continue: a context with room for
+# it, user messages of ~120 tokens and short greedy replies, to 2,000 tokens.
+HISTORY_CTX = 4096
+HISTORY_TOKENS = 2000
+HISTORY_TURN_WORDS = 120
+REPLY_TOKENS = 8
+
+
+def settled(values: list[float], agree: float, last: int = 2) -> bool:
+    """Whether the last ``last`` measurements agree within ``agree`` (relative to the
+    largest): more rounds would not move their median by more than the machine's noise, so a
+    part sized by noise can stop there."""
+    if len(values) < last:
+        return False
+    tail = values[-last:]
+    return max(tail) - min(tail) <= agree * max(tail)
+
+
+def _say(progress: Progress, line: str) -> None:
+    """One progress line, if anyone listens."""
+    if progress is not None:
+        progress(line)
+
+
+@contextlib.contextmanager
+def scratch_dir(label: str = "") -> Iterator[Path]:
+    """A temporary folder for one measurement's store and states: the user's data is never
+    read or written by the bench."""
+    with tempfile.TemporaryDirectory(prefix=f"localchat-bench-{label}") as tmp:
+        yield Path(tmp)
+
+
+def env_with_home(home: Path) -> dict[str, str]:
+    """This process's environment with ``home`` as LOCALCHAT_HOME: what a child process of a
+    measurement runs with, so it sees only the scratch conversations."""
+    return {**os.environ, HOME_ENV: str(home)}
+
+
+def cold_greedy_turn(engine: Engine, prompt: list[int], max_tokens: int) -> TurnStats:
+    """One greedy generation from an empty cache, run to its end; its stats (the same
+    starting point every round, so rounds compare)."""
+    from localchat.backends.base import Sampling
+
+    engine.reset()
+    generation = engine.generate(prompt, Sampling(temperature=0.0), max_tokens)
+    for _ in generation:
+        pass
+    return generation.stats
+
+
+def filler_text(turn: int, words: int) -> str:
+    """Deterministic prose-like text of about ``words`` tokens for long user messages."""
+    vocabulary = (
+        "the model keeps a cache of every token it has read so that the next reply starts "
+        "at once instead of reading the whole conversation again from the first word"
+    ).split()
+    return " ".join(vocabulary[(turn * 7 + i) % len(vocabulary)] for i in range(words))
+
+
+def build_history(
+    conversation: Conversation, progress: Progress = None, label: str = "resume"
+) -> None:
+    """Chat-like turns (user messages of ~120 tokens, short greedy replies) until the cache
+    holds HISTORY_TOKENS: the long conversation the resume and zero-wait figures use."""
+    from localchat.backends.base import Sampling
+
+    turn_no = 0
+    while len(conversation.engine.cached_tokens) < HISTORY_TOKENS:
+        text = filler_text(turn_no, HISTORY_TURN_WORDS)
+        for _ in conversation.send(text, Sampling(temperature=0.0), REPLY_TOKENS):
+            pass
+        turn_no += 1
+        _say(progress, f"{label}: history at {len(conversation.engine.cached_tokens)} tokens")

@@ -1,0 +1,67 @@
+"""``bench --only memory``: a turn that fills a long context, in a fresh process: its peak
+resident memory against the interpreter's baseline plus llama.cpp's own buffers (nothing
+unaccounted for: ``memory_overhead_ratio``), and the estimate against the growth.
+
+The rows were a 0.5b and a Gemma 3 shape at 32k, which took most of a 47-minute bench:
+filling a context costs time quadratic in its length (attention over every cached token),
+32k tokens of the 0.5b shape over 15 minutes on two cores. The figures need a context that
+is full, long next to the 2,048 tokens of ``estimate`` and long enough that llama.cpp picks
+flash attention on a CPU (``FLASH_ATTN_CPU_MIN_CTX``): 8k, 16 times the sliding-window
+shape's window (its window layers' cache must stay window-sized). What grows with the
+context (the KV cache, flash attention's work buffers, llama-cpp-python's arrays) is sized
+by ``n_ctx`` and shows at 8k as it would at 32k; both rows take ~2 minutes together here.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from localchat.bench.common import Progress, _say
+from localchat.bench.rss import measure_in_fresh_process
+
+# (shape, quant, context): a plain shape and a sliding-window one, each context filled.
+MEMORY_MODELS: tuple[tuple[str, str, int], ...] = (
+    ("0.5b", "Q4_K_M", 8192),
+    ("gemma3", "Q8_0", 8192),
+)
+MEMORY_GEN_TOKENS = 16
+
+
+def bench_memory(model_path: Path, progress: Progress = None) -> dict[str, Any]:
+    """Peak RSS of a real turn at a full long context against llama.cpp's own buffers plus
+    the interpreter's baseline, and the estimate against the growth (each in a new process)."""
+    from localchat.gguf.estimate import LayerWeights, ModelDims, estimate_memory
+    from localchat.gguf.info import read_gguf
+    from localchat.models.demo import ensure_demo_model
+    from localchat.models.hardware import repacked_weight_types
+    from localchat.paths import app_paths
+
+    rows: dict[str, dict[str, Any]] = {}
+    for shape, quant, n_ctx in MEMORY_MODELS:
+        _say(progress, f"memory: {shape} {quant}, a full context of {n_ctx} tokens")
+        path = ensure_demo_model(app_paths().demo_models_dir, shape, quant)
+        info = read_gguf(path)
+        weights = LayerWeights.from_gguf(info, repacked_weight_types())
+        estimate = estimate_memory(ModelDims.from_gguf(info), weights, n_ctx)
+        measured = measure_in_fresh_process(path, n_ctx, MEMORY_GEN_TOKENS)
+        reported = sum(
+            measured[k] for k in ("weights_bytes", "kv_bytes", "compute_bytes", "output_bytes")
+        )
+        ratio = measured["rss_peak"] / (measured["rss_before"] + reported)
+        error = (estimate.total - measured["rss_growth"]) / measured["rss_growth"]
+        rows[f"{shape} {quant} ctx {n_ctx}"] = {
+            **measured,
+            "llama_cpp_reported_bytes": reported,
+            "overhead_ratio": round(ratio, 4),
+            "estimated_bytes": estimate.total,
+            "estimate_error": round(error, 4),
+        }
+        _say(progress, f"memory: {shape}: peak {measured['rss_peak'] / 2**20:.0f} MiB,"
+             f" baseline + llama.cpp's buffers {(measured['rss_before'] + reported) / 2**20:.0f}"
+             f" MiB (x{ratio:.3f}); estimate {error:+.1%}")  # fmt: skip
+    return {
+        "memory_models": rows,
+        "memory_overhead_ratio": max(r["overhead_ratio"] for r in rows.values()),
+        "memory_estimate_max_error": max(abs(r["estimate_error"]) for r in rows.values()),
+    }

@@ -1,0 +1,83 @@
+"""``bench --only plan``: the planner's predicted tokens/s (from this machine's calibration)
+against real turns through the engine, two shapes at five quants."""
+
+from __future__ import annotations
+
+import statistics
+from pathlib import Path
+from typing import Any
+
+from localchat.bench.common import Progress, _say, cold_greedy_turn, settled
+from localchat.cpu import physical_cores
+
+PLAN_MODELS: tuple[tuple[str, str], ...] = tuple(
+    (shape, quant)
+    for shape in ("0.5b", "1b")
+    for quant in ("F16", "Q8_0", "Q6_K", "Q4_K_M", "Q2_K")
+)
+PLAN_CTX = 2048
+PLAN_PROMPT_TOKENS = 448  # with the reply, about the fill predictions are made for
+PLAN_GEN_TOKENS = 64
+# Rounds sized by noise: two, and a third only when those two disagree by more than
+# PLAN_AGREE (the median of three then drops the odd one). Most models settle in two, and
+# the 1b rows (a quarter of a minute a round) were most of this part's time.
+PLAN_MIN_ROUNDS = 2
+PLAN_MAX_ROUNDS = 3
+PLAN_AGREE = 0.05
+
+
+def bench_plan(model_path: Path, progress: Progress = None) -> dict[str, Any]:
+    """Predicted tokens/s (the planner's, from this machine's calibration) against what a
+    real turn through the engine measures, for each demo shape and quant."""
+    from localchat.backends.llama.engine import Engine, LoadOptions
+    from localchat.backends.llama.tools import synthetic_prompt
+    from localchat.models.calibrate import speed_model
+    from localchat.models.demo import ensure_demo_model
+    from localchat.models.hardware import detect_hardware
+    from localchat.models.planner import plan_file
+    from localchat.paths import app_paths
+
+    paths = app_paths()
+    _say(progress, "plan: this machine's calibration (measured now if none is saved)")
+    speed = speed_model(paths)
+    hardware = detect_hardware()
+    rows: dict[str, dict[str, float]] = {}
+    for shape, quant in PLAN_MODELS:
+        _say(progress, f"plan: {shape} {quant}")
+        path = ensure_demo_model(paths.demo_models_dir, shape, quant)
+        plan = plan_file(path, hardware, PLAN_CTX, speed)
+        engine = Engine(path, LoadOptions(n_ctx=PLAN_CTX, n_threads=physical_cores()))
+        gen: list[float] = []
+        prompt_tps: list[float] = []
+        try:
+            prompt = synthetic_prompt(engine.bos_token, engine.n_vocab, PLAN_PROMPT_TOKENS)
+            while len(gen) < PLAN_MIN_ROUNDS or (
+                len(gen) < PLAN_MAX_ROUNDS and not settled(gen, PLAN_AGREE)
+            ):
+                stats = cold_greedy_turn(engine, prompt, PLAN_GEN_TOKENS)
+                gen.append(stats.gen_tps)
+                prompt_tps.append(stats.prompt_tps)
+        finally:
+            engine.close()
+        measured = statistics.median(gen)
+        predicted = plan.predicted_gen_tps or 0.0
+        rows[f"{shape} {quant}"] = {
+            "predicted_gen_tps": round(predicted, 1),
+            "measured_gen_tps": round(measured, 1),
+            "gen_error": round(abs(predicted - measured) / measured, 3),
+            "predicted_prompt_tps": round(plan.predicted_prompt_tps or 0.0, 1),
+            "measured_prompt_tps": round(statistics.median(prompt_tps), 1),
+            "rounds": len(gen),
+        }
+        _say(progress, f"plan: {shape} {quant}: predicted {predicted:.1f}, measured {measured:.1f}"
+             f" ({len(gen)} rounds)")  # fmt: skip
+    prompt_errors = [
+        abs(r["predicted_prompt_tps"] - r["measured_prompt_tps"]) / r["measured_prompt_tps"]
+        for r in rows.values()
+    ]
+    return {
+        "speed_calibration": speed.machine,
+        "speed_predictions": rows,
+        "speed_prediction_max_error": max(r["gen_error"] for r in rows.values()),
+        "prompt_prediction_max_error": round(max(prompt_errors), 3),
+    }

@@ -1,0 +1,119 @@
+"""``bench --only resume``: the next turn of a 2,000-token conversation, warm in this process
+against resumed in a new one (the saved state restored) and against re-reading it all."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from localchat.bench.common import (
+    HISTORY_CTX,
+    REPLY_TOKENS,
+    Progress,
+    _say,
+    build_history,
+    env_with_home,
+    scratch_dir,
+)
+from localchat.cpu import physical_cores
+
+NEXT_MESSAGE = "Given all of that, what should we do next?"
+# One warm turn or one new process swings by ±30% on a busy 2-core machine: medians of this many.
+RESUME_ROUNDS = 3
+
+
+def _ask_in_new_process(home: Path, model_path: Path, *extra: str) -> dict[str, Any]:
+    """One turn through the real CLI in a fresh process (model load is not timed in ttft)."""
+    command = [
+        sys.executable, "-m", "localchat.cli.main", "ask", NEXT_MESSAGE,
+        "--model-path", str(model_path), "--conversation", "bench", "--ctx", str(HISTORY_CTX),
+        "--temperature", "0", "--max-tokens", str(REPLY_TOKENS), "--json", *extra,
+    ]  # fmt: skip
+    result = subprocess.run(
+        command, capture_output=True, text=True, env=env_with_home(home), check=False
+    )
+    if result.returncode != 0:
+        raise RuntimeError(f"bench turn failed: {result.stderr.strip()}")
+    payload: dict[str, Any] = json.loads(result.stdout)
+    return payload
+
+
+def bench_resume(model_path: Path, progress: Progress = None) -> dict[str, Any]:
+    """The next turn of a 2,000-token conversation: warm vs resumed in a new process vs fresh."""
+    from localchat.backends.base import Sampling
+    from localchat.backends.llama.engine import Engine, LoadOptions
+    from localchat.conversation.local import Conversation
+    from localchat.state.kvstate import StateStore
+    from localchat.state.store import Store
+
+    greedy = Sampling(temperature=0.0)
+    with scratch_dir() as home:
+        data = home / "data"
+        engine = Engine(model_path, LoadOptions(n_ctx=HISTORY_CTX, n_threads=physical_cores()))
+        store = Store(data / "conversations.sqlite3")
+        conversation = Conversation.open(store, StateStore(data / "states"), "bench", engine)
+        build_history(conversation, progress)
+        conversation.saver.wait()
+        history_tokens = len(engine.cached_tokens)
+        kv_bytes_used = engine.kv_bytes_used
+        state_files = list((data / "states").glob("*.lckv"))
+        state_bytes = sum(p.stat().st_size for p in state_files)
+        backup = home / "backup"
+        shutil.copytree(data, backup)
+
+        warm_ttfts = []
+        history = list(engine.cached_tokens)
+        for _ in range(RESUME_ROUNDS):  # the same turn again, the cache cut back to the history
+            turn = conversation.send(NEXT_MESSAGE, greedy, REPLY_TOKENS)
+            for _ in turn:
+                pass
+            warm_ttfts.append(turn.resume_ttft_s)
+            warm_reply = turn.generation.text
+            conversation.take_back_last_exchange()
+            engine.hold(history)  # the new message is read again in the next round
+        warm_ttft = statistics.median(warm_ttfts)
+        conversation.close()
+        store.close()
+        engine.close()
+        _say(progress, f"resume: warm turn {warm_ttft:.3f} s")
+
+        def reset_data() -> None:
+            shutil.rmtree(data)
+            shutil.copytree(backup, data)
+
+        resumed_runs = []
+        for _ in range(RESUME_ROUNDS):
+            reset_data()
+            resumed_runs.append(_ask_in_new_process(home, model_path))
+        resumed = sorted(resumed_runs, key=lambda r: float(r["stats"]["ttft_s"]))[
+            RESUME_ROUNDS // 2
+        ]
+        _say(progress, f"resume: new process {resumed['stats']['ttft_s']:.3f} s (median)")
+        reset_data()
+        fresh = _ask_in_new_process(home, model_path, "--fresh")
+        _say(progress, f"resume: --fresh {fresh['stats']['ttft_s']:.3f} s")
+
+    resume_ttft = float(resumed["stats"]["ttft_s"])
+    reprefill_ttft = float(fresh["stats"]["ttft_s"])
+    state_limit = 1.02 * kv_bytes_used + 64 * 1024
+    return {
+        "history_tokens": history_tokens,
+        "warm_ttft_s": round(warm_ttft, 4),
+        "resume_ttft_s": round(resume_ttft, 4),
+        "reprefill_ttft_s": round(reprefill_ttft, 4),
+        "resume_vs_warm": round(resume_ttft / warm_ttft, 3),
+        "resume_speedup": round(reprefill_ttft / resume_ttft, 1),
+        "resume_restored_from_state": resumed["stats"]["restored_from_state"],
+        "restore_s": resumed["stats"]["restore_s"],
+        "resume_prompt_tokens_evaluated": resumed["stats"]["prompt_tokens_evaluated"],
+        "replies_identical": warm_reply == resumed["reply"] == fresh["reply"],
+        "state_bytes": state_bytes,
+        "kv_bytes_used": kv_bytes_used,
+        # state_bytes / (1.02 x kv_bytes_used + 64 KiB): the target is <= 1.
+        "state_bytes_ratio": round(state_bytes / state_limit, 4),
+    }

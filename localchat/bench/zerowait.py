@@ -1,0 +1,110 @@
+"""``bench --only zerowait``: what a user waits for at the start of a turn when localchat has
+read ahead — a long system prompt restored as a saved prefix, a long conversation restored
+on opening, and a long message read while it is typed."""
+
+from __future__ import annotations
+
+import statistics
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from localchat.bench.common import Progress, _say, build_history, filler_text, scratch_dir
+from localchat.cpu import physical_cores
+
+if TYPE_CHECKING:
+    from localchat.backends.llama.engine import Engine
+
+ZEROWAIT_CTX = 4096
+ZEROWAIT_SYSTEM_TOKENS = 1500
+ZEROWAIT_ROUNDS = 3
+ZEROWAIT_MESSAGE = "Given that guide, how should I name a function?"
+# The type-ahead figure: messages of this many words typed in the app, this many times. At a
+# typist's 20 characters a second the typing is the cost (the machine idles meanwhile): 150
+# words (~150 tokens, most of a second to read cold on the 0.5b shape, against a tenth of
+# that for one word) is a long message still, typed in half the 300 words' three minutes.
+TYPEAHEAD_WORDS = 150
+TYPEAHEAD_ROUNDS = 2
+
+
+def _app_resume(engine: Engine, progress: Progress) -> dict[str, Any]:
+    """The app's first turn after opening a 2,000-token conversation vs its next (warm) one."""
+    from localchat.conversation.local import Conversation
+    from localchat.state.kvstate import StateStore
+    from localchat.state.store import Store
+    from localchat.tui.bench_ui import app_resume_vs_warm  # the app's own measurement
+
+    with scratch_dir() as tmp:
+        home = tmp / "home"
+        data = home / "data"
+        engine.reset()
+        store = Store(data / "conversations.sqlite3")
+        conversation = Conversation.open(store, StateStore(data / "states"), "long", engine)
+        build_history(conversation)
+        conversation.saver.wait()
+        conversation.close()
+        store.close()
+        _say(progress, f"zerowait: the app opens a {len(engine.cached_tokens)}-token conversation")
+        messages = (filler_text(900, 30), filler_text(901, 30))
+        return app_resume_vs_warm(
+            engine.model_path, home, "long", messages, engine.n_ctx, ZEROWAIT_ROUNDS
+        )
+
+
+def bench_zerowait(model_path: Path, progress: Progress = None) -> dict[str, Any]:
+    """A new conversation that opens with a 1,500-token system prompt: its first token when
+    the prompt was never seen (cold: read, then saved as a prefix state) vs when an earlier
+    conversation saved it (restored), medians over rounds; the replies must be the same."""
+    from localchat.backends.base import Sampling
+    from localchat.backends.llama.engine import Engine, LoadOptions
+    from localchat.conversation.local import Conversation
+    from localchat.state.kvstate import StateStore
+    from localchat.state.store import Store
+
+    greedy = Sampling(temperature=0.0)
+    engine = Engine(model_path, LoadOptions(n_ctx=ZEROWAIT_CTX, n_threads=physical_cores()))
+    words: list[str] = []
+    while len(engine.tokenize(" ".join(words))) < ZEROWAIT_SYSTEM_TOKENS:
+        words.extend(filler_text(len(words), 50).split())
+    system = " ".join(words)
+    cold_ttfts: list[float] = []
+    warm_ttfts: list[float] = []
+    identical = True
+    restored = 0
+    for round_index in range(ZEROWAIT_ROUNDS):
+        with scratch_dir() as tmp:
+            store = Store(tmp / "db.sqlite3")
+            states = StateStore(tmp / "states")
+            replies = []
+            for name in ("cold", "warm"):
+                engine.reset()
+                conversation = Conversation.open(store, states, name, engine, system)
+                turn = conversation.send(ZEROWAIT_MESSAGE, greedy, 8)
+                for _ in turn:
+                    pass
+                conversation.saver.wait()
+                conversation.close()
+                stats = turn.stats_dict()
+                (cold_ttfts if name == "cold" else warm_ttfts).append(stats["ttft_s"])
+                restored = stats["restored_prefix_tokens"] or restored
+                replies.append(turn.generation.text)
+            identical = identical and replies[0] == replies[1]
+            store.close()
+        _say(progress, f"zerowait: round {round_index + 1}: cold {cold_ttfts[-1]:.2f} s,"
+             f" restored prefix {warm_ttfts[-1]:.3f} s")  # fmt: skip
+    app = _app_resume(engine, progress)
+    engine.close()
+    from localchat.tui.bench_ui import TYPING_CHARS_PER_S, app_type_ahead
+
+    messages = [filler_text(950 + i, TYPEAHEAD_WORDS) for i in range(TYPEAHEAD_ROUNDS)]
+    minutes = sum(len(m) for m in messages) / TYPING_CHARS_PER_S / 60
+    _say(progress, f"zerowait: typing {TYPEAHEAD_ROUNDS} messages of {TYPEAHEAD_WORDS} words"
+         f" into the app at {TYPING_CHARS_PER_S:.0f} characters/s (~{minutes:.1f} min)")  # fmt: skip
+    app |= app_type_ahead(model_path, messages, ZEROWAIT_CTX)
+    cold, warm = statistics.median(cold_ttfts), statistics.median(warm_ttfts)
+    return app | {
+        "prefix_restored_tokens": restored,
+        "prefix_cold_ttft_s": round(cold, 4),
+        "prefix_ttft_s": round(warm, 4),
+        "prefix_speedup": round(cold / warm, 1),
+        "prefix_replies_identical": identical,
+    }
