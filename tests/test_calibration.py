@@ -53,6 +53,9 @@ def test_a_round_where_another_program_had_the_cpu_is_thrown_away() -> None:
     assert clean_rounds([_round(), shared, _round()]) == [_round(), _round()]
     # The tiny model's token is too short to load the threads: its share is not judged.
     assert clean_rounds([_round({OVERHEAD: 1.0}, share=0.3)]) != []
+    # Nor do the system's 10 ms CPU ticks over its milliseconds.
+    tiny = [*_round()[1:], Reading(OVERHEAD, IDLE[OVERHEAD], IDLE[OVERHEAD] / 8, 0.7, 0.3)]
+    assert clean_rounds([tiny]) == [tiny]
 
 
 def test_a_round_whose_reference_drifted_is_thrown_away() -> None:
