@@ -656,12 +656,14 @@ def cmd_hw(args: argparse.Namespace, out: TextIO) -> int:
     from localchat.settings import load_settings
 
     min_tps = load_settings(app_paths().settings_file).min_tokens_per_s
+    unsettled = None
     with step_progress(sys.stderr) as draw:
         try:
             speed = speed_model(app_paths(), draw, again=args.calibrate)
         except CalibrationUnsettled as exc:  # nothing saved: plans by memory this time
-            print(f"localchat: {exc}", file=sys.stderr)
-            speed = None
+            unsettled, speed = exc, None
+    if unsettled is not None:  # on its own line, after the progress bar's
+        print(f"localchat: {unsettled}", file=sys.stderr)
     if args.model_path is not None:
         plans = [plan_file(args.model_path, hardware, args.ctx, speed, min_tps)]
     else:
