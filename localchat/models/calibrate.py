@@ -296,26 +296,26 @@ def _why_unsettled(rounds: list[list[Reading]]) -> str:
 
 def _fit(
     best: dict[str, Reading],
-    quants: tuple[str, ...],
+    types: tuple[str, ...],
     files: dict[str, Path],
     machine: str,
     threads: int,
 ) -> SpeedModel:
     overhead = best[OVERHEAD]
-    by_type = {q: read_gguf(files[q]).bytes_read_per_token() for q in quants}
+    by_type = {t: read_gguf(files[t]).bytes_read_per_token() for t in types}
     return SpeedModel(
-        solve_costs([(by_type[q], best[q].gen_s) for q in quants], overhead.gen_s),
+        solve_costs([(by_type[t], best[t].gen_s) for t in types], overhead.gen_s),
         overhead.gen_s,
-        solve_costs([(by_type[q], best[q].prompt_s) for q in quants], overhead.prompt_s),
+        solve_costs([(by_type[t], best[t].prompt_s) for t in types], overhead.prompt_s),
         overhead.prompt_s,
         machine,
         threads,
         {
-            q: {
-                "gen_tps": round(1 / best[q].gen_s, 2),
-                "prompt_tps": round(1 / best[q].prompt_s, 2),
+            t: {
+                "gen_tps": round(1 / best[t].gen_s, 2),
+                "prompt_tps": round(1 / best[t].prompt_s, 2),
             }
-            for q in quants
+            for t in types
         },
     )
 

@@ -348,15 +348,17 @@ def make_speed_model(out: Path, weight_type: str, shape: str = "calib", seed: in
     if weight_type not in SPEED_TYPES:
         raise UsageError(f"no speed model of {weight_type!r}; one of {', '.join(SPEED_TYPES)}")
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp")
-    _write_model(SHAPES[shape], seed, tmp, weight_type=weight_type)
-    tmp.replace(out)
+    _write_staged(out, SHAPES[shape], seed, weight_type=weight_type)
     return out
 
 
-def _write_f16(shape: ModelShape, seed: int, out: Path, tokenizer: str = "spm") -> None:
-    """Write the unquantized model (F16 matrices, F32 norms) with seeded random weights."""
-    _write_model(shape, seed, out, tokenizer)
+def _write_staged(
+    out: Path, shape: ModelShape, seed: int, tokenizer: str = "spm", weight_type: str | None = None
+) -> None:
+    """``_write_model`` into a hidden file beside ``out``, renamed in once whole."""
+    tmp = out.with_name(f".{out.name}.tmp")
+    _write_model(shape, seed, tmp, tokenizer, weight_type)
+    tmp.replace(out)
 
 
 def _write_model(
@@ -459,13 +461,11 @@ def make_demo_model(
     out.parent.mkdir(parents=True, exist_ok=True)
     model_shape = SHAPES[shape]
     if quant == "F16":
-        tmp = out.with_name(f".{out.name}.tmp")
-        _write_f16(model_shape, seed, tmp, tokenizer)
-        tmp.replace(out)
+        _write_staged(out, model_shape, seed, tokenizer)
         return out
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp_dir:
         f16 = Path(tmp_dir) / "f16.gguf"
-        _write_f16(model_shape, seed, f16, tokenizer)
+        _write_model(model_shape, seed, f16, tokenizer)
         _quantize_into(f16, out, quant)
     return out
 

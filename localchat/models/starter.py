@@ -68,7 +68,7 @@ STARTER = PinnedModel(
 
 
 Fetch = Callable[
-    [AppPaths, "PinnedModel", Callable[[Progress], object] | None, threading.Event | None], Path
+    [AppPaths, PinnedModel, Callable[[Progress], object] | None, threading.Event | None], Path
 ]
 
 
