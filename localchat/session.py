@@ -7,33 +7,41 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from localchat.backends.base import Backend, TurnStats
+from localchat.backends.base import Backend, Reply, Sampling, TokenDelta, TurnStats
 from localchat.backends.compute_thread import run_compute
 from localchat.backends.llama.engine import Engine, LoadOptions
-from localchat.conversation.local import Conversation, ConversationBase
-from localchat.conversation.prefix_states import DEFAULT_MIN_TOKENS
+from localchat.conversation.base import ConversationBase
+from localchat.conversation.local import Conversation
+from localchat.conversation.prefix_states import (
+    DEFAULT_MIN_TOKENS,
+    prefix_spans,
+    start_from_prefix,
+)
+from localchat.conversation.records import fork_conversation
+from localchat.conversation.turn import RestoreReport, turn_stats_dict
 from localchat.errors import LocalchatError, UsageError
 from localchat.models.calibrate import speed_model_or_none
 from localchat.models.catalog import catalog_template
 from localchat.models.demo import app_demo_path
 from localchat.models.hardware import detect_hardware
 from localchat.models.hub import DownloadCancelled, HubError, Progress
-from localchat.models.library import Library
+from localchat.models.library import Library, ModelRequest
 from localchat.models.speed_feedback import TurnSpeed, note_turn
 from localchat.models.starter import STARTER, ensure_starter, starter_on_disk
 from localchat.paths import AppPaths
 from localchat.progress import StepCallback, StepProgress
 from localchat.settings import ServerConfig, Settings
 from localchat.state.kvstate import StateStore
-from localchat.state.store import Store
+from localchat.state.store import ConversationRecord, Store
 
 if TYPE_CHECKING:  # the wire (httpx) is imported only when a server is used
     from localchat.backends.remote import RemoteBackend
+    from localchat.chat.template import ChatMessage
 
 # The catalog model a first start downloads.
 DEFAULT_MODEL = "qwen2.5-1.5b-instruct"
@@ -76,6 +84,22 @@ def note_turn_speed(paths: AppPaths, backend: Backend, stats: TurnStats) -> str 
         backend.threads,
     )
     return note_turn(paths.speed_calibration, paths.turn_speeds, turn)
+
+
+@dataclass
+class OneOffTurn:
+    """A reply outside any conversation (``Session.ask_once``): iterate it for deltas; its
+    figures after, as ``ask --json`` reports them."""
+
+    generation: Reply
+    restore: RestoreReport | None = None  # how a local model's cache began (a prefix state)
+    notices: list[str] = field(default_factory=list)
+
+    def __iter__(self) -> Iterator[TokenDelta]:
+        yield from self.generation  # closing this closes the reply's stream
+
+    def stats_dict(self) -> dict[str, Any]:
+        return turn_stats_dict(self.generation.stats, self.restore)
 
 
 @dataclass(frozen=True)
@@ -185,11 +209,12 @@ class Session:
         if demo:
             return self._starter(warn, progress, cancel)
         library = Library(self.paths, detect_hardware(), min_tps=self.settings.min_tokens_per_s)
-        found = self._model_on_disk(library, model_name, warn)
+        asked = library.request(model_name) if model_name is not None else None
+        found = self._model_on_disk(library, asked, warn)
         if found is not None:
             return found
         say = steps or (lambda _step: None)
-        wanted = model_name or DEFAULT_MODEL
+        wanted = asked or library.request(DEFAULT_MODEL)
         total = 2 if library.speed is not None else 3
         # Whether a model can be had at all comes first: calibrating for a download that
         # cannot happen would only keep a new user waiting.
@@ -220,7 +245,7 @@ class Session:
         plan = library.plan_of(wanted)
         if plan is not None:  # the download screen says which quant, and why
             notice(f"{plan.model}: {plan.explanation}")
-        say(StepProgress(f"downloading {wanted}", 0.0, "", step=total, steps=total))
+        say(StepProgress(f"downloading {wanted.text}", 0.0, "", step=total, steps=total))
         return library.pull(wanted, progress, cancel)
 
     def _starter(
@@ -237,10 +262,10 @@ class Session:
         return choice.path
 
     def _model_on_disk(
-        self, library: Library, model_name: str | None, warn: Callable[[str], object]
+        self, library: Library, asked: ModelRequest | None, warn: Callable[[str], object]
     ) -> Path | None:
-        if model_name is not None:
-            return library.path_of(model_name)
+        if asked is not None:
+            return library.path_of(asked)
         recent = self.store.conversations() if self.store is not None else []
         last_model = recent[0].model if recent else None
         # After --demo, a plain start reopens the demo model the last conversation used.
@@ -261,16 +286,28 @@ class Session:
         return Path(rows[0].path or "") if rows else None
 
     def load_model(
-        self, path: Path, n_ctx: int | None = None, template: str | None = None
+        self,
+        path: Path,
+        n_ctx: int | None = None,
+        template: str | None = None,
+        *,
+        n_threads: int | None = None,
+        kv_type: str | None = None,
+        on_this_thread: bool = False,
     ) -> Engine:
-        """Load ``path`` on the compute thread with the user's settings; ``use`` it after."""
+        """Load ``path`` on the compute thread with the user's settings (``kv_type``: the
+        setting unless given); ``use`` it after. ``on_this_thread``: load where the model
+        will evaluate (the CLI's main thread), so llama.cpp keeps one thread pool."""
         template = template or catalog_template(path, self.paths.user_catalog)
         options = LoadOptions(
             n_ctx=n_ctx,
-            kv_type=self.settings.kv_type,
+            n_threads=n_threads,
+            kv_type=kv_type or self.settings.kv_type,
             template=template,
             swa_cache=self.settings.swa_cache,
         )
+        if on_this_thread:
+            return Engine(path, options)
         return run_compute(Engine, path, options)
 
     def count_tokens(self, text: str) -> int:
@@ -286,6 +323,36 @@ class Session:
     def note_turn_speed(self, stats: TurnStats) -> str | None:
         """A finished turn's speed counted against the calibration (a notice if corrected)."""
         return None if self.backend is None else note_turn_speed(self.paths, self.backend, stats)
+
+    def ask_once(
+        self,
+        messages: Sequence[ChatMessage],
+        sampling: Sampling | None = None,
+        max_tokens: int = 512,
+        cancel: threading.Event | None = None,
+    ) -> OneOffTurn:
+        """A reply to ``messages`` that no conversation keeps (the CLI's one-off ``ask``), on
+        the calling thread. A local model starts a long enough system prompt (or attached
+        files) from its saved prefix state, saving it the first time; a server just answers."""
+        backend = self.backend
+        if backend is None:
+            raise UsageError("no model is loaded yet")
+        if not isinstance(backend, Engine):
+            return OneOffTurn(backend.stream(messages, sampling, max_tokens, cancel))
+        messages = list(messages)
+        builder = backend.prompt_builder()
+        prompt = builder.build(messages)
+        states = self.states or StateStore(self.paths.states_dir, self.settings.state_budget_bytes)
+        prefix = start_from_prefix(
+            backend,
+            states,
+            backend.state_key,
+            prompt.tokens,
+            prefix_spans(builder, messages, prompt, len(messages) - 1),
+            self.settings.prefix_state_min_tokens,
+        )
+        generation = backend.generate(prompt.tokens, sampling, max_tokens, cancel)
+        return OneOffTurn(generation, RestoreReport.from_prefix(prefix))
 
     def connect(
         self, spec: str, model: str | None = None, context_size: int | None = None
@@ -341,6 +408,20 @@ class Session:
         """Close the open conversation (its last state save finishes first)."""
         with self._io:
             self._close_conversation()
+
+    def fork(self, message_id: int) -> tuple[ConversationRecord, int]:
+        """``localchat branch`` from the open conversation: a new conversation holding its
+        messages up to ``message_id`` (a question: up to before it, to be asked again),
+        whose first turn restores them from this one's saved cache. Blocking: a thread.
+        Returns it and the position it was forked at."""
+        conversation = self.conversation
+        if conversation is None or self.store is None or self.states is None:
+            raise UsageError("no conversation is open")
+        index = conversation.index_of(message_id)
+        at = index + 1 if conversation.exchanges[index].record.role == "assistant" else index
+        conversation.wait_saved()  # its last state is the source
+        fork, _caches = fork_conversation(self.store, self.states, conversation.record.name, at)
+        return fork, at
 
     def _close_conversation(self) -> None:
         # No longer the session's before it closes: nothing starts a turn on it meanwhile.

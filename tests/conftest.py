@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from localchat.backends.base import Sampling
 from localchat.models.demo import make_demo_model
 from localchat.models.starter import STARTER, index_cache_path
 from localchat.paths import app_paths
@@ -14,6 +15,8 @@ from localchat.paths import app_paths
 from .indexserver import IndexServer, IndexState
 from .real_models import fetch_wheel
 
+# Temperature 0: the most likely token every time, so a reply is the same on every run.
+GREEDY = Sampling(temperature=0.0)
 DEAD = "http://127.0.0.1:9"  # nothing listens there: a hub or an index that cannot be reached
 
 
@@ -33,9 +36,10 @@ def isolated_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 def llama_cpp_buffers_tested() -> None:
     """llama.cpp's extra weight buffers tested once here (they crash on some AMX machines):
     the verdict goes into the environment, so CLI processes the tests start inherit it."""
-    from localchat.backends.llama.runtime import extra_buffers_allowed
+    from localchat.backends.llama.runtime import extra_buffers_allowed, prepare
 
     extra_buffers_allowed()
+    prepare()  # bare llama-cpp-python in a test (a reference path) loads with the same guard
 
 
 @pytest.fixture(scope="session")

@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 
-from localchat.backends.base import Sampling
 from localchat.backends.llama.engine import Engine, LoadOptions
 from localchat.chat.attachments import (
     Attachment,
@@ -25,8 +24,8 @@ from localchat.errors import UsageError
 from localchat.paths import app_paths
 from localchat.state.kvstate import StateStore
 from localchat.state.store import Store
+from tests.conftest import GREEDY
 
-GREEDY = Sampling(temperature=0.0)
 CODE = "".join(f'def f{i}(x):\n    """Times {i}."""\n    return x * {i}\n\n' for i in range(30))
 
 

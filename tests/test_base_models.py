@@ -15,18 +15,17 @@ import gguf
 import pytest
 from gguf.scripts.gguf_new_metadata import MetadataDetails, copy_with_new_metadata
 
-from localchat.backends.base import Sampling
 from localchat.backends.llama.engine import Engine, LoadOptions
 from localchat.chat.formats import PLAIN, Tuning, classify_model, name_parts
 from localchat.chat.template import ChatMessage
 from localchat.conversation.local import Conversation
 from localchat.state.kvstate import StateStore
 from localchat.state.store import Store
+from tests.conftest import GREEDY
 
 EOS_S = 2  # "</s>" in the demo's SentencePiece vocabulary ("<|im_end|>" is its end token)
 PLAIN_PROMPT = b"<s>User: hi\nAssistant:"
 CHATML_PROMPT = b"<s><|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
-GREEDY = Sampling(temperature=0.0)
 
 
 def _copy(

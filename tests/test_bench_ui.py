@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from localchat.tui import bench_ui
+from tests.conftest import GREEDY
 
 SIDES = ("headless", "app")
 
@@ -27,7 +28,6 @@ def test_startup_is_timed_in_a_fresh_process(tiny_model: Path) -> None:
 def test_the_first_turn_after_opening_is_measured_on_a_restored_conversation(
     tiny_model: Path, tmp_path: Path
 ) -> None:
-    from localchat.backends.base import Sampling
     from localchat.backends.llama.engine import Engine, LoadOptions
     from localchat.conversation.local import Conversation
     from localchat.state.kvstate import StateStore
@@ -38,7 +38,7 @@ def test_the_first_turn_after_opening_is_measured_on_a_restored_conversation(
     store = Store(home / "data" / "conversations.sqlite3")
     conversation = Conversation.open(store, StateStore(home / "data" / "states"), "long", engine)
     for text in ("one " * 40, "two " * 40):
-        for _ in conversation.send(text, Sampling(temperature=0.0), 16):
+        for _ in conversation.send(text, GREEDY, 16):
             pass
     conversation.saver.wait()
     conversation.close()

@@ -16,7 +16,8 @@ from localchat.backends.base import Sampling
 from localchat.backends.llama.engine import Engine, LoadOptions
 from localchat.chat.template import ChatMessage
 from localchat.cli.main import main
-from localchat.conversation.local import Conversation, ConversationTurn
+from localchat.conversation.local import Conversation
+from localchat.conversation.turn import ConversationTurn
 from localchat.errors import UsageError
 from localchat.paths import app_paths
 from localchat.state.kvstate import StateStore
@@ -59,7 +60,7 @@ def test_editing_message_k_evaluates_only_from_k_and_continues_as_a_fresh_read(
 ) -> None:
     conversation = _long(engine)
     k = 20  # the 11th question
-    conversation.branch_before(k)
+    conversation.branch_before(_id(conversation, k))
     turn = _say(conversation, EDITED)
     stats = turn.stats_dict()
     start_of_k = turn.prompt.spans[1 + k][0]  # after the system prompt's span
@@ -68,7 +69,10 @@ def test_editing_message_k_evaluates_only_from_k_and_continues_as_a_fresh_read(
     assert after_k - 8 <= stats["prompt_tokens_evaluated"] <= after_k
     assert stats["kept_tokens"] == stats["prompt_tokens"] - stats["prompt_tokens_evaluated"]
     assert stats["kept_tokens"] >= start_of_k > 500
-    assert conversation.branches_at(k) == (2, 2)  # the old question is kept beside it
+    assert conversation.branches_at(_id(conversation, k)) == (
+        2,
+        2,
+    )  # the old question is kept beside it
     # A fresh read of the edited branch: from nothing, in one go.
     engine.reset()
     fresh = engine.generate(turn.prompt.tokens, GREEDY, 16)
@@ -83,10 +87,12 @@ def test_the_branches_are_kept_switched_and_reopened(engine: Engine) -> None:
     _say(conversation, "A new last question.")
     assert [e.record.content for e in conversation.exchanges][-2] == "A new last question."
     last_user = len(conversation.exchanges) - 2
-    assert conversation.branches_at(last_user) == (2, 2)
-    assert conversation.switch_branch(last_user, -1)
+    assert conversation.branches_at(_id(conversation, last_user)) == (2, 2)
+    assert conversation.switch_branch(_id(conversation, last_user), -1)
     assert conversation.exchanges[-1].record.content == old_reply
-    assert not conversation.switch_branch(last_user, -1)  # no branch before the first
+    assert not conversation.switch_branch(
+        _id(conversation, last_user), -1
+    )  # no branch before the first
     turn = _say(conversation, "Go on from the old branch.")
     # The cache (of the other branch) was cut where the two part, not read again.
     assert turn.stats_dict()["kept_tokens"] >= turn.prompt.spans[1 + last_user][0] > 50
@@ -94,7 +100,7 @@ def test_the_branches_are_kept_switched_and_reopened(engine: Engine) -> None:
     store, states = _stores()
     reopened = Conversation.open(store, states, "long", engine)
     assert reopened.exchanges[-2].record.content == "Go on from the old branch."
-    assert reopened.branches_at(last_user) == (1, 2)
+    assert reopened.branches_at(_id(reopened, last_user)) == (1, 2)
     tree = json.loads(_export_json("long"))
     assert len(tree["tree"]) == len(store.all_messages(reopened.record.id)) == 10
     assert tree["head"] == reopened.exchanges[-1].record.id
@@ -125,7 +131,7 @@ def test_an_edit_in_a_shifted_window_reads_the_new_branch_exactly(tiny_model: Pa
                 break
         assert turn is not None and turn.window.mode == "shift"
         k = len(conversation.exchanges) - 2  # the question that was just answered
-        conversation.branch_before(k)
+        conversation.branch_before(_id(conversation, k))
         edited = _say(conversation, EDITED)
         stats = edited.stats_dict()
         assert stats["window_mode"] == "none"
@@ -217,7 +223,7 @@ def test_a_pinned_message_never_leaves_the_window(tiny_model: Path) -> None:
         store, states = _stores()
         conversation = Conversation.open(store, states, "pins", engine, window_mode="shift")
         _say(conversation, "remember this: the code word is falcon")
-        conversation.pin(0)
+        conversation.pin(_id(conversation, 0))
         moved = None
         for i in range(12):
             turn = _say(conversation, f"question {i} about a topic, please answer it")
@@ -229,10 +235,10 @@ def test_a_pinned_message_never_leaves_the_window(tiny_model: Path) -> None:
         assert moved.window.mode == "exact"
         assert "falcon" in engine.detokenize(moved.prompt.tokens)
         # The pinned question and its reply stay; the next exchange left.
-        assert conversation.sees(0) and conversation.sees(1) and not conversation.sees(2)
+        assert [conversation.sees(_id(conversation, i)) for i in range(3)] == [True, True, False]
         assert store.messages(conversation.record.id)[0].pinned  # kept in the transcript
         # Unpinned, it leaves with the next turn (read exactly from where it was).
-        conversation.pin(0, pinned=False)
+        conversation.pin(_id(conversation, 0), pinned=False)
         after = _say(conversation, "and one more question")
         assert "falcon" not in engine.detokenize(after.prompt.tokens)
         engine.reset()
@@ -256,20 +262,20 @@ def test_an_edited_system_prompt_starts_a_branch_and_the_old_one_keeps_its_own(
     ]
     turn = _say(conversation, "Who are you?")
     assert "librarian" in engine.detokenize(turn.prompt.tokens)
-    assert conversation.branches_at(0) == (2, 2)
-    assert conversation.switch_branch(0, -1)
+    assert conversation.branches_at(_id(conversation, 0)) == (2, 2)
+    assert conversation.switch_branch(_id(conversation, 0), -1)
     assert [e.record.content for e in conversation.exchanges] == old
     assert conversation.record.system_prompt == "Answer as a pirate."
     back = _say(conversation, "And your ship?")
     assert "pirate" in engine.detokenize(back.prompt.tokens)
     # In place, a system prompt changes this branch only.
     conversation.set_system_prompt("Answer as a captain.")
-    conversation.switch_branch(0, 1)
+    conversation.switch_branch(_id(conversation, 0), 1)
     assert conversation.record.system_prompt == "Answer as a librarian."
     conversation.close()
     reopened = Conversation.open(store, states, "personas", engine)
     assert reopened.record.system_prompt == "Answer as a librarian."
-    assert reopened.switch_branch(0, -1)
+    assert reopened.switch_branch(_id(reopened, 0), -1)
     assert reopened.record.system_prompt == "Answer as a captain."
 
 
@@ -282,14 +288,14 @@ def test_a_branch_switched_to_keeps_its_own_window(tiny_model: Path) -> None:
         conversation = Conversation.open(store, states, "drift", engine, window_mode="exact")
         _say(conversation, "Question A0 short.")
         _say(conversation, "Question A1 short.")
-        conversation.branch_before(2)
+        conversation.branch_before(_id(conversation, 2))
         for i in range(14):
             _say(conversation, f"Question B{i} about topic {i}, in a few words please.")
             if conversation.window_first > 2:
                 break
         assert conversation.window_first > 2  # branch B moved its window
-        assert conversation.switch_branch(2, -1)
-        assert conversation.window_first == 0 and conversation.sees(0)
+        assert conversation.switch_branch(_id(conversation, 2), -1)
+        assert conversation.window_first == 0 and conversation.sees(_id(conversation, 0))
         turn = _say(conversation, "Next on A")
         assert len(turn.messages) == 5  # all of branch A and the new question
         conversation.close()
@@ -308,7 +314,7 @@ def test_an_edit_into_a_shifted_cache_reads_exactly_after_a_reopen(tiny_model: P
             if _say(conversation, f"Question {i} about topic {i}, briefly.").window.mode == "shift":
                 break
         conversation.saver.wait()
-        conversation.branch_before(len(conversation.exchanges) - 2)
+        conversation.branch_before(_id(conversation, len(conversation.exchanges) - 2))
         conversation.close()
         engine.reset()
         reopened = Conversation.open(store, states, "shift-reopen", engine, window_mode="shift")
@@ -349,7 +355,12 @@ def test_a_send_that_fails_after_a_branch_began_puts_the_old_branch_back(
 
 def test_a_pin_keeps_the_whole_exchange(engine: Engine) -> None:
     conversation = _long(engine, turns=2)
-    conversation.pin(1)  # a reply: its question comes along
+    conversation.pin(_id(conversation, 1))  # a reply: its question comes along
     assert [e.record.pinned for e in conversation.exchanges] == [True, True, False, False]
-    conversation.pin(0, pinned=False)
+    conversation.pin(_id(conversation, 0), pinned=False)
     assert not any(e.record.pinned for e in conversation.exchanges)
+
+
+def _id(conversation: Conversation, index: int) -> int:
+    """The id of the message at ``index`` in the branch in view."""
+    return conversation.exchanges[index].record.id

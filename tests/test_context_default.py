@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 from textual.message import Message
 
-from localchat.backends.base import Sampling
 from localchat.backends.llama.engine import Engine, LoadOptions
 from localchat.cli.main import main
 from localchat.tui.app import LocalChatApp
+from tests.conftest import GREEDY
 
 from .gguf_edit import rewrite_metadata
 from .tui_helpers import ready
@@ -47,7 +47,7 @@ def test_an_explicit_ctx_above_the_trained_context_is_a_clear_error(
 
 async def test_the_app_opens_a_2k_model_without_ctx(short_model: Path) -> None:
     seen: list[Message] = []
-    app = LocalChatApp(short_model, max_tokens=4, sampling=Sampling(temperature=0.0))
+    app = LocalChatApp(short_model, max_tokens=4, sampling=GREEDY)
     async with app.run_test(message_hook=seen.append) as pilot:
         await ready(pilot, app, seen)
         assert app.backend is not None and app.backend.n_ctx == 2048

@@ -13,7 +13,6 @@ from pathlib import Path
 
 import pytest
 
-from localchat.backends.base import Sampling
 from localchat.backends.llama.engine import Engine, LoadOptions
 from localchat.cli.main import main
 from localchat.errors import UsageError
@@ -28,6 +27,7 @@ from localchat.models.demo import (
     ensure_demo_model,
     make_demo_model,
 )
+from tests.conftest import GREEDY
 
 BPE_KINDS = ("gpt2", "llama3", "qwen2")
 
@@ -183,7 +183,7 @@ def test_greedy_generation_runs_and_repeats(kind_engine: tuple[str, Engine]) -> 
     replies: list[list[int]] = []
     for _ in range(2):
         engine.reset()
-        deltas = engine.generate(prompt, Sampling(temperature=0.0), 8)
+        deltas = engine.generate(prompt, GREEDY, 8)
         # A None token is held-back text released at the end, not a generated token.
         replies.append([d.token for d in deltas if d.token is not None])
     assert 0 < len(replies[0]) <= 8

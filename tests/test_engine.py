@@ -14,8 +14,7 @@ from localchat.errors import ModelLoadError, UsageError
 from localchat.gguf.estimate import kv_bytes_per_token
 from localchat.gguf.info import read_gguf
 from localchat.models.demo import SHAPES
-
-GREEDY = Sampling(temperature=0.0)
+from tests.conftest import GREEDY
 
 
 @pytest.fixture(scope="module")

@@ -9,6 +9,7 @@ import threading
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from huggingface_hub import hf_hub_download
@@ -73,8 +74,10 @@ def _library() -> Library:
 
 def test_fresh_download_lands_in_the_standard_hub_cache(hub: HubState) -> None:
     events: list[tuple[str, int, int]] = []
-    path = _library().pull(
-        f"{REPO}:Q4_K_M", lambda p: events.append((p.state, p.bytes_done, p.bytes_total))
+    path = _pull(
+        _library(),
+        f"{REPO}:Q4_K_M",
+        lambda p: events.append((p.state, p.bytes_done, p.bytes_total)),
     )
     source = hub.repos[REPO] / "small-Q4_K_M.gguf"
     assert path.read_bytes() == source.read_bytes()
@@ -90,7 +93,7 @@ def test_fresh_download_lands_in_the_standard_hub_cache(hub: HubState) -> None:
 
 def test_a_transfer_cut_mid_file_is_resumed_to_identical_bytes(hub: HubState) -> None:
     hub.cut_after_bytes = 3_000_000
-    path = _library().pull(f"{REPO}:Q4_K_M")
+    path = _pull(_library(), f"{REPO}:Q4_K_M")
     assert path.read_bytes() == (hub.repos[REPO] / "small-Q4_K_M.gguf").read_bytes()
     ranges = [
         r for method, p, r in hub.requests if method == "GET" and p.endswith("small-Q4_K_M.gguf")
@@ -109,15 +112,17 @@ def test_cancel_leaves_a_partial_file_that_the_next_pull_resumes(hub: HubState) 
 
     library = _library()
     with pytest.raises(DownloadCancelled, match="run the pull again to resume"):
-        library.pull(f"{REPO}:Q8_0", stop_after_first_chunk, cancel)
+        library.pull(library.request(f"{REPO}:Q8_0"), stop_after_first_chunk, cancel)
     partials = list(app_paths().hub_cache.rglob("*.incomplete"))
     assert len(partials) == 1
     kept = partials[0].stat().st_size
     assert 0 < kept < (hub.repos[REPO] / "small-Q8_0.gguf").stat().st_size
-    assert library.path_of(f"{REPO}:Q8_0") is None, "a partial file is never offered for loading"
+    assert library.path_of(library.request(f"{REPO}:Q8_0")) is None, (
+        "a partial file is never offered for loading"
+    )
     hub.requests.clear()
     resumed: list[Progress] = []
-    path = library.pull(f"{REPO}:Q8_0", resumed.append)
+    path = library.pull(library.request(f"{REPO}:Q8_0"), resumed.append)
     assert path.read_bytes() == (hub.repos[REPO] / "small-Q8_0.gguf").read_bytes()
     assert any(r == f"bytes={kept}-" for _, _, r in hub.requests)
     # The speed and time left count only this run's bytes, not those the partial file had.
@@ -133,13 +138,14 @@ def test_corrupted_bytes_are_detected_and_never_loaded(hub: HubState) -> None:
     with pytest.raises(
         ModelFileError, match=r"arrived damaged .*sha256.* it was deleted, not loaded"
     ):
-        _library().pull(f"{REPO}:Q4_K_M")
+        _pull(_library(), f"{REPO}:Q4_K_M")
     assert not list(app_paths().hub_cache.rglob("small-Q4_K_M.gguf"))
     assert not list(app_paths().hub_cache.rglob("*.incomplete"))
 
 
 def test_planner_picks_the_quant_when_none_is_given(hub: HubState) -> None:
-    repo, filename, quant = _library().resolve(REPO)
+    library = _library()
+    repo, filename, quant = library.resolve(library.request(REPO))
     assert (repo, quant) == (REPO, "Q8_0")  # the best quality that fits 16 GB
     # The choice came from reading only the smaller file's header, by range requests.
     assert any(r.startswith("bytes=0-") for _, _, r in hub.requests)
@@ -147,7 +153,7 @@ def test_planner_picks_the_quant_when_none_is_given(hub: HubState) -> None:
 
 
 def test_split_files_are_fetched_as_a_set(hub: HubState) -> None:
-    path = _library().pull("demo/split-GGUF:Q4_K_M")
+    path = _pull(_library(), "demo/split-GGUF:Q4_K_M")
     assert path.name == "tiny-Q4_K_M-00001-of-00002.gguf"
     assert (path.parent / "tiny-Q4_K_M-00002-of-00002.gguf").exists()
 
@@ -155,13 +161,13 @@ def test_split_files_are_fetched_as_a_set(hub: HubState) -> None:
 def test_bad_names_and_quants_are_clear(hub: HubState) -> None:
     library = _library()
     with pytest.raises(UsageError, match=r"no Q6_K file in demo/small-GGUF; it has Q8_0, Q4_K_M"):
-        library.pull(f"{REPO}:Q6_K")
+        library.pull(library.request(f"{REPO}:Q6_K"))
     with pytest.raises(UsageError, match="has no GGUF files"):
-        library.pull("demo/no-gguf")
+        library.pull(library.request("demo/no-gguf"))
     with pytest.raises(HubError, match="no such repository"):
-        library.pull("demo/nothing-here")
+        library.pull(library.request("demo/nothing-here"))
     with pytest.raises(UsageError, match=r"did you mean qwen2\.5-0\.5b-instruct"):
-        library.pull("qwen2.5-0.5b-instuct")
+        library.pull(library.request("qwen2.5-0.5b-instuct"))
 
 
 def test_a_file_missing_on_the_hub(hub: HubState) -> None:
@@ -178,7 +184,7 @@ def test_server_down_names_the_endpoint_and_suggests_model_path(
     with pytest.raises(
         HubError, match=r"cannot reach the hub at http://127.0.0.1:9 .*--model-path"
     ):
-        _library().pull("demo/anything:Q4_K_M")
+        _pull(_library(), "demo/anything:Q4_K_M")
     # Exit codes: the world failing is 1, the user's mistakes are 2.
     assert main(["pull", "demo/anything:Q4_K_M"]) == 1
     assert main(["pull", "no-such-catalog-name"]) == 2
@@ -199,7 +205,7 @@ def test_disk_too_small_refuses_before_downloading(
         with pytest.raises(
             WorldError, match=r"not enough disk space for small-Q4_K_M.gguf: it needs .* free"
         ):
-            _library().pull(f"{REPO}:Q4_K_M")
+            _pull(_library(), f"{REPO}:Q4_K_M")
         assert main(["pull", f"{REPO}:Q4_K_M"]) == 1  # the disk, not the user: exit code 1
         assert not [
             path for method, path, _ in hub.requests if method == "GET" and "resolve" in path
@@ -241,13 +247,13 @@ def test_each_tag_pulls_exactly_its_file(hub: HubState) -> None:
         ("Q5_0", "zoo-Q5_0.gguf"),
         ("i1-Q4_K_M", "zoo.i1-Q4_K_M.gguf"),
     ]:
-        assert library.pull(f"{ZOO}:{asked}").name == name
+        assert library.pull(library.request(f"{ZOO}:{asked}")).name == name
     snapshot = next((app_paths().hub_cache).glob("models--acme--zoo-GGUF/snapshots/*"))
     assert not (snapshot / "mmproj-zoo-F16.gguf").exists()  # the projector is not a chat model
     with pytest.raises(
         UsageError, match=r"it has BF16, F16, Q5_0, UD-Q4_K_XL, i1-Q4_K_M, IQ4_XS, Q4_0$"
     ):
-        library.pull(f"{ZOO}:Q6_K")
+        library.pull(library.request(f"{ZOO}:Q6_K"))
 
 
 def test_the_listing_shows_tags_and_never_the_projector(hub: HubState) -> None:
@@ -263,7 +269,7 @@ def test_the_listing_shows_tags_and_never_the_projector(hub: HubState) -> None:
 def test_rm_removes_exactly_the_named_file_and_keeps_shared_blobs(hub: HubState) -> None:
     library = _library()
     for tag in ("F16", "BF16", "Q5_0", "Q4_0"):
-        library.pull(f"{ZOO}:{tag}")
+        library.pull(library.request(f"{ZOO}:{tag}"))
     library.remove(f"{ZOO}:f16")
     left = {Path(name).name for _repo, name, _path in library.cache.downloaded()}
     assert left == {"zoo-BF16.gguf", "zoo-Q5_0.gguf", "zoo-Q4_0.gguf"}
@@ -305,7 +311,7 @@ def test_two_pulls_of_one_file_at_once_write_it_once(hub: HubState) -> None:
 
     def pull() -> None:
         try:
-            results.append(_library().pull(f"{REPO}:Q8_0"))
+            results.append(_pull(_library(), f"{REPO}:Q8_0"))
         except BaseException as exc:  # reported below
             errors.append(exc)
 
@@ -326,9 +332,9 @@ def test_listing_shows_tags_split_sets_once_and_projectors_as_such(
     hub: HubState, tiny_model: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     library = _library()
-    library.pull("demo/split-GGUF:Q4_K_M")
-    library.pull(f"{ZOO}:UD-Q4_K_XL")
-    library.pull(f"{ZOO}:F16")
+    library.pull(library.request("demo/split-GGUF:Q4_K_M"))
+    library.pull(library.request(f"{ZOO}:UD-Q4_K_XL"))
+    library.pull(library.request(f"{ZOO}:F16"))
     snapshot = next(app_paths().hub_cache.glob("models--acme--zoo-GGUF/snapshots/*"))
     shutil.copy(tiny_model, snapshot / "mmproj-zoo-F16.gguf")  # as another tool might leave it
     capsys.readouterr()
@@ -359,11 +365,11 @@ def test_a_hostile_hub_cannot_write_outside_the_cache(hub: HubState, tmp_path: P
     with pytest.raises(
         HubError, match=rf"{REPO}: the hub listed a file name that leaves the cache"
     ):
-        library.pull(f"{REPO}:Q5_K_S")
+        library.pull(library.request(f"{REPO}:Q5_K_S"))
     del hub.aliases[escape]
     hub.forged_etag = "../../../../" + str(outside).lstrip("/") + "/blob"
     with pytest.raises(HubError, match=rf"{REPO}: the hub sent an ETag that is not a checksum"):
-        library.pull(f"{REPO}:Q4_K_M")
+        library.pull(library.request(f"{REPO}:Q4_K_M"))
     assert not outside.exists()
     cache = app_paths().hub_cache.resolve()
     for path in cache.rglob("*"):
@@ -380,9 +386,9 @@ def test_a_stopped_download_is_listed_and_rm_deletes_it(
             cancel.set()
 
     library = _library()
-    library.pull(f"{REPO}:Q4_K_M")
+    library.pull(library.request(f"{REPO}:Q4_K_M"))
     with pytest.raises(DownloadCancelled):
-        library.pull(f"{REPO}:Q8_0", stop_after_first_chunk, cancel)
+        library.pull(library.request(f"{REPO}:Q8_0"), stop_after_first_chunk, cancel)
     capsys.readouterr()
     assert main(["models", "--json"]) == 0
     rows = [r for r in json.loads(capsys.readouterr().out) if r["model"] == REPO]
@@ -393,12 +399,12 @@ def test_a_stopped_download_is_listed_and_rm_deletes_it(
     assert not list(app_paths().hub_cache.rglob("*.incomplete"))
     assert not library.cache.partials()
     # The finished download beside it is untouched.
-    assert library.path_of(f"{REPO}:Q4_K_M") is not None
+    assert library.path_of(library.request(f"{REPO}:Q4_K_M")) is not None
 
 
 def test_rm_of_a_finished_file_takes_its_leftover_partial_too(hub: HubState) -> None:
     library = _library()
-    path = library.pull(f"{REPO}:Q8_0")
+    path = library.pull(library.request(f"{REPO}:Q8_0"))
     blob = path.resolve()
     leftover = blob.with_name(blob.name + ".incomplete")  # a crash during a re-download
     leftover.write_bytes(b"GGUF")
@@ -427,4 +433,37 @@ def test_a_projector_is_fetched_only_when_asked_and_removed_apart(
     assert names == {"zoo-BF16.gguf"}
     assert main(["pull", f"{REPO}:Q8_0", "--mmproj"]) == 2
     assert f"{REPO} has no vision projector" in capsys.readouterr().err
-    assert library.path_of(f"{REPO}:Q8_0") is None, "refused before the model was fetched"
+    assert library.path_of(library.request(f"{REPO}:Q8_0")) is None, (
+        "refused before the model was fetched"
+    )
+
+
+def _pull(library: Library, text: str, *args: Any) -> Path:
+    """``localchat pull TEXT`` through the library: the name parsed once, then fetched."""
+    return library.pull(library.request(text), *args)
+
+
+def test_a_name_is_parsed_once_and_the_hub_asked_once_per_start(
+    hub: HubState, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A start with a model name: on disk? can it be fetched? which file? fetch it — one
+    parse of the name, one listing of the repo, however many questions are asked of it."""
+    import localchat.models.library as library_module
+
+    parsed: list[str] = []
+    real_parse = library_module.parse_spec
+
+    def counting_parse(text: str, catalog: Any) -> Any:
+        parsed.append(text)
+        return real_parse(text, catalog)
+
+    monkeypatch.setattr(library_module, "parse_spec", counting_parse)
+    library = _library()
+    request = library.request(REPO)  # no quant: the planner picks from the remote header
+    assert library.path_of(request) is None
+    assert library.hub_problem(request) is None
+    path = library.pull(request)
+    assert path.name == library.resolve(request)[1]
+    assert parsed == [REPO]
+    listings = [r for r in hub.requests if r[1].startswith(f"/api/models/{REPO}")]
+    assert len(listings) == 1, listings

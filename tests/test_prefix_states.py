@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 
-from localchat.backends.base import Sampling
 from localchat.backends.llama.engine import Engine, LoadOptions
 from localchat.cli.main import main
 from localchat.conversation.local import Conversation
@@ -17,8 +16,8 @@ from localchat.conversation.prefix_states import ID_PREFIX
 from localchat.paths import app_paths
 from localchat.state.kvstate import StateStore
 from localchat.state.store import Store
+from tests.conftest import GREEDY
 
-GREEDY = Sampling(temperature=0.0)
 PERSONA = " ".join(
     f"Rule {i}: answer in plain words, cite the guide, keep it short." for i in range(18)
 )

@@ -14,7 +14,6 @@ from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 from textual.message import Message
 from textual.widgets import Markdown, Static
 
-from localchat.backends.base import Sampling
 from localchat.backends.llama.engine import Engine, LoadOptions
 from localchat.chat.template import ChatMessage
 from localchat.cli.main import main
@@ -23,10 +22,10 @@ from localchat.state.kvstate import StateStore
 from localchat.state.store import Store
 from localchat.tui.app import LocalChatApp
 from localchat.tui.widgets.chat_message import AssistantMessage
+from tests.conftest import GREEDY
 
 from .tui_helpers import ready, say
 
-GREEDY = Sampling(temperature=0.0)
 CODE_REQUEST = "Write a Python function that adds two numbers."
 
 

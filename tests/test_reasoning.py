@@ -11,7 +11,6 @@ import pytest
 from textual.message import Message
 from textual.widgets import Collapsible, Static
 
-from localchat.backends.base import Sampling
 from localchat.backends.llama.engine import Engine, LoadOptions
 from localchat.chat.reasoning import ReasoningStream, opens_reasoning, split_reasoning
 from localchat.chat.template import ChatMessage
@@ -20,11 +19,11 @@ from localchat.state.export import export_json, export_markdown
 from localchat.state.store import Store
 from localchat.tui.app import LocalChatApp
 from localchat.tui.widgets.chat_message import AssistantMessage
+from tests.conftest import GREEDY
 
 from .tui_helpers import ready, say
 
 OPENS = str(Path(__file__).parent / "templates" / "opens_thinking.jinja")
-GREEDY = Sampling(temperature=0.0)
 REPLY = "<think>\nFirst add 2 and 2.\nThat is 4.\n</think>\n\nThe answer is **4**."
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from localchat.backends.base import Backend, Sampling
+from localchat.backends.base import Backend
 from localchat.backends.llama.engine import Engine, LoadOptions
 from localchat.backends.llama.tools import llama_server_command
 from localchat.backends.remote import (
@@ -35,10 +35,10 @@ from localchat.conversation.remote import RemoteConversation
 from localchat.paths import app_paths
 from localchat.state.kvstate import StateStore
 from localchat.state.store import Store
+from tests.conftest import GREEDY
 from tests.sse_server import ServerScript, SSEServer
 
 KEY = "sekret-key"
-GREEDY = Sampling(temperature=0.0)
 
 
 def _free_port() -> int:

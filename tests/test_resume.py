@@ -17,13 +17,13 @@ from pathlib import Path
 
 import pytest
 
-from localchat.backends.base import Sampling
 from localchat.backends.llama.engine import Engine, LoadOptions
 from localchat.conversation.local import Conversation
 from localchat.paths import app_paths
 from localchat.state.kvstate import StateStore
 from localchat.state.locks import ConversationInUse
 from localchat.state.store import Store
+from tests.conftest import GREEDY
 
 FIRST, SECOND = "Tell me about caches.", "And what about windows?"
 GREEDY_ARGS = ("--temperature", "0", "--max-tokens", "24")
@@ -71,7 +71,7 @@ def _warm_reply(model: Path, kv_type: str = "f16") -> str:
     store = Store(app_paths().database)
     conversation = Conversation.open(store, StateStore(app_paths().states_dir), "warm", engine)
     for text in (FIRST, SECOND):
-        turn = conversation.send(text, Sampling(temperature=0.0), 24)
+        turn = conversation.send(text, GREEDY, 24)
         for _ in turn:
             pass
     assert not turn.restore.restored

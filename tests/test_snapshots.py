@@ -14,7 +14,6 @@ from rich.text import Text
 from textual.pilot import Pilot
 from textual.widgets import DataTable, Sparkline, Static
 
-from localchat.backends.base import Sampling
 from localchat.backends.llama.engine import Engine
 from localchat.models.hardware import Hardware
 from localchat.tui.app import LocalChatApp
@@ -22,6 +21,7 @@ from localchat.tui.screens.conversations import ConversationsScreen
 from localchat.tui.screens.models import ModelsScreen
 from localchat.tui.widgets.prompt_input import PromptInput
 from localchat.tui.widgets.stats_panel import StatsPanel
+from tests.conftest import GREEDY
 
 SIZE = (120, 36)
 GIB = 1024**3
@@ -30,7 +30,7 @@ FIXED_TIME = 1_767_225_600.0  # 2026-01-01 00:00 UTC
 
 async def _settle(pilot: Pilot, app: LocalChatApp) -> None:
     for _ in range(400):
-        if app.conversation is not None and not app._generating:
+        if app.conversation is not None and not app.chat.generating:
             break
         await pilot.pause(0.05)
     await pilot.pause(0.2)
@@ -66,9 +66,7 @@ def _fixed_memory_figures(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def _app(model: Path, name: str = "snapshot") -> LocalChatApp:
-    return LocalChatApp(
-        model, n_ctx=512, max_tokens=24, sampling=Sampling(temperature=0.0), conversation_name=name
-    )
+    return LocalChatApp(model, n_ctx=512, max_tokens=24, sampling=GREEDY, conversation_name=name)
 
 
 def test_chat_screen(snap_compare, tiny_model: Path) -> None:

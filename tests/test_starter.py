@@ -12,12 +12,12 @@ from pathlib import Path
 import pytest
 from textual.message import Message
 
-from localchat.backends.base import Sampling
 from localchat.cli.main import main
 from localchat.models.hub import Progress, file_sha256
 from localchat.models.starter import STARTER, ensure_starter, index_cache_path, starter_on_disk
 from localchat.paths import app_paths
 from localchat.tui.app import LocalChatApp
+from tests.conftest import GREEDY
 
 from .hubserver import HubServer, HubState
 from .indexserver import IndexState
@@ -96,7 +96,7 @@ def test_ask_without_a_model_answers_with_the_starter_model(
 
 async def test_the_app_demo_chats_on_smollm2_and_names_it(starter_cached: Path) -> None:
     seen: list[Message] = []
-    app = LocalChatApp(demo=True, n_ctx=1024, max_tokens=8, sampling=Sampling(temperature=0))
+    app = LocalChatApp(demo=True, n_ctx=1024, max_tokens=8, sampling=GREEDY)
     async with app.run_test(size=(120, 36), message_hook=seen.append) as pilot:
         await ready(pilot, app, seen)
         assert app.backend is not None and app.backend.model_path.name == STARTER.filename

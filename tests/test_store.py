@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from localchat.state.store import MIGRATIONS, ConversationNotFound, Store
+from localchat.state.migrations import MIGRATIONS, sql_statements
+from localchat.state.store import ConversationNotFound, Store
 
 
 @pytest.fixture
@@ -80,8 +81,6 @@ def test_unwritable_data_dir_is_a_clear_error(tmp_path: Path) -> None:
 
 
 def test_migrations_run_as_whole_statements() -> None:
-    from localchat.state.store import sql_statements
-
     script = """
         CREATE TABLE t (a TEXT DEFAULT 'x;y');
         CREATE TRIGGER t_ins AFTER INSERT ON t BEGIN UPDATE t SET a = a || ';'; END;

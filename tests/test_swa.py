@@ -13,15 +13,14 @@ from pathlib import Path
 
 import pytest
 
-from localchat.backends.base import Sampling
 from localchat.backends.llama.engine import Engine, LoadOptions
 from localchat.conversation.local import Conversation
 from localchat.models.demo import make_demo_model
 from localchat.paths import app_paths
 from localchat.state.kvstate import StateStore
 from localchat.state.store import Store
+from tests.conftest import GREEDY
 
-GREEDY = Sampling(temperature=0.0)
 CTX = 4096
 WORDS = "the window keeps what the layers look at and nothing more than that".split()
 

@@ -14,7 +14,6 @@ from pathlib import Path
 
 import pytest
 
-from localchat.backends.base import Sampling
 from localchat.backends.llama.engine import Engine, LoadOptions
 from localchat.chat.formats import BUILTIN, PLAIN, detect_format
 from localchat.chat.template import ChatMessage, ChatTemplate
@@ -22,11 +21,11 @@ from localchat.conversation.local import Conversation
 from localchat.errors import ModelFileError, UsageError
 from localchat.state.kvstate import StateStore
 from localchat.state.store import Store
+from tests.conftest import GREEDY
 
 from .gguf_edit import rewrite_metadata
 
 TEMPLATES = Path(__file__).parent / "templates"
-GREEDY = Sampling(temperature=0.0)
 DAY = datetime(2025, 3, 4, 12, 0)
 
 

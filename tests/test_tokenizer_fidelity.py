@@ -10,15 +10,14 @@ import llama_cpp
 import pytest
 from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 
-from localchat.backends.base import Sampling
 from localchat.backends.llama.engine import Engine, LoadOptions
 from localchat.chat.template import ChatMessage
 from localchat.conversation.local import Conversation
 from localchat.models.demo import TOKENIZERS, make_demo_model
 from localchat.state.kvstate import StateStore
 from localchat.state.store import Store
+from tests.conftest import GREEDY
 
-GREEDY = Sampling(temperature=0.0)
 TEXTS = [
     "hello",
     "Hello, world!",

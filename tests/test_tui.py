@@ -11,7 +11,7 @@ from textual.widgets import Static
 
 import localchat.models.demo as demo_module
 import localchat.session as session_module
-import localchat.tui.app as app_module
+import localchat.tui.chat.turns as turns_module
 from localchat.backends.base import Sampling
 from localchat.backends.compute_thread import on_compute_thread
 from localchat.backends.llama.engine import Engine
@@ -100,7 +100,8 @@ async def test_quitting_mid_reply_keeps_the_partial_reply(
             await pilot.press("ctrl+q")
         else:
             app.exit()
-    assert not any(isinstance(m, ReplyFinished) for m in seen)  # it quit mid-reply
+    finished = [m for m in seen if isinstance(m, ReplyFinished)]
+    assert all(m.stats.stop_reason == "cancelled" for m in finished)  # it quit mid-reply
     store = Store(app_paths().database)
     conversation_id = store.get(name).id
     messages = store.messages(conversation_id)
@@ -145,7 +146,7 @@ async def test_text_held_back_by_the_pacer_is_drawn_when_the_reply_ends(
 ) -> None:
     """A pacer that allows no frame while streaming (a slow machine, a fast model): the whole
     reply still appears once generation ends."""
-    monkeypatch.setattr(app_module, "FramePacer", lambda threads: FramePacer(threads, share=0.0))
+    monkeypatch.setattr(turns_module, "FramePacer", lambda threads: FramePacer(threads, share=0.0))
     seen: list[Message] = []
     app = LocalChatApp(small_model, n_ctx=1024, max_tokens=300, sampling=GREEDY)
     async with app.run_test(message_hook=seen.append) as pilot:

@@ -14,7 +14,7 @@ from localchat.tui.app import LocalChatApp
 from localchat.tui.messages import ReplyFinished
 from localchat.tui.widgets.chat_message import AssistantMessage, ChatEntry, UserMessage
 from localchat.tui.widgets.prompt_input import PromptInput
-from tests.tui_helpers import ready, say, wait_for
+from tests.tui_helpers import ready, say, until, wait_for
 
 GREEDY = Sampling(temperature=0.0)
 
@@ -64,7 +64,7 @@ async def test_a_selected_message_is_edited_into_a_branch_and_switched_back(
         await pilot.press("e")
         assert box.text == "first question"
         await pilot.press("escape")
-        assert box.text == "a draft" and app._editing is None
+        assert box.text == "a draft" and app.chat.editing is None
 
 
 async def test_a_pinned_message_stays_in_the_window_the_others_are_dimmed(
@@ -93,7 +93,8 @@ async def test_a_pinned_message_stays_in_the_window_the_others_are_dimmed(
         assert moved is not None, "the window never moved"
         assert conversation.window_first > 1
         # The model still reads the pinned exchange; a message that left is dimmed.
-        assert conversation.sees(0) and conversation.sees(1) and not conversation.sees(2)
+        ids = [e.record.id for e in conversation.exchanges[:3]]
+        assert [conversation.sees(i) for i in ids] == [True, True, False]
         prompt_text = conversation.engine.detokenize(moved.turn.prompt.tokens)
         assert "falcon" in prompt_text
         entries = list(app.query(ChatEntry))
@@ -142,12 +143,12 @@ async def test_a_file_is_attached_to_the_next_message(tiny_model: Path, tmp_path
         assert sent.startswith("File: notes.md\n```markdown\n# Notes") and sent.endswith(
             "\n\nwhat do my notes say"
         )
-        assert not app._attachments  # they went with that message
+        assert not app.chat.attachments  # they went with that message
         big = tmp_path / "big.log"
         big.write_text("line of a long log file\n" * 400)
         await attach(big)
         assert any("use --ctx" in n.message and "big.log" in n.message for n in app._notifications)
-        assert not app._attachments
+        assert not app.chat.attachments
 
 
 async def test_code_blocks_and_selected_text_are_copied(tiny_model: Path) -> None:
@@ -171,7 +172,7 @@ async def test_code_blocks_and_selected_text_are_copied(tiny_model: Path) -> Non
             await pilot.pause(0.02)
         await pilot.press("k", "k", "k")  # the last block, the one before, round again
         assert copied == ["echo 1\n", "print(1)\n", "echo 1\n"]
-        app.action_copy_code()
+        app.chat.action_copy_code()
         assert copied[-1] == "echo 1\n"
         # Text selected with the mouse: Ctrl+C copies it (to the terminal's clipboard).
         body = entry.query_one(".body")
@@ -210,9 +211,12 @@ async def test_a_selected_message_forks_a_conversation_from_the_saved_cache(
         stats = finished.turn.stats_dict()
         assert stats["kept_tokens"] > stats["prompt_tokens_evaluated"]  # from the source's cache
         # The palette's branch commands act on the last message with branches.
-        app._step_last_branch(-1)
-        await pilot.pause(0.2)
-        assert any("no other branches" in n.message for n in app._notifications)
+        await app.chat.step_last_branch(-1)
+        await until(
+            pilot,
+            lambda: any("no other branches" in n.message for n in app._notifications),
+            "the notice that there are no other branches",
+        )
 
 
 async def test_an_edit_left_for_another_conversation_gives_the_box_back(
@@ -231,7 +235,7 @@ async def test_an_edit_left_for_another_conversation_gives_the_box_back(
         assert box.text == "second question"
         await pilot.press("ctrl+n")  # a new conversation: the edit does not follow
         await pilot.pause(0.3)
-        assert app._editing is None and box.text == "my draft"
+        assert app.chat.editing is None and box.text == "my draft"
         box.focus()
         finished = await say(pilot, seen, " and more")
         assert isinstance(finished, ReplyFinished)

@@ -75,7 +75,7 @@ async def test_first_start_downloads_the_default_model_with_a_progress_screen(
         notices = [m.text for m in seen if isinstance(m, StartupNotice)]
         assert any("tok/s here" in n for n in notices), notices
         assert any("tok/s here" in p for p in plans), plans
-        assert type(app.screen).__name__ == "Screen", (
+        assert type(app.screen).__name__ == "ChatScreen", (
             "the progress screen closes when the model loads"
         )
         assert app.backend is not None

@@ -85,7 +85,10 @@ async def test_regenerate_and_system_prompt(tiny_model: Path) -> None:
         finished = await say(pilot, seen, "again")
         # The system prompt moved the head of the prompt: it was evaluated again.
         assert finished.stats.prompt_tokens_evaluated > 10
-        assert app.conversation.branches_at(0) == (3, 3)  # two answers to "tell me", and this
+        assert app.conversation.branches_at(app.conversation.exchanges[0].record.id) == (
+            3,
+            3,
+        )  # two answers to "tell me", and this
 
 
 @pytest.fixture
@@ -152,6 +155,7 @@ async def test_models_screen_downloads_with_progress_and_switches(
         assert app.conversation.record.name == name
         finished_turn = await say(pilot, seen, "hello on small")
         assert finished_turn.turn.conversation.engine.model_path == finished.path
+        assert app.conversation.wait_saved() is None  # the new model's state is written
         states = list(app_paths().states_dir.glob(f"{app.conversation.record.id}.*.lckv"))
         assert len(states) == 2
 

@@ -12,8 +12,9 @@ import pytest
 from localchat.backends.base import Sampling
 from localchat.backends.llama.engine import Engine, LoadOptions
 from localchat.chat.prompt import settled_chars
-from localchat.conversation.local import READ_AHEAD_BATCH, Conversation, ReadAheadResult
+from localchat.conversation.local import READ_AHEAD_BATCH, Conversation
 from localchat.conversation.prefix_states import ID_PREFIX
+from localchat.conversation.turn import ReadAheadResult
 from localchat.models.demo import make_demo_model
 from localchat.paths import app_paths
 from localchat.state.kvstate import StateStore

@@ -9,16 +9,15 @@ from pathlib import Path
 
 import pytest
 
-from localchat.backends.base import Sampling
 from localchat.backends.llama.engine import Engine, LoadOptions
 from localchat.chat.window import WindowPolicy, plan_window, resolve_mode, shift_is_safe
 from localchat.conversation.local import Conversation
 from localchat.errors import UsageError
 from localchat.state.kvstate import StateStore
 from localchat.state.store import Store
+from tests.conftest import GREEDY
 
 CTX = 256
-GREEDY = Sampling(temperature=0.0)
 SYSTEM = "You are a careful assistant who never forgets this instruction."
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from textual.message import Message
 from textual.pilot import Pilot
 
@@ -22,6 +24,18 @@ async def wait_for(
     raise AssertionError(f"no {kind.__name__} within {timeout_s} s")
 
 
+async def until(
+    pilot: Pilot, condition: Callable[[], bool], what: str, timeout_s: float = 60.0
+) -> None:
+    """Wait (pausing the pilot) until ``condition()`` holds."""
+    waited = 0.0
+    while not condition():
+        if waited >= timeout_s:
+            raise AssertionError(f"waited {timeout_s} s for {what}")
+        await pilot.pause(0.05)
+        waited += 0.05
+
+
 async def ready(pilot: Pilot, app: LocalChatApp, seen: list[Message]) -> None:
     await wait_for(pilot, seen, ModelLoaded)
     for _ in range(200):
@@ -36,4 +50,7 @@ async def say(pilot: Pilot, seen: list[Message], text: str) -> ReplyFinished:
     await pilot.press(*text, "enter")
     finished = await wait_for(pilot, seen, ReplyFinished, after=mark)
     assert isinstance(finished, ReplyFinished)
+    app = pilot.app
+    if isinstance(app, LocalChatApp):  # the chat screen has drawn it all
+        await until(pilot, lambda: not app.chat.generating, "the reply to be drawn")
     return finished

@@ -4,7 +4,8 @@ llama-cpp-python's own server, all streamed over Server-Sent Events.
 The server renders the chat template and keeps its own cache (vLLM's prefix cache,
 llama-server's slots); localchat keeps the transcript, the window and the figures. What a
 server answers is outside text: every error names the server and is one bounded line, and
-replies are shown as text by the layers above. httpx and httpx-sse carry the wire.
+replies are shown as text by the layers above. httpx and httpx-sse carry the wire, all of
+it here: a reply's events are read into text and figures by ``remote_reply``.
 """
 
 from __future__ import annotations
@@ -17,17 +18,23 @@ import socket
 import threading
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
 import httpx
 import httpx_sse
 
-from localchat.backends.base import BackendView, CacheView, Sampling, TokenDelta, TurnStats
-from localchat.chat.reasoning import CLOSE, OPEN, ReasoningStream, split_reasoning
+from localchat.backends.base import BackendView, CacheView, Sampling
+from localchat.backends.remote_errors import (
+    ERROR_TEXT_LIMIT,
+    ContextExceeded,
+    RemoteError,
+    ServerRefused,
+)
+from localchat.backends.remote_reply import RemoteReply
 from localchat.chat.template import ChatMessage
-from localchat.errors import UsageError, WorldError, one_line
+from localchat.errors import UsageError, one_line
 from localchat.text import shown
 
 # The key: localchat's own variable first, then the one every OpenAI client reads.
@@ -39,13 +46,10 @@ READ_TIMEOUT_S = 600.0
 # cannot count: the window plans with it, and the figures say "estimated".
 MESSAGE_OVERHEAD_TOKENS = 6
 CHARS_PER_TOKEN = 4
-# How often a waiting stream looks at the cancel flag (a slow first token is cancellable).
-CANCEL_POLL_S = 0.05
 # The cache figure after a turn is a nicety: never worth more than this wait.
 METRICS_TIMEOUT_S = 1.0
 # Texts whose counts are remembered (a long conversation's messages, not without bound).
 COUNT_CACHE_SIZE = 4096
-ERROR_TEXT_LIMIT = 160
 # Prometheus gauges that say how full the server's KV cache is (0–1).
 KV_USAGE_METRICS = (
     "llamacpp:kv_cache_usage_ratio",
@@ -58,22 +62,6 @@ _CONTEXT_ERROR = re.compile(
 _CONTEXT_LIMIT = re.compile(
     r"(?:maximum context length|context window of|n_ctx)\D{0,20}(\d+)", re.I
 )
-
-
-class RemoteError(WorldError):
-    """The server or the network failed (exit code 1); the message names the server."""
-
-
-class ServerRefused(UsageError):
-    """The server refused what the user asked for: the key, the model, the URL (exit 2)."""
-
-
-class ContextExceeded(RemoteError):
-    """The server said the prompt does not fit; ``limit`` is its context where it said so."""
-
-    def __init__(self, message: str, limit: int | None) -> None:
-        super().__init__(message)
-        self.limit = limit
 
 
 def api_key_from_env(key_env: str | None = None) -> str | None:
@@ -434,83 +422,40 @@ class RemoteBackend:
         except BaseException:
             context.__exit__(None, None, None)
             raise
-        return RemoteReply(self, context, source, sent, cancel, prompt_tokens)
+        connection = _SSEConnection(context, source, self.server, cancel)
+        return RemoteReply(self, connection, sent, cancel, prompt_tokens)
 
 
-@dataclass
-class RemoteReply:
-    """A reply streaming from the server: iterate for deltas; the stream is closed however
-    iteration ends, and a cancel closes the connection so the server stops generating."""
+class _SSEConnection:
+    """A reply's open connection, the part of it that is httpx's (``remote_reply.EventStream``):
+    the events' data as they arrive, a hang-up, the close."""
 
-    backend: RemoteBackend
-    _context: Any  # httpx_sse's context manager, exited when the reply ends
-    _source: httpx_sse.EventSource
-    _sent_at: float
-    _cancel: threading.Event | None
-    _prompt_estimate: int
-    stats: TurnStats = field(default_factory=TurnStats)
-    text: str = ""
-    tokens: list[int] = field(default_factory=list)
-    chunks: int = 0  # content-bearing events: about one token each on llama.cpp servers
-    _closed: threading.Event = field(default_factory=threading.Event)
-    _close_lock: threading.Lock = field(default_factory=threading.Lock)
-    _ended: bool = False  # the server said the reply is over ([DONE] or a finish reason)
-    _thinking: bool = False  # inside reasoning the server sends apart from the content
-    _server_generated: int | None = None  # the server's own count of the reply's tokens
+    def __init__(
+        self,
+        context: Any,  # httpx_sse's context manager, exited when the reply ends
+        source: httpx_sse.EventSource,
+        server: str,
+        cancel: threading.Event | None,
+    ) -> None:
+        self._context = context
+        self._source = source
+        self._server = server
+        self._cancel = cancel
 
-    @property
-    def answer(self) -> str:
-        return split_reasoning(self.text)[1]
-
-    @property
-    def reasoning(self) -> str:
-        return split_reasoning(self.text)[0]
-
-    def __iter__(self) -> Iterator[TokenDelta]:
-        watcher = threading.Thread(target=self._watch_cancel, name="remote-cancel", daemon=True)
-        watcher.start()
-        failed = False
+    def data(self) -> Iterator[str]:
+        """Each event's data; a connection that breaks is a RemoteError, unless the user
+        cancelled (the hang-up broke it): then the events just end."""
         try:
-            yield from self._read()
-        except RemoteError:
-            self.stats.stop_reason = "error"  # what arrived is kept, as a partial reply
-            failed = True
-            raise
-        except BaseException:  # the reader stopped early (Ctrl-C, a closed iterator)
-            if not self._ended:
-                self.stats.stop_reason = "cancelled"
-            failed = True
-            raise
-        finally:
-            self._close()
-            self._settle()
-            if not failed and not self._cancelled():
-                self.stats.server_kv_usage = self.backend.cache_usage()
+            for event in self._source.iter_sse():
+                yield event.data
+        except httpx.HTTPError as exc:
+            if self._cancel is None or not self._cancel.is_set():
+                raise RemoteError(
+                    f"{self._server}: the connection broke mid-reply ({shown(str(exc), 80)});"
+                    " the partial reply is kept"
+                ) from None
 
-    def _settle(self) -> None:
-        """The figures however the reply ended (finished, stopped, cut): a reasoning block
-        left open is closed in the text; the prompt's rate from what the server said, else
-        from the first token's wait."""
-        stats = self.stats
-        if self._thinking:
-            self.text += CLOSE
-            self._thinking = False
-        stats.prompt_tokens_evaluated = stats.prompt_tokens_evaluated or stats.prompt_tokens
-        if not stats.prompt_tps and stats.ttft_s > 0:
-            stats.prompt_tps = stats.prompt_tokens_evaluated / stats.ttft_s
-
-    def _cancelled(self) -> bool:
-        return self._cancel is not None and self._cancel.is_set()
-
-    def _watch_cancel(self) -> None:
-        """Hang up as soon as the user cancels, even while the server is still reading the
-        prompt and sends nothing (no event arrives to look at the flag)."""
-        while not self._closed.wait(CANCEL_POLL_S):
-            if self._cancelled():
-                self._hang_up()
-                return
-
-    def _hang_up(self) -> None:
+    def hang_up(self) -> None:
         """Shut the socket down: on Linux that wakes a reader blocked in ``recv`` (closing
         alone does not) and tells the server, which stops generating. The reader closes the
         response itself when it wakes."""
@@ -520,131 +465,5 @@ class RemoteReply:
             with contextlib.suppress(OSError):
                 sock.shutdown(socket.SHUT_RDWR)
 
-    def _close(self) -> None:
-        with self._close_lock:
-            if self._closed.is_set():
-                return
-            self._closed.set()
-        with contextlib.suppress(Exception):
-            self._context.__exit__(None, None, None)
-
-    def _read(self) -> Iterator[TokenDelta]:
-        stats = self.stats
-        stats.kv_bytes_used = stats.kv_bytes_allocated = None
-        stats.prompt_tokens = self._prompt_estimate
-        stats.counted = "estimated"  # until the server's usage report says otherwise
-        stats.stop_reason = "length"
-        reasoning = ReasoningStream(False)
-        server = self.backend.server
-        first_at = last_at = 0.0
-        finished = False
-        try:
-            for event in self._source.iter_sse():
-                if self._cancelled():
-                    break
-                data = event.data.strip()
-                if data == "[DONE]":
-                    finished = self._ended = True
-                    break
-                if not data:
-                    continue
-                try:
-                    chunk = json.loads(data)
-                except ValueError:
-                    raise RemoteError(
-                        f"{server} sent a malformed event ({shown(data, 60)}); the partial"
-                        " reply is kept"
-                    ) from None
-                if not isinstance(chunk, dict):
-                    raise RemoteError(f"{server} sent an event that is not a JSON object")
-                if "error" in chunk:
-                    error = chunk["error"]
-                    message = error.get("message") if isinstance(error, dict) else error
-                    raise RemoteError(
-                        f"{server} failed mid-reply ({shown(str(message), ERROR_TEXT_LIMIT)});"
-                        " the partial reply is kept"
-                    )
-                self._read_figures(chunk)
-                for choice in chunk.get("choices") or []:
-                    if not isinstance(choice, dict):
-                        continue
-                    delta = choice.get("delta") or {}
-                    parts: list[tuple[bool, str]] = []
-                    # A server that parses reasoning sends it apart; the transcript keeps
-                    # it as the model wrote it, inside <think>…</think>.
-                    thought = delta.get("reasoning_content") or delta.get("reasoning")
-                    if isinstance(thought, str) and thought:
-                        if not self._thinking:
-                            self.text += OPEN
-                            self._thinking = True
-                        parts.append((True, thought))
-                        self.text += thought
-                    content = delta.get("content")
-                    if isinstance(content, str) and content:
-                        if self._thinking:
-                            self.text += CLOSE + "\n"
-                            self._thinking = False
-                        self.text += content
-                        parts.extend(reasoning.feed(content))
-                    if parts:
-                        now = time.perf_counter()
-                        if not self.chunks:
-                            first_at = now
-                            stats.ttft_s = now - self._sent_at
-                            stats.first_token_at = now
-                        self.chunks += 1
-                        last_at = now
-                        self._count_generated(first_at, last_at)
-                        for is_reasoning, text in parts:
-                            yield TokenDelta(None, text, is_reasoning)
-                    reason = choice.get("finish_reason")
-                    if isinstance(reason, str) and reason:
-                        stats.stop_reason = {"stop": "eos"}.get(reason, reason)
-                        self._ended = True
-            else:
-                finished = finished or self._cancelled()
-        except httpx.HTTPError as exc:
-            if not self._cancelled():
-                raise RemoteError(
-                    f"{server}: the connection broke mid-reply ({shown(str(exc), 80)});"
-                    " the partial reply is kept"
-                ) from None
-        if self._cancelled():
-            stats.stop_reason = "cancelled"
-            return
-        for is_reasoning, text in reasoning.flush():
-            yield TokenDelta(None, text, is_reasoning)
-        if not finished:
-            raise RemoteError(
-                f"{server}: the stream ended before the reply did; the partial reply is kept"
-            )
-        self._count_generated(first_at, last_at)
-
-    def _count_generated(self, first_at: float, last_at: float) -> None:
-        """Tokens written and their rate, by the server's count where it sent one."""
-        stats = self.stats
-        stats.generated_tokens = self._server_generated or self.chunks
-        if stats.generated_tokens > 1 and last_at > first_at:
-            stats.gen_tps = (stats.generated_tokens - 1) / (last_at - first_at)
-
-    def _read_figures(self, chunk: dict[str, Any]) -> None:
-        """The server's own counts: OpenAI ``usage`` (vLLM, llama-server, Ollama) and
-        llama-server's ``timings`` (what it evaluated, what its cache already held)."""
-        stats = self.stats
-        usage = chunk.get("usage")
-        if isinstance(usage, dict):
-            if isinstance(usage.get("prompt_tokens"), int):
-                stats.prompt_tokens = usage["prompt_tokens"]
-                stats.prompt_tokens_evaluated = (
-                    stats.prompt_tokens_evaluated or usage["prompt_tokens"]
-                )
-            if isinstance(usage.get("completion_tokens"), int):
-                self._server_generated = usage["completion_tokens"]
-            stats.counted = "server"
-        timings = chunk.get("timings")
-        if isinstance(timings, dict):
-            if isinstance(timings.get("prompt_n"), int):
-                stats.prompt_tokens_evaluated = timings["prompt_n"]
-            rate = timings.get("prompt_per_second")
-            if isinstance(rate, (int, float)) and rate > 0:
-                stats.prompt_tps = float(rate)
+    def close(self) -> None:
+        self._context.__exit__(None, None, None)

@@ -44,7 +44,7 @@ def bench_branch(model_path: Path, progress: Progress = None) -> dict[str, Any]:
         history = len(engine.cached_tokens)
         _say(progress, f"branch: a {BRANCH_TURNS}-turn conversation of {history} tokens")
         edit_at = 2 * BRANCH_EDIT_AT
-        conversation.branch_before(edit_at)
+        conversation.branch_before(conversation.exchanges[edit_at].record.id)
         turn = conversation.send(BRANCH_EDITED, greedy, REPLY_TOKENS)
         for _ in turn:
             pass

@@ -10,26 +10,30 @@ from __future__ import annotations
 import sqlite3
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import datetime
-from typing import Any
 
-from localchat.backends.base import Reply, Sampling, TokenDelta, TurnStats
+from localchat.backends.base import Sampling
 from localchat.backends.llama.engine import Engine, ReplayStopped
 from localchat.chat.prompt import BuiltPrompt, common_prefix, settled_chars
 from localchat.chat.template import ChatMessage
 from localchat.chat.window import WindowPlan, WindowPolicy, plan_window, resolve_mode, shift_is_safe
+from localchat.conversation.base import ConversationBase, open_record
 from localchat.conversation.prefix_states import (
     DEFAULT_MIN_TOKENS,
-    PrefixStart,
     prefix_spans,
     start_from_prefix,
 )
-from localchat.errors import UsageError
+from localchat.conversation.turn import (
+    ConversationTurn,
+    ReadAheadResult,
+    ReplyStart,
+    RestoreReport,
+    WindowReport,
+)
 from localchat.state.kvstate import BackgroundSaver, SavedState, StateRejected, StateStore
-from localchat.state.locks import ConversationLock
-from localchat.state.store import ConversationRecord, MessageRecord, Store
+from localchat.state.store import ConversationRecord, Store
 
 NO_STATE = "no saved state"
 # Re-tokenizing a cut message can take a few more tokens than counted; leave this much room.
@@ -40,36 +44,6 @@ READ_AHEAD_BATCH = 16
 
 
 @dataclass
-class RestoreReport:
-    """How the turn's cache was prepared: restored from disk, reused in memory, or rebuilt.
-
-    ``replayed`` tokens were re-evaluated from the transcript before the turn (in their
-    original batches); ``seconds`` covers the restore or the replay.
-    """
-
-    restored: bool = False
-    tokens: int = 0
-    seconds: float = 0.0
-    notice: str | None = None
-    replayed: int = 0
-    prefix_tokens: int = 0  # restored from a shared prefix state (a known system prompt)
-    read_ahead: int = 0  # prompt tokens evaluated while the message was being typed
-
-    @classmethod
-    def from_prefix(cls, start: PrefixStart | None, notice: str | None = None) -> RestoreReport:
-        """How a cold start began: a prefix restored, or read and saved (counted as read
-        before the turn), or nothing (None)."""
-        if start is None:
-            return cls(notice=notice)
-        return cls(
-            seconds=start.seconds,
-            notice=notice,
-            replayed=start.evaluated,
-            prefix_tokens=start.restored,
-        )
-
-
-@dataclass
 class _ReadAhead:
     """A message being read ahead: how the cache was prepared for it (a restore, a known
     system prompt: already paid for when it is sent), and what the last full read covered.
@@ -77,438 +51,6 @@ class _ReadAhead:
 
     report: RestoreReport = field(default_factory=RestoreReport)
     settled: tuple[str, str | None, int | None, int] | None = None
-
-
-@dataclass(frozen=True)
-class ReadAheadResult:
-    """How many tokens the cache holds ahead of the conversation, and whether reading went
-    as far as it could (False: it gave way to other work, and is to be asked again)."""
-
-    tokens: int
-    finished: bool = True
-
-
-@dataclass
-class Exchange:
-    """A message as the conversation knows it: the stored record and its prompt form."""
-
-    record: MessageRecord
-    prompt: ChatMessage
-
-
-@dataclass
-class ConversationTurn:
-    """A turn in progress; iterate for deltas. The reply is committed and the state saved when
-    iteration ends, however it ends (finished, cancelled, interrupted)."""
-
-    conversation: ConversationBase
-    user: Exchange
-    prompt: BuiltPrompt
-    generation: Reply
-    restore: RestoreReport
-    started_at: float
-    window: WindowReport
-    messages: list[ChatMessage]  # what the prompt was built from (the window)
-    reply: Exchange | None = None
-    notices: list[str] = field(default_factory=list)
-    # When the user sent the message (Enter in the app; else when ``send`` began), on
-    # ``time.perf_counter``'s clock.
-    entered_at: float = 0.0
-
-    def __iter__(self) -> Iterator[TokenDelta]:
-        try:
-            yield from self.generation
-        finally:
-            self.reply = self.conversation._finish(self)
-
-    @property
-    def stats(self) -> TurnStats:
-        return self.generation.stats
-
-    @property
-    def resume_ttft_s(self) -> float:
-        """Time to first token including the restore: what the user waited."""
-        return self.restore.seconds + self.generation.stats.ttft_s
-
-    @property
-    def sent_ttft_s(self) -> float:
-        """From the message being sent (Enter) to the first token: everything the user
-        waited for, a step of reading ahead that was finishing included."""
-        first = self.generation.stats.first_token_at
-        if first is None:
-            return self.resume_ttft_s
-        return first - (self.entered_at or self.started_at)
-
-    def stats_dict(self) -> dict[str, Any]:
-        stats = turn_stats_dict(self.generation.stats, self.restore, self.window, self.prompt)
-        stats["sent_ttft_s"] = round(self.sent_ttft_s, 6)
-        return stats
-
-
-@dataclass(frozen=True)
-class WindowReport:
-    """What the window did this turn: how much left it, and how the cache followed."""
-
-    mode: str = "none"  # "none" (it did not move), "shift" or "exact"
-    dropped_messages: int = 0
-    dropped_tokens: int = 0
-    cut_tokens: int = 0
-    kept_pinned: int = 0  # pinned messages among the old ones: they stay in the window
-
-
-def turn_stats_dict(
-    stats: TurnStats,
-    restore: RestoreReport | None = None,
-    window: WindowReport | None = None,
-    prompt: BuiltPrompt | None = None,
-) -> dict[str, Any]:
-    """A turn's figures as ``ask --json`` and the stored message report them."""
-    restore = restore or RestoreReport()
-    window = window or WindowReport()
-    prompt = prompt or BuiltPrompt([])
-    return {
-        "prompt_tokens": stats.prompt_tokens,
-        "prompt_tokens_evaluated": stats.prompt_tokens_evaluated + restore.replayed,
-        # Of the prompt, what came from the cache (in memory, restored, read ahead) unread.
-        "kept_tokens": max(
-            0, stats.prompt_tokens - stats.prompt_tokens_evaluated - restore.replayed
-        ),
-        "generated_tokens": stats.generated_tokens,
-        "ttft_s": round(restore.seconds + stats.ttft_s, 6),
-        "prompt_tps": round(stats.prompt_tps, 3),
-        "gen_tps": round(stats.gen_tps, 3),
-        "kv_bytes_used": stats.kv_bytes_used,
-        "kv_bytes_allocated": stats.kv_bytes_allocated,
-        "server_kv_usage": stats.server_kv_usage,
-        "tokens_counted_by": stats.counted,
-        "restored_from_state": restore.restored,
-        "restored_tokens": restore.tokens,
-        "restored_prefix_tokens": restore.prefix_tokens,
-        "read_ahead_tokens": restore.read_ahead,
-        "restore_s": round(restore.seconds, 6),
-        "window_dropped_messages": window.dropped_messages,
-        "window_dropped_tokens": window.dropped_tokens,
-        "window_cut_tokens": window.cut_tokens,
-        "window_mode": window.mode,
-        "history_reevaluated_tokens": prompt.discarded,
-        "history_reevaluated_reason": prompt.discarded_reason,
-        "stop_reason": stats.stop_reason,
-    }
-
-
-def open_record(
-    store: Store, name: str, system_prompt: str | None, model_name: str
-) -> ConversationRecord:
-    """The stored conversation ``name``, created if new; a given system prompt replaces the
-    stored one (of the branch in view)."""
-    record = store.find(name)
-    if record is None:
-        return store.create_conversation(name, system_prompt, model_name)
-    if system_prompt is not None and system_prompt != record.system_prompt:
-        store.set_system_prompt(record.id, system_prompt)
-        return store.get(name)
-    return record
-
-
-class ConversationBase:
-    """What a conversation is over any backend: its transcript (the truth), where its window
-    starts for this model, and the lock that keeps a second process from answering in it."""
-
-    def __init__(
-        self,
-        store: Store,
-        states: StateStore,
-        record: ConversationRecord,
-        fingerprint: str,
-        window_policy: WindowPolicy | None = None,
-        wait_s: float = 0.0,
-    ) -> None:
-        """``wait_s``: how long to wait while another process answers in this conversation."""
-        self.window_policy = window_policy or WindowPolicy()
-        self.store = store
-        self.states = states
-        self.record = record
-        self._lock = ConversationLock(states.directory, record.id, record.name, wait_s)
-        self.closed = False
-        self.fingerprint = fingerprint
-        self.exchanges = self._load_exchanges()
-        self.window_first = self._recorded_window_start()
-        # The branch in view changed since the last turn (an edit, a regenerate, a switch):
-        # the cache holds another branch and is cut back to where the two agree.
-        self.branched = False
-        # Where the branch in view ended (and its system prompt) before a branch began that
-        # has no reply yet: a send that fails puts it back.
-        self._head_before: tuple[int | None, str | None] | None = None
-
-    def _recorded_window_start(self) -> int:
-        """Where this model's window starts in the branch in view: the message recorded as
-        its start when that message is on this branch, else the first (the next turn's plan
-        moves it as far as the context needs)."""
-        first_seq = self.store.window_start(self.record.id, self.fingerprint)
-        return next((i for i, e in enumerate(self.exchanges) if e.record.seq == first_seq), 0)
-
-    def _mark_branched(self) -> None:
-        """The branch in view changed. A saved cache whose window was shifted in place (no
-        record of its batches) cannot be cut back to the branch point exactly, in this
-        process or a later one: it goes, and the next turn reads the branch again."""
-        self.branched = True
-        self.states.discard_unlisted(self.record.id, self.store.model_fingerprints(self.record.id))
-
-    def _remember_head(self) -> None:
-        if self._head_before is None:
-            self._head_before = (self.store.head(self.record.id), self.record.system_prompt)
-
-    def close(self) -> None:
-        self.closed = True
-        self._lock.release()
-
-    # -- what a cache kept here adds (a local model); a server keeps its own --------------
-    reads_ahead = False  # the message being typed is evaluated before it is sent
-
-    def restore_now(self) -> RestoreReport | None:
-        """The saved cache into memory now (None: there is none to restore here)."""
-        return None
-
-    def on_save_error(self, report: Callable[[str], None]) -> None:
-        """Where a failed background save of the cache is reported."""
-
-    def wait_saved(self) -> None:
-        """Until the last background save of the cache is written."""
-
-    def context_tokens(self, turn: ConversationTurn | None = None) -> int:
-        """Tokens the context holds now (a server's: the last turn's prompt and reply)."""
-        if turn is None:
-            return 0
-        return turn.stats.prompt_tokens + turn.stats.generated_tokens
-
-    def read_ahead(self, draft: str, max_tokens: int, stop: Callable[[], bool]) -> ReadAheadResult:
-        """Evaluate the message being typed (only where ``reads_ahead``)."""
-        return ReadAheadResult(0)
-
-    # -- transcript ----------------------------------------------------------------------
-    def _load_exchanges(self) -> list[Exchange]:
-        records = self.store.messages(self.record.id)
-        return [Exchange(r, ChatMessage(r.role, r.content)) for r in records]
-
-    def system_messages(self) -> list[ChatMessage]:
-        if not self.record.system_prompt:
-            return []
-        return [ChatMessage("system", self.record.system_prompt)]
-
-    def window_messages(self, first: int | None = None) -> list[ChatMessage]:
-        """What the model sees: the system prompt, the pinned messages before ``first``
-        (default: the window's start), and the messages from there."""
-        first = self.window_first if first is None else first
-        pinned = [e.prompt for e in self._pinned_before(first)]
-        return self.system_messages() + pinned + [e.prompt for e in self.exchanges[first:]]
-
-    def head_count(self, first: int | None = None) -> int:
-        """Messages at the window's head that never leave it: the system prompt and the
-        pinned messages before ``first``."""
-        first = self.window_first if first is None else first
-        return len(self.system_messages()) + len(self._pinned_before(first))
-
-    def _pinned_before(self, first: int) -> list[Exchange]:
-        return [e for e in self.exchanges[:first] if e.record.pinned]
-
-    def pinned_flags(self, n: int) -> list[bool]:
-        """For the window's ``n`` messages (from its start; a draft after them): pinned?"""
-        flags = [e.record.pinned for e in self.exchanges[self.window_first :]]
-        return (flags + [False] * n)[:n]
-
-    def sees(self, index: int) -> bool:
-        """Whether the model still sees message ``index`` (in the window, or pinned)."""
-        return index >= self.window_first or self.exchanges[index].record.pinned
-
-    def pin(self, index: int, pinned: bool = True) -> None:
-        """Keep message ``index`` and the other half of its exchange (a question and its
-        reply: templates want them in turn) in the context window however long the
-        conversation grows, or let them leave again. Before the window's start, that changes
-        what the model sees there: the next turn reads from it (exactly, as after an edit)."""
-        role = self.exchanges[index].record.role
-        partner = index + 1 if role == "user" else index - 1
-        indexes = [index]
-        if 0 <= partner < len(self.exchanges) and self.exchanges[partner].record.role != role:
-            indexes.append(partner)
-        for i in indexes:
-            record = self.exchanges[i].record
-            self.store.set_pinned(record.id, pinned)
-            record.pinned = pinned
-        if min(indexes) < self.window_first:
-            self._mark_branched()
-
-    def _commit_user(self, text: str) -> Exchange:
-        """The user's message, in the transcript before anything can fail."""
-        record = self.store.add_message(self.record.id, "user", text)
-        user = Exchange(record, ChatMessage("user", text))
-        self.exchanges.append(user)
-        return user
-
-    def _take_back_user(self, user: Exchange, window_before: int) -> bool:
-        """The turn never started: the message is handed back to the caller (not kept twice)
-        and the window is where it was. True if the window had moved."""
-        self.exchanges.remove(user)
-        self.store.delete_message(user.record)
-        moved = self.window_first != window_before
-        self.window_first = window_before
-        if self._head_before is not None:  # the branch it was to start: back as it was
-            head, system_prompt = self._head_before
-            self._head_before = None
-            if system_prompt != self.record.system_prompt:
-                self.store.update_conversation(self.record.id, system_prompt=system_prompt)
-                self.record = self.store.get(self.record.name)
-            self.store.set_head(self.record.id, head)
-            self.exchanges = self._load_exchanges()
-            self.window_first = self._recorded_window_start()
-        return moved
-
-    def _store_reply(self, reply: Reply, stats: dict[str, Any], model_name: str) -> Exchange:
-        """Commit the reply (partial if it did not end by itself) and where the window is."""
-        status = "complete" if reply.stats.stop_reason in ("eos", "length", "stop") else "partial"
-        record = self.store.add_message(
-            self.record.id,
-            "assistant",
-            reply.text,
-            status=status,
-            stats=stats,
-            tokens=reply.tokens,
-            model_fingerprint=self.fingerprint,
-        )
-        self.store.update_conversation(self.record.id, model=model_name)
-        self._head_before = None  # the new branch has its reply: it stays
-        exchange = Exchange(record, ChatMessage("assistant", reply.text))
-        self.exchanges.append(exchange)
-        return exchange
-
-    def _record_window_start(self) -> None:
-        if self.window_first < len(self.exchanges):
-            first_seq = self.exchanges[self.window_first].record.seq
-            self.store.set_window_start(self.record.id, self.fingerprint, first_seq)
-
-    def send(
-        self,
-        text: str,
-        sampling: Sampling | None = None,
-        max_tokens: int = 512,
-        cancel: threading.Event | None = None,
-        fresh: bool = False,
-        entered_at: float | None = None,
-    ) -> ConversationTurn:
-        """Commit the user's message and start the reply (each backend prepares its own).
-        ``entered_at``: when the user sent it (``time.perf_counter``), if before this call."""
-        raise NotImplementedError
-
-    def _finish(self, turn: ConversationTurn) -> Exchange:
-        """Commit the reply when the turn's iteration ends, however it ends."""
-        raise NotImplementedError
-
-    @staticmethod
-    def _window_notices(window: WindowReport) -> list[str]:
-        notices = []
-        if window.dropped_messages:
-            pinned = f"; {window.kept_pinned} pinned stay in it" if window.kept_pinned else ""
-            notices.append(
-                f"{window.dropped_messages} older messages ({window.dropped_tokens} tokens) left"
-                f" the context window ({window.mode}); they stay in the transcript{pinned}"
-            )
-        if window.cut_tokens:
-            notices.append(
-                f"your message is longer than the context: its first {window.cut_tokens} tokens"
-                " were left out (the full text is in the transcript)"
-            )
-        return notices
-
-    def take_back_last_exchange(self) -> str | None:
-        """Step back to before the last question (to answer it again); returns the question.
-        The question and its reply stay, as a branch beside the one the next turn writes."""
-        last_user = next(
-            (
-                i
-                for i in range(len(self.exchanges) - 1, -1, -1)
-                if self.exchanges[i].record.role == "user"
-            ),
-            None,
-        )
-        if last_user is None:
-            return None
-        text = self.exchanges[last_user].record.content
-        self.branch_before(last_user)
-        return text
-
-    # -- branches ---------------------------------------------------------------------------
-    def branch_before(self, index: int) -> None:
-        """Put in view the branch up to (not including) message ``index``: the next message
-        sent there starts a new branch beside the one that went on from it (an edit of that
-        message, or a regenerate); nothing is deleted."""
-        if not 0 <= index < len(self.exchanges):
-            raise UsageError(
-                f"there is no message {index + 1} (the branch has {len(self.exchanges)})"
-            )
-        self._remember_head()
-        self.store.set_head(self.record.id, self.exchanges[index].record.parent_id)
-        del self.exchanges[index:]
-        self.window_first = min(self.window_first, index)
-        self._mark_branched()
-
-    def branches_at(self, index: int) -> tuple[int, int]:
-        """(which, how many): message ``index``'s place among the branches that start there."""
-        record = self.exchanges[index].record
-        siblings = [m.id for m in self.store.siblings(record)]
-        return siblings.index(record.id) + 1, len(siblings)
-
-    def switch_branch(self, index: int, step: int) -> bool:
-        """Put in view the branch ``step`` places from the one message ``index`` is on (its
-        most recent continuation); False where there is no such branch."""
-        record = self.exchanges[index].record
-        siblings = self.store.siblings(record)
-        place = [m.id for m in siblings].index(record.id) + step
-        if not 0 <= place < len(siblings):
-            return False
-        self._show_branch_of(siblings[place].id)
-        return True
-
-    def hidden_branches(self) -> bool:
-        """Whether the branch in view is empty (a new system prompt, nothing sent under it
-        yet) while other branches hold messages."""
-        return not self.exchanges and bool(self.store.all_messages(self.record.id))
-
-    def show_latest_branch(self) -> None:
-        """Put in view the branch written last (from an empty one)."""
-        messages = self.store.all_messages(self.record.id)
-        if messages:
-            self._show_branch_of(messages[-1].id)
-
-    def _show_branch_of(self, message_id: int) -> None:
-        self._head_before = None
-        self.store.set_head(self.record.id, self.store.latest_leaf(message_id))
-        self.exchanges = self._load_exchanges()
-        self.window_first = self._recorded_window_start()
-        self._mark_branched()
-        root = self.exchanges[0].record if self.exchanges else None
-        if root is not None and root.system_prompt != self.record.system_prompt:
-            # The conversation's system prompt is the branch in view's.
-            self.store.update_conversation(self.record.id, system_prompt=root.system_prompt)
-            self.record = self.store.get(self.record.name)
-
-    def set_system_prompt(self, text: str | None) -> None:
-        """A new system prompt for the branch in view, in place: the next turn reads it all
-        again (the cache's head changed). ``branch_system_prompt`` keeps the old one."""
-        self.store.set_system_prompt(self.record.id, text or None)
-        self.record = self.store.get(self.record.name)
-        if self.exchanges:
-            self.exchanges[0].record.system_prompt = self.record.system_prompt
-        self._mark_branched()
-
-    def branch_system_prompt(self, text: str | None) -> None:
-        """A new system prompt as a new branch: the conversation starts again under it from
-        its first message, and the branch written under the old one stays beside it."""
-        self._remember_head()
-        self.store.update_conversation(self.record.id, system_prompt=text or None)
-        self.store.set_head(self.record.id, None)
-        self.record = self.store.get(self.record.name)
-        self.exchanges = []
-        self.window_first = 0
-        self._mark_branched()
 
 
 class Conversation(ConversationBase):
@@ -529,7 +71,7 @@ class Conversation(ConversationBase):
         """``prefix_min_tokens``: a system prompt this long is saved as a shared prefix state
         (0: never)."""
         resolve_mode(window_mode, True)  # rejects an unknown mode before anything opens
-        super().__init__(store, states, record, engine.fingerprint, window_policy, wait_s)
+        super().__init__(store, states, record, engine, window_policy, wait_s)
         self.window_mode = window_mode
         self.engine = engine
         self.saver = saver or BackgroundSaver(states)
@@ -595,8 +137,9 @@ class Conversation(ConversationBase):
     def on_save_error(self, report: Callable[[str], None]) -> None:
         self.saver.on_error = report
 
-    def wait_saved(self) -> None:
+    def wait_saved(self) -> str | None:
         self.saver.wait()
+        return self.saver.last_error
 
     def context_tokens(self, turn: ConversationTurn | None = None) -> int:
         return len(self.engine.cached_tokens)
@@ -629,55 +172,45 @@ class Conversation(ConversationBase):
         return loaded, time.perf_counter() - start
 
     # -- a turn ----------------------------------------------------------------------------
-    def send(
+    # -- a turn ----------------------------------------------------------------------------
+    def _start_reply(
         self,
-        text: str,
-        sampling: Sampling | None = None,
-        max_tokens: int = 512,
-        cancel: threading.Event | None = None,
-        fresh: bool = False,
-        entered_at: float | None = None,
-    ) -> ConversationTurn:
-        """Commit the user's message, prepare the cache (what was read ahead while it was
-        typed is kept where it is the prompt's), and start the reply."""
-        started = time.perf_counter()
-        user = self._commit_user(text)
-        window_before = self.window_first
+        sampling: Sampling | None,
+        max_tokens: int,
+        cancel: threading.Event | None,
+        fresh: bool,
+    ) -> ReplyStart:
+        """Prepare the cache (what was read ahead while the message was typed is kept where
+        it is the prompt's; the window moves where the context needs it) and start the reply."""
         ahead, self._ahead = self._ahead, None
         engine = self.engine
-        try:
-            messages = self.window_messages()
-            held = self._held_tokens(fresh)
-            prompt = self.builder.build(messages, held)
-            if self.branched:  # the cache holds another branch: what is cut is not re-read
-                prompt.discarded, prompt.discarded_reason = 0, None
-            n_system = len(self.system_messages())
-            self._prefix_spans = prefix_spans(self.builder, messages, prompt, n_system)
-            plan = self._plan(prompt, messages, max_tokens)
-            if not (plan.moved or plan.cut_tokens):
-                window = WindowReport()
-                restore = self._prepare_cache(prompt.tokens, fresh)
-                if engine.cache_owner == self.record.id:
-                    restore = self._with_read_ahead(restore, ahead, prompt.tokens)
-            else:
-                if engine.cache_owner == self.record.id:  # what was read ahead goes
-                    engine.hold(engine.cached_tokens[: engine.committed])
-                messages, prompt, window, restore = self._move_window(prompt, plan, fresh, held)
-            generation = self.engine.generate(prompt.tokens, sampling, max_tokens, cancel)
-            self.branched = False
-        except BaseException:
-            self._loaded = None
-            # A cache the window move shifted no longer holds what the transcript says: it is
-            # dropped (the saved state still holds the last turn, so the next one restores it).
-            if self._take_back_user(user, window_before):
-                self.engine.reset()
-            raise
-        turn = ConversationTurn(self, user, prompt, generation, restore, started, window, messages)
-        turn.entered_at = started if entered_at is None else entered_at
-        turn.notices.extend(self._window_notices(window))
-        if restore.notice:
-            turn.notices.append(restore.notice)
-        return turn
+        messages = self.window_messages()
+        held = self._held_tokens(fresh)
+        prompt = self.builder.build(messages, held)
+        if self.branched:  # the cache holds another branch: what is cut is not re-read
+            prompt.discarded, prompt.discarded_reason = 0, None
+        n_system = len(self.system_messages())
+        self._prefix_spans = prefix_spans(self.builder, messages, prompt, n_system)
+        plan = self._plan(prompt, messages, max_tokens)
+        if not (plan.moved or plan.cut_tokens):
+            window = WindowReport()
+            restore = self._prepare_cache(prompt.tokens, fresh)
+            if engine.cache_owner == self.record.id:
+                restore = self._with_read_ahead(restore, ahead, prompt.tokens)
+        else:
+            if engine.cache_owner == self.record.id:  # what was read ahead goes
+                engine.hold(engine.cached_tokens[: engine.committed])
+            messages, prompt, window, restore = self._move_window(prompt, plan, fresh, held)
+        generation = engine.generate(prompt.tokens, sampling, max_tokens, cancel)
+        self.branched = False
+        return ReplyStart(prompt, generation, restore, window, messages)
+
+    def _start_failed(self, window_moved: bool) -> None:
+        """A cache the window move shifted no longer holds what the transcript says: it is
+        dropped (the saved state still holds the last turn, so the next one restores it)."""
+        self._loaded = None
+        if window_moved:
+            self.engine.reset()
 
     # -- reading a message ahead while it is typed ----------------------------------------
     def read_ahead(self, draft: str, max_tokens: int, stop: Callable[[], bool]) -> ReadAheadResult:
@@ -962,15 +495,14 @@ class Conversation(ConversationBase):
         )
         return RestoreReport.from_prefix(prefix, notice)
 
-    def _finish(self, turn: ConversationTurn) -> Exchange:
-        reply = self._store_reply(turn.generation, turn.stats_dict(), self.engine.model_name)
+    def _reply_committed(self, turn: ConversationTurn) -> None:
+        """The cache is this conversation's: how it was built is recorded, and it is saved."""
         self.engine.cache_owner = self.record.id
         try:
             self._record_cache_bookkeeping()
         except sqlite3.Error as exc:  # the reply is committed; only resume speed is at stake
             turn.notices.append(f"could not record how the cache was built ({exc})")
         self.save_state()
-        return reply
 
     def _record_cache_bookkeeping(self) -> None:
         """How this model's cache was built and where its window starts, for the next open."""
@@ -987,41 +519,3 @@ class Conversation(ConversationBase):
             return
         state = SavedState(self.key, tokens, self.engine.save_sequence_state())
         self.saver.save(self.record.id, state)
-
-
-def delete_conversation(store: Store, states: StateStore, name: str) -> str:
-    """Delete a conversation, its messages and its saved states (refused while it is open)."""
-    record = store.get(name)
-    lock = ConversationLock(states.directory, record.id, record.name)
-    try:
-        store.delete_conversation(record.id)
-        states.delete_conversation(record.id)
-    finally:
-        lock.release(remove=True)
-    return record.name
-
-
-def fork_conversation(
-    store: Store, states: StateStore, name: str, at: int, new_name: str | None = None
-) -> tuple[ConversationRecord, int]:
-    """``localchat branch``: a new conversation holding the first ``at`` messages of ``name``'s
-    branch in view (and its system prompt), whose first turn restores the shared part from
-    the source's saved cache. Returns it and how many models' caches came along."""
-    record = store.get(name)
-    messages = store.messages(record.id)
-    if not 0 <= at <= len(messages):
-        raise UsageError(
-            f"--at {at}: {record.name!r} has {len(messages)} messages; give 0 to {len(messages)}"
-        )
-    if at and messages[at - 1].role == "user":
-        raise UsageError(
-            f"--at {at}: message {at} is a question without its reply in the branch; branch"
-            f" at {at - 1} (before it) or {at + 1} (after its reply)"
-        )
-    target = new_name or store.free_name(f"{record.name}-at-{at}")
-    fork = store.fork_conversation(record, messages[:at], target)
-    copied = sum(
-        states.copy(record.id, fork.id, fingerprint)
-        for fingerprint in store.model_fingerprints(record.id)
-    )
-    return fork, copied

@@ -9,21 +9,14 @@ exceeded" gets the turn once more with older exchanges out of the window.
 from __future__ import annotations
 
 import threading
-import time
 
 from localchat.backends.base import Sampling
 from localchat.backends.remote import ContextExceeded, RemoteBackend
 from localchat.chat.prompt import BuiltPrompt
 from localchat.chat.template import ChatMessage
 from localchat.chat.window import WindowPlan, WindowPolicy, plan_window
-from localchat.conversation.local import (
-    ConversationBase,
-    ConversationTurn,
-    Exchange,
-    RestoreReport,
-    WindowReport,
-    open_record,
-)
+from localchat.conversation.base import ConversationBase, open_record
+from localchat.conversation.turn import ReplyStart, RestoreReport, WindowReport
 from localchat.state.kvstate import StateStore
 from localchat.state.store import ConversationRecord, Store
 
@@ -36,6 +29,8 @@ SERVER_WINDOW_MODE = "server"
 class RemoteConversation(ConversationBase):
     """A stored conversation bound to a model on a server."""
 
+    backend: RemoteBackend
+
     def __init__(
         self,
         store: Store,
@@ -45,8 +40,7 @@ class RemoteConversation(ConversationBase):
         window_policy: WindowPolicy | None = None,
         wait_s: float = 0.0,
     ) -> None:
-        super().__init__(store, states, record, backend.fingerprint, window_policy, wait_s)
-        self.backend = backend
+        super().__init__(store, states, record, backend, window_policy, wait_s)
 
     @classmethod
     def open(
@@ -62,40 +56,26 @@ class RemoteConversation(ConversationBase):
         record = open_record(store, name, system_prompt, backend.model_name)
         return cls(store, states, record, backend, wait_s=wait_s)
 
-    def send(
+    def _start_reply(
         self,
-        text: str,
-        sampling: Sampling | None = None,
-        max_tokens: int = 512,
-        cancel: threading.Event | None = None,
-        fresh: bool = False,
-        entered_at: float | None = None,
-    ) -> ConversationTurn:
-        """Commit the user's message, fit the window, and open the reply's stream. ``fresh``
-        changes nothing here: the server's cache is the server's."""
-        started = time.perf_counter()
-        user = self._commit_user(text)
-        window_before = self.window_first
+        sampling: Sampling | None,
+        max_tokens: int,
+        cancel: threading.Event | None,
+        fresh: bool,
+    ) -> ReplyStart:
+        """Fit the window and open the reply's stream (``fresh`` changes nothing here: the
+        server's cache is the server's)."""
+        messages, window, room = self._fit_window(max_tokens)
         try:
-            messages, window, room = self._fit_window(max_tokens)
-            try:
-                reply = self.backend.stream(messages, sampling, room, cancel)
-            except ContextExceeded as exc:
-                # The server knows its context better than the counts here: once more, with
-                # the window planned against what it said (or about half the history out).
-                if exc.limit:
-                    self.backend.learn_context_size(exc.limit)
-                messages, window, room = self._fit_window(max_tokens, shrink=True, moved=window)
-                reply = self.backend.stream(messages, sampling, room, cancel)
-        except BaseException:
-            self._take_back_user(user, window_before)
-            raise
-        turn = ConversationTurn(
-            self, user, BuiltPrompt([]), reply, RestoreReport(), started, window, messages
-        )
-        turn.entered_at = started if entered_at is None else entered_at
-        turn.notices.extend(self._window_notices(window))
-        return turn
+            reply = self.backend.stream(messages, sampling, room, cancel)
+        except ContextExceeded as exc:
+            # The server knows its context better than the counts here: once more, with the
+            # window planned against what it said (or about half the history out).
+            if exc.limit:
+                self.backend.learn_context_size(exc.limit)
+            messages, window, room = self._fit_window(max_tokens, shrink=True, moved=window)
+            reply = self.backend.stream(messages, sampling, room, cancel)
+        return ReplyStart(BuiltPrompt([]), reply, RestoreReport(), window, messages)
 
     def _counts(self) -> list[tuple[str, int]]:
         window = self.exchanges[self.window_first :]
@@ -147,11 +127,6 @@ class RemoteConversation(ConversationBase):
             total -= plan.cut_tokens
         room = max_tokens if not n_ctx else max(1, min(max_tokens, n_ctx - total))
         return messages, moved, room
-
-    def _finish(self, turn: ConversationTurn) -> Exchange:
-        reply = self._store_reply(turn.generation, turn.stats_dict(), self.backend.model_name)
-        self._record_window_start()
-        return reply
 
 
 def _cut_text(message: ChatMessage, cut_tokens: int, tokens: int) -> ChatMessage:

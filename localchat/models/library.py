@@ -10,20 +10,21 @@ from __future__ import annotations
 import json
 import threading
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from localchat.atomic import write_atomic
 from localchat.errors import ModelFileError, UsageError
 from localchat.gguf.estimate import LayerWeights, ModelDims
 from localchat.gguf.info import is_later_split_part, is_projector, read_gguf
-from localchat.models.catalog import CatalogModel, load_catalog
+from localchat.models.catalog import load_catalog
 from localchat.models.external_models import ExternalModel, discover
 from localchat.models.hardware import Hardware, repacked_weight_types
 from localchat.models.hub import (
     Downloader,
     HubCache,
     HubError,
+    ModelSpec,
     ProgressCallback,
     RemoteFile,
     choose_file,
@@ -46,6 +47,22 @@ from localchat.models.planner import (
 from localchat.models.speed import SpeedModel, load_speed_model
 from localchat.paths import AppPaths
 from localchat.units import format_bytes
+
+
+@dataclass
+class ModelRequest:
+    """A model name as the user gave it, parsed once where it comes in (``Library.request``)
+    and handed on: a file added by hand or another tool's model (``path``), else a catalog
+    name or hub repo (``spec``). What is worked out for it — the planner's pick, the file
+    chosen — is kept on it, so one start asks the hub and the planner once (again only
+    once the speed calibration it was planned with changed)."""
+
+    text: str
+    spec: ModelSpec | None = None
+    path: Path | None = None
+    resolved: tuple[str, str, str] | None = field(default=None, repr=False)
+    plan: Plan | None = field(default=None, repr=False)
+    planned_with: SpeedModel | None = field(default=None, repr=False)
 
 
 @dataclass(frozen=True)
@@ -132,13 +149,33 @@ class Library:
         write_atomic(self.paths.local_models, json.dumps(models, indent=2).encode())
         return f"added {name} ({info.architecture}, {info.file_type})"
 
-    # -- pull ------------------------------------------------------------------------------
-    def resolve(self, text: str) -> tuple[str, str, str]:
-        """(repo, filename, quant) for ``name[:QUANT]`` or ``org/repo[:QUANT]``."""
-        spec = parse_spec(text, self.catalog)
+    # -- a model asked for by name ---------------------------------------------------------
+    def request(self, text: str) -> ModelRequest:
+        """``text`` parsed once: a name added by hand or another tool's model, else
+        ``name[:QUANT]`` or ``org/repo[:QUANT]`` (an unknown name is refused with the
+        closest ones)."""
+        local = self.local_models()
+        if text in local:
+            return ModelRequest(text, path=Path(local[text]))
+        external = {m.name: m.path for m in self.external_models()}
+        if text in external:
+            return ModelRequest(text, path=external[text])
+        return ModelRequest(text, spec=parse_spec(text, self.catalog))
+
+    def resolve(self, request: ModelRequest) -> tuple[str, str, str]:
+        """(repo, filename, quant) to download for ``request``."""
+        self._forget_stale(request)
+        if request.resolved is None:
+            request.resolved = self._resolve(request)
+        return request.resolved
+
+    def _resolve(self, request: ModelRequest) -> tuple[str, str, str]:
+        spec = request.spec
+        if spec is None:
+            raise UsageError(f"{request.text} is a file on this machine, not a hub model")
         if spec.catalog is not None and spec.repo == spec.catalog.repo:
             entry = spec.catalog
-            quant = spec.quant or self._planned_quant(entry)
+            quant = spec.quant or self._catalog_plan(request).quant
             quant_file = entry.file_for(quant)
             if quant_file is None:
                 raise UsageError(f"{entry.name} has no {quant}; it has {', '.join(entry.quants)}")
@@ -150,18 +187,27 @@ class Library:
         chosen = choose_file(files, spec.quant, preferred)
         return chosen.repo, chosen.filename, chosen.quant
 
-    def plan_of(self, text: str) -> Plan | None:
+    def plan_of(self, request: ModelRequest) -> Plan | None:
         """The planner's pick for a catalog name, with why (None for other names)."""
-        spec = parse_spec(text, self.catalog)
-        if spec.catalog is None or spec.quant is not None:
+        spec = request.spec
+        if spec is None or spec.catalog is None or spec.quant is not None:
             return None
-        entry = spec.catalog
-        files = ((f.quant, f.file, f.size) for f in entry.files)
-        return self._fitting_plan(entry.name, entry.dims, files)
+        return self._catalog_plan(request)
 
-    def _planned_quant(self, entry: CatalogModel) -> str:
-        files = ((f.quant, f.file, f.size) for f in entry.files)
-        return self._fitting_plan(entry.name, entry.dims, files).quant
+    def _catalog_plan(self, request: ModelRequest) -> Plan:
+        """The planner's pick among a catalog entry's files (worked out once per request)."""
+        self._forget_stale(request)
+        if request.plan is None:
+            assert request.spec is not None and request.spec.catalog is not None
+            entry = request.spec.catalog
+            files = ((f.quant, f.file, f.size) for f in entry.files)
+            request.plan = self._fitting_plan(entry.name, entry.dims, files)
+        return request.plan
+
+    def _forget_stale(self, request: ModelRequest) -> None:
+        """A pick made before the speed calibration came is made again with it."""
+        if request.planned_with is not self.speed:
+            request.plan, request.resolved, request.planned_with = None, None, self.speed
 
     def _planned_order(self, repo: str, files: list[RemoteFile]) -> list[str]:
         """The planner's pick for a repo outside the catalog, from one file's remote header."""
@@ -183,27 +229,27 @@ class Library:
 
     def pull(
         self,
-        text: str,
+        request: ModelRequest,
         on_progress: ProgressCallback | None = None,
         cancel: threading.Event | None = None,
     ) -> Path:
-        repo, filename, _quant = self.resolve(text)
+        repo, filename, _quant = self.resolve(request)
         return Downloader(self.cache).pull(repo, filename, on_progress=on_progress, cancel=cancel)
 
-    def hub_problem(self, text: str) -> str | None:
-        """Why ``text`` cannot be downloaded now (the hub unreachable, offline, no such
+    def hub_problem(self, request: ModelRequest) -> str | None:
+        """Why ``request`` cannot be downloaded now (the hub unreachable, offline, no such
         model), or None when it can: a quick question asked before a first start spends
         time on anything else."""
         try:
-            repo, filename, _quant = self.resolve(text)
+            repo, filename, _quant = self.resolve(request)
             Downloader(self.cache).check(repo, filename)
         except HubError as exc:
             return str(exc)
         return None
 
-    def projector_for(self, text: str) -> RemoteFile:
-        """The repo's vision projector that goes with the model ``text`` names."""
-        repo, _filename, quant = self.resolve(text)
+    def projector_for(self, request: ModelRequest) -> RemoteFile:
+        """The repo's vision projector that goes with the model ``request`` names."""
+        repo, _filename, quant = self.resolve(request)
         return choose_projector(repo, list_gguf_files(repo, projectors=True), quant)
 
     def pull_projector(
@@ -217,19 +263,16 @@ class Library:
             projector.repo, projector.filename, on_progress=on_progress, cancel=cancel
         )
 
-    def path_of(self, text: str) -> Path | None:
-        """The downloaded (or added) file for a model name, if it is on disk."""
-        local = self.local_models()
-        if text in local:
-            return Path(local[text])
-        external = {m.name: m.path for m in self.external_models()}
-        if text in external:
-            return external[text]
-        spec = parse_spec(text, self.catalog)
+    def path_of(self, request: ModelRequest) -> Path | None:
+        """The downloaded (or added) file for a model asked for, if it is on disk."""
+        if request.path is not None:
+            return request.path
+        spec = request.spec
+        assert spec is not None
         for repo, filename, path in self.cache.downloaded():
             if repo != spec.repo:
                 continue
-            quant = spec.quant or (self._planned_quant(spec.catalog) if spec.catalog else None)
+            quant = spec.quant or (self._catalog_plan(request).quant if spec.catalog else None)
             if quant is None or quant_of(filename) == quant:
                 return path
         return None

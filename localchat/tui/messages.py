@@ -10,7 +10,7 @@ from textual.message import Message
 
 from localchat.backends.base import Backend, TurnStats
 from localchat.chat.attachments import Attachment
-from localchat.conversation.local import ConversationTurn
+from localchat.conversation.turn import ConversationTurn
 from localchat.models.hub import Progress
 from localchat.progress import StepProgress
 
@@ -32,7 +32,7 @@ class ModelLoadFailed(Message):
 
 
 @dataclass
-class ReplyChunk(Message):
+class ReplyChunk(Message, bubble=False):  # the chat screen's own
     """Text generated since the last chunk (the answer, and a reasoning model's thinking
     apart), with a copy of the stats so far (the worker keeps changing its own)."""
 
@@ -44,7 +44,7 @@ class ReplyChunk(Message):
 
 
 @dataclass
-class ReplyFinished(Message):
+class ReplyFinished(Message, bubble=False):  # the chat screen's own
     """The turn is over; ``stats`` is a copy taken when it ended."""
 
     stats: TurnStats
@@ -53,7 +53,7 @@ class ReplyFinished(Message):
 
 
 @dataclass
-class ReplyFailed(Message):
+class ReplyFailed(Message, bubble=False):  # the chat screen's own
     """The turn could not run; ``user_text`` goes back into the input so nothing is lost."""
 
     error: str
@@ -103,7 +103,7 @@ class StartupStep(Message):
 
 
 @dataclass
-class ReadAhead(Message):
+class ReadAhead(Message, bubble=False):  # the chat screen's own
     """The message being typed in conversation ``conversation_id`` is read ahead: ``tokens``
     of it are in the cache, which holds ``kv_tokens`` in all."""
 
@@ -113,7 +113,7 @@ class ReadAhead(Message):
 
 
 @dataclass
-class AttachmentReady(Message):
+class AttachmentReady(Message, bubble=False):  # the chat screen's own
     """A file read for the next message: ``tokens`` is what it costs in the context,
     ``head_tokens`` what the system prompt takes."""
 
@@ -123,7 +123,7 @@ class AttachmentReady(Message):
 
 
 @dataclass
-class ConversationRestored(Message):
+class ConversationRestored(Message, bubble=False):  # the chat screen's own
     """An opened conversation's saved cache is in memory: its first turn starts warm."""
 
     tokens: int  # what the cache holds now

@@ -13,7 +13,7 @@ from textual.screen import ModalScreen
 from textual.widgets import DataTable, Input, Label
 
 from localchat.atomic import write_atomic
-from localchat.conversation.local import delete_conversation
+from localchat.conversation.records import delete_conversation
 from localchat.errors import LocalchatError
 from localchat.paths import app_paths
 from localchat.state.export import export_markdown

@@ -198,8 +198,9 @@ class ModelsScreen(ReportsWorkerFailures, ModalScreen[Path | ServerChoice | None
     def download(self, spec: str) -> None:
         assert self.library is not None
         try:
-            path = self.library.pull(
-                spec, lambda p: self.post_message(DownloadProgress(p)), self.cancel
+            library = self.library
+            path = library.pull(
+                library.request(spec), lambda p: self.post_message(DownloadProgress(p)), self.cancel
             )
         except DownloadCancelled as exc:
             self.post_message(DownloadFinished(None, str(exc)))

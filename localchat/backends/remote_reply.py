@@ -1,0 +1,236 @@
+"""A reply streaming from an OpenAI-compatible server: its events read into text, reasoning
+and figures as they arrive.
+
+The connection is the backend's (``remote.py`` holds the wire): a reply reads the events'
+data it hands over, hangs it up when the user cancels, and closes it however reading ends.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
+
+from localchat.backends.base import TokenDelta, TurnStats
+from localchat.backends.remote_errors import ERROR_TEXT_LIMIT, RemoteError
+from localchat.chat.reasoning import CLOSE, OPEN, ReasoningStream, split_reasoning
+from localchat.text import shown
+
+if TYPE_CHECKING:
+    from localchat.backends.remote import RemoteBackend
+
+# How often a waiting stream looks at the cancel flag (a slow first token is cancellable).
+CANCEL_POLL_S = 0.05
+
+
+class EventStream(Protocol):
+    """A reply's open connection to the server."""
+
+    def data(self) -> Iterator[str]:
+        """Each event's data as it arrives (a broken connection raises RemoteError)."""
+        ...
+
+    def hang_up(self) -> None:
+        """Wake a reader blocked on the socket and tell the server to stop."""
+        ...
+
+    def close(self) -> None: ...
+
+
+@dataclass
+class RemoteReply:
+    """A reply streaming from the server: iterate for deltas; the stream is closed however
+    iteration ends, and a cancel closes the connection so the server stops generating."""
+
+    backend: RemoteBackend
+    _connection: EventStream
+    _sent_at: float
+    _cancel: threading.Event | None
+    _prompt_estimate: int
+    stats: TurnStats = field(default_factory=TurnStats)
+    text: str = ""
+    tokens: list[int] = field(default_factory=list)
+    chunks: int = 0  # content-bearing events: about one token each on llama.cpp servers
+    _closed: threading.Event = field(default_factory=threading.Event)
+    _close_lock: threading.Lock = field(default_factory=threading.Lock)
+    _ended: bool = False  # the server said the reply is over ([DONE] or a finish reason)
+    _thinking: bool = False  # inside reasoning the server sends apart from the content
+    _server_generated: int | None = None  # the server's own count of the reply's tokens
+
+    @property
+    def answer(self) -> str:
+        return split_reasoning(self.text)[1]
+
+    @property
+    def reasoning(self) -> str:
+        return split_reasoning(self.text)[0]
+
+    def __iter__(self) -> Iterator[TokenDelta]:
+        watcher = threading.Thread(target=self._watch_cancel, name="remote-cancel", daemon=True)
+        watcher.start()
+        failed = False
+        try:
+            yield from self._read()
+        except RemoteError:
+            self.stats.stop_reason = "error"  # what arrived is kept, as a partial reply
+            failed = True
+            raise
+        except BaseException:  # the reader stopped early (Ctrl-C, a closed iterator)
+            if not self._ended:
+                self.stats.stop_reason = "cancelled"
+            failed = True
+            raise
+        finally:
+            self._close()
+            self._settle()
+            if not failed and not self._cancelled():
+                self.stats.server_kv_usage = self.backend.cache_usage()
+
+    def _settle(self) -> None:
+        """The figures however the reply ended (finished, stopped, cut): a reasoning block
+        left open is closed in the text; the prompt's rate from what the server said, else
+        from the first token's wait."""
+        stats = self.stats
+        if self._thinking:
+            self.text += CLOSE
+            self._thinking = False
+        stats.prompt_tokens_evaluated = stats.prompt_tokens_evaluated or stats.prompt_tokens
+        if not stats.prompt_tps and stats.ttft_s > 0:
+            stats.prompt_tps = stats.prompt_tokens_evaluated / stats.ttft_s
+
+    def _cancelled(self) -> bool:
+        return self._cancel is not None and self._cancel.is_set()
+
+    def _watch_cancel(self) -> None:
+        """Hang up as soon as the user cancels, even while the server is still reading the
+        prompt and sends nothing (no event arrives to look at the flag)."""
+        while not self._closed.wait(CANCEL_POLL_S):
+            if self._cancelled():
+                self._connection.hang_up()
+                return
+
+    def _close(self) -> None:
+        with self._close_lock:
+            if self._closed.is_set():
+                return
+            self._closed.set()
+        with contextlib.suppress(Exception):
+            self._connection.close()
+
+    def _read(self) -> Iterator[TokenDelta]:
+        stats = self.stats
+        stats.kv_bytes_used = stats.kv_bytes_allocated = None
+        stats.prompt_tokens = self._prompt_estimate
+        stats.counted = "estimated"  # until the server's usage report says otherwise
+        stats.stop_reason = "length"
+        reasoning = ReasoningStream(False)
+        server = self.backend.server
+        first_at = last_at = 0.0
+        finished = False
+        for event_data in self._connection.data():
+            if self._cancelled():
+                break
+            data = event_data.strip()
+            if data == "[DONE]":
+                finished = self._ended = True
+                break
+            if not data:
+                continue
+            try:
+                chunk = json.loads(data)
+            except ValueError:
+                raise RemoteError(
+                    f"{server} sent a malformed event ({shown(data, 60)}); the partial"
+                    " reply is kept"
+                ) from None
+            if not isinstance(chunk, dict):
+                raise RemoteError(f"{server} sent an event that is not a JSON object")
+            if "error" in chunk:
+                error = chunk["error"]
+                message = error.get("message") if isinstance(error, dict) else error
+                raise RemoteError(
+                    f"{server} failed mid-reply ({shown(str(message), ERROR_TEXT_LIMIT)});"
+                    " the partial reply is kept"
+                )
+            self._read_figures(chunk)
+            for choice in chunk.get("choices") or []:
+                if not isinstance(choice, dict):
+                    continue
+                delta = choice.get("delta") or {}
+                parts: list[tuple[bool, str]] = []
+                # A server that parses reasoning sends it apart; the transcript keeps
+                # it as the model wrote it, inside <think>…</think>.
+                thought = delta.get("reasoning_content") or delta.get("reasoning")
+                if isinstance(thought, str) and thought:
+                    if not self._thinking:
+                        self.text += OPEN
+                        self._thinking = True
+                    parts.append((True, thought))
+                    self.text += thought
+                content = delta.get("content")
+                if isinstance(content, str) and content:
+                    if self._thinking:
+                        self.text += CLOSE + "\n"
+                        self._thinking = False
+                    self.text += content
+                    parts.extend(reasoning.feed(content))
+                if parts:
+                    now = time.perf_counter()
+                    if not self.chunks:
+                        first_at = now
+                        stats.ttft_s = now - self._sent_at
+                        stats.first_token_at = now
+                    self.chunks += 1
+                    last_at = now
+                    self._count_generated(first_at, last_at)
+                    for is_reasoning, text in parts:
+                        yield TokenDelta(None, text, is_reasoning)
+                reason = choice.get("finish_reason")
+                if isinstance(reason, str) and reason:
+                    stats.stop_reason = {"stop": "eos"}.get(reason, reason)
+                    self._ended = True
+        else:
+            finished = finished or self._cancelled()
+        if self._cancelled():
+            stats.stop_reason = "cancelled"
+            return
+        for is_reasoning, text in reasoning.flush():
+            yield TokenDelta(None, text, is_reasoning)
+        if not finished:
+            raise RemoteError(
+                f"{server}: the stream ended before the reply did; the partial reply is kept"
+            )
+        self._count_generated(first_at, last_at)
+
+    def _count_generated(self, first_at: float, last_at: float) -> None:
+        """Tokens written and their rate, by the server's count where it sent one."""
+        stats = self.stats
+        stats.generated_tokens = self._server_generated or self.chunks
+        if stats.generated_tokens > 1 and last_at > first_at:
+            stats.gen_tps = (stats.generated_tokens - 1) / (last_at - first_at)
+
+    def _read_figures(self, chunk: dict[str, Any]) -> None:
+        """The server's own counts: OpenAI ``usage`` (vLLM, llama-server, Ollama) and
+        llama-server's ``timings`` (what it evaluated, what its cache already held)."""
+        stats = self.stats
+        usage = chunk.get("usage")
+        if isinstance(usage, dict):
+            if isinstance(usage.get("prompt_tokens"), int):
+                stats.prompt_tokens = usage["prompt_tokens"]
+                stats.prompt_tokens_evaluated = (
+                    stats.prompt_tokens_evaluated or usage["prompt_tokens"]
+                )
+            if isinstance(usage.get("completion_tokens"), int):
+                self._server_generated = usage["completion_tokens"]
+            stats.counted = "server"
+        timings = chunk.get("timings")
+        if isinstance(timings, dict):
+            if isinstance(timings.get("prompt_n"), int):
+                stats.prompt_tokens_evaluated = timings["prompt_n"]
+            rate = timings.get("prompt_per_second")
+            if isinstance(rate, (int, float)) and rate > 0:
+                stats.prompt_tps = float(rate)

@@ -1,0 +1,212 @@
+"""The ``ask`` command: one headless turn through the session, streamed to stdout."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import sys
+import threading
+from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TextIO
+
+from localchat.chat.attachments import check_fits, read_attachment, with_attachments
+from localchat.cli.interrupt import EXIT_INTERRUPTED
+from localchat.cli.models import default_model, library, pull
+from localchat.errors import UsageError
+from localchat.paths import app_paths
+from localchat.text import printable
+
+if TYPE_CHECKING:
+    from localchat.backends.base import Backend, Reply, TokenDelta
+    from localchat.chat.template import ChatMessage
+    from localchat.conversation.base import ConversationBase
+    from localchat.conversation.turn import ConversationTurn
+    from localchat.session import OneOffTurn, Session
+
+# The flags that say how a local model runs: a server decides that itself.
+LOCAL_ONLY_FLAGS = ("model_path", "template", "kv_type", "threads")
+
+
+def cmd_ask(args: argparse.Namespace, out: TextIO) -> int:
+    from localchat.backends.base import Sampling
+    from localchat.session import Session
+    from localchat.settings import load_settings
+
+    if args.fresh and not args.conversation:
+        raise UsageError("--fresh needs --conversation NAME (a one-off ask has no saved state)")
+    args.message = _message_text(args.message, sys.stdin)
+    args.attachments = [read_attachment(path) for path in args.attach]
+    args.message = with_attachments(args.message, args.attachments)
+    settings = load_settings(app_paths().settings_file)
+    if args.server:
+        _refuse_local_flags(args)
+    model_path = None if args.server else _model_path(args)
+    temperature = settings.temperature if args.temperature is None else args.temperature
+    sampling = Sampling(temperature=temperature, seed=args.seed)
+    max_tokens = args.max_tokens or settings.max_tokens
+    cancel = threading.Event()
+    session = Session(app_paths(), settings, open_stores=bool(args.conversation))
+    try:  # the session frees the backend, however the turn ends
+        backend = _backend(args, session, model_path)
+        session.use(backend)
+        _report_attachments(args, session.count_tokens, backend.context_size, max_tokens)
+        conversation: ConversationBase | None = None
+        turn: ConversationTurn | OneOffTurn
+        if args.conversation:
+            conversation = session.open_conversation(
+                args.conversation, args.system, args.wait, args.window
+            )
+            assert conversation is not None  # a backend and a database: it opens or raises
+            turn = conversation.send(args.message, sampling, max_tokens, cancel, fresh=args.fresh)
+        else:
+            turn = session.ask_once(_one_off_messages(args), sampling, max_tokens, cancel)
+        interrupted = _stream(turn, args, cancel, out)
+        notices = list(turn.notices)
+        save_error = conversation.wait_saved() if conversation is not None else None
+        speed = session.note_turn_speed(turn.generation.stats)
+        notices += [notice for notice in (save_error, speed) if notice]
+        _print_result(out, args, turn.generation, backend, turn.stats_dict(), notices)
+    finally:
+        session.close()
+    return EXIT_INTERRUPTED if interrupted else 0
+
+
+def _refuse_local_flags(args: argparse.Namespace) -> None:
+    """``ask --server`` with flags only a local model takes: refused, each named."""
+    ignored = [f for f in LOCAL_ONLY_FLAGS if getattr(args, f, None)]
+    if ignored or args.fresh:
+        names = ", ".join(
+            "--" + f.replace("_", "-") for f in ignored + (["fresh"] if args.fresh else [])
+        )
+        raise UsageError(f"{names} choose how a local model runs; with --server the server decides")
+
+
+def _model_path(args: argparse.Namespace) -> Path:
+    """The local model to load: the file given, a catalog or hub model (downloaded if
+    needed), else the starter model."""
+    if args.model_path is not None:
+        return Path(args.model_path)
+    if args.model:
+        models = library()
+        request = models.request(args.model)
+        return models.path_of(request) or pull(models, request, json_lines=False)[0]
+    return default_model()
+
+
+def _backend(args: argparse.Namespace, session: Session, model_path: Path | None) -> Backend:
+    """What answers: the server asked for, else the model loaded here (on this thread, which
+    evaluates it; kv_type and threads default to the settings)."""
+    if model_path is None:
+        return session.connect(args.server, args.model, args.ctx)
+    return session.load_model(
+        model_path,
+        args.ctx,
+        args.template,
+        n_threads=args.threads,
+        kv_type=args.kv_type,
+        on_this_thread=True,
+    )
+
+
+def _report_attachments(
+    args: argparse.Namespace, count: Callable[[str], int], n_ctx: int | None, max_tokens: int
+) -> None:
+    """Each attached file's token cost (stderr); a message the context cannot hold is refused
+    before anything is stored."""
+    if not args.attachments:
+        return
+    for attachment in args.attachments:
+        print(
+            f"localchat: attached {attachment.name}: {count(attachment.block()):,} tokens",
+            file=sys.stderr,
+        )
+    head = count(args.system) if args.system else 0
+    check_fits(args.attachments, count(args.message), head, n_ctx, max_tokens)
+
+
+def _message_text(message: str | None, stdin: TextIO) -> str:
+    """The message: as given, or read from stdin for ``-`` or when none is given."""
+    if message is not None and message != "-":
+        return message
+    if message is None and stdin.isatty():
+        raise UsageError('no message: give one (`localchat ask "hi"`) or pipe it in')
+    text = stdin.read()
+    if not text.strip():
+        raise UsageError("the message read from stdin is empty")
+    return text.rstrip("\n")
+
+
+def _one_off_messages(args: argparse.Namespace) -> list[ChatMessage]:
+    """A one-off ask's messages: the system prompt if given, then the user's."""
+    from localchat.chat.template import ChatMessage
+
+    messages = [ChatMessage("system", args.system)] if args.system else []
+    messages.append(ChatMessage("user", args.message))
+    return messages
+
+
+def _stream(
+    deltas: Iterable[TokenDelta], args: argparse.Namespace, cancel: threading.Event, out: TextIO
+) -> bool:
+    """Write deltas to ``out`` (unless --json): the answer to ``out``, a reasoning model's
+    thinking to stderr (dimmed on a terminal). Returns True if Ctrl-C stopped the reply."""
+    safe = out.isatty()
+    dim = sys.stderr.isatty()
+    stream = iter(deltas)
+    try:
+        for delta in stream:
+            if args.json:
+                continue
+            if delta.reasoning:
+                text = printable(delta.text) if dim else delta.text
+                sys.stderr.write(f"\x1b[2m{text}\x1b[0m" if dim else text)
+                sys.stderr.flush()
+                continue
+            out.write(printable(delta.text) if safe else delta.text)
+            out.flush()
+    except KeyboardInterrupt:
+        cancel.set()
+        _close_after_interrupt(stream)
+        return True
+    if not args.json:
+        out.write("\n")
+    return False
+
+
+def _close_after_interrupt(stream: Iterator[TokenDelta]) -> None:
+    """End an interrupted reply here, not when the stream is garbage: its cleanup (the partial
+    reply committed, the cache held) then runs now, and a ``KeyboardInterrupt`` it raises (the
+    engine evaluates nothing after Ctrl+C) is not printed as "Exception ignored"."""
+    close = getattr(stream, "close", None)
+    if close is not None:
+        with contextlib.suppress(KeyboardInterrupt):
+            close()
+
+
+def _print_result(
+    out: TextIO,
+    args: argparse.Namespace,
+    generation: Reply,
+    backend: Backend,
+    stats: dict[str, Any],
+    notices: list[str],
+) -> None:
+    for notice in notices:
+        print(f"localchat: notice: {notice}", file=sys.stderr)
+    if args.json:
+        view = backend.describe()
+        payload = {
+            "reply": generation.answer,
+            "reasoning": generation.reasoning or None,
+            "conversation": args.conversation,
+            "model": view.model,
+            "template": view.template,  # None: a server renders its own and does not say
+            "n_ctx": backend.context_size,
+            "server": view.server,
+            "stats": stats,
+        }
+        if notices:
+            payload["notices"] = notices
+        out.write(json.dumps(payload, ensure_ascii=False) + "\n")

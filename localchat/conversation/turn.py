@@ -1,0 +1,195 @@
+"""A turn as data: how its cache was prepared, what its window did, and its figures.
+
+Built once by ``send`` and handed on (the app's messages, ``ask --json``, the stored
+message's report all read the same objects).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from localchat.backends.base import Reply, TokenDelta, TurnStats
+from localchat.chat.prompt import BuiltPrompt
+from localchat.chat.template import ChatMessage
+from localchat.conversation.prefix_states import PrefixStart
+from localchat.state.store import MessageRecord
+
+if TYPE_CHECKING:
+    from localchat.conversation.base import ConversationBase
+
+
+@dataclass
+class RestoreReport:
+    """How the turn's cache was prepared: restored from disk, reused in memory, or rebuilt.
+
+    ``replayed`` tokens were re-evaluated from the transcript before the turn (in their
+    original batches); ``seconds`` covers the restore or the replay.
+    """
+
+    restored: bool = False
+    tokens: int = 0
+    seconds: float = 0.0
+    notice: str | None = None
+    replayed: int = 0
+    prefix_tokens: int = 0  # restored from a shared prefix state (a known system prompt)
+    read_ahead: int = 0  # prompt tokens evaluated while the message was being typed
+
+    @classmethod
+    def from_prefix(cls, start: PrefixStart | None, notice: str | None = None) -> RestoreReport:
+        """How a cold start began: a prefix restored, or read and saved (counted as read
+        before the turn), or nothing (None)."""
+        if start is None:
+            return cls(notice=notice)
+        return cls(
+            seconds=start.seconds,
+            notice=notice,
+            replayed=start.evaluated,
+            prefix_tokens=start.restored,
+        )
+
+
+@dataclass(frozen=True)
+class ReadAheadResult:
+    """How many tokens the cache holds ahead of the conversation, and whether reading went
+    as far as it could (False: it gave way to other work, and is to be asked again)."""
+
+    tokens: int
+    finished: bool = True
+
+
+@dataclass
+class Exchange:
+    """A message as the conversation knows it: the stored record and its prompt form."""
+
+    record: MessageRecord
+    prompt: ChatMessage
+
+
+@dataclass
+class ConversationTurn:
+    """A turn in progress; iterate for deltas. The reply is committed and the state saved when
+    iteration ends, however it ends (finished, cancelled, interrupted)."""
+
+    conversation: ConversationBase
+    user: Exchange
+    prompt: BuiltPrompt
+    generation: Reply
+    restore: RestoreReport
+    started_at: float
+    window: WindowReport
+    messages: list[ChatMessage]  # what the prompt was built from (the window)
+    reply: Exchange | None = None
+    notices: list[str] = field(default_factory=list)
+    # When the user sent the message (Enter in the app; else when ``send`` began), on
+    # ``time.perf_counter``'s clock.
+    entered_at: float = 0.0
+
+    def __iter__(self) -> Iterator[TokenDelta]:
+        try:
+            yield from self.generation
+        finally:
+            self.reply = self.conversation.commit_reply(self)
+
+    @property
+    def stats(self) -> TurnStats:
+        return self.generation.stats
+
+    @property
+    def resume_ttft_s(self) -> float:
+        """Time to first token including the restore: what the user waited."""
+        return self.restore.seconds + self.generation.stats.ttft_s
+
+    @property
+    def sent_ttft_s(self) -> float:
+        """From the message being sent (Enter) to the first token: everything the user
+        waited for, a step of reading ahead that was finishing included."""
+        first = self.generation.stats.first_token_at
+        if first is None:
+            return self.resume_ttft_s
+        return first - (self.entered_at or self.started_at)
+
+    def stats_dict(self) -> dict[str, Any]:
+        stats = turn_stats_dict(self.generation.stats, self.restore, self.window, self.prompt)
+        stats["sent_ttft_s"] = round(self.sent_ttft_s, 6)
+        return stats
+
+
+@dataclass(frozen=True)
+class WindowReport:
+    """What the window did this turn: how much left it, and how the cache followed."""
+
+    mode: str = "none"  # "none" (it did not move), "shift" or "exact"
+    dropped_messages: int = 0
+    dropped_tokens: int = 0
+    cut_tokens: int = 0
+    kept_pinned: int = 0  # pinned messages among the old ones: they stay in the window
+
+    def notices(self) -> list[str]:
+        """What the user is told about it, one line each."""
+        notices = []
+        if self.dropped_messages:
+            pinned = f"; {self.kept_pinned} pinned stay in it" if self.kept_pinned else ""
+            notices.append(
+                f"{self.dropped_messages} older messages ({self.dropped_tokens} tokens) left"
+                f" the context window ({self.mode}); they stay in the transcript{pinned}"
+            )
+        if self.cut_tokens:
+            notices.append(
+                f"your message is longer than the context: its first {self.cut_tokens} tokens"
+                " were left out (the full text is in the transcript)"
+            )
+        return notices
+
+
+@dataclass
+class ReplyStart:
+    """What a backend prepared for a turn: the prompt (ids where they are known here), the
+    reply's stream, how the cache was prepared, what the window did, and the messages sent."""
+
+    prompt: BuiltPrompt
+    generation: Reply
+    restore: RestoreReport
+    window: WindowReport
+    messages: list[ChatMessage]
+
+
+def turn_stats_dict(
+    stats: TurnStats,
+    restore: RestoreReport | None = None,
+    window: WindowReport | None = None,
+    prompt: BuiltPrompt | None = None,
+) -> dict[str, Any]:
+    """A turn's figures as ``ask --json`` and the stored message report them."""
+    restore = restore or RestoreReport()
+    window = window or WindowReport()
+    prompt = prompt or BuiltPrompt([])
+    return {
+        "prompt_tokens": stats.prompt_tokens,
+        "prompt_tokens_evaluated": stats.prompt_tokens_evaluated + restore.replayed,
+        # Of the prompt, what came from the cache (in memory, restored, read ahead) unread.
+        "kept_tokens": max(
+            0, stats.prompt_tokens - stats.prompt_tokens_evaluated - restore.replayed
+        ),
+        "generated_tokens": stats.generated_tokens,
+        "ttft_s": round(restore.seconds + stats.ttft_s, 6),
+        "prompt_tps": round(stats.prompt_tps, 3),
+        "gen_tps": round(stats.gen_tps, 3),
+        "kv_bytes_used": stats.kv_bytes_used,
+        "kv_bytes_allocated": stats.kv_bytes_allocated,
+        "server_kv_usage": stats.server_kv_usage,
+        "tokens_counted_by": stats.counted,
+        "restored_from_state": restore.restored,
+        "restored_tokens": restore.tokens,
+        "restored_prefix_tokens": restore.prefix_tokens,
+        "read_ahead_tokens": restore.read_ahead,
+        "restore_s": round(restore.seconds, 6),
+        "window_dropped_messages": window.dropped_messages,
+        "window_dropped_tokens": window.dropped_tokens,
+        "window_cut_tokens": window.cut_tokens,
+        "window_mode": window.mode,
+        "history_reevaluated_tokens": prompt.discarded,
+        "history_reevaluated_reason": prompt.discarded_reason,
+        "stop_reason": stats.stop_reason,
+    }

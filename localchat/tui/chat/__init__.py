@@ -1,0 +1,2 @@
+"""The chat screen's parts: its state and transcript, a turn streaming in, branches,
+attachments."""
