@@ -50,7 +50,7 @@ def bench_branch(model_path: Path, progress: Progress = None) -> dict[str, Any]:
             pass
         stats = turn.stats_dict()
         from_edit = stats["prompt_tokens"] - turn.prompt.spans[edit_at][0]
-        conversation.saver.wait()
+        conversation.wait_saved()
         conversation.close()
         store.close()
         engine.reset()

@@ -58,7 +58,7 @@ def bench_resume(model_path: Path, progress: Progress = None) -> dict[str, Any]:
         store = Store(data / "conversations.sqlite3")
         conversation = Conversation.open(store, StateStore(data / "states"), "bench", engine)
         build_history(conversation, progress)
-        conversation.saver.wait()
+        conversation.wait_saved()
         history_tokens = len(engine.cached_tokens)
         kv_bytes_used = engine.kv_bytes_used
         state_files = list((data / "states").glob("*.lckv"))

@@ -40,7 +40,7 @@ def _app_resume(engine: Engine, progress: Progress) -> dict[str, Any]:
         store = Store(data / "conversations.sqlite3")
         conversation = Conversation.open(store, StateStore(data / "states"), "long", engine)
         build_history(conversation)
-        conversation.saver.wait()
+        conversation.wait_saved()
         conversation.close()
         store.close()
         _say(progress, f"zerowait: the app opens a {len(engine.cached_tokens)}-token conversation")
@@ -81,7 +81,7 @@ def bench_zerowait(model_path: Path, progress: Progress = None) -> dict[str, Any
                 turn = conversation.send(ZEROWAIT_MESSAGE, greedy, 8)
                 for _ in turn:
                     pass
-                conversation.saver.wait()
+                conversation.wait_saved()
                 conversation.close()
                 stats = turn.stats_dict()
                 (cold_ttfts if name == "cold" else warm_ttfts).append(stats["ttft_s"])

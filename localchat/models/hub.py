@@ -45,7 +45,6 @@ from localchat.atomic import write_atomic
 from localchat.errors import LocalchatError, ModelFileError, UsageError, WorldError
 from localchat.gguf.info import SPLIT_RE, GGUFInfo, is_projector, read_gguf, read_gguf_url
 from localchat.gguf.quants import parse_tag, quality_rank, tag_of_file
-from localchat.models.catalog import CatalogModel, find_model
 from localchat.units import format_bytes
 
 CHUNK_BYTES = 1024 * 1024
@@ -229,28 +228,6 @@ def split_parts(filename: str) -> list[str]:
     total = int(match.group(2))
     prefix = filename[: match.start()]
     return [f"{prefix}-{i:05d}-of-{total:05d}.gguf" for i in range(1, total + 1)]
-
-
-@dataclass(frozen=True)
-class ModelSpec:
-    """What ``pull``/``rm`` were asked for: a catalog entry or a repo, and maybe a quant."""
-
-    repo: str
-    quant: str | None
-    catalog: CatalogModel | None
-
-
-def parse_spec(text: str, catalog: list[CatalogModel]) -> ModelSpec:
-    """``name[:QUANT]`` or ``org/repo[:QUANT]``; unknown names list the closest ones."""
-    name, _, quant_text = text.partition(":")
-    quant = normal_tag(quant_text) if quant_text else None
-    if "/" in name:
-        entry = next((m for m in catalog if m.repo == name), None)
-        return ModelSpec(name, quant, entry)
-    entry = find_model(catalog, name)  # raises with near names
-    if quant is not None and entry.file_for(quant) is None:
-        raise UsageError(f"{entry.name} has no {quant}; it has {', '.join(entry.quants)}")
-    return ModelSpec(entry.repo, quant, entry)
 
 
 class HubCache:

@@ -17,21 +17,20 @@ from localchat.atomic import write_atomic
 from localchat.errors import ModelFileError, UsageError
 from localchat.gguf.estimate import LayerWeights, ModelDims
 from localchat.gguf.info import is_later_split_part, is_projector, read_gguf
-from localchat.models.catalog import load_catalog
+from localchat.models.catalog import CatalogModel, find_model, load_catalog
 from localchat.models.external_models import ExternalModel, discover
 from localchat.models.hardware import Hardware, repacked_weight_types
 from localchat.models.hub import (
     Downloader,
     HubCache,
     HubError,
-    ModelSpec,
     ProgressCallback,
     RemoteFile,
     choose_file,
     choose_projector,
     file_size,
     list_gguf_files,
-    parse_spec,
+    normal_tag,
     quant_of,
     remote_gguf_header,
 )
@@ -47,6 +46,28 @@ from localchat.models.planner import (
 from localchat.models.speed import SpeedModel, load_speed_model
 from localchat.paths import AppPaths
 from localchat.units import format_bytes
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """What ``pull``/``rm`` were asked for: a catalog entry or a repo, and maybe a quant."""
+
+    repo: str
+    quant: str | None
+    catalog: CatalogModel | None
+
+
+def parse_spec(text: str, catalog: list[CatalogModel]) -> ModelSpec:
+    """``name[:QUANT]`` or ``org/repo[:QUANT]``; unknown names list the closest ones."""
+    name, _, quant_text = text.partition(":")
+    quant = normal_tag(quant_text) if quant_text else None
+    if "/" in name:
+        entry = next((m for m in catalog if m.repo == name), None)
+        return ModelSpec(name, quant, entry)
+    entry = find_model(catalog, name)  # raises with near names
+    if quant is not None and entry.file_for(quant) is None:
+        raise UsageError(f"{entry.name} has no {quant}; it has {', '.join(entry.quants)}")
+    return ModelSpec(entry.repo, quant, entry)
 
 
 @dataclass

@@ -98,7 +98,7 @@ def _headless_turn(model_path: Path, max_tokens: int) -> tuple[float, float, int
         reply = conversation.send(MESSAGE, Sampling(temperature=0.0), max_tokens)
         for _ in reply:
             pass
-        conversation.saver.wait()
+        conversation.wait_saved()
         cpu_used = time.process_time() - cpu
         tokens = reply.stats.generated_tokens
         rate = tokens / (time.perf_counter() - wall)
@@ -127,8 +127,8 @@ async def _app_cpu(model_path: Path, max_tokens: int) -> tuple[float, float, int
         cpu = time.process_time()
         await pilot.press("enter")
         await _wait(done, "the reply")
-        assert isinstance(app.conversation, Conversation)
-        app.conversation.saver.wait()
+        assert app.conversation is not None
+        app.conversation.wait_saved()
         await asyncio.sleep(0.1)  # the last frame is drawn: part of the app's cost
         used = time.process_time() - cpu
         stats = finished[0].stats
