@@ -29,12 +29,12 @@ from localchat.models.calibrate import speed_model_or_none
 from localchat.models.catalog import catalog_template
 from localchat.models.demo import app_demo_path
 from localchat.models.hardware import detect_hardware
-from localchat.models.hub import DownloadCancelled, HubError, Progress
+from localchat.models.hub import DownloadCancelled, HubError
 from localchat.models.library import Library, ModelRequest
 from localchat.models.speed_feedback import TurnSpeed, note_turn
 from localchat.models.starter import STARTER, ensure_starter, starter_on_disk
 from localchat.paths import AppPaths
-from localchat.progress import StepCallback, StepProgress
+from localchat.progress import Progress, StepCallback, StepProgress
 from localchat.settings import ServerConfig, Settings
 from localchat.state.kvstate import StateStore
 from localchat.state.store import ConversationRecord, Store

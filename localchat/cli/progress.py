@@ -10,8 +10,7 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, TextIO
 
 if TYPE_CHECKING:
-    from localchat.models.hub import Progress
-    from localchat.progress import StepProgress
+    from localchat.progress import Progress, StepProgress
 
 
 @contextlib.contextmanager

@@ -13,11 +13,11 @@ from typing import TYPE_CHECKING, Any
 from localchat.backends.base import Reply, TokenDelta, TurnStats
 from localchat.chat.prompt import BuiltPrompt
 from localchat.chat.template import ChatMessage
-from localchat.conversation.prefix_states import PrefixStart
 from localchat.state.store import MessageRecord
 
 if TYPE_CHECKING:
     from localchat.conversation.base import ConversationBase
+    from localchat.conversation.prefix_states import PrefixStart
 
 
 @dataclass

@@ -18,7 +18,6 @@ import re
 import shutil
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -45,6 +44,7 @@ from localchat.atomic import write_atomic
 from localchat.errors import LocalchatError, ModelFileError, UsageError, WorldError
 from localchat.gguf.info import SPLIT_RE, GGUFInfo, is_projector, read_gguf, read_gguf_url
 from localchat.gguf.quants import parse_tag, quality_rank, tag_of_file
+from localchat.progress import Progress, ProgressCallback
 from localchat.units import format_bytes
 
 CHUNK_BYTES = 1024 * 1024
@@ -71,42 +71,6 @@ class RemoteFile:
     filename: str
     size: int
     quant: str
-
-
-@dataclass
-class Progress:
-    """One download's state for the UI and the CLI's progress bar."""
-
-    name: str
-    bytes_done: int = 0
-    bytes_total: int = 0
-    state: str = "queued"  # queued | downloading | verifying | done | failed | cancelled
-    started_at: float = 0.0
-    error: str = ""
-    bytes_at_start: int = 0  # already on disk when this run began (a resumed download)
-
-    @property
-    def speed(self) -> float:
-        """This run's transfer rate: bytes a resumed download already had do not count."""
-        elapsed = time.monotonic() - self.started_at if self.started_at else 0.0
-        return (self.bytes_done - self.bytes_at_start) / elapsed if elapsed > 0 else 0.0
-
-    @property
-    def eta_s(self) -> float | None:
-        speed = self.speed
-        return (self.bytes_total - self.bytes_done) / speed if speed > 0 else None
-
-    def summary(self) -> str:
-        """``downloading 45.0%: 120.0 MiB of 267.0 MiB at 12.3 MiB/s, 12 s left``"""
-        percent = 100 * self.bytes_done / max(1, self.bytes_total)
-        eta = f", {self.eta_s:.0f} s left" if self.eta_s is not None else ""
-        return (
-            f"{self.state} {percent:.1f}%: {format_bytes(self.bytes_done)} of"
-            f" {format_bytes(self.bytes_total)} at {format_bytes(self.speed)}/s{eta}"
-        )
-
-
-ProgressCallback = Callable[[Progress], object]
 
 
 def quant_of(filename: str) -> str:

@@ -24,7 +24,6 @@ from localchat.models.hub import (
     Downloader,
     HubCache,
     HubError,
-    ProgressCallback,
     RemoteFile,
     choose_file,
     choose_projector,
@@ -45,6 +44,7 @@ from localchat.models.planner import (
 )
 from localchat.models.speed import SpeedModel, load_speed_model
 from localchat.paths import AppPaths
+from localchat.progress import ProgressCallback
 from localchat.units import format_bytes
 
 

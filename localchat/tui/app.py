@@ -13,7 +13,7 @@ import threading
 import time
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from textual import work
 from textual.app import App, SystemCommand
@@ -25,27 +25,22 @@ from localchat.backends.base import Backend, Sampling
 from localchat.backends.compute_thread import run_compute, wait_idle
 from localchat.conversation.base import ConversationBase
 from localchat.errors import LocalchatError, one_line
-from localchat.models.hub import DownloadCancelled, HubError
 from localchat.paths import app_paths
-from localchat.session import Session
 from localchat.settings import Settings, load_settings
-from localchat.state.kvstate import StateStore
-from localchat.state.store import Store
 from localchat.tui.bindings import CHAT_APP_ACTIONS, CHAT_BINDINGS, QUIT_BINDING
 from localchat.tui.messages import (
     ModelChosen,
     ModelLoaded,
     ModelLoadFailed,
     ModelMissing,
+    SessionOpened,
     StartupNotice,
     StartupProgress,
     StartupStep,
     StartupWarning,
 )
 from localchat.tui.screens.chat import ChatScreen
-from localchat.tui.screens.hardware import HardwareScreen
 from localchat.tui.screens.help import HelpScreen
-from localchat.tui.screens.models import ModelsScreen, ServerChoice
 from localchat.tui.screens.no_model import NoModelScreen
 from localchat.tui.screens.startup import StartupScreen
 from localchat.tui.widgets.chat_message import (
@@ -56,6 +51,12 @@ from localchat.tui.widgets.chat_message import (
 )
 from localchat.tui.widgets.stats_panel import StatsPanel
 from localchat.tui.worker_failures import ReportsWorkerFailures
+
+if TYPE_CHECKING:  # llama.cpp and the hub client: imported in workers, after the first frame
+    from localchat.session import Session
+    from localchat.state.kvstate import StateStore
+    from localchat.state.store import Store
+    from localchat.tui.screens.models import ServerChoice
 
 # How long quitting waits for a reply being written to stop and be committed.
 QUIT_WAIT_S = 10.0
@@ -130,13 +131,36 @@ class LocalChatApp(ReportsWorkerFailures, App[int]):
 
     def on_mount(self) -> None:
         self.sub_title = "starting…"
+        self.open_session()
+        self.warm_up()
+
+    @work(thread=True, exit_on_error=False, exclusive=True, group="model")
+    def open_session(self) -> None:
+        """The user's settings and stores, and the runtime behind them (llama.cpp, the hub
+        client: heavy imports, made here so that the first frame does not wait for them)."""
+        from localchat.session import Session
+
         paths = app_paths()
+        settings = self.settings
         try:
-            self.settings = load_settings(paths.settings_file)
-            self.session = Session(paths, self.settings)
+            settings = load_settings(paths.settings_file)
+            session = Session(paths, settings)
         except LocalchatError as exc:
-            self.notify(str(exc), title="Conversations unavailable", severity="error", timeout=30)
-            self.session = Session(paths, self.settings, open_stores=False)
+            self.post_message(
+                SessionOpened(Session(paths, settings, open_stores=False), settings, str(exc))
+            )
+            return
+        self.post_message(SessionOpened(session, settings))
+
+    def on_session_opened(self, message: SessionOpened) -> None:
+        if self.quitting:  # gone before it opened: nothing is kept open
+            message.session.close()
+            return
+        self.session, self.settings = message.session, message.settings
+        if message.error is not None:
+            self.notify(
+                message.error, title="Conversations unavailable", severity="error", timeout=30
+            )
         if self.max_tokens is None:
             self.max_tokens = self.settings.max_tokens
         if self.sampling is None:
@@ -145,7 +169,6 @@ class LocalChatApp(ReportsWorkerFailures, App[int]):
             self.connect_server(self.server, self.n_ctx)
         else:
             self.choose_model()
-        self.warm_up()
 
     def notify(
         self,
@@ -167,6 +190,8 @@ class LocalChatApp(ReportsWorkerFailures, App[int]):
     @work(thread=True, exit_on_error=False, exclusive=True, group="model")
     def choose_model(self) -> None:
         """Find the model to run: the one asked for, the last one used, or a first download."""
+        from localchat.models.hub import DownloadCancelled, HubError  # loaded with the session
+
         assert self.session is not None
         self._startup_cancel.clear()  # an Esc of an earlier start does not stop this one
         self._startup_skip.clear()
@@ -294,6 +319,8 @@ class LocalChatApp(ReportsWorkerFailures, App[int]):
         )
 
     def action_models(self) -> None:
+        from localchat.tui.screens.models import ModelsScreen, ServerChoice
+
         if self.chat.generating:
             return
 
@@ -311,6 +338,8 @@ class LocalChatApp(ReportsWorkerFailures, App[int]):
         self.push_screen(screen, switch)
 
     def action_hardware(self) -> None:
+        from localchat.tui.screens.hardware import HardwareScreen
+
         self.push_screen(HardwareScreen(self.settings.min_tokens_per_s))
 
     def action_help(self) -> None:

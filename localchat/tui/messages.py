@@ -11,11 +11,21 @@ from textual.message import Message
 from localchat.backends.base import Backend, TurnStats
 from localchat.chat.attachments import Attachment
 from localchat.conversation.turn import ConversationTurn
-from localchat.models.hub import Progress
-from localchat.progress import StepProgress
+from localchat.progress import Progress, StepProgress
 
-if TYPE_CHECKING:
-    pass
+if TYPE_CHECKING:  # the session is imported in a worker, after the first frame
+    from localchat.session import Session
+    from localchat.settings import Settings
+
+
+@dataclass
+class SessionOpened(Message):
+    """The session is open (its stores, or none where the database could not be opened:
+    ``error`` says why); ``settings`` as read from the user's file."""
+
+    session: Session
+    settings: Settings
+    error: str | None = None
 
 
 @dataclass

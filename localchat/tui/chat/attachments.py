@@ -4,17 +4,20 @@ tokenizer, or the server's), refused when the context cannot hold them."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from textual import work
 
 from localchat.chat.attachments import check_fits, read_attachment
 from localchat.errors import LocalchatError
-from localchat.session import Session
 from localchat.tui.chat.base import ChatScreenBase
 from localchat.tui.messages import AttachmentReady
 from localchat.tui.screens.text_prompt import TextPromptScreen
 from localchat.tui.widgets.prompt_input import PromptInput
 from localchat.tui.widgets.stats_panel import StatsPanel
+
+if TYPE_CHECKING:
+    from localchat.session import Session
 
 
 class AttachmentActions(ChatScreenBase):

@@ -8,7 +8,7 @@ thread workers that get what they need as arguments and answer with typed messag
 from __future__ import annotations
 
 import threading
-from typing import Protocol, cast
+from typing import TYPE_CHECKING, Protocol, cast
 
 from textual import on, work
 from textual.app import ComposeResult
@@ -22,7 +22,6 @@ from localchat.chat.attachments import Attachment, with_attachments
 from localchat.chat.reasoning import split_reasoning
 from localchat.conversation.base import ConversationBase
 from localchat.conversation.draft_reader import DraftReader
-from localchat.session import Session
 from localchat.settings import Settings
 from localchat.tui.messages import ReadAhead
 from localchat.tui.pacing import FramePacer
@@ -31,6 +30,9 @@ from localchat.tui.widgets.prompt_input import PromptInput
 from localchat.tui.widgets.stats_panel import StatsPanel
 from localchat.tui.worker_failures import ReportsWorkerFailures
 from localchat.units import count
+
+if TYPE_CHECKING:  # the session (llama.cpp, the hub client) is imported after the first frame
+    from localchat.session import Session
 
 DEFAULT_MAX_TOKENS = 512
 

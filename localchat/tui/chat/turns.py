@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import time
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 from textual import on, work
 from textual.containers import VerticalScroll
@@ -18,7 +19,6 @@ from localchat.chat.attachments import with_attachments
 from localchat.conversation.base import ConversationBase
 from localchat.conversation.turn import ConversationTurn
 from localchat.errors import LocalchatError
-from localchat.session import Session
 from localchat.tui.chat.base import ChatScreenBase
 from localchat.tui.messages import ReplyChunk, ReplyFailed, ReplyFinished
 from localchat.tui.pacing import MIN_INTERVAL_S, FramePacer
@@ -26,6 +26,9 @@ from localchat.tui.widgets.chat_message import AssistantMessage, Notice, UserMes
 from localchat.tui.widgets.prompt_input import PromptInput
 from localchat.tui.widgets.stats_panel import StatsPanel
 from localchat.units import count
+
+if TYPE_CHECKING:
+    from localchat.session import Session
 
 # The worker posts text at most this often; the pacer decides which chunks get drawn at once.
 # The stats panel's speed and cache lines change less often still.

@@ -24,10 +24,11 @@ from textual.widgets import DataTable, Label, ProgressBar, Static
 from localchat.errors import LocalchatError
 from localchat.gguf.info import is_projector
 from localchat.models.hardware import Hardware, detect_hardware
-from localchat.models.hub import DownloadCancelled, Progress
+from localchat.models.hub import DownloadCancelled
 from localchat.models.library import Library, ModelRow
 from localchat.models.planner import MIN_TOKENS_PER_S, format_tps
 from localchat.paths import app_paths
+from localchat.progress import Progress
 from localchat.session import ServerModelRow, server_model_rows
 from localchat.settings import ServerConfig
 from localchat.tui.screens.text_prompt import TextPromptScreen

@@ -14,8 +14,7 @@ from textual.containers import Vertical
 from textual.screen import ModalScreen
 from textual.widgets import Label, ProgressBar, Static
 
-from localchat.models.hub import Progress
-from localchat.progress import StepProgress
+from localchat.progress import Progress, StepProgress
 
 SKIP_HINT = "Esc skips this step: plans go by memory until the speed is measured"
 STOP_HINT = "Esc stops the download (it resumes where it left off next time)"
