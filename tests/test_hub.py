@@ -18,9 +18,10 @@ from localchat.cli.main import main
 from localchat.errors import ModelFileError, UsageError, WorldError
 from localchat.models.demo import make_demo_model
 from localchat.models.hardware import Hardware
-from localchat.models.hub import DownloadCancelled, HubError, Progress
+from localchat.models.hub import DownloadCancelled, HubError
 from localchat.models.library import Library
 from localchat.paths import app_paths
+from localchat.progress import Progress
 
 from .hubserver import HubServer, HubState
 

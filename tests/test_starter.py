@@ -13,9 +13,10 @@ import pytest
 from textual.message import Message
 
 from localchat.cli.main import main
-from localchat.models.hub import Progress, file_sha256
+from localchat.models.hub import file_sha256
 from localchat.models.starter import STARTER, ensure_starter, index_cache_path, starter_on_disk
 from localchat.paths import app_paths
+from localchat.progress import Progress
 from localchat.tui.app import LocalChatApp
 from tests.conftest import GREEDY
 
