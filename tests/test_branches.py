@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 
-from localchat.backends.base import Sampling
 from localchat.backends.llama.engine import Engine, LoadOptions
 from localchat.chat.template import ChatMessage
 from localchat.cli.main import main
@@ -22,8 +21,8 @@ from localchat.errors import UsageError
 from localchat.paths import app_paths
 from localchat.state.kvstate import StateStore
 from localchat.state.store import MIGRATIONS, Store
+from tests.conftest import GREEDY
 
-GREEDY = Sampling(temperature=0.0)
 EDITED = "An edited question, quite different from the first one."
 
 

@@ -8,14 +8,11 @@ import shutil
 import struct
 from pathlib import Path
 
-from textual.message import Message
-
 from localchat.cli.main import main
 from localchat.paths import app_paths
-from localchat.tui.app import LocalChatApp
 from localchat.tui.messages import ModelLoaded
 
-from .tui_helpers import wait_for
+from .tui_helpers import chat_app
 
 BROKEN = {
     "old": (b"GGUF" + struct.pack("<I", 1) + b"\0" * 64, "unsupported GGUF version 1"),
@@ -70,11 +67,7 @@ async def test_the_app_starts_on_the_next_usable_model(
     tmp_path: Path, tiny_model: Path, capsys, calibrated: object
 ) -> None:
     good = _library_with_broken_files(tmp_path, tiny_model, capsys)
-    seen: list[Message] = []
-    app = LocalChatApp(n_ctx=256, max_tokens=4)
-    async with app.run_test(message_hook=seen.append) as pilot:
-        loaded = await wait_for(pilot, seen, ModelLoaded)
-        assert isinstance(loaded, ModelLoaded)
+    async with chat_app(ready=False, n_ctx=256, max_tokens=4) as ui:
+        loaded = await ui.wait_for(ModelLoaded)
         assert loaded.backend.model_path == good
-        notes = [n.message for n in app._notifications]
-        assert any(n.startswith("skipped old: ") for n in notes)
+        assert (await ui.notice("skipped old: ")).startswith("skipped old: ")

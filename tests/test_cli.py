@@ -13,11 +13,11 @@ from pathlib import Path
 
 import pytest
 
-from localchat.backends.base import Sampling
 from localchat.backends.llama import runtime
 from localchat.backends.llama.engine import Engine, LoadOptions
 from localchat.cli.main import main
 from localchat.gguf.info import read_gguf
+from tests.conftest import GREEDY
 
 CLI = [sys.executable, "-m", "localchat"]
 # How long a process may take to exit after Ctrl+C: it stops within a second, but a 2-core
@@ -241,7 +241,6 @@ def test_an_aborted_prompt_keeps_whole_batches_and_goes_on_exactly(small_model: 
     engine = Engine(small_model, LoadOptions(n_ctx=4096))
     try:
         prompt = engine.tokenize("the quick brown fox " * 600, add_bos=True)[:2000]
-        greedy = Sampling(temperature=0.0)
 
         def abort_after_the_first_batch() -> None:
             while not engine.cached_tokens:
@@ -252,7 +251,7 @@ def test_an_aborted_prompt_keeps_whole_batches_and_goes_on_exactly(small_model: 
         watcher.start()
         try:
             with pytest.raises(KeyboardInterrupt):
-                list(engine.generate(prompt, greedy, 8))
+                list(engine.generate(prompt, GREEDY, 8))
         finally:
             watcher.join()
             runtime.clear_abort()
@@ -262,11 +261,11 @@ def test_an_aborted_prompt_keeps_whole_batches_and_goes_on_exactly(small_model: 
         assert engine.batch_starts == list(range(0, kept, engine.n_batch))
         # Going on from the kept batches evaluates the rest in the batches a fresh prompt
         # would: the reply is the one an uninterrupted evaluation gives.
-        resumed = engine.generate(prompt, greedy, 8)
+        resumed = engine.generate(prompt, GREEDY, 8)
         list(resumed)
         assert resumed.stats.prompt_tokens_evaluated == len(prompt) - kept
         engine.reset()
-        fresh = engine.generate(prompt, greedy, 8)
+        fresh = engine.generate(prompt, GREEDY, 8)
         list(fresh)
         assert resumed.tokens == fresh.tokens
     finally:

@@ -8,14 +8,12 @@ from pathlib import Path
 
 import pytest
 
-from localchat.backends.base import Sampling
 from localchat.backends.llama.engine import Engine, LoadOptions
 from localchat.conversation.local import Conversation
 from localchat.errors import UsageError
 from localchat.state.kvstate import StateStore
 from localchat.state.store import Store
-
-GREEDY = Sampling(temperature=0.0)
+from tests.conftest import GREEDY
 
 
 @pytest.fixture
@@ -109,7 +107,7 @@ def test_a_message_longer_than_the_context_is_cut_and_kept_whole(
         pass
     assert turn.window.cut_tokens > 0
     assert any("longer than the context" in notice for notice in turn.notices)
-    assert len(turn.prompt.tokens) + 16 <= conversation.engine.n_ctx
+    assert len(turn.prompt.tokens) + 16 <= conversation.backend.n_ctx
     assert turn.messages[-1].content.endswith("word1499")
     stored = conversation.store.messages(conversation.record.id)
     assert stored[0].content == text

@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 
-from localchat.backends.base import Sampling
 from localchat.backends.compute_thread import compute_waiting, run_compute
 from localchat.backends.llama.engine import Engine, LoadOptions
 from localchat.conversation.draft_reader import DraftReader
@@ -19,8 +18,8 @@ from localchat.conversation.local import Conversation
 from localchat.paths import app_paths
 from localchat.state.kvstate import StateStore
 from localchat.state.store import Store
+from tests.conftest import GREEDY
 
-GREEDY = Sampling(temperature=0.0)
 WAIT_S = 60.0
 
 

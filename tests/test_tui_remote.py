@@ -6,19 +6,18 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from textual.message import Message
-from textual.widgets import DataTable, Markdown, Static
+from textual.widgets import DataTable, Markdown
 
-from localchat.backends.base import Sampling
 from localchat.backends.remote import RemoteBackend
 from localchat.paths import app_paths
 from localchat.state.store import Store
-from localchat.tui.app import LocalChatApp
 from localchat.tui.messages import ModelLoaded, ReplyFailed, ReplyFinished
 from localchat.tui.screens.models import ModelsScreen, RowsLoaded
 from localchat.tui.widgets.prompt_input import PromptInput
 from tests.sse_server import ServerScript, SSEServer
-from tests.tui_helpers import ready, say, wait_for
+from tests.tui_helpers import chat_app
+
+SIZE = (120, 36)
 
 
 @pytest.fixture
@@ -28,33 +27,22 @@ def stand_in() -> Iterator[tuple[SSEServer, ServerScript]]:
         yield server, script
 
 
-def _app(server: SSEServer) -> tuple[LocalChatApp, list[Message]]:
-    app = LocalChatApp(server=server.url, sampling=Sampling(temperature=0.0), max_tokens=64)
-    return app, []
-
-
-def _text(app: LocalChatApp, widget_id: str) -> str:
-    return str(app.query_one(widget_id, Static).render())
-
-
 async def test_the_app_chats_through_a_server_with_live_figures(
     stand_in: tuple[SSEServer, ServerScript],
 ) -> None:
     server, script = stand_in
     script.reply = ["Hello", " \x1b[31mthere\x1b[0m", " [b]friend[/b]"]
-    app, seen = _app(server)
-    async with app.run_test(size=(120, 36), message_hook=seen.append) as pilot:
-        await ready(pilot, app, seen)
-        assert "stand-in" in _text(app, "#model-info") and "127.0.0.1" in _text(app, "#model-info")
-        finished = await say(pilot, seen, "hi")
+    async with chat_app(server=server.url, size=SIZE, max_tokens=64) as ui:
+        assert "stand-in" in ui.text("#model-info") and "127.0.0.1" in ui.text("#model-info")
+        finished = await ui.say("hi")
         assert finished.stats.generated_tokens == 3 and finished.stats.gen_tps > 0
-        assert _text(app, "#kv-memory") == "server-side (not published)"  # never zeros
-        assert "≈" in _text(app, "#ctx-tokens")  # no /tokenize on this server: estimated
-        body = app.query(Markdown).last()
+        assert ui.text("#kv-memory") == "server-side (not published)"  # never zeros
+        assert "≈" in ui.text("#ctx-tokens")  # no /tokenize on this server: estimated
+        body = ui.app.query(Markdown).last()
         shown = body.source
         assert "\x1b" not in shown and "\\x1b[31m" in shown  # escapes made visible
         assert "[b]friend[/b]" in shown  # Rich markup stays text
-        assert "first token" in _text(app, "#speed")
+        assert "first token" in ui.text("#speed")
     store = Store(app_paths().database)
     record = store.conversations()[0]
     assert [m.content for m in store.messages(record.id)] == ["hi", "".join(script.reply)]
@@ -66,19 +54,17 @@ async def test_esc_stops_a_server_reply_and_the_connection(
 ) -> None:
     server, script = stand_in
     script.first_token_delay_s = 30.0
-    app, seen = _app(server)
-    async with app.run_test(size=(120, 36), message_hook=seen.append) as pilot:
-        await ready(pilot, app, seen)
-        mark = len(seen)
-        await pilot.press(*"hi", "enter")
-        await pilot.pause(0.5)
-        await pilot.press("escape")
-        finished = await wait_for(pilot, seen, ReplyFinished, timeout_s=10, after=mark)
-        assert isinstance(finished, ReplyFinished)
+    async with chat_app(server=server.url, size=SIZE, max_tokens=64) as ui:
+        mark = len(ui.seen)
+        await ui.pilot.press(*"hi", "enter")
+        # Esc once the server has the request (its first token is 30 s away).
+        await ui.until(lambda: script.requests, "the server to get the request")
+        await ui.pilot.press("escape")
+        finished = await ui.wait_for(ReplyFinished, after=mark, timeout_s=10)
         assert finished.stats.stop_reason == "cancelled"
         assert script.hung_up.wait(10)
         script.first_token_delay_s = 0.0
-        again = await say(pilot, seen, "again")  # the app stays usable
+        again = await ui.say("again")  # the app stays usable
         assert again.stats.stop_reason == "eos" and again.stats.generated_tokens == 4
 
 
@@ -86,20 +72,19 @@ async def test_server_faults_are_one_line_and_nothing_is_lost(
     stand_in: tuple[SSEServer, ServerScript],
 ) -> None:
     server, script = stand_in
-    app, seen = _app(server)
-    async with app.run_test(size=(120, 36), message_hook=seen.append) as pilot:
-        await ready(pilot, app, seen)
+    async with chat_app(server=server.url, size=SIZE, max_tokens=64) as ui:
         script.drop_after = 2
-        await say(pilot, seen, "first")  # cut mid-reply: the partial reply is kept
-        assert any("stream ended before the reply did" in n.message for n in app._notifications)
+        await ui.say("first")  # cut mid-reply: the partial reply is kept
+        await ui.notice("stream ended before the reply did")
         script.drop_after = None
         script.status = 500
-        mark = len(seen)
-        await pilot.press(*"second", "enter")
-        failed = await wait_for(pilot, seen, ReplyFailed, after=mark)
-        assert isinstance(failed, ReplyFailed) and "HTTP 500" in failed.error
+        mark = len(ui.seen)
+        await ui.pilot.press(*"second", "enter")
+        failed = await ui.wait_for(ReplyFailed, after=mark)
+        assert "HTTP 500" in failed.error
         assert "\n" not in failed.error
-        assert app.query_one(PromptInput).text == "second"  # handed back, not lost
+        await ui.until(lambda: not ui.app.chat.generating, "the failed turn to be taken back")
+        assert ui.app.query_one(PromptInput).text == "second"  # handed back, not lost
     store = Store(app_paths().database)
     record = store.conversations()[0]
     stored = store.messages(record.id)
@@ -111,16 +96,9 @@ async def test_server_faults_are_one_line_and_nothing_is_lost(
 
 
 async def test_an_unreachable_server_says_so_and_the_app_stays_up() -> None:
-    app = LocalChatApp(server="http://127.0.0.1:9/v1")
-    seen: list[Message] = []
-    async with app.run_test(size=(120, 36), message_hook=seen.append) as pilot:
-        for _ in range(100):
-            if app._notifications:
-                break
-            await pilot.pause(0.05)
-        messages = [n.message for n in app._notifications]
-        assert any("cannot reach 127.0.0.1:9" in m for m in messages)
-        assert app.is_running
+    async with chat_app(server="http://127.0.0.1:9/v1", size=SIZE, ready=False) as ui:
+        await ui.notice("cannot reach 127.0.0.1:9")
+        assert ui.app.is_running
 
 
 async def test_models_screen_lists_server_models_and_switches_to_one(
@@ -131,16 +109,14 @@ async def test_models_screen_lists_server_models_and_switches_to_one(
     settings = app_paths().settings_file
     settings.parent.mkdir(parents=True, exist_ok=True)
     settings.write_text(f'[[servers]]\nname = "box"\nurl = "{server.url}"\n')
-    app = LocalChatApp(tiny_model, n_ctx=1024, max_tokens=8, sampling=Sampling(temperature=0.0))
-    seen: list[Message] = []
-    async with app.run_test(size=(120, 36), message_hook=seen.append) as pilot:
-        await ready(pilot, app, seen)
-        await say(pilot, seen, "hello here")
-        name = app.conversation.record.name
-        mark = len(seen)
-        await pilot.press("ctrl+o")
-        loaded_rows = await wait_for(pilot, seen, RowsLoaded, after=mark)
-        assert isinstance(loaded_rows, RowsLoaded)
+    async with chat_app(tiny_model, size=SIZE, n_ctx=1024, max_tokens=8) as ui:
+        app = ui.app
+        await ui.say("hello here")
+        local = app.conversation
+        name = local.record.name
+        mark = len(ui.seen)
+        await ui.pilot.press("ctrl+o")
+        loaded_rows = await ui.wait_for(RowsLoaded, after=mark)
         assert [(r.server, r.model, r.context_size) for r in loaded_rows.server_rows] == [
             ("box", "stand-in", 8192),
             ("box", "other", None),
@@ -148,13 +124,13 @@ async def test_models_screen_lists_server_models_and_switches_to_one(
         screen = app.screen
         assert isinstance(screen, ModelsScreen)
         screen.query_one(DataTable).move_cursor(row=len(screen.rows))
-        await pilot.press("enter")
-        loaded = await wait_for(pilot, seen, ModelLoaded, after=mark)
-        assert isinstance(loaded, ModelLoaded) and isinstance(loaded.backend, RemoteBackend)
-        await pilot.pause(0.3)
+        await ui.pilot.press("enter")
+        loaded = await ui.wait_for(ModelLoaded, after=mark)
+        assert isinstance(loaded.backend, RemoteBackend)
+        await ui.opened(before=local)
         assert app.conversation.record.name == name  # the same conversation, on the server
-        await say(pilot, seen, "hello there")
-        assert "ctx 8192" in _text(app, "#model-info")
+        await ui.say("hello there")
+        assert "ctx 8192" in ui.text("#model-info")
     store = Store(app_paths().database)
     record = store.find(name)
     contents = [m.content for m in store.messages(record.id)]

@@ -5,19 +5,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from textual.message import Message
-
-from localchat.backends.base import Sampling
 from localchat.backends.llama.engine import Engine, LoadOptions
 from localchat.conversation.local import Conversation
 from localchat.paths import app_paths
 from localchat.state.kvstate import StateStore
 from localchat.state.store import Store
-from localchat.tui.app import LocalChatApp
 from localchat.tui.messages import ConversationRestored
-from tests.tui_helpers import ready, say, wait_for
-
-GREEDY = Sampling(temperature=0.0)
+from tests.conftest import GREEDY
+from tests.tui_helpers import chat_app
 
 
 def _saved_conversation(model: Path, name: str) -> int:
@@ -37,15 +32,12 @@ def _saved_conversation(model: Path, name: str) -> int:
 
 async def test_an_opened_conversation_is_restored_before_the_first_turn(tiny_model: Path) -> None:
     held = _saved_conversation(tiny_model, "talk")
-    seen: list[Message] = []
-    app = LocalChatApp(
-        tiny_model, n_ctx=512, max_tokens=8, sampling=GREEDY, conversation_name="talk"
-    )
-    async with app.run_test(size=(120, 36), message_hook=seen.append) as pilot:
-        await ready(pilot, app, seen)
-        restored = await wait_for(pilot, seen, ConversationRestored)
-        assert isinstance(restored, ConversationRestored) and restored.tokens == held
-        finished = await say(pilot, seen, "ok")
+    async with chat_app(
+        tiny_model, size=(120, 36), n_ctx=512, max_tokens=8, conversation_name="talk"
+    ) as ui:
+        restored = await ui.wait_for(ConversationRestored)
+        assert restored.tokens == held
+        finished = await ui.say("ok")
         assert not finished.turn.restore.restored  # nothing left to restore in the turn
         stats = finished.turn.stats_dict()
         assert stats["prompt_tokens"] - stats["prompt_tokens_evaluated"] >= held - 1

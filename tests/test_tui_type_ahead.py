@@ -8,19 +8,13 @@ from pathlib import Path
 
 import pytest
 from textual import events
-from textual.message import Message
-from textual.pilot import Pilot
-from textual.widgets import Static
 
-from localchat.backends.base import Sampling
 from localchat.cli.main import main
 from localchat.paths import app_paths
-from localchat.tui.app import LocalChatApp
 from localchat.tui.messages import ConversationRestored, ReadAhead, ReplyFinished
 from localchat.tui.widgets.prompt_input import PromptInput
-from tests.tui_helpers import ready, say, wait_for
+from tests.tui_helpers import ChatUI, chat_app
 
-GREEDY = Sampling(temperature=0.0)
 QUESTION = "Write a Python function that returns the squares of a list of numbers, please."
 
 
@@ -28,48 +22,41 @@ def _keys(text: str) -> list[str]:
     return ["space" if ch == " " else ch for ch in text]
 
 
-async def _send_typed(pilot: Pilot, seen: list[Message], text: str, pause_s: float) -> Message:
+async def _send_typed(ui: ChatUI, text: str, pause_s: float) -> ReplyFinished:
     for key in _keys(text):
-        await pilot.press(key)
-        if pause_s:
-            await pilot.pause(pause_s)
-    mark = len(seen)
-    await pilot.press("enter")
-    return await wait_for(pilot, seen, ReplyFinished, after=mark)
+        await ui.pilot.press(key)
+        if pause_s:  # a person typing: time between the keys, for reading ahead
+            await ui.pilot.pause(pause_s)
+    return await ui.send("enter")
 
 
-async def _send_pasted(pilot: Pilot, app: LocalChatApp, seen: list[Message], text: str) -> Message:
-    box = app.query_one(PromptInput)
-    app.post_message(events.Paste(text))  # as a terminal sends it: to the focused box
-    await pilot.pause()
+async def _send_pasted(ui: ChatUI, text: str) -> ReplyFinished:
+    box = ui.app.query_one(PromptInput)
+    ui.app.post_message(events.Paste(text))  # as a terminal sends it: to the focused box
+    await ui.pilot.pause()
     assert box.text == text
-    mark = len(seen)
-    await pilot.press("enter")
-    return await wait_for(pilot, seen, ReplyFinished, after=mark)
+    return await ui.send("enter")
 
 
 async def test_typed_slowly_fast_or_pasted_the_reply_is_the_same(smollm2: Path) -> None:
-    seen: list[Message] = []
-    app = LocalChatApp(smollm2, n_ctx=1024, max_tokens=24, sampling=GREEDY)
     results = {}
-    async with app.run_test(size=(120, 36), message_hook=seen.append) as pilot:
-        await ready(pilot, app, seen)
+    async with chat_app(smollm2, size=(120, 36), n_ctx=1024, max_tokens=24) as ui:
         for way in ("slowly", "fast", "pasted"):
-            await pilot.press("ctrl+n")
-            await pilot.pause(0.2)
-            await say(pilot, seen, "Hi!")  # a warm conversation to read ahead after
+            previous = ui.app.conversation
+            await ui.pilot.press("ctrl+n")
+            await ui.opened(before=previous)
+            await ui.say("Hi!")  # a warm conversation to read ahead after
             if way == "pasted":
-                finished = await _send_pasted(pilot, app, seen, QUESTION)
+                finished = await _send_pasted(ui, QUESTION)
             else:
-                finished = await _send_typed(pilot, seen, QUESTION, 0.03 if way == "slowly" else 0)
-            assert isinstance(finished, ReplyFinished)
+                finished = await _send_typed(ui, QUESTION, 0.03 if way == "slowly" else 0)
             assert finished.turn.user.record.content == QUESTION
             stats = finished.turn.stats_dict() | {"prompt": finished.turn.prompt.tokens}
             results[way] = (finished.turn.generation.text, stats)
             if way == "slowly":
-                panel = str(app.query_one("#turn-start", Static).render())
-                speed = str(app.query_one("#speed", Static).render())
-        assert any(isinstance(m, ReadAhead) and m.tokens > 0 for m in seen)
+                panel = ui.text("#turn-start")
+                speed = ui.text("#speed")
+        assert any(m.tokens > 0 for m in ui.posted(ReadAhead))
     replies = {way: reply for way, (reply, _stats) in results.items()}
     assert replies["slowly"] == replies["fast"] == replies["pasted"] != ""
     slow = results["slowly"][1]
@@ -87,14 +74,10 @@ async def test_the_settings_turn_reading_ahead_and_restore_on_open_off(tiny_mode
     settings.parent.mkdir(parents=True, exist_ok=True)
     settings.write_text("type_ahead = false\nrestore_on_open = false\n")
     for _ in range(2):  # the second start opens a conversation with a saved cache
-        seen: list[Message] = []
-        app = LocalChatApp(tiny_model, n_ctx=512, max_tokens=8, sampling=GREEDY)
-        async with app.run_test(size=(120, 36), message_hook=seen.append) as pilot:
-            await ready(pilot, app, seen)
-            finished = await _send_typed(pilot, seen, "tell me about caches", 0.02)
-            assert isinstance(finished, ReplyFinished)
+        async with chat_app(tiny_model, size=(120, 36), n_ctx=512, max_tokens=8) as ui:
+            finished = await _send_typed(ui, "tell me about caches", 0.02)
             assert finished.turn.stats_dict()["read_ahead_tokens"] == 0
-        assert not any(isinstance(m, ReadAhead | ConversationRestored) for m in seen)
+        assert not ui.posted(ReadAhead) and not ui.posted(ConversationRestored)
 
 
 @pytest.mark.parametrize("line", ["type_ahead = 1", 'restore_on_open = "yes"'])
@@ -114,18 +97,18 @@ async def test_reading_ahead_that_fails_says_nothing_and_the_turn_says_why(
 ) -> None:
     """A system prompt the context cannot hold: reading ahead gives up quietly (it is a
     bonus); Enter gives the one-line reason, and the message stays in the box."""
-    seen: list[Message] = []
-    app = LocalChatApp(
-        tiny_model, n_ctx=64, max_tokens=8, sampling=GREEDY, system_prompt="rule " * 80
-    )
-    async with app.run_test(size=(120, 36), message_hook=seen.append) as pilot:
-        await ready(pilot, app, seen)
+    async with chat_app(
+        tiny_model, size=(120, 36), n_ctx=64, max_tokens=8, system_prompt="rule " * 80
+    ) as ui:
+        box, reader = ui.app.query_one(PromptInput), ui.app.chat.reader
         for key in _keys("tell me about caches"):
-            await pilot.press(key)
-        await pilot.pause(0.5)
-        assert not app._notifications  # nothing went wrong that the user must know yet
-        await pilot.press("enter")
-        await pilot.pause(0.5)
-        messages = [n.message for n in app._notifications]
-        assert any("cannot hold the system prompt" in m for m in messages), messages
-        assert app.query_one(PromptInput).text == "tell me about caches"
+            await ui.pilot.press(key)
+        await ui.until(
+            lambda: box.text == "tell me about caches" and not reader.running,
+            "reading ahead to give up",
+        )
+        await ui.pilot.pause()  # one refresh: a notice posted as it ended is shown by now
+        assert not ui.notices()  # nothing went wrong that the user must know yet
+        await ui.pilot.press("enter")
+        await ui.notice("cannot hold the system prompt")
+        assert box.text == "tell me about caches"

@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 
-from localchat.backends.base import Sampling
 from localchat.backends.llama.engine import Engine, LoadOptions
 from localchat.chat.prompt import settled_chars
 from localchat.conversation.local import READ_AHEAD_BATCH, Conversation
@@ -19,8 +18,8 @@ from localchat.models.demo import make_demo_model
 from localchat.paths import app_paths
 from localchat.state.kvstate import StateStore
 from localchat.state.store import Store
+from tests.conftest import GREEDY
 
-GREEDY = Sampling(temperature=0.0)
 MESSAGE = (
     "Here is what I would like to know: how does the cache work when I type a long message,"
     " with numbers like 12345 and 3.14, (x+y)*2 = 42; it's   spaced\n\nand a second"

@@ -54,7 +54,7 @@ def _message(i: int) -> str:
 
 def test_a_conversation_of_five_contexts_runs_to_the_end(tmp_path: Path, tiny_model: Path) -> None:
     conversation = _open(tmp_path, tiny_model)
-    engine = conversation.engine
+    engine = conversation.backend
     head = engine.prompt_builder().build(conversation.system_messages()).tokens
     head = head[: len(head) - len(engine.tokenize("<|im_start|>assistant\n", special=True))]
     total, moves = 0, []
@@ -122,11 +122,11 @@ def test_a_resumed_conversation_past_the_window_restores_and_continues(
     assert reopened.window_first == first
     turn = _turn(reopened, "one more question")
     assert turn.restore.restored
-    assert turn.stats.prompt_tokens_evaluated == _new_tokens(reopened.engine, turn)
+    assert turn.stats.prompt_tokens_evaluated == _new_tokens(reopened.backend, turn)
     # And it keeps shifting correctly afterwards.
     for j in range(12):
         turn = _turn(reopened, _message(100 + j))
-        assert len(reopened.engine.cached_tokens) < CTX
+        assert len(reopened.backend.cached_tokens) < CTX
     reopened.close()
 
 
@@ -190,23 +190,23 @@ def test_a_turn_that_fails_after_the_window_moved_leaves_everything_as_it_was(
         if a.window.dropped_messages:
             break
     failing.saver.wait(30)  # the last turn's state is on disk, as seconds after a reply
-    before = (failing.window_first, len(failing.exchanges), failing.engine.cached_tokens)
+    before = (failing.window_first, len(failing.exchanges), failing.backend.cached_tokens)
     stored = [m.content for m in failing.store.messages(failing.record.id)]
     calls = {"n": 0}
-    real_generate = failing.engine.generate
+    real_generate = failing.backend.generate
 
     def broken_generate(*args: object, **kwargs: object) -> object:
         calls["n"] += 1
         raise ModelLoadError("llama.cpp could not start the turn (injected)")
 
-    monkeypatch.setattr(failing.engine, "generate", broken_generate)
+    monkeypatch.setattr(failing.backend, "generate", broken_generate)
     text = _message(i) + " " + "and a long tail of words that moves the window " * 4
     with pytest.raises(ModelLoadError, match="injected"):
         failing.send(text, GREEDY, 24)
     assert calls["n"] == 1
     assert (failing.window_first, len(failing.exchanges)) == before[:2]
     assert [m.content for m in failing.store.messages(failing.record.id)] == stored
-    monkeypatch.setattr(failing.engine, "generate", real_generate)
+    monkeypatch.setattr(failing.backend, "generate", real_generate)
     # The retry gives what the conversation that never failed gives.
     assert _turn(failing, text).generation.text == _turn(steady, text).generation.text
     assert failing.window_first == steady.window_first

@@ -87,9 +87,9 @@ def build_history(
     from localchat.backends.base import Sampling
 
     turn_no = 0
-    while len(conversation.engine.cached_tokens) < HISTORY_TOKENS:
+    while len(conversation.backend.cached_tokens) < HISTORY_TOKENS:
         text = filler_text(turn_no, HISTORY_TURN_WORDS)
         for _ in conversation.send(text, Sampling(temperature=0.0), REPLY_TOKENS):
             pass
         turn_no += 1
-        _say(progress, f"{label}: history at {len(conversation.engine.cached_tokens)} tokens")
+        _say(progress, f"{label}: history at {len(conversation.backend.cached_tokens)} tokens")

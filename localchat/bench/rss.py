@@ -68,7 +68,7 @@ def measure_rss_growth(model_path: Path, n_ctx: int, gen_tokens: int = 1) -> dic
         pass
     after = process.memory_info().rss
     peak, source = peak_rss()
-    scores = engine._llm.scores  # llama-cpp-python's n_batch x n_vocab array
+    scores = engine.llm.scores  # llama-cpp-python's n_batch x n_vocab array
     buffers = engine.buffers
     return {
         "rss_before": before,

@@ -56,6 +56,8 @@ class _ReadAhead:
 class Conversation(ConversationBase):
     """A stored conversation bound to a model loaded here, whose KV cache it saves."""
 
+    backend: Engine
+
     def __init__(
         self,
         store: Store,
@@ -73,7 +75,6 @@ class Conversation(ConversationBase):
         resolve_mode(window_mode, True)  # rejects an unknown mode before anything opens
         super().__init__(store, states, record, engine, window_policy, wait_s)
         self.window_mode = window_mode
-        self.engine = engine
         self.saver = saver or BackgroundSaver(states)
         self._owns_saver = saver is None
         self.key = engine.state_key
@@ -121,10 +122,10 @@ class Conversation(ConversationBase):
         """What this conversation's cache holds as evaluated: the warm cache, else the saved
         state (kept for the restore that follows), else the record a replay rebuilds from."""
         self._loaded = None
-        if self.engine.cache_owner == self.record.id and not fresh:
+        if self.backend.cache_owner == self.record.id and not fresh:
             # Tokens read ahead of a message being typed are no history: they count for
             # the prompt only where they are its exact ids (llama.cpp's prefix reuse).
-            return self.engine.cached_tokens[: self.engine.committed]
+            return self.backend.cached_tokens[: self.backend.committed]
         if not fresh:
             self._loaded = self._load_state()
         if self._loaded is not None and isinstance(self._loaded[0], SavedState):
@@ -142,13 +143,13 @@ class Conversation(ConversationBase):
         return self.saver.last_error
 
     def context_tokens(self, turn: ConversationTurn | None = None) -> int:
-        return len(self.engine.cached_tokens)
+        return len(self.backend.cached_tokens)
 
     def restore_now(self) -> RestoreReport:
         """Restore the saved state into the model at once (the app does it when it opens a
         conversation, on the compute thread), so the first turn costs what a warm one does.
         Nothing happens without a valid state; the turn then restores or re-reads as ever."""
-        engine = self.engine
+        engine = self.backend
         if engine.cache_owner == self.record.id and engine.cached_tokens:
             return RestoreReport()
         loaded, load_seconds = self._load_state()
@@ -183,7 +184,7 @@ class Conversation(ConversationBase):
         """Prepare the cache (what was read ahead while the message was typed is kept where
         it is the prompt's; the window moves where the context needs it) and start the reply."""
         ahead, self._ahead = self._ahead, None
-        engine = self.engine
+        engine = self.backend
         messages = self.window_messages()
         held = self._held_tokens(fresh)
         prompt = self.builder.build(messages, held)
@@ -210,7 +211,7 @@ class Conversation(ConversationBase):
         dropped (the saved state still holds the last turn, so the next one restores it)."""
         self._loaded = None
         if window_moved:
-            self.engine.reset()
+            self.backend.reset()
 
     # -- reading a message ahead while it is typed ----------------------------------------
     def read_ahead(self, draft: str, max_tokens: int, stop: Callable[[], bool]) -> ReadAheadResult:
@@ -221,7 +222,7 @@ class Conversation(ConversationBase):
         ``send``, and so does a cut the cache cannot make exactly. The tokens read are the
         cache's past ``Engine.committed``: they count for the prompt ``send`` builds only
         where they are its exact ids, so that prompt is the one it would be without this."""
-        engine = self.engine
+        engine = self.backend
         if self.closed or not draft.strip():
             return ReadAheadResult(0)
         last = self.exchanges[-1].record.id if self.exchanges else None
@@ -279,7 +280,7 @@ class Conversation(ConversationBase):
             return _ReadAhead(replace(report, seconds=0.0))
         if self.exchanges:
             return None
-        engine = self.engine
+        engine = self.backend
         engine.reset()
         prompt = self.builder.build(messages)
         if self._plan(prompt, messages, max_tokens).moved:
@@ -300,7 +301,7 @@ class Conversation(ConversationBase):
 
     def _ahead_tokens(self) -> int:
         """Tokens the cache holds past the conversation (read ahead), if it is this one's."""
-        engine = self.engine
+        engine = self.backend
         if engine.cache_owner != self.record.id:
             return 0
         return len(engine.cached_tokens) - engine.committed
@@ -310,7 +311,7 @@ class Conversation(ConversationBase):
     ) -> RestoreReport:
         """The turn's report with what was done while the message was typed: how the cache
         was prepared then (already paid for) and how many of the prompt's tokens were read."""
-        engine = self.engine
+        engine = self.backend
         read = max(0, common_prefix(engine.cached_tokens, prompt) - engine.committed)
         before = restore
         if ahead is not None and ahead.report != RestoreReport():
@@ -331,12 +332,12 @@ class Conversation(ConversationBase):
         header = prompt.generation_header
         window = messages[n_head:]
         counts = [(m.role, end - start) for m, (start, end) in zip(window, spans, strict=True)]
-        reserve = self.window_policy.reserve(self.engine.n_ctx, max_tokens)
+        reserve = self.window_policy.reserve(self.backend.n_ctx, max_tokens)
         return plan_window(
             head,
             counts,
             0,
-            self.engine.n_ctx,
+            self.backend.n_ctx,
             reserve,
             self.window_policy,
             header,
@@ -349,7 +350,7 @@ class Conversation(ConversationBase):
         """Move the window's start, cut an over-long newest message, and make the cache follow:
         shifted in place where that is safe, else re-evaluated from the text. ``old_held`` is
         what the cache held when ``old_prompt`` was built."""
-        engine = self.engine
+        engine = self.backend
         new_first = self.window_first + plan.first
         messages = self.window_messages(new_first)
         if plan.cut_tokens:
@@ -389,13 +390,13 @@ class Conversation(ConversationBase):
 
     def _cut_message(self, message: ChatMessage, cut_tokens: int) -> ChatMessage:
         """The message without its first ``cut_tokens`` tokens (plus a margin for re-tokenizing)."""
-        tokens = self.engine.tokenize(message.content)
+        tokens = self.backend.tokenize(message.content)
         keep = max(1, len(tokens) - cut_tokens - CUT_MARGIN_TOKENS)
-        return ChatMessage(message.role, self.engine.detokenize(tokens[-keep:]).lstrip())
+        return ChatMessage(message.role, self.backend.detokenize(tokens[-keep:]).lstrip())
 
     def _prepare_cache(self, prompt: list[int], fresh: bool) -> RestoreReport:
         """Restore the saved state, reuse the warm cache, or rebuild it from the transcript."""
-        engine = self.engine
+        engine = self.backend
         if fresh:
             return self._replay(prompt, from_prefix=False)
         held = common_prefix(engine.cached_tokens, prompt)
@@ -466,7 +467,7 @@ class Conversation(ConversationBase):
         simply evaluated by the turn.
         """
         start = time.perf_counter()
-        self.engine.reset()
+        self.backend.reset()
         record = self.store.eval_batches(self.record.id, self.fingerprint)
         if record is not None:
             tokens, starts = record
@@ -476,8 +477,8 @@ class Conversation(ConversationBase):
             else:  # stop at a batch boundary: a cut batch would not give the same bits
                 cut = max((s for s in starts if s <= shared), default=0)
             batches = [s for s in starts if s < cut]
-            if cut > 0 and self.engine.replay(prompt[:cut], batches):
-                self.engine.cache_owner = self.record.id
+            if cut > 0 and self.backend.replay(prompt[:cut], batches):
+                self.backend.cache_owner = self.record.id
                 return RestoreReport(
                     tokens=0, seconds=time.perf_counter() - start, notice=notice, replayed=cut
                 )
@@ -485,7 +486,7 @@ class Conversation(ConversationBase):
             return RestoreReport(notice=notice)
         # A new (or unrecorded) conversation: a known system prompt is restored.
         prefix = start_from_prefix(
-            self.engine,
+            self.backend,
             self.states,
             self.key,
             prompt,
@@ -497,7 +498,7 @@ class Conversation(ConversationBase):
 
     def _reply_committed(self, turn: ConversationTurn) -> None:
         """The cache is this conversation's: how it was built is recorded, and it is saved."""
-        self.engine.cache_owner = self.record.id
+        self.backend.cache_owner = self.record.id
         try:
             self._record_cache_bookkeeping()
         except sqlite3.Error as exc:  # the reply is committed; only resume speed is at stake
@@ -506,7 +507,7 @@ class Conversation(ConversationBase):
 
     def _record_cache_bookkeeping(self) -> None:
         """How this model's cache was built and where its window starts, for the next open."""
-        engine = self.engine
+        engine = self.backend
         self.store.set_eval_batches(
             self.record.id, self.fingerprint, engine.cached_tokens, engine.batch_starts
         )
@@ -514,8 +515,8 @@ class Conversation(ConversationBase):
 
     def save_state(self) -> None:
         """Snapshot the cache now (fast) and write it in the background."""
-        tokens = self.engine.cached_tokens
+        tokens = self.backend.cached_tokens
         if not tokens:
             return
-        state = SavedState(self.key, tokens, self.engine.save_sequence_state())
+        state = SavedState(self.key, tokens, self.backend.save_sequence_state())
         self.saver.save(self.record.id, state)

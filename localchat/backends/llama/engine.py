@@ -189,6 +189,12 @@ class Engine:
         return StateKey(self.fingerprint, self.n_ctx, self.options.kv_type, LLAMA_CPP_VERSION)
 
     @property
+    def llm(self) -> RecordingLlama:
+        """llama-cpp-python's model and context, for this package's generation loop (and
+        the bench's look at its buffers): callers outside use the engine's own methods."""
+        return self._llm
+
+    @property
     def n_batch(self) -> int:
         """Tokens one evaluation batch holds: a cold prompt is read in batches of this."""
         return int(self._llm.n_batch)

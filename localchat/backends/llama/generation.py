@@ -58,7 +58,7 @@ class Generation:
 
     def _run(self) -> Iterator[TokenDelta]:
         engine = self._engine
-        llm = engine._llm
+        llm = engine.llm
         decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         stats = self.stats
         stats.prompt_tokens = len(self._tokens)
