@@ -314,3 +314,20 @@ def test_hw_rejects_a_bad_size() -> None:
     with pytest.raises(SystemExit) as exit_info:
         main(["hw", "--ram", "lots"])
     assert exit_info.value.code == 2
+
+
+def test_no_weights_count_as_repacked_where_the_extra_buffers_are_off(
+    monkeypatch: pytest.MonkeyPatch, small_model: Path
+) -> None:
+    """Repacked copies live in llama.cpp's extra buffers: where those are off (they crashed
+    the machine's AMX kernel), the estimate counts no copy."""
+    from localchat.backends.llama.runtime import EXTRA_BUFFERS_ENV
+    from localchat.gguf.estimate import LayerWeights
+    from localchat.models.hardware import repacked_weight_types
+
+    monkeypatch.setenv(EXTRA_BUFFERS_ENV, "0")
+    assert repacked_weight_types() == frozenset()
+    weights = LayerWeights.from_gguf(read_gguf(small_model), repacked_weight_types())
+    assert sum(weights.repacked_per_layer) == weights.repacked_output == 0
+    monkeypatch.setenv(EXTRA_BUFFERS_ENV, "1")
+    assert repacked_weight_types() <= {"Q4_0", "Q4_K", "IQ4_NL", "Q2_K"}

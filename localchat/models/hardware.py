@@ -133,7 +133,13 @@ ARM_REPACKED = frozenset({"Q4_0", "IQ4_NL"})
 
 def repacked_weight_types() -> frozenset[str]:
     """Weight types llama.cpp's CPU backend repacks on this processor (its faster kernels
-    need an interleaved copy). x86 with AVX2 and ARM with NEON dot products have them."""
+    need an interleaved copy). x86 with AVX2 and ARM with NEON dot products have them; none
+    where llama.cpp's extra buffers are off (they crashed this machine's first decode: see
+    ``backends.llama.runtime.extra_buffers_allowed``), for the repacked copies live there."""
+    from localchat.backends.llama.runtime import extra_buffers_allowed  # tested once, cached
+
+    if not extra_buffers_allowed():
+        return frozenset()
     machine = platform.machine().lower()
     if machine in ("x86_64", "amd64"):
         flags = cpu_flags()
