@@ -173,7 +173,6 @@ class Conversation(ConversationBase):
         return loaded, time.perf_counter() - start
 
     # -- a turn ----------------------------------------------------------------------------
-    # -- a turn ----------------------------------------------------------------------------
     def _start_reply(
         self,
         sampling: Sampling | None,

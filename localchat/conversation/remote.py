@@ -14,11 +14,11 @@ from localchat.backends.base import Sampling
 from localchat.backends.remote import ContextExceeded, RemoteBackend
 from localchat.chat.prompt import BuiltPrompt
 from localchat.chat.template import ChatMessage
-from localchat.chat.window import WindowPlan, WindowPolicy, plan_window
+from localchat.chat.window import WindowPlan, plan_window
 from localchat.conversation.base import ConversationBase, open_record
 from localchat.conversation.turn import ReplyStart, RestoreReport, WindowReport
 from localchat.state.kvstate import StateStore
-from localchat.state.store import ConversationRecord, Store
+from localchat.state.store import Store
 
 # Tokens a template adds to open the reply (the assistant header).
 GENERATION_HEADER_TOKENS = 4
@@ -29,18 +29,7 @@ SERVER_WINDOW_MODE = "server"
 class RemoteConversation(ConversationBase):
     """A stored conversation bound to a model on a server."""
 
-    backend: RemoteBackend
-
-    def __init__(
-        self,
-        store: Store,
-        states: StateStore,
-        record: ConversationRecord,
-        backend: RemoteBackend,
-        window_policy: WindowPolicy | None = None,
-        wait_s: float = 0.0,
-    ) -> None:
-        super().__init__(store, states, record, backend, window_policy, wait_s)
+    backend: RemoteBackend  # the base stores it; the server's client, typed as such
 
     @classmethod
     def open(
