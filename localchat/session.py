@@ -31,6 +31,7 @@ from localchat.models.demo import app_demo_path
 from localchat.models.hardware import detect_hardware
 from localchat.models.hub import DownloadCancelled, HubError
 from localchat.models.library import Library, ModelRequest
+from localchat.models.speed import token_work
 from localchat.models.speed_feedback import TurnSpeed, note_turn
 from localchat.models.starter import STARTER, ensure_starter, starter_on_disk
 from localchat.paths import AppPaths
@@ -76,7 +77,7 @@ def note_turn_speed(paths: AppPaths, backend: Backend, stats: TurnStats) -> str 
         return None
     turn = TurnSpeed(
         str(backend.model_path),
-        backend.info.bytes_read_per_token(),
+        token_work(backend.info),
         backend.kv_bytes_per_token,
         stats.prompt_tokens + stats.generated_tokens // 2,
         stats.generated_tokens,

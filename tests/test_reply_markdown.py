@@ -53,3 +53,20 @@ async def test_a_streamed_reply_ends_as_the_whole_reply_renders() -> None:
         assert len(_paragraphs(whole)) == 4 and _paragraphs(whole)[0][0] >= 3  # list items too
         # The first paragraph grew a line at a time as its text came: laid out then only.
         assert max(heights) == _paragraphs(whole)[0][0] and heights == sorted(heights)
+
+
+class LinkedReply(App[None]):
+    def compose(self) -> ComposeResult:
+        yield ReplyMarkdown(
+            "Plain words only.\n\nSee [the docs](https://example.org) and more.", id="reply"
+        )
+
+
+async def test_only_paragraphs_with_links_pay_for_link_styling() -> None:
+    app = LinkedReply()
+    async with app.run_test(size=(60, 20)) as pilot:
+        await pilot.pause()
+        plain, linked = app.query_one("#reply", ReplyMarkdown).query(SteadyParagraph)
+        # Textual restyles every line of a linked paragraph at each repaint; a plain one skips it.
+        assert not plain.auto_links
+        assert linked.auto_links

@@ -11,7 +11,7 @@ import pytest
 
 from localchat.cli.main import main
 from localchat.gguf.info import read_gguf
-from localchat.models.speed import SpeedModel, load_speed_model, machine_name
+from localchat.models.speed import SpeedModel, load_speed_model, machine_name, token_work
 from localchat.models.speed_feedback import TurnSpeed, note_turn
 from localchat.paths import app_paths
 
@@ -99,7 +99,7 @@ def test_ask_turns_on_a_real_model_correct_a_calibration_that_is_far_off(
     tiny_model: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     # Figures a hundred times too slow for this machine (as a poisoned calibration was).
-    read = read_gguf(tiny_model).bytes_read_per_token()
+    read = token_work(read_gguf(tiny_model))
     slow = {t: 1e-6 for t in [*read, "F16"]}
     SpeedModel(slow, 0.05, slow, 0.005, machine_name(), 2).save(app_paths().speed_calibration)
     before = app_paths().speed_calibration.read_text()

@@ -1,9 +1,9 @@
 """``localchat bench --only calibrate``: a first calibration's time, and what two CPU hogs do
 to the figures.
 
-Three calibrations in one run: from nothing (the test models made too: ``calibration_first_s``,
-the first start's wait), again on an idle machine, and again with two busy-looping processes
-beside it. The busy one must either refuse to settle (nothing would be saved) or predict every
+Two calibrations in one run: from nothing (the test models made too: ``calibration_first_s``,
+the first start's wait; its readings are the idle machine's), and again with two busy-looping
+processes beside it. The busy one must either refuse to settle (nothing would be saved) or predict every
 calibration file's generation speed within ``calibration_busy_error`` of the idle one:
 ``calibration_busy_ok`` is 1 when either holds.
 """
@@ -25,7 +25,7 @@ from localchat.models.calibrate import (
     calibrate,
     calibration_files,
 )
-from localchat.models.speed import SpeedModel, machine_name
+from localchat.models.speed import SpeedModel, machine_name, token_work
 
 HOGS = 2
 BUSY_LIMIT = 0.35
@@ -34,7 +34,7 @@ BUSY_LIMIT = 0.35
 def _predicted(speed: SpeedModel, files: dict[str, Path]) -> dict[str, float]:
     out: dict[str, float] = {}
     for quant in CALIBRATION_TYPES:
-        prediction = speed.predict(read_gguf(files[quant]).bytes_read_per_token())
+        prediction = speed.predict(token_work(read_gguf(files[quant])))
         out[quant] = prediction.gen_tps if prediction else 0.0
     return out
 
@@ -49,8 +49,6 @@ def bench_calibrate(model_path: Path, progress: Callable[[str], None] | None) ->
         start = time.monotonic()
         first = _settled(models)
         first_s = time.monotonic() - start
-        say("calibrate: again, idle")
-        idle = _settled(models) or first
         say(f"calibrate: beside {HOGS} busy processes")
         hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(HOGS)]
         try:
@@ -64,10 +62,10 @@ def bench_calibrate(model_path: Path, progress: Callable[[str], None] | None) ->
             "calibration_first_s": round(first_s, 1),
             "calibration_busy_saved": busy is not None,
         }
-        if idle is None:
+        if first is None:
             result["calibration_idle_settled"] = False
             return result
-        calm = _predicted(idle, files)
+        calm = _predicted(first, files)
         result["calibration_idle_gen_tps"] = {q: round(v, 1) for q, v in calm.items()}
         if busy is None:
             result["calibration_busy_ok"] = 1

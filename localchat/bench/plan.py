@@ -17,7 +17,7 @@ PLAN_MODELS: tuple[tuple[str, str], ...] = tuple(
 )
 PLAN_CTX = 2048
 PLAN_PROMPT_TOKENS = 448  # with the reply, about the fill predictions are made for
-PLAN_GEN_TOKENS = 64
+PLAN_GEN_TOKENS = 32  # 31 gaps of 30-110 ms: timer noise is nothing to them
 # Rounds sized by noise: two, and a third only when those two disagree by more than
 # PLAN_AGREE (the median of three then drops the odd one). Most models settle in two, and
 # the 1b rows (a quarter of a minute a round) were most of this part's time.

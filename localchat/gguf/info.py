@@ -213,17 +213,6 @@ class GGUFInfo:
     def weights_bytes(self) -> int:
         return sum(t.n_bytes for t in self.tensors)
 
-    def bytes_read_per_token(self) -> dict[str, int]:
-        """Bytes of each weight type that generating one token reads: every matrix, but of
-        the token embeddings only a row (unless they double as the output matrix)."""
-        tied = not any(t.name == "output.weight" for t in self.tensors)
-        read: dict[str, int] = {}
-        for tensor in self.tensors:
-            if tensor.name.startswith("token_embd") and not tied:
-                continue
-            read[tensor.ggml_type] = read.get(tensor.ggml_type, 0) + tensor.n_bytes
-        return read
-
     @property
     def end_of_data(self) -> int:
         """Where the last tensor's bytes end: the file must be at least this long."""

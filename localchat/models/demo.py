@@ -16,7 +16,7 @@ import math
 import string
 import tempfile
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -102,9 +102,6 @@ class ModelShape:
 SHAPES: dict[str, ModelShape] = {
     "tiny": ModelShape("tiny", 2, 128, 4, 2, 256, 1024, 4096, 10000.0),
     "small": ModelShape("small", 4, 512, 8, 4, 1408, 8192, 8192, 10000.0),
-    # The speed calibration's shape: its weights (25-150 MB by type) stream from a laptop's
-    # RAM, not its cache, and its quantized files are made in seconds.
-    "calib": ModelShape("calib", 8, 1024, 16, 4, 4096, 8192, 8192, 10000.0),
     # Qwen2.5-0.5B dimensions.
     "0.5b": ModelShape("0.5b", 24, 896, 14, 2, 4864, 32000, 32768, 1_000_000.0),
     # Llama-3.2-1B dimensions (vocabulary kept at 32k so the file stays laptop-sized).
@@ -337,18 +334,54 @@ def _random_blocks(rng: np.random.Generator, rows: int, cols: int, weight_type: 
     return blocks.reshape(rows, cols // block_weights * block_bytes)
 
 
-def speed_model_path(directory: Path, weight_type: str, shape: str = "calib") -> Path:
-    """Where the speed model of one weight type is kept."""
-    return directory / f"speed-{shape}-{weight_type}.gguf"
+# The speed calibration's shape (not offered as a demo): Qwen2.5-1.5B's row lengths (a row's
+# fixed cost makes a byte's cost depend on them, models/speed.py; 1.5B is the middle of what
+# laptops run), its layers set per weight type by calibration_shape().
+CALIBRATION_SHAPE = ModelShape("calib", 1, 1536, 12, 2, 8960, 8192, 8192, 10000.0)
+# What each calibration file reads per token, at least. Smaller files run partly from a
+# large processor cache and time fast by luck: measured on a 2-core Xeon with a 480 MiB L3,
+# a 43 MB Q2_K file read 175-250 tok/s where 88 MB and larger ones all cost the same per
+# byte (the 0.5b and 1b demo models' Q2_K then predicted 1.4-1.6x too fast).
+CALIBRATION_MIN_BYTES = 100_000_000
 
 
-def make_speed_model(out: Path, weight_type: str, shape: str = "calib", seed: int = 0) -> Path:
+def calibration_shape(weight_type: str) -> ModelShape:
+    """The calibration shape with enough layers that a ``weight_type`` file reads at least
+    ``CALIBRATION_MIN_BYTES`` per token (more layers cost reading time, so no more), and at
+    least two: a prompt skips the last layer's feed-forward (speed.token_work), so one layer
+    would leave a prompt reading too little work to price."""
+    shape = CALIBRATION_SHAPE
+    block_weights, block_bytes = _block_size(weight_type)
+    hd = shape.head_dim
+    layer_weights = shape.n_embd * (2 * shape.n_head * hd + 2 * shape.n_head_kv * hd)
+    layer_weights += 3 * shape.n_embd * shape.n_ff
+    output = shape.n_vocab * shape.n_embd * block_bytes // block_weights
+    layer = layer_weights * block_bytes // block_weights
+    layers = max(2, -(-(CALIBRATION_MIN_BYTES - output) // layer))
+    return replace(shape, n_layer=layers)
+
+
+def _block_size(weight_type: str) -> tuple[int, int]:
+    """(weights, bytes) of one block of ``weight_type``."""
+    if weight_type == "F16":
+        return 1, 2
+    return GGML_QUANT_SIZES[GGMLQuantizationType[weight_type]]
+
+
+def speed_model_path(directory: Path, weight_type: str) -> Path:
+    """Where the speed model of one weight type is kept (the name changes with its shape, so
+    files of an older shape are never read as this one)."""
+    shape = CALIBRATION_SHAPE
+    return directory / f"speed-{shape.n_embd}x{shape.n_ff}-{weight_type}.gguf"
+
+
+def make_speed_model(out: Path, weight_type: str, seed: int = 0) -> Path:
     """A model whose every matrix is of one weight type, its blocks random: the calibration
     times one type per file, and such a file is written in a blink (no quantizer)."""
     if weight_type not in SPEED_TYPES:
         raise UsageError(f"no speed model of {weight_type!r}; one of {', '.join(SPEED_TYPES)}")
     out.parent.mkdir(parents=True, exist_ok=True)
-    _write_staged(out, SHAPES[shape], seed, weight_type=weight_type)
+    _write_staged(out, calibration_shape(weight_type), seed, weight_type=weight_type)
     return out
 
 

@@ -42,7 +42,7 @@ from localchat.models.planner import (
     plan_model,
     sized_candidates,
 )
-from localchat.models.speed import SpeedModel, load_speed_model
+from localchat.models.speed import SpeedModel, TokenWork, load_speed_model
 from localchat.paths import AppPaths
 from localchat.progress import ProgressCallback
 from localchat.units import format_bytes
@@ -397,7 +397,7 @@ class Library:
         dims = ModelDims.from_gguf(info)
         weights = LayerWeights.from_gguf(info, repacked_weight_types())
         ctx = min(n_ctx, dims.context_length) if dims.context_length else n_ctx
-        candidate = Candidate(info.file_type, name, weights, info.bytes_read_per_token())
+        candidate = Candidate(info.file_type, name, weights, TokenWork.of(info))
         fit, estimate, speed = fit_label(dims, candidate, self.hardware, ctx, self.speed)
         size = path.stat().st_size
         # The tag as published (UD-Q4_K_XL…), else the type the file says it holds.

@@ -38,7 +38,7 @@ from localchat.gguf.info import read_gguf
 from localchat.gguf.quants import bytes_per_weight, is_good_enough, parse_tag, quality_rank
 from localchat.models.catalog import CatalogModel
 from localchat.models.hardware import GPU_NONE, Hardware, repacked_weight_types
-from localchat.models.speed import SpeedModel, SpeedPrediction, bytes_by_type_of_size
+from localchat.models.speed import SpeedModel, SpeedPrediction, TokenWork, work_of_size
 from localchat.units import format_bytes
 
 CTX_FLOOR = 2048
@@ -62,14 +62,14 @@ class Candidate:
     quant: str
     file: str
     weights: LayerWeights
-    read_by_type: dict[str, int] | None = None  # a local file's own tensors; else by its type
+    work: TokenWork | None = None  # a local file's own tensors; else by its type
 
-    def bytes_read(self) -> dict[str, int]:
-        """What generating a token reads, by weight type."""
-        if self.read_by_type is not None:
-            return self.read_by_type
+    def token_work(self) -> TokenWork:
+        """What a token costs, by weight type (``speed.TokenWork``)."""
+        if self.work is not None:
+            return self.work
         read = self.weights.total - self.weights.embeddings
-        return bytes_by_type_of_size(self.quant, read)
+        return work_of_size(self.quant, read)
 
 
 @dataclass(frozen=True)
@@ -300,16 +300,17 @@ def _predict(
     GPU's bandwidth), with PREDICT_FILL positions of KV behind each token."""
     if speed is None:
         return None
-    read = candidate.bytes_read()
-    total = max(1, sum(read.values()))
-    on_gpu = min(estimate.weights_vram, total)
-    cpu_share = (total - on_gpu) / total
+    read = max(1, candidate.weights.total - candidate.weights.embeddings)  # bytes, as VRAM is
+    on_gpu = min(estimate.weights_vram, read)
+    cpu_share = (read - on_gpu) / read
+    on_cpu = candidate.token_work().scaled(cpu_share)
     return speed.predict(
-        {t: int(n * cpu_share) for t, n in read.items()},
+        on_cpu.gen,
         kv_bytes_per_token(dims, kv_type),
         PREDICT_FILL,
         on_gpu,
         hardware.gpu_bandwidth_bytes_per_s,
+        on_cpu.prompt,
     )
 
 
@@ -479,7 +480,7 @@ def plan_file(
     """The plan for one local GGUF file; its quant is the file's own."""
     info = read_gguf(path)
     weights = LayerWeights.from_gguf(info, repacked_weight_types())
-    candidate = Candidate(info.file_type, path.name, weights, info.bytes_read_per_token())
+    candidate = Candidate(info.file_type, path.name, weights, TokenWork.of(info))
     dims = ModelDims.from_gguf(info)
     return plan_model(path.name, dims, [candidate], hardware, wanted_ctx, speed, min_tps)
 

@@ -4,7 +4,11 @@ Generating a token reads every weight matrix once (the token embeddings only by 
 time is a fixed part (graph, sampling) plus, for each ggml weight type, the bytes of that type
 times what a byte costs here. That cost is not bandwidth alone: on a few cores, dequantizing
 a K-quant costs more time per byte than streaming F16 does, so it is measured (calibrate.py),
-not derived. Prefill is modelled the same way with its own costs (batched, compute-bound).
+not derived. Each row of a matrix also has a fixed cost, so a matrix's bytes count weighted
+by its row length (``token_work``), in the calibration and in every prediction alike.
+Prefill is modelled the same way with its own costs (batched, compute-bound) over the
+matrices a prompt token passes through: llama.cpp computes the output matrix and the last
+layer's feed-forward only for the tokens whose logits are wanted.
 Reading the KV cache of the filled context costs like F16 weights. Layers on a GPU cost their
 bytes over the GPU's memory bandwidth, when that is known.
 
@@ -22,10 +26,20 @@ from pathlib import Path
 
 from localchat.atomic import write_atomic
 from localchat.cpu import cpu_model, physical_cores
+from localchat.gguf.info import GGUFInfo
 from localchat.gguf.quants import MAIN_WEIGHT_TYPE, parse_tag
 
 # 2: measured in interleaved rounds that contention cannot poison (older figures may be).
-SPEED_FILE_VERSION = 2
+# 3: files past the processor's cache, of a 1.5B model's row lengths, bytes weighted by rows.
+SPEED_FILE_VERSION = 3
+# A row's dot product costs this many weights' worth of time besides its bytes (the
+# activations' block sums, the horizontal add, the store). Measured on llama.cpp's CPU
+# kernels (2-core Xeon, files of 1024- and 4096-wide rows): ~250 weights for Q2_K, ~450 for
+# Q6_K, ~780 for Q4_K; so a byte of an 896-wide row (Qwen2.5-0.5B) costs ~1.3x what one of a
+# 4096-wide row (a 7B) does. Without it the 0.5b demo models predicted up to 26% too fast.
+ROW_COST_WEIGHTS = 400
+# The row length assumed for a file known only by its size (catalog entries): 1B-3B models'.
+TYPICAL_ROW = 2048
 # A generation reads weights at this share of the GPU's peak bandwidth (what llama.cpp's CUDA
 # and Metal kernels reach in practice on a single stream).
 GPU_BANDWIDTH_EFFICIENCY = 0.6
@@ -72,7 +86,8 @@ class SpeedPrediction:
 
 @dataclass(frozen=True)
 class SpeedModel:
-    """Seconds per byte of each weight type here, for generation and for prefill."""
+    """Seconds per byte of each weight type here (of ``token_work``), for generation and for
+    prefill."""
 
     gen_s_per_byte: dict[str, float]
     gen_overhead_s: float
@@ -99,13 +114,15 @@ class SpeedModel:
 
     def predict(
         self,
-        bytes_by_type: Mapping[str, int],
+        work_by_type: Mapping[str, int],
         kv_bytes_per_token: int = 0,
         n_filled: int = 0,
         gpu_bytes: int = 0,
         gpu_bandwidth: float = 0.0,
+        prompt_work: Mapping[str, int] | None = None,
     ) -> SpeedPrediction | None:
-        """Tokens/s for a model that reads ``bytes_by_type`` per token on the CPU (and
+        """Tokens/s for a model whose token costs ``work_by_type`` on the CPU (``token_work``; a
+        prompt token ``prompt_work``, else the same;
         ``gpu_bytes`` on a GPU), with ``n_filled`` positions of KV cache behind it. None
         when part of it is on a GPU of unknown bandwidth."""
         if gpu_bytes and gpu_bandwidth <= 0:
@@ -113,9 +130,10 @@ class SpeedModel:
         gpu_s = gpu_bytes / (gpu_bandwidth * GPU_BANDWIDTH_EFFICIENCY) if gpu_bytes else 0.0
         kv_s = kv_bytes_per_token * n_filled * self._cost(self.gen_s_per_byte, "F16")
         gen = self.gen_overhead_s + gpu_s + kv_s
-        gen += sum(n * self._cost(self.gen_s_per_byte, t) for t, n in bytes_by_type.items())
+        gen += sum(n * self._cost(self.gen_s_per_byte, t) for t, n in work_by_type.items())
         prompt = self.prompt_overhead_s + gpu_s / 8  # a GPU batch reads its weights once
-        prompt += sum(n * self._cost(self.prompt_s_per_byte, t) for t, n in bytes_by_type.items())
+        prompt_work = work_by_type if prompt_work is None else prompt_work
+        prompt += sum(n * self._cost(self.prompt_s_per_byte, t) for t, n in prompt_work.items())
         return SpeedPrediction(1.0 / gen, 1.0 / prompt)
 
     def save(self, path: Path) -> None:
@@ -135,14 +153,62 @@ class SpeedModel:
         return model
 
 
-def bytes_by_type_of_size(quant: str, read_bytes: int) -> dict[str, int]:
-    """A file known only by its type and the bytes a token reads: split as its type is made."""
+@dataclass(frozen=True)
+class TokenWork:
+    """What a generated token and a prompt token cost, by weight type (``token_work``)."""
+
+    gen: dict[str, int]
+    prompt: dict[str, int]
+
+    @classmethod
+    def of(cls, info: GGUFInfo) -> TokenWork:
+        return cls(token_work(info), token_work(info, prompt=True))
+
+    def scaled(self, share: float) -> TokenWork:
+        """The part of it a CPU does when ``1 - share`` of the weights are on a GPU."""
+        return TokenWork(
+            {t: int(n * share) for t, n in self.gen.items()},
+            {t: int(n * share) for t, n in self.prompt.items()},
+        )
+
+
+def token_work(info: GGUFInfo, prompt: bool = False) -> dict[str, int]:
+    """What one token costs, by weight type: the bytes it reads (every matrix, of the token
+    embeddings only a row unless they double as the output), each matrix's weighted by its
+    row length (``ROW_COST_WEIGHTS``). What the speed model's per-byte costs price.
+
+    ``prompt``: a prompt token's, without the matrices llama.cpp runs only for the tokens whose
+    logits are wanted (the output matrix, the last layer's feed-forward): in a one-layer
+    calibration file that is most of its bytes."""
+    tied = not any(t.name == "output.weight" for t in info.tensors)
+    output = "token_embd.weight" if tied else "output.weight"
+    last_ffn = f"blk.{info.n_layer - 1}.ffn_"
+    work: dict[str, float] = {}
+    for tensor in info.tensors:
+        if tensor.name.startswith("token_embd") and not tied:
+            continue
+        if prompt and (tensor.name == output or tensor.name.startswith(last_ffn)):
+            continue
+        row = tensor.shape[0] if len(tensor.shape) > 1 else 0
+        work[tensor.ggml_type] = work.get(tensor.ggml_type, 0.0) + tensor.n_bytes * _row_factor(row)
+    return {weight_type: round(n) for weight_type, n in work.items()}
+
+
+def _row_factor(row_length: int) -> float:
+    """How much a byte of a matrix with rows this long costs against pure streaming (1.0 for
+    vectors: norms have no dot products)."""
+    return (row_length + ROW_COST_WEIGHTS) / row_length if row_length else 1.0
+
+
+def work_of_size(quant: str, read_bytes: int) -> TokenWork:
+    """``TokenWork`` for a file known only by its type and the bytes a token reads: split as
+    its type is made, of typical row length (a prompt token's taken as the same)."""
     parsed = parse_tag(quant)
     base = parsed.base if parsed else quant.upper()
-    mix = FILE_TYPE_MIX.get(base)
-    if mix is None:
-        return {MAIN_WEIGHT_TYPE.get(base, "Q4_K"): read_bytes}
-    return {weight_type: int(read_bytes * share) for weight_type, share in mix.items()}
+    work = read_bytes * _row_factor(TYPICAL_ROW)
+    mix = FILE_TYPE_MIX.get(base) or {MAIN_WEIGHT_TYPE.get(base, "Q4_K"): 1.0}
+    by_type = {weight_type: round(work * share) for weight_type, share in mix.items()}
+    return TokenWork(by_type, by_type)
 
 
 def machine_name() -> str:

@@ -30,7 +30,7 @@ class TurnSpeed:
     """What a local turn read and how fast it generated."""
 
     model: str  # the file's path: misses are counted per file
-    bytes_by_type: dict[str, int]  # what one token reads, by weight type (CPU only)
+    work_by_type: dict[str, int]  # what one token costs (speed.token_work; CPU only)
     kv_bytes_per_token: int
     filled: int  # KV positions behind the generated tokens, on average
     generated_tokens: int
@@ -47,7 +47,7 @@ def note_turn(calibration: Path, log: Path, turn: TurnSpeed) -> str | None:
         return None
     if turn.threads != speed.threads:
         return None
-    prediction = speed.predict(turn.bytes_by_type, turn.kv_bytes_per_token, turn.filled)
+    prediction = speed.predict(turn.work_by_type, turn.kv_bytes_per_token, turn.filled)
     if prediction is None or prediction.gen_tps <= 0:
         return None
     ratio = turn.gen_tps / prediction.gen_tps
@@ -59,7 +59,7 @@ def note_turn(calibration: Path, log: Path, turn: TurnSpeed) -> str | None:
     )
     if update:
         factor = statistics.median(recent)
-        corrected(speed, turn.bytes_by_type, factor).save(calibration)
+        corrected(speed, turn.work_by_type, factor).save(calibration)
         misses.pop(turn.model)
     write_atomic(log, json.dumps(misses, indent=2).encode())
     if not update:
@@ -70,14 +70,14 @@ def note_turn(calibration: Path, log: Path, turn: TurnSpeed) -> str | None:
     )
 
 
-def corrected(speed: SpeedModel, bytes_by_type: dict[str, int], factor: float) -> SpeedModel:
+def corrected(speed: SpeedModel, work_by_type: dict[str, int], factor: float) -> SpeedModel:
     """``speed`` with the generation costs of the weight types this file is made of (as the
     model prices them; not the norms, under ``MINOR_SHARE`` of its bytes, which would move
     F16's price for every model) and of a token's fixed part divided by ``factor``
     (measured over predicted tok/s)."""
     gen = dict(speed.gen_s_per_byte)
-    total = max(1, sum(bytes_by_type.values()))
-    major = [t for t, n in bytes_by_type.items() if n >= MINOR_SHARE * total]
+    total = max(1, sum(work_by_type.values()))
+    major = [t for t, n in work_by_type.items() if n >= MINOR_SHARE * total]
     for weight_type in {speed.cost_key(gen, t) for t in major}:
         gen[weight_type] /= factor
     return SpeedModel(

@@ -40,7 +40,7 @@ from localchat.tui.messages import ConversationRestored, ModelLoaded, ReplyFinis
 # tokens/s: the app's hardest case, and long enough that one turn's fixed costs do not decide.
 UI_TOKENS = 3000
 UI_CTX = 4096
-UI_ROUNDS = 5
+UI_ROUNDS = 7
 MAIN_MODEL_TOKENS = 200
 # A single pair on this model swings by ±0.15 (the machine's speed drifts between processes);
 # the median of this many agrees between runs.
