@@ -50,6 +50,8 @@ class TurnStats:
     server_kv_usage: float | None = None
     counted: str = "model"
     first_token_at: float | None = None  # when it came, on time.perf_counter's clock
+    drafted_tokens: int = 0  # speculative decoding: tokens drafted and verified
+    accepted_tokens: int = 0  # of those, the ones the model kept (part of the reply)
 
 
 @dataclass(frozen=True)

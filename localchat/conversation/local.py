@@ -15,7 +15,8 @@ from dataclasses import dataclass, field, replace
 from datetime import datetime
 
 from localchat.backends.base import Sampling
-from localchat.backends.llama.engine import Engine, ReplayStopped
+from localchat.backends.llama.cache import ReplayStopped
+from localchat.backends.llama.engine import Engine
 from localchat.chat.prompt import BuiltPrompt, common_prefix, settled_chars
 from localchat.chat.template import ChatMessage
 from localchat.chat.window import WindowPlan, WindowPolicy, plan_window, resolve_mode, shift_is_safe

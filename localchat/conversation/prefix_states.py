@@ -20,7 +20,8 @@ from array import array
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from localchat.backends.llama.engine import Engine, ReplayStopped
+from localchat.backends.llama.cache import ReplayStopped
+from localchat.backends.llama.engine import Engine
 from localchat.chat.attachments import attachments_end
 from localchat.chat.prompt import BuiltPrompt, PromptBuilder
 from localchat.chat.template import ChatMessage

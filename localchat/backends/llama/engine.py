@@ -6,12 +6,10 @@ localchat (and its tests) never depend on llama-cpp-python's objects.
 
 from __future__ import annotations
 
-import bisect
 import contextlib
 import ctypes
-import itertools
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -20,6 +18,8 @@ import llama_cpp
 
 from localchat.backends.base import BackendView, CacheView, Sampling
 from localchat.backends.llama.buffers import parse_buffers
+from localchat.backends.llama.cache import KVCache
+from localchat.backends.llama.drafting import SPECULATIVE_MODES, DraftPolicy, PromptLookupDrafter
 from localchat.backends.llama.generation import Generation
 from localchat.backends.llama.recording import RecordingLlama
 from localchat.backends.llama.runtime import (
@@ -37,7 +37,7 @@ from localchat.chat.formats import (
     detect_format,
     format_from_override,
 )
-from localchat.chat.prompt import PromptBuilder, common_prefix
+from localchat.chat.prompt import PromptBuilder
 from localchat.chat.template import ChatMessage, ChatTemplate
 from localchat.cpu import physical_cores
 from localchat.errors import ModelFileError, ModelLoadError, UsageError
@@ -60,11 +60,6 @@ MIN_CTX = 32
 DEFAULT_CTX = 4096
 
 
-class ReplayStopped(Exception):
-    """A replay gave way between two batches (``Engine.replay``'s ``stop``); the cache is
-    empty."""
-
-
 @dataclass(frozen=True)
 class LoadOptions:
     """How to load a model: context size, threads, GPU layers, the KV cache type, and the
@@ -79,9 +74,13 @@ class LoadOptions:
     swa_cache: str = "window"  # sliding-window layers: "window" (their window) or "full"
     flash_attn: bool | None = None  # None: where it costs nothing (``preferred_flash_attn``)
     n_ubatch: int = 512  # the micro-batch: the compute buffer grows with it
+    # Speculative decoding by prompt lookup (drafting.py): "auto" drafts where a batch's
+    # logits equal single steps' (``Engine.batch_invariant``), so replies stay exactly the
+    # same; "ngram" drafts anyway (accepting llama.cpp's batch rounding); "off" never.
+    speculative: str = "auto"
 
 
-class Engine:
+class Engine(KVCache):
     """A loaded model with its context: the only owner of llama.cpp objects."""
 
     def __init__(self, model_path: Path, options: LoadOptions | None = None) -> None:
@@ -111,6 +110,25 @@ class Engine:
             if self.options.flash_attn is not None
             else preferred_flash_attn(n_ctx, self.options.kv_type, self.options.n_gpu_layers > 0)
         )
+        if self.options.speculative not in SPECULATIVE_MODES:
+            raise UsageError(
+                f"unknown speculative mode {self.options.speculative!r}; choose one of"
+                f" {', '.join(SPECULATIVE_MODES)}"
+            )
+        # Drafts verified in batches change nothing where the kernels give a batch the
+        # logits single steps would. On llama.cpp's CPU backend that holds with flash
+        # attention over a quantized KV cache (one kernel for any batch: measured
+        # bit-identical at 700 cached tokens). With an F16 cache a single token past 512
+        # cells takes a split-KV path of its own, and without flash attention the KQ
+        # products differ by batch size: a logit moves by up to ~1.2, enough to flip a
+        # greedy pick. GPU kernels also differ by batch size (not measured here).
+        self.batch_invariant = (
+            self.flash_attn and self.options.kv_type != "f16" and not self.options.n_gpu_layers
+        )
+        self.drafting = self.options.speculative == "ngram" or (
+            self.options.speculative == "auto" and self.batch_invariant
+        )
+        self._draft_policy = DraftPolicy()
         if self.options.swa_cache not in SWA_CACHE_MODES:
             raise UsageError(
                 f"unknown swa_cache {self.options.swa_cache!r}; choose one of"
@@ -136,6 +154,7 @@ class Engine:
                 verbose=False,
             )
             watch_abort(self._llm.ctx)  # decodes stop midway on request (the warm-up's too)
+            self._llm.batch_invariant = self.batch_invariant
         except Exception as exc:  # llama-cpp-python raises ValueError/RuntimeError
             if abort_requested():  # stopped between two tensors: an interrupt, not a failure
                 raise KeyboardInterrupt from None
@@ -341,11 +360,6 @@ class Engine:
 
     # -- the KV cache ------------------------------------------------------------------
     @property
-    def cached_tokens(self) -> list[int]:
-        """Token ids whose keys and values are in the cache now, in position order."""
-        return [int(t) for t in self._llm.input_ids[: self._llm.n_tokens]]
-
-    @property
     def kv_bytes_used(self) -> int:
         return self.kv_bytes_for(int(self._llm.n_tokens))
 
@@ -387,179 +401,6 @@ class Engine:
             line += f"\nwindow cache: {window[0].layers} layers keep {window[0].cells} cells"
         return line
 
-    def keeps(self, n_tokens: int) -> bool:
-        """Whether the cache can be cut back to its first ``n_tokens`` and continue exactly.
-        A window cache has dropped positions its sliding-window layers no longer look at;
-        cut back past them, the next token would see too little (llama-server's rule)."""
-        if not self.windowed or n_tokens >= self._llm.n_tokens:
-            return True
-        memory = llama_cpp.llama_get_memory(self._llm.ctx)
-        pos_min = int(llama_cpp.llama_memory_seq_pos_min(memory, 0))
-        return pos_min <= max(0, n_tokens - self.n_swa)
-
-    def prepare_prefix(self, prompt: Sequence[int]) -> None:
-        """Before a generation: where it would cut the cache back further than a window
-        cache allows, rebuild that prefix instead (llama.cpp would not refuse the cut)."""
-        cached = self._llm.n_tokens
-        if not self.windowed or not cached:
-            return
-        held = self.cached_tokens
-        shared = common_prefix(held, prompt)
-        if shared == cached == len(prompt) and not self._llm._requires_eval:
-            return  # the prompt is the cache: generation samples at once
-        keep = shared - 1 if shared == len(prompt) else shared  # what llama-cpp-python keeps
-        if keep < cached and not self.keeps(keep):
-            self.cut_back(held[:keep])
-
-    def cut_back(self, tokens: Sequence[int]) -> None:
-        """Make the cache hold a prefix of ``tokens`` (itself a prefix of what it holds) where
-        it cannot simply be cut: replayed up to the last batch boundary in the batches that
-        first built it (the next evaluation then redoes the rest as the first one did, bit
-        for bit), else forgotten. Never a cache that would continue wrongly."""
-        starts = self._llm.batch_starts
-        cut = len(tokens)
-        if starts:
-            boundary = max((s for s in starts if s <= cut), default=0)
-            prefix = list(tokens[:boundary])
-            if boundary > 0 and self.replay(prefix, [s for s in starts if s < boundary]):
-                return
-        self.reset()
-
-    @property
-    def batch_starts(self) -> list[int] | None:
-        """Positions where each evaluation batch of the cached tokens began (None: unknown)."""
-        starts = self._llm.batch_starts
-        return None if starts is None else list(starts)
-
-    def reset(self) -> None:
-        """Forget the cache: the next generation evaluates its whole prompt."""
-        self._llm.reset()
-        self._llm._ctx.kv_cache_seq_rm(-1, 0, -1)
-        self._llm.batch_starts = []
-        self.cache_owner = None
-        self.committed = 0
-
-    def can_shift(self) -> bool:
-        """Whether llama.cpp can move cached positions for this model (RoPE re-rotation)."""
-        memory = llama_cpp.llama_get_memory(self._llm.ctx)
-        return memory is not None and bool(llama_cpp.llama_memory_can_shift(memory))
-
-    def drop_span(self, start: int, count: int) -> None:
-        """Remove cached tokens [start, start + count) and shift the later ones down in place.
-
-        The shifted keys are re-rotated to their new positions; nothing is re-evaluated. The
-        result is not what evaluating the shorter sequence would give (the kept tokens saw the
-        dropped ones), so the cache's evaluation history becomes unknown.
-        """
-        n_tokens = self._llm.n_tokens
-        if count <= 0 or start < 0 or start + count > n_tokens:
-            raise ValueError(
-                f"cannot drop [{start}, {start + count}) from {n_tokens} cached tokens"
-            )
-        memory = llama_cpp.llama_get_memory(self._llm.ctx)
-        if not llama_cpp.llama_memory_seq_rm(memory, 0, start, start + count):
-            raise ModelLoadError("llama.cpp could not remove tokens from the KV cache")
-        llama_cpp.llama_memory_seq_add(memory, 0, start + count, -1, -count)
-        ids = self._llm.input_ids
-        ids[start : n_tokens - count] = ids[start + count : n_tokens].copy()
-        self._llm.n_tokens = n_tokens - count
-        self._llm.batch_starts = None
-        self.committed = max(0, self.committed - count)
-
-    def replay(
-        self,
-        tokens: Sequence[int],
-        batch_starts: Sequence[int],
-        stop: Callable[[], bool] | None = None,
-    ) -> bool:
-        """Evaluate ``tokens`` in exactly the batches that first evaluated them.
-
-        The cache comes out bit-identical to the one those batches built, so the continuation
-        matches a process that never lost its cache. False (and nothing evaluated) if the
-        batches do not describe ``tokens``; ``ReplayStopped`` (the cache empty) if ``stop``
-        said to give way between two batches.
-        """
-        bounds = [*batch_starts, len(tokens)]
-        valid = bool(batch_starts) and batch_starts[0] == 0
-        valid = valid and all(0 < b - a <= self._llm.n_batch for a, b in itertools.pairwise(bounds))
-        if not valid or len(tokens) >= self.n_ctx:
-            return False
-        self.reset()
-        for a, b in itertools.pairwise(bounds):
-            if stop is not None and a > 0 and stop():
-                self.reset()
-                raise ReplayStopped
-            self._llm.eval(list(tokens[a:b]))
-        self.committed = len(tokens)
-        return True
-
-    def extend(self, tokens: Sequence[int]) -> None:
-        """Evaluate ``tokens`` after what the cache holds, as one batch (at most ``n_batch``):
-        reading a message ahead adds a few tokens at a time (past ``committed``)."""
-        if len(tokens) > self.n_batch or self._llm.n_tokens + len(tokens) >= self.n_ctx:
-            raise ValueError(f"cannot add {len(tokens)} tokens to {self._llm.n_tokens} cached")
-        if tokens:
-            self._llm.eval(list(tokens))
-
-    def hold(self, sequence: Sequence[int]) -> None:
-        """Make the cache hold exactly ``sequence`` where it holds a prefix of it or it is a
-        prefix of the cache: a reply's last generated token is never evaluated by generation,
-        and tokens generated past a stop string are not part of the reply. The next prompt
-        (and a saved state) then hold the reply as it stands."""
-        cached = self._llm.n_tokens
-        n = len(sequence)
-        common = min(cached, n)
-        if n >= self.n_ctx or [int(t) for t in self._llm.input_ids[:common]] != list(
-            sequence[:common]
-        ):
-            return
-        if cached < n:
-            self._llm.eval(list(sequence[cached:]))
-        elif n < cached and not self.keeps(n):
-            self.cut_back(sequence)
-        elif n < cached:
-            memory = llama_cpp.llama_get_memory(self._llm.ctx)
-            if llama_cpp.llama_memory_seq_rm(memory, 0, n, -1):
-                self._llm.n_tokens = n
-                self.committed = min(self.committed, n)
-                starts = self._llm.batch_starts
-                if starts is not None:
-                    del starts[bisect.bisect_left(starts, n) :]
-
-    def save_sequence_state(self) -> bytes:
-        """The raw KV state of sequence 0 (no logits array): what a state file stores."""
-        ctx = self._llm.ctx
-        size = llama_cpp.llama_state_seq_get_size(ctx, 0)
-        buffer = (ctypes.c_uint8 * size)()
-        written = llama_cpp.llama_state_seq_get_data(ctx, buffer, size, 0)
-        return bytes(memoryview(buffer)[:written])
-
-    def load_sequence_state(
-        self,
-        data: bytes | memoryview,
-        tokens: Sequence[int],
-        batch_starts: Sequence[int] | None = None,
-    ) -> bool:
-        """Restore a saved KV state that holds ``tokens``; False if llama.cpp rejects it.
-
-        ``batch_starts`` is how those tokens were evaluated, if known. A writable buffer (a
-        view of a bytearray) is handed to llama.cpp without a copy.
-        """
-        self.reset()
-        array_type = ctypes.c_uint8 * len(data)
-        writable = isinstance(data, memoryview) and not data.readonly
-        buffer = array_type.from_buffer(data) if writable else array_type.from_buffer_copy(data)
-        read = llama_cpp.llama_state_seq_set_data(self._llm.ctx, buffer, len(data), 0)
-        if read != len(data) or len(tokens) > self.n_ctx:
-            self.reset()
-            return False
-        self._llm.input_ids[: len(tokens)] = list(tokens)
-        self._llm.n_tokens = len(tokens)
-        self.committed = len(tokens)
-        self._llm._requires_eval = True
-        self._llm.batch_starts = None if batch_starts is None else list(batch_starts)
-        return True
-
     # -- generation --------------------------------------------------------------------
     def generate(
         self,
@@ -579,6 +420,15 @@ class Engine:
             )
         room = self.n_ctx - len(tokens)
         return Generation(self, tokens, sampling or Sampling(), min(max_tokens, room), cancel)
+
+    def drafter(self, end: int) -> PromptLookupDrafter | None:
+        """The draft model for a generation that must stop at context length ``end``, where
+        this engine drafts (the step costs it measured carry over; the acceptance starts
+        from its prior, as each reply repeats its context more or less)."""
+        if not self.drafting:
+            return None
+        self._draft_policy.reset_acceptance()
+        return PromptLookupDrafter(self._llm, self._draft_policy, end)
 
     def close(self) -> None:
         with contextlib.suppress(Exception):

@@ -67,6 +67,8 @@ class Generation:
         start = time.perf_counter()
         engine.prepare_prefix(self._tokens)
         first_at = start
+        drafter = engine.drafter(len(self._tokens) + self._max_tokens)
+        llm.draft_model = drafter
         stream = llm.generate(
             self._tokens,
             top_k=self._sampling.top_k,
@@ -135,6 +137,11 @@ class Generation:
             # Bytes of a character the reply never finished are dropped, not shown as "?":
             # the text is exactly what was streamed.
             stream.close()
+            llm.draft_model = None
+            llm.verify_next = 0
+            if drafter is not None:
+                drafter.finish(self._tokens + self.tokens)
+                stats.drafted_tokens, stats.accepted_tokens = drafter.drafted, drafter.accepted
             engine.hold(self._tokens + self.tokens)
             engine.committed = len(engine.cached_tokens)  # the prompt and the reply as held
             stats.kv_bytes_used = engine.kv_bytes_used

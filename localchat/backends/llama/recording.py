@@ -4,6 +4,7 @@ computed) and stopping between graph nodes when an abort is requested."""
 from __future__ import annotations
 
 import bisect
+import time
 from collections.abc import Sequence
 
 import llama_cpp
@@ -27,24 +28,56 @@ class RecordingLlama(llama_cpp.Llama):
 
     tokens_evaluated: int = 0
     batch_starts: list[int] | None = None
+    # Speculative decoding (drafting.py): the next evaluation of this many tokens verifies a
+    # draft, so it asks llama.cpp for every position's logits; ``batch_invariant`` says
+    # whether the kernels give a batch the logits single steps would
+    # (``Engine.batch_invariant``), so that the batch record stays exact with drafts in it.
+    verify_next: int = 0
+    batch_invariant: bool = False
+    # The last evaluation's size and wall time: what drafting pays for a step of that size.
+    last_eval: tuple[int, float] = (0, 0.0)
 
     def eval(self, tokens: Sequence[int]) -> None:
         if abort_requested():
             raise KeyboardInterrupt
         n_past = self.n_tokens
+        verify = self.verify_next == len(tokens) > 1
+        self.verify_next = 0
         starts = self.batch_starts
         if starts is not None:  # sorted; in place, so a long reply costs O(1) per token
             if starts and starts[-1] >= n_past:
                 del starts[bisect.bisect_left(starts, n_past) :]
             starts.extend(range(n_past, n_past + len(tokens), self.n_batch))
+            if verify and not self.batch_invariant:
+                # Drafts rejected later leave a batch of another size than a replay makes;
+                # where that changes the numbers, the record no longer says how to rebuild.
+                self.batch_starts = None
         self.tokens_evaluated += len(tokens)
+        started = time.perf_counter()
         try:
-            super().eval(tokens)
+            if verify:
+                self._eval_every_position(tokens)
+            else:
+                super().eval(tokens)
         except RuntimeError:  # llama_decode returned an error code: 2 when it was aborted
             if not abort_requested():
                 raise
             self._forget_unfinished(n_past + len(tokens))
             raise KeyboardInterrupt from None
+        self.last_eval = (len(tokens), time.perf_counter() - started)
+
+    def _eval_every_position(self, tokens: Sequence[int]) -> None:
+        """``Llama.eval`` for one batch (a draft and the token before it) with the logits of
+        every position: llama-cpp-python asks only for a batch's last unless ``logits_all``,
+        which keeps n_ctx x n_vocab floats for the whole context. Sampling then reads each
+        position's logits from llama.cpp (``llama_get_logits_ith``)."""
+        self._ctx.kv_cache_seq_rm(-1, self.n_tokens, -1)
+        n_past = self.n_tokens
+        self._batch.set_batch(batch=list(tokens), n_past=n_past, logits_all=True)
+        self._ctx.decode(self._batch)
+        self.input_ids[n_past : n_past + len(tokens)] = tokens
+        self.n_tokens += len(tokens)
+        self._requires_eval = False
 
     def _forget_unfinished(self, end: int) -> None:
         """After an aborted evaluation: the cache and the records end where the last whole
