@@ -294,6 +294,7 @@ class Session:
         *,
         n_threads: int | None = None,
         kv_type: str | None = None,
+        speculative: str | None = None,
         on_this_thread: bool = False,
     ) -> Engine:
         """Load ``path`` on the compute thread with the user's settings (``kv_type``: the
@@ -306,6 +307,7 @@ class Session:
             kv_type=kv_type or self.settings.kv_type,
             template=template,
             swa_cache=self.settings.swa_cache,
+            speculative=speculative or self.settings.speculative,
         )
         if on_this_thread:
             return Engine(path, options)

@@ -6,6 +6,7 @@ import tomllib
 from dataclasses import dataclass, fields
 from pathlib import Path
 
+from localchat.backends.base import SPECULATIVE_MODES
 from localchat.chat.window import WINDOW_MODES
 from localchat.errors import UsageError
 from localchat.gguf.estimate import KV_BYTES_PER_VALUE
@@ -67,6 +68,13 @@ class Settings:
     """Sliding-window models (Gemma 2/3, gpt-oss, Cohere 2): "window" keeps only the window
     those layers look at (a fraction of the memory); "full" keeps every position, so that
     an edit or regenerate far back never has to re-read the conversation."""
+
+    speculative: str = "auto"
+    """Speculative decoding by prompt lookup (faster where a reply repeats its context: a
+    file returned with a change, a quote): "auto" where replies stay exactly what they would
+    be without it (flash attention over a quantized KV cache on a CPU: kv_type "q8_0" or
+    "q4_0"), "ngram" everywhere (llama.cpp's batches round differently from single steps, so a
+    reply may differ in a token now and then), "off" never."""
 
     window_mode: str = "auto"
     """When old messages leave the context: "shift" the KV cache in place (fast), "exact"
@@ -135,6 +143,11 @@ def load_settings(path: Path) -> Settings:
         raise UsageError(
             f"{path}: swa_cache must be one of {', '.join(SWA_CACHE_MODES)}, not {settings.swa_cache!r}"
         )
+    if settings.speculative not in SPECULATIVE_MODES:
+        raise UsageError(
+            f"{path}: speculative must be one of {', '.join(SPECULATIVE_MODES)},"
+            f" not {settings.speculative!r}"
+        )
     if settings.kv_type not in KV_CACHE_TYPES:
         raise UsageError(
             f"{path}: kv_type must be one of {', '.join(KV_CACHE_TYPES)}, not {settings.kv_type!r}"
@@ -145,7 +158,7 @@ def load_settings(path: Path) -> Settings:
             if not isinstance(value, bool):
                 raise UsageError(f"{path}: setting {f.name} must be true or false, not {value!r}")
             continue
-        if f.name in ("window_mode", "kv_type", "swa_cache", "servers"):
+        if f.name in ("window_mode", "kv_type", "swa_cache", "speculative", "servers"):
             continue
         if not isinstance(value, int | float) or isinstance(value, bool) or value < 0:
             raise UsageError(

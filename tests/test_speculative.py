@@ -4,6 +4,7 @@ turns, a resume from the saved state and a stop string; and it drafts only where
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import llama_cpp
@@ -20,40 +21,21 @@ from localchat.backends.llama.drafting import (
 )
 from localchat.backends.llama.engine import KV_TYPES, Engine, LoadOptions
 from localchat.backends.llama.generation import Generation
+from localchat.bench.spec import COPY_PROMPT, SOURCE
 from localchat.chat.template import ChatMessage
+from localchat.cli.main import main
 from localchat.conversation.local import Conversation
 from localchat.errors import UsageError
+from localchat.paths import app_paths
 from localchat.state.kvstate import StateStore
 from localchat.state.store import Store
 from tests.conftest import GREEDY
 
-# A reply that repeats its context: what prompt lookup is for.
-SOURCE = """def load_rows(path):
-    rows = []
-    with open(path) as handle:
-        for line in handle:
-            line = line.strip()
-            if line and not line.startswith("#"):
-                rows.append(line.split(","))
-    return rows
+from .tui_helpers import chat_app
 
-
-def total_of(rows, column):
-    total = 0.0
-    for row in rows:
-        total += float(row[column])
-    return total
-
-
-def average_of(rows, column):
-    if not rows:
-        return 0.0
-    return total_of(rows, column) / len(rows)
-"""
-COPY_REQUEST = (
-    "Here is a file:\n\n```python\n" + SOURCE + "```\n\n"
-    "Rename the function total_of to sum_column and return the whole file."
-)
+# A reply that repeats its context (the bench's file to return renamed): what prompt lookup
+# is for.
+COPY_REQUEST = COPY_PROMPT
 REPLY_TOKENS = 160
 
 
@@ -259,3 +241,42 @@ def test_which_kernels_give_a_batch_the_logits_of_single_steps(
         assert same is invariant
     finally:
         llm.close()
+
+
+def _ask_json(capsys: pytest.CaptureFixture[str], *args: str) -> dict:
+    capsys.readouterr()
+    assert main(["ask", *args, "--temperature", "0", "--max-tokens", "120", "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_ask_reports_drafts_and_off_turns_them_off(
+    smollm2: Path, isolated_home: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    common = [COPY_REQUEST, "--model-path", str(smollm2), "--kv-type", "q8_0"]
+    drafted = _ask_json(capsys, *common)
+    plain = _ask_json(capsys, *common, "--speculative", "off")
+    assert drafted["reply"] == plain["reply"]
+    assert drafted["stats"]["accepted_tokens"] > 0
+    assert drafted["stats"]["drafted_tokens"] >= drafted["stats"]["accepted_tokens"]
+    assert drafted["stats"]["speculative_speedup"] > 0
+    assert plain["stats"]["drafted_tokens"] == 0 and plain["stats"]["speculative_speedup"] is None
+    # The setting decides when no flag does; a bad one is a line that names it.
+    app_paths().settings_file.parent.mkdir(parents=True, exist_ok=True)
+    app_paths().settings_file.write_text('speculative = "off"\n')
+    assert _ask_json(capsys, *common)["stats"]["drafted_tokens"] == 0
+    app_paths().settings_file.write_text('speculative = "fast"\n')
+    assert main(["ask", "hi", "--model-path", str(smollm2)]) == 2
+    assert "speculative must be one of auto, off, ngram, not 'fast'" in capsys.readouterr().err
+
+
+async def test_the_panel_shows_how_many_drafts_were_accepted(
+    smollm2: Path, isolated_home: Path
+) -> None:
+    app_paths().settings_file.parent.mkdir(parents=True, exist_ok=True)
+    app_paths().settings_file.write_text('kv_type = "q8_0"\n')
+    async with chat_app(smollm2, n_ctx=2048, max_tokens=120) as ui:
+        finished = await ui.say(COPY_REQUEST)
+        assert finished.stats.accepted_tokens > 0
+        speed = ui.text("#speed")
+        share = finished.stats.accepted_tokens / finished.stats.drafted_tokens
+        assert f"drafts {share:.0%} accepted" in speed

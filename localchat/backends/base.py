@@ -28,6 +28,11 @@ class Sampling:
     seed: int = 0
 
 
+# Speculative decoding (backends/llama/drafting.py): "auto" drafts where replies stay exactly
+# what they would be without it, "ngram" drafts anyway, "off" never.
+SPECULATIVE_MODES = ("auto", "off", "ngram")
+
+
 @dataclass
 class TurnStats:
     """What one generation cost and what the KV cache holds afterwards.
@@ -52,6 +57,9 @@ class TurnStats:
     first_token_at: float | None = None  # when it came, on time.perf_counter's clock
     drafted_tokens: int = 0  # speculative decoding: tokens drafted and verified
     accepted_tokens: int = 0  # of those, the ones the model kept (part of the reply)
+    draft_steps: int = 0  # decodes that verified a draft
+    # Generation's speed against single steps at this engine's measured cost (None: no draft)
+    speculative_speedup: float | None = None
 
 
 @dataclass(frozen=True)

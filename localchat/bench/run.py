@@ -24,6 +24,7 @@ from localchat.bench.memory import bench_memory
 from localchat.bench.plan import bench_plan
 from localchat.bench.remote import bench_remote
 from localchat.bench.resume import bench_resume
+from localchat.bench.spec import bench_spec
 from localchat.bench.ui import bench_ui
 from localchat.bench.window import bench_window
 from localchat.bench.zerowait import bench_zerowait
@@ -44,6 +45,7 @@ BENCHES: dict[str, Part] = {
     "zerowait": bench_zerowait,
     "branch": bench_branch,
     "calibrate": bench_calibrate,
+    "spec": bench_spec,
 }
 PARTS: tuple[str, ...] = tuple(BENCHES)
 
@@ -70,6 +72,10 @@ TARGETS: dict[str, tuple[str, float]] = {
     "edit_extra_tokens": ("<=", 0),
     "calibration_first_s": ("<=", 20.0),
     "calibration_busy_ok": (">=", 1),
+    "spec_copy_speedup": (">=", 1.15),
+    "spec_copy_of_ceiling": (">=", 0.8),
+    "spec_prose_ratio": (">=", 0.95),
+    "spec_replies_identical": (">=", 1),
 }
 
 

@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from localchat.session import OneOffTurn, Session
 
 # The flags that say how a local model runs: a server decides that itself.
-LOCAL_ONLY_FLAGS = ("model_path", "template", "kv_type", "threads")
+LOCAL_ONLY_FLAGS = ("model_path", "template", "kv_type", "threads", "speculative")
 
 
 def cmd_ask(args: argparse.Namespace, out: TextIO) -> int:
@@ -106,6 +106,7 @@ def _backend(args: argparse.Namespace, session: Session, model_path: Path | None
         args.template,
         n_threads=args.threads,
         kv_type=args.kv_type,
+        speculative=args.speculative,
         on_this_thread=True,
     )
 

@@ -67,6 +67,7 @@ def cmd_app(args: argparse.Namespace, out: TextIO) -> int:
         demo=args.demo,
         template=args.template,
         server=args.server,
+        speculative=args.speculative,
     )
 
 

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from localchat import __version__
+from localchat.backends.base import SPECULATIVE_MODES
 from localchat.errors import UsageError
 from localchat.models.demo import QUANTS, SHAPES, TOKENIZERS
 
@@ -83,6 +84,13 @@ def _model_flags(parser: argparse.ArgumentParser, default: Any = None) -> None:
         default=default,
         help="chat template: chatml, llama3, gemma, mistral, phi3, plain, or a .jinja file",
     )
+    parser.add_argument(
+        "--speculative",
+        choices=SPECULATIVE_MODES,
+        default=default,
+        help="speculative decoding by prompt lookup (default: the speculative setting, auto:"
+        " where replies stay exactly the same)",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -107,7 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--only",
         default=None,
         help="comma-separated parts (default: all): engine, resume, window, estimate, ui,"
-        " plan, memory, remote, zerowait, branch, calibrate",
+        " plan, memory, remote, zerowait, branch, calibrate, spec",
     )
     bench.add_argument("--json", action="store_true", help="print one JSON object")
     return parser

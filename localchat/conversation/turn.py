@@ -176,6 +176,12 @@ def turn_stats_dict(
         "ttft_s": round(restore.seconds + stats.ttft_s, 6),
         "prompt_tps": round(stats.prompt_tps, 3),
         "gen_tps": round(stats.gen_tps, 3),
+        "drafted_tokens": stats.drafted_tokens,
+        "accepted_tokens": stats.accepted_tokens,
+        "draft_steps": stats.draft_steps,
+        "speculative_speedup": (
+            None if stats.speculative_speedup is None else round(stats.speculative_speedup, 3)
+        ),
         "kv_bytes_used": stats.kv_bytes_used,
         "kv_bytes_allocated": stats.kv_bytes_allocated,
         "server_kv_usage": stats.server_kv_usage,

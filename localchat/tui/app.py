@@ -80,13 +80,15 @@ class LocalChatApp(ReportsWorkerFailures, App[int]):
         demo: bool = False,
         template: str | None = None,
         server: str | None = None,
+        speculative: str | None = None,
     ) -> None:
         """``server``: chat through this OpenAI-compatible server (URL or settings name);
-        ``model_name`` is then one of its models."""
+        ``model_name`` is then one of its models. ``speculative``: the setting unless given."""
         super().__init__()
         self.server = server
         self.model_path = model_path
         self.template = template
+        self.speculative = speculative  # None: the setting
         self.model_name = model_name
         self.demo = demo
         self.n_ctx = n_ctx
@@ -238,7 +240,9 @@ class LocalChatApp(ReportsWorkerFailures, App[int]):
         assert self.session is not None
         start = time.perf_counter()
         try:
-            engine = self.session.load_model(path, self.n_ctx, self.template)
+            engine = self.session.load_model(
+                path, self.n_ctx, self.template, speculative=self.speculative
+            )
         except (LocalchatError, OSError) as exc:  # a broken catalog, an unreadable file
             self.post_message(ModelLoadFailed(one_line(exc)))
             return
@@ -432,6 +436,7 @@ def run_app(
     demo: bool = False,
     template: str | None = None,
     server: str | None = None,
+    speculative: str | None = None,
 ) -> int:
     app = LocalChatApp(
         model_path,
@@ -441,6 +446,7 @@ def run_app(
         demo=demo,
         template=template,
         server=server,
+        speculative=speculative,
     )
     _exit_on_signals(app)
     app.run()

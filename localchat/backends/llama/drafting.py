@@ -27,7 +27,6 @@ from llama_cpp.llama_speculative import LlamaDraftModel
 if TYPE_CHECKING:
     from localchat.backends.llama.recording import RecordingLlama
 
-SPECULATIVE_MODES = ("auto", "off", "ngram")
 # The n-gram looked up, longest first: two tokens still find most copies, one finds noise.
 NGRAM_SIZES = (4, 3, 2)
 MAX_DRAFT = 8
@@ -184,6 +183,7 @@ class PromptLookupDrafter(LlamaDraftModel):
         self.end = end  # the context length where the reply must stop (max_tokens)
         self.drafted = 0
         self.accepted = 0
+        self.steps = 0  # verifications
         self._last: tuple[int, Draft] | None = None  # where the last draft went, and it
 
     def __call__(self, input_ids: npt.NDArray[np.intc], /, **kwargs: Any) -> npt.NDArray[np.intc]:
@@ -197,8 +197,17 @@ class PromptLookupDrafter(LlamaDraftModel):
             return np.array([], dtype=np.intc)
         self._last = (len(input_ids), draft)
         self.drafted += len(draft.tokens)
+        self.steps += 1
         self.llm.verify_next = len(draft.tokens) + 1  # the sampled token and its drafts
         return np.array(draft.tokens, dtype=np.intc)
+
+    def speedup(self, gen_tps: float) -> float | None:
+        """``gen_tps`` against what single steps would have given at their measured cost
+        (None: nothing was drafted, or no single step was timed)."""
+        single = self.policy.step_s.get(1)
+        if not self.drafted or not single or gen_tps <= 0:
+            return None
+        return gen_tps * single
 
     def finish(self, sequence: list[int]) -> None:
         """The reply ended (``sequence``: the prompt and the reply as kept): count the last

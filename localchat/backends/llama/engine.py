@@ -16,10 +16,10 @@ from pathlib import Path
 
 import llama_cpp
 
-from localchat.backends.base import BackendView, CacheView, Sampling
+from localchat.backends.base import SPECULATIVE_MODES, BackendView, CacheView, Sampling
 from localchat.backends.llama.buffers import parse_buffers
 from localchat.backends.llama.cache import KVCache
-from localchat.backends.llama.drafting import SPECULATIVE_MODES, DraftPolicy, PromptLookupDrafter
+from localchat.backends.llama.drafting import DraftPolicy, PromptLookupDrafter
 from localchat.backends.llama.generation import Generation
 from localchat.backends.llama.recording import RecordingLlama
 from localchat.backends.llama.runtime import (
@@ -429,6 +429,13 @@ class Engine(KVCache):
             return None
         self._draft_policy.reset_acceptance()
         return PromptLookupDrafter(self._llm, self._draft_policy, end)
+
+    def step_costs(self) -> dict[int, float]:
+        """What a generation step of n tokens costs here, in single steps, for every size a
+        draft may take (measured where steps of that size ran, else interpolated): what
+        decides how long a draft pays."""
+        policy = self._draft_policy
+        return {n: policy.cost(n) for n in range(1, policy.max_draft + 2)}
 
     def close(self) -> None:
         with contextlib.suppress(Exception):

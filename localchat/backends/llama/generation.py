@@ -142,6 +142,8 @@ class Generation:
             if drafter is not None:
                 drafter.finish(self._tokens + self.tokens)
                 stats.drafted_tokens, stats.accepted_tokens = drafter.drafted, drafter.accepted
+                stats.draft_steps = drafter.steps
+                stats.speculative_speedup = drafter.speedup(stats.gen_tps)
             engine.hold(self._tokens + self.tokens)
             engine.committed = len(engine.cached_tokens)  # the prompt and the reply as held
             stats.kv_bytes_used = engine.kv_bytes_used

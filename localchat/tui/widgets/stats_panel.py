@@ -66,10 +66,16 @@ class StatsPanel(Vertical):
 
     def show_speed(self, stats: TurnStats, ttft_s: float, final: bool = False) -> None:
         """``ttft_s``: from the message being sent (Enter) to its first token."""
+        drafts = ""
+        if stats.drafted_tokens:
+            accepted = stats.accepted_tokens / stats.drafted_tokens
+            drafts = f"\ndrafts {accepted:.0%} accepted"
+            if stats.speculative_speedup:
+                drafts += f" · ×{stats.speculative_speedup:.2f}"
         self._set(
             "speed",
             f"gen {stats.gen_tps:.1f} tok/s\nprompt {stats.prompt_tps:.1f} tok/s\n"
-            f"first token {ttft_s:.2f} s",
+            f"first token {ttft_s:.2f} s{drafts}",
         )
         if final and stats.gen_tps > 0:
             self._speeds = [*self._speeds[-29:], stats.gen_tps]

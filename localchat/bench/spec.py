@@ -1,0 +1,163 @@
+"""``bench --only spec``: speculative decoding by prompt lookup on the real SmolLM2 at an 8k
+context — a reply that returns an attached file with one function renamed (drafts mostly
+right), and an open-ended story (drafts mostly absent or wrong) — tokens/s with drafting
+over without, the same greedy text required.
+
+Both engines run flash attention over a q8_0 KV cache: there llama.cpp gives a batch the
+logits single steps would, so ``auto`` drafts and the replies are exactly the same (with an
+F16 cache a single token past 512 cells takes another kernel path, and ``auto`` does not
+draft). The ceiling is what the measured acceptance and step costs allow: the reply's tokens
+over what its steps cost in single steps (plain steps, and verifications at the measured
+cost of a step of the mean draft length plus one).
+"""
+
+from __future__ import annotations
+
+import statistics
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from localchat.bench.common import Progress, _say
+from localchat.cpu import physical_cores
+
+if TYPE_CHECKING:
+    from localchat.backends.base import TurnStats
+    from localchat.backends.llama.engine import Engine
+
+SPEC_CTX = 8192
+SPEC_KV = "q8_0"
+SPEC_TOKENS = 320
+COPY_ROUNDS = 3
+PROSE_ROUNDS = 5
+SOURCE = '''import csv
+from pathlib import Path
+
+
+def load_rows(path):
+    """The rows of a CSV file, comments and blank lines skipped."""
+    rows = []
+    with open(path, newline="") as handle:
+        for row in csv.reader(handle):
+            if row and not row[0].startswith("#"):
+                rows.append(row)
+    return rows
+
+
+def total_of(rows, column):
+    total = 0.0
+    for row in rows:
+        total += float(row[column])
+    return total
+
+
+def average_of(rows, column):
+    if not rows:
+        return 0.0
+    return total_of(rows, column) / len(rows)
+
+
+def report(path, column):
+    rows = load_rows(Path(path))
+    print(f"{len(rows)} rows, total {total_of(rows, column):.2f}")
+    print(f"average {average_of(rows, column):.2f}")
+'''
+COPY_PROMPT = (
+    f"Here is report.py:\n\n```python\n{SOURCE}```\n\n"
+    "Rename the function total_of to sum_column everywhere and return the whole file."
+)
+PROSE_PROMPT = "Write a long story about a lighthouse keeper who finds a message in a bottle."
+
+
+def _turn(engine: Engine, prompt: str) -> tuple[str, TurnStats]:
+    from localchat.backends.base import Sampling
+    from localchat.chat.template import ChatMessage
+
+    engine.reset()
+    generation = engine.generate(
+        engine.prompt_tokens([ChatMessage("user", prompt)]), Sampling(temperature=0.0), SPEC_TOKENS
+    )
+    for _ in generation:
+        pass
+    return generation.text, generation.stats
+
+
+def _compare(
+    plain: Engine, drafting: Engine, prompt: str, rounds: int, label: str, progress: Progress
+) -> tuple[list[float], TurnStats, bool]:
+    """Per-round ratios of tokens/s (drafting over plain, the order alternating), the last
+    drafted turn's stats, and whether every pair of replies was the same text."""
+    ratios: list[float] = []
+    same = True
+    stats: TurnStats | None = None
+    for index in range(rounds):
+        order = (plain, drafting) if index % 2 == 0 else (drafting, plain)
+        results = {id(engine): _turn(engine, prompt) for engine in order}
+        (plain_text, plain_stats), (text, stats) = results[id(plain)], results[id(drafting)]
+        same = same and text == plain_text
+        ratios.append(stats.gen_tps / plain_stats.gen_tps)
+        _say(progress, f"spec: {label} round {index + 1}: {stats.gen_tps:.1f} tok/s drafting,"
+             f" {plain_stats.gen_tps:.1f} plain")  # fmt: skip
+    assert stats is not None
+    return ratios, stats, same
+
+
+def bench_spec(model_path: Path, progress: Progress = None) -> dict[str, Any]:
+    """Copy and prose turns on SmolLM2 with and without drafts (``model_path`` is not used:
+    prompt lookup needs a model that copies, not random weights)."""
+    from localchat.backends.llama.engine import Engine, LoadOptions
+    from localchat.models.starter import ensure_starter
+    from localchat.paths import app_paths
+
+    starter = ensure_starter(app_paths(), hub=False)
+    if not starter.real:
+        return {"spec_skipped": f"SmolLM2 could not be had: {starter.note}"}
+    _say(progress, f"spec: SmolLM2 at {SPEC_CTX} context, KV {SPEC_KV}, with and without drafts")
+
+    def load(speculative: str) -> Engine:
+        options = LoadOptions(
+            n_ctx=SPEC_CTX, n_threads=physical_cores(), kv_type=SPEC_KV, speculative=speculative
+        )
+        return Engine(starter.path, options)
+
+    plain, drafting = load("off"), load("auto")
+    try:
+        copy, copy_stats, copy_same = _compare(
+            plain, drafting, COPY_PROMPT, COPY_ROUNDS, "copy", progress
+        )
+        prose, _prose_stats, prose_same = _compare(
+            plain, drafting, PROSE_PROMPT, PROSE_ROUNDS, "prose", progress
+        )
+        costs = drafting.step_costs()
+    finally:
+        plain.close()
+        drafting.close()
+    speedup = statistics.median(copy)
+    ceiling, mean_draft = _ceiling(copy_stats, costs)
+    return {
+        "spec_model": starter.path.name,
+        "spec_kv_type": SPEC_KV,
+        "spec_copy_speedup": round(speedup, 3),
+        "spec_copy_ceiling": round(ceiling, 3),
+        "spec_copy_of_ceiling": round(speedup / ceiling, 3),
+        "spec_copy_acceptance": round(
+            copy_stats.accepted_tokens / max(1, copy_stats.drafted_tokens), 3
+        ),
+        "spec_copy_mean_draft": round(mean_draft, 2),
+        "spec_copy_tokens": copy_stats.generated_tokens,
+        "spec_step_costs": {n: round(c, 3) for n, c in costs.items()},
+        "spec_prose_ratio": round(statistics.median(prose), 3),
+        "spec_replies_identical": copy_same and prose_same,
+    }
+
+
+def _ceiling(stats: TurnStats, costs: dict[int, float]) -> tuple[float, float]:
+    """(tokens per single-step cost the turn's steps allow, the mean draft length): plain
+    steps cost one, each verification what a step of the mean draft plus one costs."""
+    if not stats.draft_steps:
+        return 1.0, 0.0
+    mean_draft = stats.drafted_tokens / stats.draft_steps
+    low = int(mean_draft)
+    share = mean_draft - low
+    step_cost = (1 - share) * costs[low + 1] + share * costs.get(low + 2, costs[low + 1])
+    plain_steps = max(0, stats.generated_tokens - stats.accepted_tokens - stats.draft_steps)
+    return stats.generated_tokens / (plain_steps + stats.draft_steps * step_cost), mean_draft
