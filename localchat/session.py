@@ -75,6 +75,8 @@ def note_turn_speed(paths: AppPaths, backend: Backend, stats: TurnStats) -> str 
     when the figures were updated. Servers and GPU offload are not what it measures."""
     if not isinstance(backend, Engine) or backend.options.n_gpu_layers:
         return None
+    if stats.drafted_tokens:  # drafts sped it up: not what the calibration predicts
+        return None
     turn = TurnSpeed(
         str(backend.model_path),
         token_work(backend.info),

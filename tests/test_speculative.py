@@ -26,6 +26,7 @@ from localchat.chat.template import ChatMessage
 from localchat.cli.main import main
 from localchat.conversation.local import Conversation
 from localchat.errors import UsageError
+from localchat.models.speed import SpeedModel, machine_name
 from localchat.paths import app_paths
 from localchat.state.kvstate import StateStore
 from localchat.state.store import Store
@@ -140,9 +141,16 @@ def test_a_copy_reply_accepts_most_drafts(smollm2: Path) -> None:
         assert stats.drafted_tokens > 20
         assert stats.accepted_tokens > stats.drafted_tokens / 2
         assert stats.accepted_tokens <= min(stats.drafted_tokens, stats.generated_tokens)
-        # What the cache holds is exactly the prompt and the reply (the last token evaluated).
+        # What the cache holds is exactly the prompt and the reply (the last token evaluated),
+        # also where the reply ends on a token its draft did not have (drafts past it left).
         prompt = engine.prompt_tokens([ChatMessage("user", COPY_REQUEST)])
         assert engine.cached_tokens == prompt + generation.tokens
+        for limit in range(60, 80):
+            cut = engine.generate(prompt, GREEDY, limit)
+            for _ in cut:
+                pass
+            assert cut.tokens == generation.tokens[:limit]
+            assert engine.cached_tokens == prompt + cut.tokens, limit
     finally:
         engine.close()
 
@@ -254,7 +262,15 @@ def test_ask_reports_drafts_and_off_turns_them_off(
     smollm2: Path, isolated_home: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     common = [COPY_REQUEST, "--model-path", str(smollm2), "--kv-type", "q8_0"]
+    # A calibration a hundred times too slow: three plain turns would correct it; turns that
+    # drafts sped up say nothing about it and leave it as it is.
+    slow = {t: 1e-6 for t in ("F16", "Q8_0", "Q4_0", "Q4_1", "Q6_K")}
+    SpeedModel(slow, 0.05, slow, 0.005, machine_name(), 2).save(app_paths().speed_calibration)
+    before = app_paths().speed_calibration.read_text()
     drafted = _ask_json(capsys, *common)
+    for _ in range(2):
+        assert _ask_json(capsys, *common)["stats"]["drafted_tokens"] > 0
+    assert app_paths().speed_calibration.read_text() == before
     plain = _ask_json(capsys, *common, "--speculative", "off")
     assert drafted["reply"] == plain["reply"]
     assert drafted["stats"]["accepted_tokens"] > 0

@@ -26,7 +26,8 @@ if TYPE_CHECKING:
 
 SPEC_CTX = 8192
 SPEC_KV = "q8_0"
-SPEC_TOKENS = 320
+SPEC_TOKENS = 320  # the copy: the whole file (~230 tokens) and what follows it
+PROSE_TOKENS = 160
 COPY_ROUNDS = 3
 PROSE_ROUNDS = 5
 SOURCE = '''import csv
@@ -68,13 +69,13 @@ COPY_PROMPT = (
 PROSE_PROMPT = "Write a long story about a lighthouse keeper who finds a message in a bottle."
 
 
-def _turn(engine: Engine, prompt: str) -> tuple[str, TurnStats]:
+def _turn(engine: Engine, prompt: str, max_tokens: int) -> tuple[str, TurnStats]:
     from localchat.backends.base import Sampling
     from localchat.chat.template import ChatMessage
 
     engine.reset()
     generation = engine.generate(
-        engine.prompt_tokens([ChatMessage("user", prompt)]), Sampling(temperature=0.0), SPEC_TOKENS
+        engine.prompt_tokens([ChatMessage("user", prompt)]), Sampling(temperature=0.0), max_tokens
     )
     for _ in generation:
         pass
@@ -82,7 +83,13 @@ def _turn(engine: Engine, prompt: str) -> tuple[str, TurnStats]:
 
 
 def _compare(
-    plain: Engine, drafting: Engine, prompt: str, rounds: int, label: str, progress: Progress
+    plain: Engine,
+    drafting: Engine,
+    prompt: str,
+    rounds: int,
+    max_tokens: int,
+    label: str,
+    progress: Progress,
 ) -> tuple[list[float], TurnStats, bool]:
     """Per-round ratios of tokens/s (drafting over plain, the order alternating), the last
     drafted turn's stats, and whether every pair of replies was the same text."""
@@ -91,7 +98,7 @@ def _compare(
     stats: TurnStats | None = None
     for index in range(rounds):
         order = (plain, drafting) if index % 2 == 0 else (drafting, plain)
-        results = {id(engine): _turn(engine, prompt) for engine in order}
+        results = {id(engine): _turn(engine, prompt, max_tokens) for engine in order}
         (plain_text, plain_stats), (text, stats) = results[id(plain)], results[id(drafting)]
         same = same and text == plain_text
         ratios.append(stats.gen_tps / plain_stats.gen_tps)
@@ -122,10 +129,10 @@ def bench_spec(model_path: Path, progress: Progress = None) -> dict[str, Any]:
     plain, drafting = load("off"), load("auto")
     try:
         copy, copy_stats, copy_same = _compare(
-            plain, drafting, COPY_PROMPT, COPY_ROUNDS, "copy", progress
+            plain, drafting, COPY_PROMPT, COPY_ROUNDS, SPEC_TOKENS, "copy", progress
         )
         prose, _prose_stats, prose_same = _compare(
-            plain, drafting, PROSE_PROMPT, PROSE_ROUNDS, "prose", progress
+            plain, drafting, PROSE_PROMPT, PROSE_ROUNDS, PROSE_TOKENS, "prose", progress
         )
         costs = drafting.step_costs()
     finally:

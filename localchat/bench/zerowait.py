@@ -19,10 +19,10 @@ ZEROWAIT_SYSTEM_TOKENS = 1500
 ZEROWAIT_ROUNDS = 3
 ZEROWAIT_MESSAGE = "Given that guide, how should I name a function?"
 # The type-ahead figure: messages of this many words typed in the app, this many times. At a
-# typist's 20 characters a second the typing is the cost (the machine idles meanwhile): 100
-# words (~100 tokens, half a second to read cold on the 0.5b shape, against a tenth of that
-# for one word) is a long message still, typed in under a minute.
-TYPEAHEAD_WORDS = 100
+# typist's 20 characters a second the typing is the cost (the machine idles meanwhile): 80
+# words (~80 tokens, half a second to read cold on the 0.5b shape, against a tenth of that
+# for one word) is a long message still, typed in under half a minute.
+TYPEAHEAD_WORDS = 80
 TYPEAHEAD_ROUNDS = 2
 
 

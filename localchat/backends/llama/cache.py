@@ -174,6 +174,9 @@ class KVCache:
             memory = llama_cpp.llama_get_memory(self._llm.ctx)
             if llama_cpp.llama_memory_seq_rm(memory, 0, n, -1):
                 self._llm.n_tokens = n
+                # llama.cpp's last logits belong to a later position now: a prompt equal to
+                # the cache must evaluate its last token again, not sample from them.
+                self._llm._requires_eval = True
                 self.committed = min(self.committed, n)
                 starts = self._llm.batch_starts
                 if starts is not None:

@@ -156,7 +156,7 @@ class DraftPolicy:
             high = self.step_s[above[0]] / single
             share = (n_tokens - below) / (above[0] - below)
             return low + share * (high - low)
-        # Past the largest measured: its slope per token, never below the prior's.
+        # Past the largest measured: its slope per token, never below half the prior's.
         slope = (low - 1.0) / (below - 1) if below > 1 else PRIOR_EXTRA_TOKEN_COST
         return low + max(slope, PRIOR_EXTRA_TOKEN_COST / 2) * (n_tokens - below)
 
@@ -184,6 +184,7 @@ class PromptLookupDrafter(LlamaDraftModel):
         self.drafted = 0
         self.accepted = 0
         self.steps = 0  # verifications
+        self._started = False  # the first call follows the prompt's evaluation, not a step
         self._last: tuple[int, Draft] | None = None  # where the last draft went, and it
 
     def __call__(self, input_ids: npt.NDArray[np.intc], /, **kwargs: Any) -> npt.NDArray[np.intc]:
@@ -217,7 +218,9 @@ class PromptLookupDrafter(LlamaDraftModel):
 
     def _learn(self, context: npt.NDArray[np.intc]) -> None:
         """The step just taken: its cost, and how much of the last draft the model kept."""
-        self.policy.record_step(*self.llm.last_eval)
+        if self._started:
+            self.policy.record_step(*self.llm.last_eval)
+        self._started = True
         self._count_accepted(context)
 
     def _count_accepted(self, context: npt.NDArray[np.intc]) -> None:
@@ -228,6 +231,9 @@ class PromptLookupDrafter(LlamaDraftModel):
         accepted = 0
         while accepted < len(kept) and int(kept[accepted]) == draft.tokens[accepted]:
             accepted += 1
+        if accepted == len(kept) < len(draft.tokens):  # the reply ended inside the draft
+            self.drafted -= len(draft.tokens) - len(kept)  # the rest was never tried
+            draft = Draft(draft.tokens[: len(kept)], draft.depth)
         self.accepted += accepted
         self.policy.record_verification(draft.deep, len(draft.tokens), accepted)
         self._last = None

@@ -155,6 +155,11 @@ class Engine(KVCache):
             )
             watch_abort(self._llm.ctx)  # decodes stop midway on request (the warm-up's too)
             self._llm.batch_invariant = self.batch_invariant
+            # A recurrent state cannot drop rejected drafts (llama.cpp's partial removal
+            # fails there): Mamba, RWKV and hybrids such as LFM2 or Jamba never draft.
+            model = self._llm.model
+            if llama_cpp.llama_model_is_recurrent(model) or llama_cpp.llama_model_is_hybrid(model):
+                self.drafting = False
         except Exception as exc:  # llama-cpp-python raises ValueError/RuntimeError
             if abort_requested():  # stopped between two tensors: an interrupt, not a failure
                 raise KeyboardInterrupt from None

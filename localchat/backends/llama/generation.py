@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from localchat.backends.base import Sampling, TokenDelta, TurnStats
+from localchat.chat.prompt import common_prefix
 from localchat.chat.reasoning import ReasoningStream, opens_reasoning, split_reasoning
 from localchat.chat.stops import StopFilter
 
@@ -125,7 +126,8 @@ class Generation:
                     break
                 if len(self.tokens) >= self._max_tokens:
                     break
-                if llm.n_tokens >= engine.n_ctx - 1:
+                # The prompt and the reply (drafts in the cache past them are not the reply).
+                if len(self._tokens) + len(self.tokens) >= engine.n_ctx:
                     stats.stop_reason = "context"
                     break
             held_back = stops.flush()
@@ -139,12 +141,19 @@ class Generation:
             stream.close()
             llm.draft_model = None
             llm.verify_next = 0
+            sequence = self._tokens + self.tokens
             if drafter is not None:
-                drafter.finish(self._tokens + self.tokens)
+                drafter.finish(sequence)
                 stats.drafted_tokens, stats.accepted_tokens = drafter.drafted, drafter.accepted
                 stats.draft_steps = drafter.steps
                 stats.speculative_speedup = drafter.speedup(stats.gen_tps)
-            engine.hold(self._tokens + self.tokens)
+                # A reply that ended on a token its draft did not have leaves that draft in
+                # the cache (it is checked only when the next token is asked for): cut back
+                # to what the reply shares with the cache, then hold the reply.
+                shared = common_prefix(engine.cached_tokens, sequence)
+                if shared < llm.n_tokens:
+                    engine.hold(sequence[:shared])
+            engine.hold(sequence)
             engine.committed = len(engine.cached_tokens)  # the prompt and the reply as held
             stats.kv_bytes_used = engine.kv_bytes_used
             stats.kv_bytes_allocated = engine.kv_bytes_allocated
