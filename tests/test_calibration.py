@@ -129,3 +129,16 @@ def test_the_progress_counts_up_with_the_time_left(monkeypatch: pytest.MonkeyPat
     assert any(s.eta_s is not None for s in steps[1:])
     assert any("making the Q8_0 test model" in s.detail for s in steps)
     assert steps[-1].line().startswith("step 2/3 · measuring this machine's speed 100%")
+
+
+def test_an_unsettled_calibration_names_the_types_whose_readings_disagreed() -> None:
+    def round_of(q2_k_s: float) -> list[Reading]:
+        return [
+            Reading(REFERENCE, 0.010, 0.001, 0.95),
+            Reading("Q2_K", q2_k_s, 0.001, 0.95),
+            Reading(OVERHEAD, 0.0001, 0.00001, 0.5),
+        ]
+
+    rounds = [round_of(0.010), round_of(0.015)]  # clean rounds; Q2_K half again as slow
+    assert settle(rounds, [REFERENCE, "Q2_K", OVERHEAD]) is None
+    assert cal._why_unsettled(rounds) == "repeated readings of Q2_K differed by more than 15%"

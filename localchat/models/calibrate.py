@@ -287,7 +287,12 @@ def _why_unsettled(rounds: list[list[Reading]]) -> str:
     readings = [x for r in rounds for x in r if x.name != OVERHEAD]
     kept = clean_rounds(rounds)
     if len(kept) >= MIN_ROUNDS:
-        return f"repeated readings differed by more than {100 * AGREE:.0f}%"
+        names = {x.name for x in readings}
+        apart = [
+            n for n in sorted(names) if not _two_agree([x for r in kept for x in r if x.name == n])
+        ]
+        which = f" of {', '.join(apart)}" if apart else ""
+        return f"repeated readings{which} differed by more than {100 * AGREE:.0f}%"
     others = max(x.others_share for x in readings)
     share = min(x.cpu_share for x in readings)
     if others > MAX_OTHERS_SHARE:
