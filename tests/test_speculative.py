@@ -5,6 +5,7 @@ turns, a resume from the saved state and a stop string; and it drafts only where
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import llama_cpp
@@ -25,6 +26,7 @@ from localchat.bench.spec import COPY_PROMPT, SOURCE
 from localchat.chat.template import ChatMessage
 from localchat.cli.main import main
 from localchat.conversation.local import Conversation
+from localchat.conversation.turn import ConversationTurn
 from localchat.errors import UsageError
 from localchat.models.speed import SpeedModel, machine_name
 from localchat.paths import app_paths
@@ -54,6 +56,28 @@ def _reply(engine: Engine, sampling: Sampling, text: str = COPY_REQUEST) -> Gene
     for _ in generation:
         pass
     return generation
+
+
+def _said(
+    conversation: Conversation, text: str, max_tokens: int = REPLY_TOKENS
+) -> ConversationTurn:
+    """A greedy turn sent and read to its end."""
+    turn = conversation.send(text, GREEDY, max_tokens)
+    for _ in turn:
+        pass
+    return turn
+
+
+def _same_with_drafts_and_without(
+    run: Callable[[Path, Path, str], list[str]], model: Path, tmp_path: Path
+) -> None:
+    """``run`` (model, a home of its own, the speculative mode) with drafts and without: the
+    replies must be the same, token for token."""
+    replies = {}
+    for mode in ("auto", "off"):
+        (tmp_path / mode).mkdir()
+        replies[mode] = run(model, tmp_path / mode, mode)
+    assert replies["auto"] == replies["off"]
 
 
 def test_a_draft_continues_the_latest_earlier_match_of_the_longest_ngram() -> None:
@@ -157,25 +181,20 @@ def test_a_copy_reply_accepts_most_drafts(smollm2: Path) -> None:
 
 def _conversation_turns(model: Path, home: Path, speculative: str) -> list[str]:
     """Two turns, the conversation closed, reopened on a new engine from its saved state, a
-    third turn; then a turn cut by a stop string inside a copied run."""
+    third turn."""
     replies = []
     store = Store(home / "db.sqlite3")
     states = StateStore(home / "states")
     engine = _engine(model, speculative)
     conversation = Conversation.open(store, states, "copy", engine)
     for text in (COPY_REQUEST, "Now rename average_of to mean_column, the whole file again."):
-        turn = conversation.send(text, GREEDY, REPLY_TOKENS)
-        for _ in turn:
-            pass
-        replies.append(turn.generation.text)
+        replies.append(_said(conversation, text).generation.text)
     conversation.wait_saved()
     conversation.close()
     engine.close()
     engine = _engine(model, speculative)
     conversation = Conversation.open(store, states, "copy", engine)
-    turn = conversation.send("And once more, unchanged.", GREEDY, REPLY_TOKENS)
-    for _ in turn:
-        pass
+    turn = _said(conversation, "And once more, unchanged.")
     assert turn.restore.restored  # from the saved state, not re-read
     replies.append(turn.generation.text)
     conversation.close()
@@ -187,11 +206,7 @@ def _conversation_turns(model: Path, home: Path, speculative: str) -> list[str]:
 def test_a_conversation_resumed_from_its_saved_state_is_the_same_with_drafts(
     smollm2: Path, tmp_path: Path
 ) -> None:
-    (tmp_path / "off").mkdir()
-    (tmp_path / "on").mkdir()
-    assert _conversation_turns(smollm2, tmp_path / "on", "auto") == _conversation_turns(
-        smollm2, tmp_path / "off", "off"
-    )
+    _same_with_drafts_and_without(_conversation_turns, smollm2, tmp_path)
 
 
 def test_a_stop_string_inside_a_drafted_run_ends_the_reply_where_it_would(
@@ -310,18 +325,13 @@ def _window_and_regenerate(model: Path, home: Path, speculative: str) -> list[st
     conversation = Conversation.open(store, StateStore(home / "states"), "window", engine)
     replies, moved = [], False
     for text in (COPY_REQUEST, "Once more."):
-        turn = conversation.send(text, GREEDY, 96)
-        for _ in turn:
-            pass
+        turn = _said(conversation, text, 96)
         moved = moved or bool(turn.window.dropped_messages)
         replies.append(turn.generation.text)
     assert moved, "the window moved"
     question = conversation.take_back_last_exchange()
     assert question == "Once more."
-    turn = conversation.send(question, GREEDY, 96)
-    for _ in turn:
-        pass
-    replies.append(turn.generation.text)
+    replies.append(_said(conversation, question, 96).generation.text)
     conversation.close()
     engine.close()
     store.close()
@@ -331,7 +341,4 @@ def _window_and_regenerate(model: Path, home: Path, speculative: str) -> list[st
 def test_a_moved_window_and_a_regenerate_are_the_same_with_drafts(
     smollm2: Path, tmp_path: Path
 ) -> None:
-    (tmp_path / "off").mkdir()
-    (tmp_path / "on").mkdir()
-    drafted = _window_and_regenerate(smollm2, tmp_path / "on", "auto")
-    assert drafted == _window_and_regenerate(smollm2, tmp_path / "off", "off")
+    _same_with_drafts_and_without(_window_and_regenerate, smollm2, tmp_path)

@@ -34,6 +34,16 @@ class KVCache:
     committed: int
 
     @property
+    def n_ctx(self) -> int:
+        """The context size asked for: how many tokens a prompt plus reply may hold."""
+        return len(self._llm.input_ids)
+
+    @property
+    def n_batch(self) -> int:
+        """Tokens one evaluation batch holds: a cold prompt is read in batches of this."""
+        return int(self._llm.n_batch)
+
+    @property
     def cached_tokens(self) -> list[int]:
         """Token ids whose keys and values are in the cache now, in position order."""
         return [int(t) for t in self._llm.input_ids[: self._llm.n_tokens]]
@@ -132,8 +142,8 @@ class KVCache:
         """
         bounds = [*batch_starts, len(tokens)]
         valid = bool(batch_starts) and batch_starts[0] == 0
-        valid = valid and all(0 < b - a <= self._llm.n_batch for a, b in itertools.pairwise(bounds))
-        if not valid or len(tokens) >= len(self._llm.input_ids):
+        valid = valid and all(0 < b - a <= self.n_batch for a, b in itertools.pairwise(bounds))
+        if not valid or len(tokens) >= self.n_ctx:
             return False
         self.reset()
         for a, b in itertools.pairwise(bounds):
@@ -147,9 +157,7 @@ class KVCache:
     def extend(self, tokens: Sequence[int]) -> None:
         """Evaluate ``tokens`` after what the cache holds, as one batch (at most ``n_batch``):
         reading a message ahead adds a few tokens at a time (past ``committed``)."""
-        if len(tokens) > int(self._llm.n_batch) or self._llm.n_tokens + len(tokens) >= len(
-            self._llm.input_ids
-        ):
+        if len(tokens) > self.n_batch or self._llm.n_tokens + len(tokens) >= self.n_ctx:
             raise ValueError(f"cannot add {len(tokens)} tokens to {self._llm.n_tokens} cached")
         if tokens:
             self._llm.eval(list(tokens))
@@ -162,7 +170,7 @@ class KVCache:
         cached = self._llm.n_tokens
         n = len(sequence)
         common = min(cached, n)
-        if n >= len(self._llm.input_ids) or [int(t) for t in self._llm.input_ids[:common]] != list(
+        if n >= self.n_ctx or [int(t) for t in self._llm.input_ids[:common]] != list(
             sequence[:common]
         ):
             return
@@ -206,7 +214,7 @@ class KVCache:
         writable = isinstance(data, memoryview) and not data.readonly
         buffer = array_type.from_buffer(data) if writable else array_type.from_buffer_copy(data)
         read = llama_cpp.llama_state_seq_set_data(self._llm.ctx, buffer, len(data), 0)
-        if read != len(data) or len(tokens) > len(self._llm.input_ids):
+        if read != len(data) or len(tokens) > self.n_ctx:
             self.reset()
             return False
         self._llm.input_ids[: len(tokens)] = list(tokens)

@@ -24,6 +24,8 @@ import numpy as np
 import numpy.typing as npt
 from llama_cpp.llama_speculative import LlamaDraftModel
 
+from localchat.chat.prompt import common_prefix
+
 if TYPE_CHECKING:
     from localchat.backends.llama.recording import RecordingLlama
 
@@ -213,7 +215,6 @@ class PromptLookupDrafter(LlamaDraftModel):
     def finish(self, sequence: list[int]) -> None:
         """The reply ended (``sequence``: the prompt and the reply as kept): count the last
         draft's accepted tokens."""
-        self.llm.verify_next = 0
         self._count_accepted(np.array(sequence, dtype=np.intc))
 
     def _learn(self, context: npt.NDArray[np.intc]) -> None:
@@ -227,10 +228,8 @@ class PromptLookupDrafter(LlamaDraftModel):
         if self._last is None:
             return
         start, draft = self._last
-        kept = context[start : start + len(draft.tokens)]
-        accepted = 0
-        while accepted < len(kept) and int(kept[accepted]) == draft.tokens[accepted]:
-            accepted += 1
+        kept = [int(t) for t in context[start : start + len(draft.tokens)]]
+        accepted = common_prefix(kept, draft.tokens)
         if accepted == len(kept) < len(draft.tokens):  # the reply ended inside the draft
             self.drafted -= len(draft.tokens) - len(kept)  # the rest was never tried
             draft = Draft(draft.tokens[: len(kept)], draft.depth)

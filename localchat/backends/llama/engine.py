@@ -219,11 +219,6 @@ class Engine(KVCache):
         return self._llm
 
     @property
-    def n_batch(self) -> int:
-        """Tokens one evaluation batch holds: a cold prompt is read in batches of this."""
-        return int(self._llm.n_batch)
-
-    @property
     def model_name(self) -> str:
         """The file's name: what the transcript records as the model that answered."""
         return self.model_path.name
@@ -231,11 +226,6 @@ class Engine(KVCache):
     @property
     def context_size(self) -> int:
         return self.n_ctx
-
-    @property
-    def n_ctx(self) -> int:
-        """The context size asked for: how many tokens a prompt plus reply may hold."""
-        return len(self._llm.input_ids)
 
     @property
     def kv_cells(self) -> int:
