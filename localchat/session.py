@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from localchat.backends.base import Backend, Reply, Sampling, TokenDelta, TurnStats
 from localchat.backends.compute_thread import run_compute
+from localchat.backends.llama.engine import DEFAULT_CTX as ENGINE_DEFAULT_CTX
 from localchat.backends.llama.engine import Engine, LoadOptions
 from localchat.conversation.base import ConversationBase
 from localchat.conversation.local import Conversation
@@ -26,7 +27,7 @@ from localchat.conversation.records import fork_conversation
 from localchat.conversation.turn import RestoreReport, turn_stats_dict
 from localchat.errors import LocalchatError, UsageError
 from localchat.models.calibrate import speed_model_or_none
-from localchat.models.catalog import catalog_template
+from localchat.models.catalog import catalog_draft, catalog_template
 from localchat.models.demo import app_demo_path
 from localchat.models.hardware import detect_hardware
 from localchat.models.hub import DownloadCancelled, HubError
@@ -297,23 +298,52 @@ class Session:
         n_threads: int | None = None,
         kv_type: str | None = None,
         speculative: str | None = None,
+        draft_model: str | None = None,
+        warn: Callable[[str], object] | None = None,
         on_this_thread: bool = False,
     ) -> Engine:
-        """Load ``path`` on the compute thread with the user's settings (``kv_type``: the
-        setting unless given); ``use`` it after. ``on_this_thread``: load where the model
-        will evaluate (the CLI's main thread), so llama.cpp keeps one thread pool."""
+        """Load ``path`` on the compute thread with the user's settings (``kv_type``,
+        ``speculative``, ``draft_model``: the settings unless given); ``use`` it after.
+        ``warn``: a draft model asked for that does not draft, and why. ``on_this_thread``:
+        load where the model will evaluate (the CLI's main thread), so llama.cpp keeps one
+        thread pool."""
         template = template or catalog_template(path, self.paths.user_catalog)
+        kv_type = kv_type or self.settings.kv_type
+        speculative = speculative or self.settings.speculative
+        asked = draft_model or self.settings.draft_model or None
+        # A draft model the flag names must draft; the setting's is left out (said in one
+        # line) for a model of another family.
         options = LoadOptions(
             n_ctx=n_ctx,
             n_threads=n_threads,
-            kv_type=kv_type or self.settings.kv_type,
+            kv_type=kv_type,
             template=template,
             swa_cache=self.settings.swa_cache,
-            speculative=speculative or self.settings.speculative,
+            speculative=speculative,
+            draft_model=self._draft_path(path, asked, speculative, n_ctx, kv_type),
+            draft_required=draft_model is not None,
         )
-        if on_this_thread:
-            return Engine(path, options)
-        return run_compute(Engine, path, options)
+        engine = Engine(path, options) if on_this_thread else run_compute(Engine, path, options)
+        unused = engine.draft_model_unused
+        if asked and unused and warn is not None:
+            warn(unused)
+        return engine
+
+    def _draft_path(
+        self, target: Path, asked: str | None, mode: str, n_ctx: int | None, kv_type: str
+    ) -> Path | None:
+        """The draft model: the one asked for; else, drafting with one, the catalog's for this
+        model where it is downloaded and fits (and, under ``auto``, is predicted to pay)."""
+        if asked:
+            return Library(self.paths, detect_hardware()).draft_path(asked)
+        entry = catalog_draft(target, self.paths.user_catalog)
+        if mode not in ("auto", "draft") or entry is None:  # most models: no catalog draft
+            return None
+        library = Library(self.paths, detect_hardware())
+        plan = library.draft_plan(target, entry, n_ctx or ENGINE_DEFAULT_CTX, kv_type)
+        if plan is None or not plan.fits or (mode == "auto" and not plan.pays):
+            return None
+        return plan.path
 
     def count_tokens(self, text: str) -> int:
         """Tokens ``text`` takes with the backend in use: a local model's tokenizer on the

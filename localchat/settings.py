@@ -70,11 +70,17 @@ class Settings:
     an edit or regenerate far back never has to re-read the conversation."""
 
     speculative: str = "auto"
-    """Speculative decoding by prompt lookup (faster where a reply repeats its context: a
-    file returned with a change, a quote): "auto" where replies stay exactly what they would
-    be without it (flash attention over a quantized KV cache on a CPU: kv_type "q8_0" or
-    "q4_0"), "ngram" everywhere (llama.cpp's batches round differently from single steps, so a
-    reply may differ in a token now and then), "off" never."""
+    """Speculative decoding: drafts by prompt lookup (faster where a reply repeats its
+    context: a file returned with a change, a quote) and by a draft model, verified in one
+    step. "auto" where replies stay exactly what they would be without it (flash attention
+    over a quantized KV cache on a CPU: kv_type "q8_0" or "q4_0"), "ngram" (prompt lookup)
+    and "draft" (the draft model) everywhere (llama.cpp's batches round differently from
+    single steps, so a reply may differ in a token now and then), "off" never."""
+
+    draft_model: str = ""
+    """A smaller model of the same family that drafts for the one you chat with (a catalog
+    name such as "qwen2.5-0.5b-instruct", or a .gguf file); empty: the one the catalog names
+    for the model, where it is downloaded and the plan predicts a gain."""
 
     window_mode: str = "auto"
     """When old messages leave the context: "shift" the KV cache in place (fast), "exact"
@@ -148,6 +154,10 @@ def load_settings(path: Path) -> Settings:
             f"{path}: speculative must be one of {', '.join(SPECULATIVE_MODES)},"
             f" not {settings.speculative!r}"
         )
+    if not isinstance(settings.draft_model, str):
+        raise UsageError(
+            f"{path}: draft_model must be a model name or a .gguf file, not {settings.draft_model!r}"
+        )
     if settings.kv_type not in KV_CACHE_TYPES:
         raise UsageError(
             f"{path}: kv_type must be one of {', '.join(KV_CACHE_TYPES)}, not {settings.kv_type!r}"
@@ -158,7 +168,14 @@ def load_settings(path: Path) -> Settings:
             if not isinstance(value, bool):
                 raise UsageError(f"{path}: setting {f.name} must be true or false, not {value!r}")
             continue
-        if f.name in ("window_mode", "kv_type", "swa_cache", "speculative", "servers"):
+        if f.name in (
+            "window_mode",
+            "kv_type",
+            "swa_cache",
+            "speculative",
+            "draft_model",
+            "servers",
+        ):
             continue
         if not isinstance(value, int | float) or isinstance(value, bool) or value < 0:
             raise UsageError(

@@ -13,13 +13,15 @@ import numpy as np
 import pytest
 
 from localchat.backends.base import Sampling
-from localchat.backends.llama.drafting import (
+from localchat.backends.llama.draft_policy import (
+    DEEP,
     DEEP_MATCH,
+    SHALLOW,
     Draft,
     DraftPolicy,
     expected_tokens,
-    lookup_draft,
 )
+from localchat.backends.llama.drafting import lookup_draft
 from localchat.backends.llama.engine import KV_TYPES, Engine, LoadOptions
 from localchat.backends.llama.generation import Generation
 from localchat.bench.spec import COPY_PROMPT, SOURCE
@@ -102,24 +104,24 @@ def test_the_policy_drafts_only_where_the_expected_gain_beats_a_plain_step() -> 
     for n_tokens, seconds in ((1, 0.010), (2, 0.0175), (3, 0.022), (5, 0.032)):
         cpu.record_step(n_tokens, seconds)
     assert cpu.cost(4) == pytest.approx(2.7)  # between measured sizes
-    cpu.acceptance[True] = 0.3  # prose: drafts fail
+    cpu.acceptance[DEEP] = 0.3  # prose: drafts fail
     assert cpu.draft_length(draft) == 0
-    cpu.acceptance[True] = 0.95  # a copy: long drafts pay even on 2 cores
+    cpu.acceptance[DEEP] = 0.95  # a copy: long drafts pay even on 2 cores
     assert cpu.draft_length(draft) >= 4
     assert cpu.draft_length(Draft([1, 2], DEEP_MATCH)) == 2  # never more than was drafted
     gpu = DraftPolicy()
     for n_tokens in range(1, 10):
         gpu.record_step(n_tokens, 0.010 + 0.0005 * n_tokens)  # nearly flat
-    gpu.acceptance[False] = 0.5
+    gpu.acceptance[SHALLOW] = 0.5
     assert gpu.draft_length(Draft(list(range(8)), depth=3)) >= 2
     # Verifications teach each kind of match its acceptance; idle steps bring it back.
     policy = DraftPolicy()
     for _ in range(10):
-        policy.record_verification(False, 4, 0)
-    assert policy.acceptance[False] < 0.05 and policy.acceptance[True] > 0.8
+        policy.record_verification(SHALLOW, 4, 0)
+    assert policy.acceptance[SHALLOW] < 0.05 and policy.acceptance[DEEP] > 0.8
     for _ in range(100):
         policy.idle_step()
-    assert policy.acceptance[False] > 0.55
+    assert policy.acceptance[SHALLOW] > 0.55
 
 
 def test_an_unknown_mode_is_one_clear_line(tiny_model: Path) -> None:
@@ -298,7 +300,9 @@ def test_ask_reports_drafts_and_off_turns_them_off(
     assert _ask_json(capsys, *common)["stats"]["drafted_tokens"] == 0
     app_paths().settings_file.write_text('speculative = "fast"\n')
     assert main(["ask", "hi", "--model-path", str(smollm2)]) == 2
-    assert "speculative must be one of auto, off, ngram, not 'fast'" in capsys.readouterr().err
+    assert (
+        "speculative must be one of auto, off, ngram, draft, not 'fast'" in capsys.readouterr().err
+    )
 
 
 async def test_the_panel_shows_how_many_drafts_were_accepted(

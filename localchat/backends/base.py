@@ -28,9 +28,10 @@ class Sampling:
     seed: int = 0
 
 
-# Speculative decoding (backends/llama/drafting.py): "auto" drafts where replies stay exactly
-# what they would be without it, "ngram" drafts anyway, "off" never.
-SPECULATIVE_MODES = ("auto", "off", "ngram")
+# Speculative decoding (backends/llama/drafting.py): "auto" drafts (by prompt lookup, and with
+# a draft model if one is given) where replies stay exactly what they would be without it;
+# "ngram" (prompt lookup only) and "draft" (the draft model only) draft anyway; "off" never.
+SPECULATIVE_MODES = ("auto", "off", "ngram", "draft")
 
 
 @dataclass

@@ -80,6 +80,8 @@ TARGETS: dict[str, tuple[str, float]] = {
     "spec_copy_of_ceiling": (">=", 0.8),
     "spec_prose_ratio": (">=", 0.95),
     "spec_replies_identical": (">=", 1),
+    "spec_draft_failing_ratio": (">=", 0.95),
+    "spec_draft_failing_identical": (">=", 1),
 }
 
 

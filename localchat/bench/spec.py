@@ -9,6 +9,11 @@ F16 cache a single token past 512 cells takes another kernel path, and ``auto`` 
 draft). The ceiling is what the measured acceptance and step costs allow: the reply's tokens
 over what its steps cost in single steps (plain steps, and verifications at the measured
 cost of a step of the mean draft length plus one).
+
+Draft models: a generated 1B-shaped model with its 0.5B-shaped sibling as the draft (the same
+vocabulary, random weights: drafts that fail or are never sure), tokens/s over the same
+model without: ``spec_draft_failing_ratio``, what a draft model that does not help costs
+(the engine must soon stop asking it), the same greedy text required.
 """
 
 from __future__ import annotations
@@ -30,6 +35,9 @@ SPEC_TOKENS = 320  # the copy: the whole file (~230 tokens) and what follows it
 PROSE_TOKENS = 160
 COPY_ROUNDS = 3
 PROSE_ROUNDS = 5
+DRAFT_TOKENS = 64
+DRAFT_ROUNDS = 3
+DRAFT_SHAPES = ("1b", "0.5b")  # the model, its draft (the same generated vocabulary)
 SOURCE = '''import csv
 from pathlib import Path
 
@@ -140,7 +148,7 @@ def bench_spec(model_path: Path, progress: Progress = None) -> dict[str, Any]:
         drafting.close()
     speedup = statistics.median(copy)
     ceiling, mean_draft = _ceiling(copy_stats, costs)
-    return {
+    return _draft_model_figures(progress) | {
         "spec_model": starter.path.name,
         "spec_kv_type": SPEC_KV,
         "spec_copy_speedup": round(speedup, 3),
@@ -154,6 +162,40 @@ def bench_spec(model_path: Path, progress: Progress = None) -> dict[str, Any]:
         "spec_step_costs": {n: round(c, 3) for n, c in costs.items()},
         "spec_prose_ratio": round(statistics.median(prose), 3),
         "spec_replies_identical": copy_same and prose_same,
+    }
+
+
+def _draft_model_figures(progress: Progress) -> dict[str, Any]:
+    """A draft model whose drafts fail: generation with it over without, same text."""
+    from localchat.backends.llama.engine import Engine, LoadOptions
+    from localchat.models.demo import ensure_demo_model
+    from localchat.paths import app_paths
+
+    big, small = (ensure_demo_model(app_paths().demo_models_dir, s, "Q4_K_M") for s in DRAFT_SHAPES)
+    _say(progress, f"spec: {big.name} with {small.name} drafting (random weights)")
+
+    def load(draft: Path | None) -> Engine:
+        options = LoadOptions(
+            n_ctx=2048,
+            n_threads=physical_cores(),
+            kv_type=SPEC_KV,
+            speculative="draft" if draft else "off",
+            draft_model=draft,
+        )
+        return Engine(big, options)
+
+    plain, drafting = load(None), load(small)
+    try:
+        ratios, stats, same = _compare(
+            plain, drafting, PROSE_PROMPT, DRAFT_ROUNDS, DRAFT_TOKENS, "draft model", progress
+        )
+    finally:
+        plain.close()
+        drafting.close()
+    return {
+        "spec_draft_failing_ratio": round(statistics.median(ratios), 3),
+        "spec_draft_failing_drafted": stats.drafted_tokens,
+        "spec_draft_failing_identical": same,
     }
 
 

@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from localchat.session import OneOffTurn, Session
 
 # The flags that say how a local model runs: a server decides that itself.
-LOCAL_ONLY_FLAGS = ("model_path", "template", "kv_type", "threads", "speculative")
+LOCAL_ONLY_FLAGS = ("model_path", "template", "kv_type", "threads", "speculative", "draft_model")
 
 
 def cmd_ask(args: argparse.Namespace, out: TextIO) -> int:
@@ -107,6 +107,8 @@ def _backend(args: argparse.Namespace, session: Session, model_path: Path | None
         n_threads=args.threads,
         kv_type=args.kv_type,
         speculative=args.speculative,
+        draft_model=args.draft_model,
+        warn=lambda line: print(f"localchat: {line}", file=sys.stderr),
         on_this_thread=True,
     )
 

@@ -68,6 +68,7 @@ def cmd_app(args: argparse.Namespace, out: TextIO) -> int:
         template=args.template,
         server=args.server,
         speculative=args.speculative,
+        draft_model=args.draft_model,
     )
 
 

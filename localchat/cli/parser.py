@@ -88,8 +88,15 @@ def _model_flags(parser: argparse.ArgumentParser, default: Any = None) -> None:
         "--speculative",
         choices=SPECULATIVE_MODES,
         default=default,
-        help="speculative decoding by prompt lookup (default: the speculative setting, auto:"
-        " where replies stay exactly the same)",
+        help="speculative decoding: ngram (prompt lookup), draft (the draft model), off, or"
+        " auto: both where replies stay exactly the same (default: the speculative setting)",
+    )
+    parser.add_argument(
+        "--draft-model",
+        metavar="NAME|FILE",
+        default=default,
+        help="a smaller model of the same family that drafts tokens for the big one to verify"
+        " (default: the draft_model setting, else the one the catalog names where it pays)",
     )
 
 

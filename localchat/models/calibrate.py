@@ -21,7 +21,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import psutil
@@ -276,9 +276,13 @@ def calibrate(
             f"this machine's speed could not be measured ({_why_unsettled(taken)}): plans go"
             " by memory for now; `localchat hw --calibrate` measures again"
         )
+    report("what verifying drafts costs")
+    from localchat.backends.llama.tools import batch_extra_cost
+
+    batch_extra = batch_extra_cost(files[REFERENCE], threads) if REFERENCE in files else None
     done = countdown.total
     report("done")
-    return _fit(best, types, files, machine, threads)
+    return replace(_fit(best, types, files, machine, threads), batch_extra=batch_extra)
 
 
 def _why_unsettled(rounds: list[list[Reading]]) -> str:

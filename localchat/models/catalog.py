@@ -44,6 +44,7 @@ class CatalogModel:
     files: tuple[QuantFile, ...]  # in quality order, best first
     source: str
     template: str | None = None  # a built-in chat format or a .jinja file overriding the GGUF's
+    draft: str | None = None  # a smaller catalog model of the same family that drafts for it
 
     def file_for(self, quant: str) -> QuantFile | None:
         return next((f for f in self.files if f.quant == quant), None)
@@ -111,9 +112,13 @@ def _parse_model(path: Path, index: int, raw: Any) -> CatalogModel:
             raise _fail(path, entry, "template", "must be a format name or a .jinja file")
         if template not in BUILTIN:
             template = str((path.parent / template).expanduser())  # relative to the catalog
+    draft = raw.get("draft")
+    if draft is not None and (not isinstance(draft, str) or not draft.strip()):
+        raise _fail(path, entry, "draft", "must be the name of another catalog model")
     return CatalogModel(
-        raw["name"], raw["repo"], raw["architecture"], dims, tuple(files), str(path), template
-    )
+        raw["name"], raw["repo"], raw["architecture"], dims, tuple(files), str(path), template,
+        draft,
+    )  # fmt: skip
 
 
 def load_catalog_file(path: Path) -> list[CatalogModel]:
@@ -143,6 +148,14 @@ def load_catalog(
     if user_catalog is not None and user_catalog.exists():
         for model in load_catalog_file(user_catalog):
             models[model.name] = model
+    for model in models.values():
+        if model.draft is not None and (model.draft not in models or model.draft == model.name):
+            raise _fail(
+                Path(model.source),
+                model.name,
+                "draft",
+                f"names {model.draft!r}, not another catalog model",
+            )
     return list(models.values())
 
 
@@ -156,6 +169,19 @@ def catalog_template(model_file: Path, user_catalog: Path | None) -> str | None:
     for model in models:
         if model.template and any(f.file == model_file.name for f in model.files):
             return model.template
+    return None
+
+
+def catalog_draft(model_file: Path, user_catalog: Path | None) -> CatalogModel | None:
+    """The draft model the catalog names for this downloaded file's model, if any (a
+    catalog that cannot be read names none here: listing and planning report it)."""
+    try:
+        models = load_catalog(user_catalog)
+    except CatalogError:
+        return None
+    for model in models:
+        if model.draft and any(f.file == model_file.name for f in model.files):
+            return find_model(models, model.draft)
     return None
 
 

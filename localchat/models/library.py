@@ -18,6 +18,7 @@ from localchat.errors import ModelFileError, UsageError
 from localchat.gguf.estimate import LayerWeights, ModelDims
 from localchat.gguf.info import is_later_split_part, is_projector, read_gguf
 from localchat.models.catalog import CatalogModel, find_model, load_catalog
+from localchat.models.draft_plan import DraftPlan, plan_draft
 from localchat.models.external_models import ExternalModel, discover
 from localchat.models.hardware import Hardware, repacked_weight_types
 from localchat.models.hub import (
@@ -283,6 +284,39 @@ class Library:
         return Downloader(self.cache).pull(
             projector.repo, projector.filename, on_progress=on_progress, cancel=cancel
         )
+
+    def draft_path(self, text: str) -> Path:
+        """The draft model asked for by name or file: a file, or any downloaded quant of a
+        model (the best; ``name:QUANT`` for one)."""
+        if text.endswith(".gguf") or Path(text).expanduser().is_file():
+            return Path(text).expanduser()
+        request = self.request(text)
+        spec = request.spec
+        if spec is None or spec.quant:  # a file added by hand or a quant named
+            found = self.path_of(request)
+        else:
+            found = self._downloaded_of(spec.repo, spec.catalog)
+        if found is None:
+            raise UsageError(
+                f"draft model {text} is not downloaded; `localchat pull {text}` fetches it"
+            )
+        return found
+
+    def draft_plan(
+        self, target: Path, draft: CatalogModel, n_ctx: int, kv_type: str
+    ) -> DraftPlan | None:
+        """The catalog's ``draft`` for ``target``, where a file of it is downloaded: whether
+        it fits beside it and pays here."""
+        path = self._downloaded_of(draft.repo, draft)
+        if path is None:
+            return None
+        return plan_draft(target, path, self.hardware, n_ctx, kv_type, self.speed)
+
+    def _downloaded_of(self, repo: str, entry: CatalogModel | None) -> Path | None:
+        """A downloaded file of ``repo``: the catalog's best quant where it names them."""
+        on_disk = {name: path for r, name, path in self.cache.downloaded() if r == repo}
+        ranked = [f.file for f in entry.files] if entry is not None else sorted(on_disk)
+        return next((on_disk[name] for name in ranked if name in on_disk), None)
 
     def path_of(self, request: ModelRequest) -> Path | None:
         """The downloaded (or added) file for a model asked for, if it is on disk."""

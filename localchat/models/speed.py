@@ -97,6 +97,9 @@ class SpeedModel:
     threads: int
     measured: dict[str, dict[str, float]] = field(default_factory=dict)  # file -> tok/s seen
     version: int = SPEED_FILE_VERSION
+    # Each token past the first in a step of a few (a draft's verification) costs this
+    # many single-token steps here; None: not measured (a calibration saved before it was).
+    batch_extra: float | None = None
 
     @staticmethod
     def cost_key(table: Mapping[str, float], weight_type: str) -> str:

@@ -81,14 +81,17 @@ class LocalChatApp(ReportsWorkerFailures, App[int]):
         template: str | None = None,
         server: str | None = None,
         speculative: str | None = None,
+        draft_model: str | None = None,
     ) -> None:
         """``server``: chat through this OpenAI-compatible server (URL or settings name);
-        ``model_name`` is then one of its models. ``speculative``: the setting unless given."""
+        ``model_name`` is then one of its models. ``speculative``, ``draft_model``: the
+        settings unless given."""
         super().__init__()
         self.server = server
         self.model_path = model_path
         self.template = template
         self.speculative = speculative  # None: the setting
+        self.draft_model = draft_model  # None: the setting
         self.model_name = model_name
         self.demo = demo
         self.n_ctx = n_ctx
@@ -241,7 +244,12 @@ class LocalChatApp(ReportsWorkerFailures, App[int]):
         start = time.perf_counter()
         try:
             engine = self.session.load_model(
-                path, self.n_ctx, self.template, speculative=self.speculative
+                path,
+                self.n_ctx,
+                self.template,
+                speculative=self.speculative,
+                draft_model=self.draft_model,
+                warn=lambda text: self.post_message(StartupWarning(text)),
             )
         except (LocalchatError, OSError) as exc:  # a broken catalog, an unreadable file
             self.post_message(ModelLoadFailed(one_line(exc)))
@@ -437,6 +445,7 @@ def run_app(
     template: str | None = None,
     server: str | None = None,
     speculative: str | None = None,
+    draft_model: str | None = None,
 ) -> int:
     app = LocalChatApp(
         model_path,
@@ -447,6 +456,7 @@ def run_app(
         template=template,
         server=server,
         speculative=speculative,
+        draft_model=draft_model,
     )
     _exit_on_signals(app)
     app.run()

@@ -1,9 +1,12 @@
-"""Speculative decoding by prompt lookup: draft the tokens that followed the latest earlier
-occurrence of the context's last few tokens, and let one llama.cpp decode verify them.
+"""Speculative decoding: draft the next tokens cheaply, and let one llama.cpp decode of
+the big model verify them.
 
+Two sources of drafts. Prompt lookup: the tokens that followed the latest earlier occurrence
+of the context's last few tokens (free; right where a reply repeats its context: a file
+returned with a change, a quote, code fixed in place). A draft model: a small model of the
+same family writing ahead greedily (``draft_model.py``; a few small steps per big one).
 Generation reads every weight once per step, so a step of several tokens costs less than
-that many steps; where a reply repeats its context (a file returned with a change, a quote,
-code fixed in place) the drafts are right and tokens/s rises with the same output. The
+that many steps; where drafts are right tokens/s rises with the same output. The
 verification is llama-cpp-python's own ``Llama.generate`` loop with a draft model (it
 samples each position, keeps the drafts while they agree with what was sampled, and removes
 the rejected cells); ``RecordingLlama`` evaluates the draft batch with every position's
@@ -11,54 +14,28 @@ logits, so nothing keeps ``logits_all``'s n_ctx x n_vocab floats.
 
 Whether a draft pays depends on the machine: on 2 CPU cores a decode of 3 tokens costs
 ~2.2 single steps, on a GPU barely more than one. ``DraftPolicy`` measures both sides as it
-goes — the cost of each step size and how many drafted tokens are accepted — and drafts only
-the length whose expected tokens per step beat a plain step's.
+goes — the cost of each step size (and of a draft model's step) and how many drafted tokens
+are accepted from each source — and drafts only the length whose expected tokens per unit of
+cost beat a plain step's.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import numpy.typing as npt
 from llama_cpp.llama_speculative import LlamaDraftModel
 
+from localchat.backends.llama.draft_policy import DEEP_MATCH, MODEL, Draft, DraftPolicy
 from localchat.chat.prompt import common_prefix
 
 if TYPE_CHECKING:
+    from localchat.backends.llama.draft_model import DraftModel
     from localchat.backends.llama.recording import RecordingLlama
 
 # The n-gram looked up, longest first: two tokens still find most copies, one finds noise.
 NGRAM_SIZES = (4, 3, 2)
-MAX_DRAFT = 8
-# A match this many tokens deep (the context before the n-gram matching too) is a copy in
-# progress; shallower ones are often a phrase that recurs. Each kind keeps its own
-# acceptance: per drafted token, the chance it is accepted, starting from these priors.
-DEEP_MATCH = 8
-PRIOR_ACCEPTANCE = {True: 0.85, False: 0.6}  # deep, shallow
-ACCEPTANCE_WEIGHT = 0.3  # of the newest verification in the running acceptance
-# While not drafting, the acceptance drifts back toward the prior by this share a step, so
-# a turn whose drafts failed tries again now and then (a reply turns from prose to a copy).
-RECOVERY = 0.05
-COST_WEIGHT = 0.3  # of the newest timing in each step size's running cost
-# A step of n tokens, before it is measured, costs this many single steps per extra token
-# (2 CPU cores: 1.75x for 2 tokens, 2.2x for 3, 3.2x for 5; a GPU is nearly flat).
-PRIOR_EXTRA_TOKEN_COST = 0.6
-MIN_GAIN = 1.05  # expected tokens per unit of a single step's cost, to be worth a draft
-
-
-@dataclass(frozen=True)
-class Draft:
-    """Tokens that followed an earlier occurrence of the context's tail, and how deep that
-    occurrence matched (tokens before it equal to the tail's, up to ``DEEP_MATCH``)."""
-
-    tokens: list[int]
-    depth: int = 0
-
-    @property
-    def deep(self) -> bool:
-        return self.depth >= DEEP_MATCH
 
 
 def lookup_draft(context: npt.NDArray[np.intc], limit: int) -> Draft:
@@ -95,94 +72,26 @@ def _match_depth(context: npt.NDArray[np.intc], match_end: int, length: int) -> 
     return int(differs[0]) if len(differs) else span
 
 
-def expected_tokens(acceptance: float, drafted: int) -> float:
-    """Tokens a step yields on average with ``drafted`` drafts, each accepted with this
-    chance while the ones before it were: the accepted run plus the model's own token."""
-    if acceptance >= 1.0:
-        return drafted + 1.0
-    return (1.0 - acceptance ** (drafted + 1)) / (1.0 - acceptance)
+class Drafter(LlamaDraftModel):
+    """The draft model ``Llama.generate`` calls before each step: prompt lookup (``lookup``)
+    and a draft model (``model``), whichever the policy expects more of, cut to what it
+    finds worth verifying and to the reply's remaining length. It counts what it drafted and
+    what was accepted, and tells ``llm`` to evaluate the next batch with every position's
+    logits."""
 
-
-@dataclass
-class DraftPolicy:
-    """How long a draft to verify: measured step costs and acceptance (for deep and shallow
-    matches apart), the best expected tokens per unit of cost, or none where a plain step is
-    as good."""
-
-    max_draft: int = MAX_DRAFT
-    acceptance: dict[bool, float] = field(default_factory=lambda: dict(PRIOR_ACCEPTANCE))
-    step_s: dict[int, float] = field(default_factory=dict)  # tokens in a step -> seconds
-
-    def reset_acceptance(self) -> None:
-        """A new reply: it repeats its context more or less than the last one did."""
-        self.acceptance = dict(PRIOR_ACCEPTANCE)
-
-    def record_step(self, n_tokens: int, seconds: float) -> None:
-        """A generation step of ``n_tokens`` took ``seconds`` (the prompt is not one)."""
-        if not 1 <= n_tokens <= self.max_draft + 1 or seconds <= 0:
-            return
-        before = self.step_s.get(n_tokens)
-        self.step_s[n_tokens] = (
-            seconds if before is None else before + COST_WEIGHT * (seconds - before)
-        )
-
-    def record_verification(self, deep: bool, drafted: int, accepted: int) -> None:
-        """Of ``drafted`` tokens from a deep or a shallow match, the first ``accepted`` were
-        kept."""
-        if drafted <= 0:
-            return
-        # Per token: accepted ones passed; the first rejected failed; later ones were
-        # never tried, so they say nothing.
-        tried = accepted + (1 if accepted < drafted else 0)
-        rate = accepted / tried
-        self.acceptance[deep] += ACCEPTANCE_WEIGHT * (rate - self.acceptance[deep])
-
-    def idle_step(self) -> None:
-        """A step without a draft: the acceptances drift back toward their priors."""
-        for deep, prior in PRIOR_ACCEPTANCE.items():
-            self.acceptance[deep] += RECOVERY * (prior - self.acceptance[deep])
-
-    def cost(self, n_tokens: int) -> float:
-        """A step of ``n_tokens`` in units of a single-token step: measured, else
-        interpolated between measured sizes, else the prior's slope from one token."""
-        single = self.step_s.get(1)
-        if single is None or n_tokens == 1:
-            return 1.0 + PRIOR_EXTRA_TOKEN_COST * (n_tokens - 1)
-        if n_tokens in self.step_s:
-            return self.step_s[n_tokens] / single
-        known = sorted(self.step_s)
-        below = max(n for n in known if n < n_tokens)
-        above = [n for n in known if n > n_tokens]
-        low = self.step_s[below] / single
-        if above:
-            high = self.step_s[above[0]] / single
-            share = (n_tokens - below) / (above[0] - below)
-            return low + share * (high - low)
-        # Past the largest measured: its slope per token, never below half the prior's.
-        slope = (low - 1.0) / (below - 1) if below > 1 else PRIOR_EXTRA_TOKEN_COST
-        return low + max(slope, PRIOR_EXTRA_TOKEN_COST / 2) * (n_tokens - below)
-
-    def draft_length(self, draft: Draft) -> int:
-        """How many of the draft's tokens to verify (0: a plain step pays more)."""
-        acceptance = self.acceptance[draft.deep]
-        best, best_gain = 0, MIN_GAIN
-        for drafted in range(1, min(len(draft.tokens), self.max_draft) + 1):
-            gain = expected_tokens(acceptance, drafted) / self.cost(drafted + 1)
-            if gain > best_gain:
-                best, best_gain = drafted, gain
-        return best
-
-
-class PromptLookupDrafter(LlamaDraftModel):
-    """The draft model ``Llama.generate`` calls before each step: prompt lookup, cut to what
-    the policy finds worth verifying and to the reply's remaining length. It counts what it
-    drafted and what was accepted, and tells ``llm`` to evaluate the next batch with every
-    position's logits."""
-
-    def __init__(self, llm: RecordingLlama, policy: DraftPolicy, end: int) -> None:
+    def __init__(
+        self,
+        llm: RecordingLlama,
+        policy: DraftPolicy,
+        end: int,
+        lookup: bool = True,
+        model: DraftModel | None = None,
+    ) -> None:
         self.llm = llm
         self.policy = policy
         self.end = end  # the context length where the reply must stop (max_tokens)
+        self.lookup = lookup
+        self.model = model
         self.drafted = 0
         self.accepted = 0
         self.steps = 0  # verifications
@@ -191,9 +100,8 @@ class PromptLookupDrafter(LlamaDraftModel):
 
     def __call__(self, input_ids: npt.NDArray[np.intc], /, **kwargs: Any) -> npt.NDArray[np.intc]:
         self._learn(input_ids)
-        room = self.end - len(input_ids)
-        found = lookup_draft(input_ids, min(room, self.policy.max_draft))
-        draft = Draft(found.tokens[: self.policy.draft_length(found)], found.depth)
+        room = min(self.end - len(input_ids), self.policy.max_draft)
+        draft = self._choose(input_ids, room)
         if not draft.tokens:
             self.policy.idle_step()
             self._last = None
@@ -203,6 +111,24 @@ class PromptLookupDrafter(LlamaDraftModel):
         self.steps += 1
         self.llm.verify_next = len(draft.tokens) + 1  # the sampled token and its drafts
         return np.array(draft.tokens, dtype=np.intc)
+
+    def _choose(self, context: npt.NDArray[np.intc], room: int) -> Draft:
+        """The draft worth the most expected tokens per unit of cost: a lookup match (free),
+        or the draft model's greedy run (each token a small step)."""
+        policy = self.policy
+        if self.model is not None and policy.wants_single_step():
+            return Draft([])  # a plain step, timed: what the draft model's cost is counted in
+        found = lookup_draft(context, room) if self.lookup else Draft([])
+        length, gain = policy.best_length(found.kind, len(found.tokens))
+        if self.model is not None and room > 0:
+            step_cost = policy.model_step_cost(self.model.step_s)
+            model_length, model_gain = policy.best_length(MODEL, room, step_cost)
+            if model_length and model_gain > gain:
+                tokens = self.model.draft(context, model_length)
+                if not tokens:  # unsure of its first token: a draft that failed, for the policy
+                    policy.record_verification(MODEL, 1, 0)
+                return Draft(tokens, from_model=True)
+        return Draft(found.tokens[:length], found.depth)
 
     def speedup(self, gen_tps: float) -> float | None:
         """``gen_tps`` against what single steps would have given at their measured cost
@@ -234,5 +160,5 @@ class PromptLookupDrafter(LlamaDraftModel):
             self.drafted -= len(draft.tokens) - len(kept)  # the rest was never tried
             draft = Draft(draft.tokens[: len(kept)], draft.depth)
         self.accepted += accepted
-        self.policy.record_verification(draft.deep, len(draft.tokens), accepted)
+        self.policy.record_verification(draft.kind, len(draft.tokens), accepted)
         self._last = None

@@ -19,7 +19,8 @@ import llama_cpp
 from localchat.backends.base import SPECULATIVE_MODES, BackendView, CacheView, Sampling
 from localchat.backends.llama.buffers import parse_buffers
 from localchat.backends.llama.cache import KVCache
-from localchat.backends.llama.drafting import DraftPolicy, PromptLookupDrafter
+from localchat.backends.llama.draft_model import DraftModel
+from localchat.backends.llama.drafting import Drafter, DraftPolicy
 from localchat.backends.llama.generation import Generation
 from localchat.backends.llama.recording import RecordingLlama
 from localchat.backends.llama.runtime import (
@@ -40,7 +41,7 @@ from localchat.chat.formats import (
 from localchat.chat.prompt import PromptBuilder
 from localchat.chat.template import ChatMessage, ChatTemplate
 from localchat.cpu import physical_cores
-from localchat.errors import ModelFileError, ModelLoadError, UsageError
+from localchat.errors import LocalchatError, ModelFileError, ModelLoadError, UsageError
 from localchat.gguf.estimate import ModelDims, kv_bytes_per_token, preferred_flash_attn
 from localchat.gguf.info import file_fingerprint, read_gguf
 from localchat.gguf.quants import SWA_CACHE_MODES
@@ -74,10 +75,16 @@ class LoadOptions:
     swa_cache: str = "window"  # sliding-window layers: "window" (their window) or "full"
     flash_attn: bool | None = None  # None: where it costs nothing (``preferred_flash_attn``)
     n_ubatch: int = 512  # the micro-batch: the compute buffer grows with it
-    # Speculative decoding by prompt lookup (drafting.py): "auto" drafts where a batch's
-    # logits equal single steps' (``Engine.batch_invariant``), so replies stay exactly the
-    # same; "ngram" drafts anyway (accepting llama.cpp's batch rounding); "off" never.
+    # Speculative decoding (drafting.py): "auto" drafts by prompt lookup and with the draft
+    # model, if one is given, where a batch's logits equal single steps'
+    # (``Engine.batch_invariant``), so replies stay exactly the same; "ngram" (prompt
+    # lookup) and "draft" (the draft model) draft anyway, accepting llama.cpp's batch
+    # rounding; "off" never.
     speculative: str = "auto"
+    draft_model: Path | None = None  # a smaller model of the same family (draft_model.py)
+    # False: a draft model that cannot draft for this one (another vocabulary, a file
+    # llama.cpp refuses) is left out with the reason in ``draft_model_unused``, not an error.
+    draft_required: bool = True
 
 
 class Engine(KVCache):
@@ -125,10 +132,16 @@ class Engine(KVCache):
         self.batch_invariant = (
             self.flash_attn and self.options.kv_type != "f16" and not self.options.n_gpu_layers
         )
-        self.drafting = self.options.speculative == "ngram" or (
-            self.options.speculative == "auto" and self.batch_invariant
-        )
+        mode = self.options.speculative
+        if mode == "draft" and self.options.draft_model is None:
+            raise UsageError(
+                "speculative mode 'draft' needs a draft model: give --draft-model NAME|FILE"
+                " (a smaller model of the same family)"
+            )
+        self.drafting = mode in ("ngram", "draft") or (mode == "auto" and self.batch_invariant)
         self._draft_policy = DraftPolicy()
+        self.draft_model: DraftModel | None = None
+        self._draft_refused: str | None = None  # why an optional draft model was left out
         if self.options.swa_cache not in SWA_CACHE_MODES:
             raise UsageError(
                 f"unknown swa_cache {self.options.swa_cache!r}; choose one of"
@@ -190,7 +203,36 @@ class Engine(KVCache):
             self.close()
             raise type(exc)(f"{self.model_path}: {exc}") from None  # a runaway stays one
         self.template.model = str(self.model_path)  # a turn's runaway names the file too
+        if self.drafting and mode in ("auto", "draft") and self.options.draft_model:
+            try:  # after the buffers were read from the log: the draft's would join them
+                self.draft_model = DraftModel(self.options.draft_model, self._llm, n_ctx, threads)
+            except LocalchatError as exc:
+                if self.options.draft_required:
+                    self.close()
+                    raise
+                self._draft_refused = str(exc)
         self._warm_up()
+
+    @property
+    def draft_model_unused(self) -> str | None:
+        """Why a draft model that was given does not draft, in one line (None: it drafts,
+        or none was given)."""
+        given = self.options.draft_model
+        if given is None or self.draft_model is not None:
+            return None
+        if self._draft_refused is not None:
+            return f"the draft model is not used: {self._draft_refused}"
+        mode = self.options.speculative
+        if mode == "auto" and not self.batch_invariant:
+            why = (
+                "drafts verified in batches could change replies with this KV cache (a q8_0"
+                " cache keeps them exact); --speculative draft uses it anyway"
+            )
+        elif mode in ("auto", "draft"):
+            why = "this model's state cannot drop rejected drafts"
+        else:
+            why = f"speculative is {mode!r}"
+        return f"the draft model {given.name} is not used: {why}"
 
     def _warm_up(self) -> None:
         """One throwaway decode at load, as llama.cpp's own tools do: it faults in the mapped
@@ -378,6 +420,8 @@ class Engine(KVCache):
             f" ctx {self.n_ctx}\nGPU layers {self.options.n_gpu_layers}"
             f"\ntemplate: {self.template.name}" + (f"\n{buffers}" if buffers else "")
         )
+        if self.draft_model is not None:
+            panel += f"\ndraft model: {self.draft_model.name}"
         title = f"{self.info.name} · {self.info.file_type}"
         return BackendView(title, panel, self.model_name, self.template.name, None)
 
@@ -416,14 +460,15 @@ class Engine(KVCache):
         room = self.n_ctx - len(tokens)
         return Generation(self, tokens, sampling or Sampling(), min(max_tokens, room), cancel)
 
-    def drafter(self, end: int) -> PromptLookupDrafter | None:
+    def drafter(self, end: int) -> Drafter | None:
         """The draft model for a generation that must stop at context length ``end``, where
         this engine drafts (the step costs it measured carry over; the acceptance starts
         from its prior, as each reply repeats its context more or less)."""
         if not self.drafting:
             return None
         self._draft_policy.reset_acceptance()
-        return PromptLookupDrafter(self._llm, self._draft_policy, end)
+        lookup = self.options.speculative != "draft"
+        return Drafter(self._llm, self._draft_policy, end, lookup, self.draft_model)
 
     def step_costs(self) -> dict[int, float]:
         """What a generation step of n tokens costs here, in single steps, for every size a
@@ -434,4 +479,6 @@ class Engine(KVCache):
 
     def close(self) -> None:
         with contextlib.suppress(Exception):
+            if self.draft_model is not None:
+                self.draft_model.close()
             self._llm.close()

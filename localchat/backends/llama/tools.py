@@ -88,6 +88,35 @@ def bare_generation_benchmark(
     }
 
 
+def batch_extra_cost(model_path: Path, threads: int, size: int = 4, repeats: int = 6) -> float:
+    """What each token past the first costs in a step of ``size`` tokens with every
+    position's logits (a draft's verification), in single-token steps: the best of
+    ``repeats`` of each, taken in turns after a short prompt so both see the same cache."""
+    prepare()
+    llm = llama_cpp.Llama(
+        model_path=str(model_path),
+        n_ctx=256,
+        n_batch=256,
+        n_threads=threads,
+        n_threads_batch=threads,
+        verbose=False,
+    )
+    try:
+        prompt = synthetic_prompt(llm.token_bos(), int(llm.n_vocab()), 64 + size)
+        llm.eval(prompt[:64])
+        best = {1: float("inf"), size: float("inf")}
+        for _ in range(repeats):
+            for n_tokens in best:
+                llm._ctx.kv_cache_seq_rm(-1, 64, -1)
+                llm._batch.set_batch(batch=prompt[64 : 64 + n_tokens], n_past=64, logits_all=True)
+                started = time.perf_counter()
+                llm._ctx.decode(llm._batch)
+                best[n_tokens] = min(best[n_tokens], time.perf_counter() - started)
+    finally:
+        llm.close()
+    return max(0.0, (best[size] / best[1] - 1.0) / (size - 1))
+
+
 def synthetic_prompt(bos: int, n_vocab: int, length: int) -> list[int]:
     """A fixed, reproducible prompt of ``length`` ordinary tokens (ids past the specials)."""
     first_normal = 300

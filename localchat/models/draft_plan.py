@@ -1,0 +1,101 @@
+"""Whether a draft model pays for a model on this machine, and whether both fit.
+
+A draft model (a smaller one of the same family) writes a few tokens ahead and the big one
+verifies them in one step. What that gains is arithmetic over this machine's calibration:
+the big model's and the draft's generation speeds (the draft's steps cost time), what each
+extra token in a step costs (``SpeedModel.batch_extra``, measured; flat on GPUs, steep on
+2 CPU cores) and how often a same-family draft is right (a prior: the engine measures the
+real rate as it goes and stops drafting where it does not pay). Memory: the draft's weights,
+its own cache (``DRAFT_CTX`` at most) and compute buffer come on top of the big model's plan.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from localchat.backends.llama.draft_policy import (
+    DRAFT_CTX,
+    MAX_DRAFT,
+    MODEL,
+    PRIOR_EXTRA_TOKEN_COST,
+    DraftPolicy,
+)
+from localchat.gguf.estimate import LayerWeights, ModelDims, estimate_memory, kv_bytes_per_token
+from localchat.gguf.info import GGUFInfo, read_gguf
+from localchat.models.hardware import Hardware, repacked_weight_types
+from localchat.models.planner import PREDICT_FILL
+from localchat.models.speed import SpeedModel, SpeedPrediction, TokenWork
+from localchat.units import format_bytes
+
+# A draft is worth loading only where it is predicted to beat plain steps by this much: the
+# prediction's acceptance is a prior, and a draft costs memory and load time.
+MIN_PREDICTED_GAIN = 1.1
+
+
+@dataclass(frozen=True)
+class DraftPlan:
+    """A draft model for a model: whether it fits beside it, the speed-up predicted (None
+    without a calibration) and why, in words."""
+
+    path: Path
+    fits: bool
+    gain: float | None
+    draft_length: int  # the draft length the prediction is best at (0: none pays)
+    ram_bytes: int  # what the draft adds: weights, its cache, its compute buffer
+    explanation: str
+
+    @property
+    def pays(self) -> bool:
+        return self.fits and self.gain is not None and self.gain >= MIN_PREDICTED_GAIN
+
+
+def predicted_gain(
+    target: SpeedPrediction, draft: SpeedPrediction, batch_extra: float | None
+) -> tuple[int, float]:
+    """(draft length, tokens/s with drafts over without) for a draft model whose tokens the
+    big model keeps at the policy's prior rate."""
+    extra = PRIOR_EXTRA_TOKEN_COST if batch_extra is None else batch_extra
+    policy = DraftPolicy()
+    # Step costs in single steps, linear in the tokens a step verifies.
+    policy.step_s = {n: 1.0 + (n - 1) * extra for n in (1, 2, MAX_DRAFT + 1)}
+    length, gain = policy.best_length(MODEL, MAX_DRAFT, target.gen_tps / draft.gen_tps)
+    return (length, gain) if length else (0, 1.0)
+
+
+def plan_draft(
+    target_path: Path,
+    draft_path: Path,
+    hardware: Hardware,
+    n_ctx: int,
+    kv_type: str,
+    speed: SpeedModel | None,
+) -> DraftPlan:
+    """The draft at ``draft_path`` for the model at ``target_path`` run at ``n_ctx`` with a
+    ``kv_type`` cache (on the CPU): does it fit beside it, and does it pay."""
+    target, draft = read_gguf(target_path), read_gguf(draft_path)
+    target_needs = _ram_required(target, n_ctx, kv_type)
+    needs = _ram_required(draft, min(n_ctx, DRAFT_CTX), "f16")
+    free = hardware.ram_available_bytes - target_needs
+    fits = needs <= free
+    room = f"needs {format_bytes(needs)} more, {format_bytes(max(0, free))} left"
+    if speed is None:
+        return DraftPlan(draft_path, fits, None, 0, needs, f"{room}; no speed calibration")
+    length, gain = predicted_gain(
+        _predict(speed, target, kv_type), _predict(speed, draft, "f16"), speed.batch_extra
+    )
+    verdict = f"~x{gain:.2f} predicted, drafts of {length}" if length else "predicted no gain"
+    return DraftPlan(draft_path, fits, gain, length, needs, f"{verdict}; {room}")
+
+
+def _ram_required(info: GGUFInfo, n_ctx: int, kv_type: str) -> int:
+    weights = LayerWeights.from_gguf(info, repacked_weight_types())
+    return estimate_memory(ModelDims.from_gguf(info), weights, n_ctx, kv_type).ram_required
+
+
+def _predict(speed: SpeedModel, info: GGUFInfo, kv_type: str) -> SpeedPrediction:
+    work = TokenWork.of(info)
+    kv = kv_bytes_per_token(ModelDims.from_gguf(info), kv_type)
+    prediction = speed.predict(work.gen, kv, PREDICT_FILL, prompt_work=work.prompt)
+    assert prediction is not None  # None only for GPU layers of unknown bandwidth
+    return prediction
