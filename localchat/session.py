@@ -29,10 +29,11 @@ from localchat.errors import LocalchatError, UsageError
 from localchat.models.calibrate import speed_model_or_none
 from localchat.models.catalog import catalog_draft, catalog_template
 from localchat.models.demo import app_demo_path
+from localchat.models.draft_plan import DraftPlan
 from localchat.models.hardware import detect_hardware
 from localchat.models.hub import DownloadCancelled, HubError
 from localchat.models.library import Library, ModelRequest
-from localchat.models.speed import token_work
+from localchat.models.speed import load_speed_model, token_work
 from localchat.models.speed_feedback import TurnSpeed, note_turn
 from localchat.models.starter import STARTER, ensure_starter, starter_on_disk
 from localchat.paths import AppPaths
@@ -304,15 +305,16 @@ class Session:
     ) -> Engine:
         """Load ``path`` on the compute thread with the user's settings (``kv_type``,
         ``speculative``, ``draft_model``: the settings unless given); ``use`` it after.
-        ``warn``: a draft model asked for that does not draft, and why. ``on_this_thread``:
+        ``warn``: a draft model asked for that does not draft, and why (a flag's that cannot
+        be had is an error). ``on_this_thread``:
         load where the model will evaluate (the CLI's main thread), so llama.cpp keeps one
         thread pool."""
         template = template or catalog_template(path, self.paths.user_catalog)
         kv_type = kv_type or self.settings.kv_type
         speculative = speculative or self.settings.speculative
-        asked = draft_model or self.settings.draft_model or None
-        # A draft model the flag names must draft; the setting's is left out (said in one
-        # line) for a model of another family.
+        say = warn or (lambda _line: None)
+        speed = load_speed_model(self.paths.speed_calibration)
+        draft = self._draft_plan(path, draft_model, speculative, n_ctx, kv_type, say)
         options = LoadOptions(
             n_ctx=n_ctx,
             n_threads=n_threads,
@@ -320,30 +322,52 @@ class Session:
             template=template,
             swa_cache=self.settings.swa_cache,
             speculative=speculative,
-            draft_model=self._draft_path(path, asked, speculative, n_ctx, kv_type),
+            draft_model=draft.path if draft else None,
+            # The flag's draft model must draft; the setting's or the catalog's is left out,
+            # said in one line, for a model of another family.
             draft_required=draft_model is not None,
+            step_extra_cost=speed.batch_extra if speed else None,
+            draft_step_cost=draft.step_cost if draft else None,
         )
         engine = Engine(path, options) if on_this_thread else run_compute(Engine, path, options)
         unused = engine.draft_model_unused
-        if asked and unused and warn is not None:
-            warn(unused)
+        if unused and (draft_model or self.settings.draft_model or speculative == "draft"):
+            say(unused)
         return engine
 
-    def _draft_path(
-        self, target: Path, asked: str | None, mode: str, n_ctx: int | None, kv_type: str
-    ) -> Path | None:
-        """The draft model: the one asked for; else, drafting with one, the catalog's for this
-        model where it is downloaded and fits (and, under ``auto``, is predicted to pay)."""
-        if asked:
-            return Library(self.paths, detect_hardware()).draft_path(asked)
-        entry = catalog_draft(target, self.paths.user_catalog)
-        if mode not in ("auto", "draft") or entry is None:  # most models: no catalog draft
+    def _draft_plan(
+        self,
+        target: Path,
+        flag: str | None,
+        mode: str,
+        n_ctx: int | None,
+        kv_type: str,
+        say: Callable[[str], object],
+    ) -> DraftPlan | None:
+        """The draft model and what the calibration says of it: the one the flag or the
+        setting names; else, drafting with one, the catalog's for this model where it is
+        downloaded and fits (and, under ``auto``, is predicted to pay)."""
+        asked = flag or self.settings.draft_model or None
+        if mode in ("off", "ngram"):
+            if flag:
+                say(f"the draft model {flag} is not used: speculative is {mode!r}")
             return None
         library = Library(self.paths, detect_hardware())
-        plan = library.draft_plan(target, entry, n_ctx or ENGINE_DEFAULT_CTX, kv_type)
+        ctx = n_ctx or ENGINE_DEFAULT_CTX
+        if asked:
+            try:
+                found = library.draft_path(asked)
+            except UsageError as exc:
+                if flag:
+                    raise
+                say(f"{exc} (the draft_model setting)")  # the model still loads
+                return None
+            return library.plan_for_draft(target, found, ctx, kv_type)
+        entry = catalog_draft(target, self.paths.user_catalog)
+        plan = library.draft_plan(target, entry, ctx, kv_type) if entry is not None else None
         if plan is None or not plan.fits or (mode == "auto" and not plan.pays):
             return None
-        return plan.path
+        return plan
 
     def count_tokens(self, text: str) -> int:
         """Tokens ``text`` takes with the backend in use: a local model's tokenizer on the

@@ -6,6 +6,10 @@ the first start's wait; its readings are the idle machine's), and again with two
 processes beside it. The busy one must either refuse to settle (nothing would be saved) or predict every
 calibration file's generation speed within ``calibration_busy_error`` of the idle one:
 ``calibration_busy_ok`` is 1 when either holds.
+
+The idle calibration, where it settled, is saved as this machine's (the plan part, which runs
+next, predicts from it): a virtual machine's speed drifts over hours, and a prediction from a
+calibration taken long before says more about that drift than about the speed model.
 """
 
 from __future__ import annotations
@@ -24,8 +28,10 @@ from localchat.models.calibrate import (
     CalibrationUnsettled,
     calibrate,
     calibration_files,
+    keep_calibration,
 )
 from localchat.models.speed import SpeedModel, machine_name, token_work
+from localchat.paths import app_paths
 
 HOGS = 2
 # The busy calibration's rounds: two hogs on two cores keep most rounds from counting, and a
@@ -68,8 +74,11 @@ def bench_calibrate(model_path: Path, progress: Callable[[str], None] | None) ->
         if isinstance(first, str):  # an idle machine that did not settle: say why
             result["calibration_idle_unsettled"] = first
             return result
+        keep_calibration(app_paths(), first)  # the plan part predicts from it
         calm = _predicted(first, files)
         result["calibration_idle_gen_tps"] = {q: round(v, 1) for q, v in calm.items()}
+        # What each token past the first in a step of a few costs (a draft's verification).
+        result["calibration_batch_extra"] = first.batch_extra
         if isinstance(busy, str):
             result["calibration_busy_ok"] = 1
             return result

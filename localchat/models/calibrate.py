@@ -348,9 +348,14 @@ def speed_model(
         if saved is not None:
             return saved
     model = calibrate(paths.demo_models_dir, machine_name(), progress, skip=skip, step=step)
-    model.save(paths.speed_calibration)
-    paths.turn_speeds.unlink(missing_ok=True)  # turns are counted against the new figures
+    keep_calibration(paths, model)
     return model
+
+
+def keep_calibration(paths: AppPaths, model: SpeedModel) -> None:
+    """Save ``model`` as this machine's calibration; turns are counted against it anew."""
+    model.save(paths.speed_calibration)
+    paths.turn_speeds.unlink(missing_ok=True)
 
 
 def speed_model_or_none(

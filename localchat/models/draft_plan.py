@@ -44,6 +44,7 @@ class DraftPlan:
     draft_length: int  # the draft length the prediction is best at (0: none pays)
     ram_bytes: int  # what the draft adds: weights, its cache, its compute buffer
     explanation: str
+    step_cost: float | None = None  # a draft step in the model's steps (predicted)
 
     @property
     def pays(self) -> bool:
@@ -81,11 +82,11 @@ def plan_draft(
     room = f"needs {format_bytes(needs)} more, {format_bytes(max(0, free))} left"
     if speed is None:
         return DraftPlan(draft_path, fits, None, 0, needs, f"{room}; no speed calibration")
-    length, gain = predicted_gain(
-        _predict(speed, target, kv_type), _predict(speed, draft, "f16"), speed.batch_extra
-    )
+    ours, theirs = _predict(speed, target, kv_type), _predict(speed, draft, "f16")
+    length, gain = predicted_gain(ours, theirs, speed.batch_extra)
     verdict = f"~x{gain:.2f} predicted, drafts of {length}" if length else "predicted no gain"
-    return DraftPlan(draft_path, fits, gain, length, needs, f"{verdict}; {room}")
+    step_cost = ours.gen_tps / theirs.gen_tps
+    return DraftPlan(draft_path, fits, gain, length, needs, f"{verdict}; {room}", step_cost)
 
 
 def _ram_required(info: GGUFInfo, n_ctx: int, kv_type: str) -> int:

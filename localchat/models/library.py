@@ -17,6 +17,7 @@ from localchat.atomic import write_atomic
 from localchat.errors import ModelFileError, UsageError
 from localchat.gguf.estimate import LayerWeights, ModelDims
 from localchat.gguf.info import is_later_split_part, is_projector, read_gguf
+from localchat.gguf.quants import is_good_enough
 from localchat.models.catalog import CatalogModel, find_model, load_catalog
 from localchat.models.draft_plan import DraftPlan, plan_draft
 from localchat.models.external_models import ExternalModel, discover
@@ -295,7 +296,7 @@ class Library:
         if spec is None or spec.quant:  # a file added by hand or a quant named
             found = self.path_of(request)
         else:
-            found = self._downloaded_of(spec.repo, spec.catalog)
+            found = self._downloaded_of(spec.repo)
         if found is None:
             raise UsageError(
                 f"draft model {text} is not downloaded; `localchat pull {text}` fetches it"
@@ -307,16 +308,31 @@ class Library:
     ) -> DraftPlan | None:
         """The catalog's ``draft`` for ``target``, where a file of it is downloaded: whether
         it fits beside it and pays here."""
-        path = self._downloaded_of(draft.repo, draft)
+        path = self._downloaded_of(draft.repo)
         if path is None:
             return None
-        return plan_draft(target, path, self.hardware, n_ctx, kv_type, self.speed)
+        return self.plan_for_draft(target, path, n_ctx, kv_type)
 
-    def _downloaded_of(self, repo: str, entry: CatalogModel | None) -> Path | None:
-        """A downloaded file of ``repo``: the catalog's best quant where it names them."""
-        on_disk = {name: path for r, name, path in self.cache.downloaded() if r == repo}
-        ranked = [f.file for f in entry.files] if entry is not None else sorted(on_disk)
-        return next((on_disk[name] for name in ranked if name in on_disk), None)
+    def plan_for_draft(self, target: Path, draft: Path, n_ctx: int, kv_type: str) -> DraftPlan:
+        """Whether the draft file at ``draft`` fits beside ``target`` and pays here."""
+        return plan_draft(target, draft, self.hardware, n_ctx, kv_type, self.speed)
+
+    def _downloaded_of(self, repo: str) -> Path | None:
+        """A downloaded model file of ``repo`` to draft with: the fastest (smallest) of the
+        quants that keep quality, else the smallest."""
+        files = [
+            (name, path)
+            for r, name, path in self.cache.downloaded()
+            if r == repo and not is_projector(name) and not is_later_split_part(name)
+        ]
+        if not files:
+            return None
+
+        def rank(item: tuple[str, Path]) -> tuple[bool, int]:
+            quant = quant_of(item[0]) or ""
+            return (not is_good_enough(quant), item[1].stat().st_size)
+
+        return min(files, key=rank)[1]
 
     def path_of(self, request: ModelRequest) -> Path | None:
         """The downloaded (or added) file for a model asked for, if it is on disk."""

@@ -20,6 +20,8 @@ import numpy as np
 import numpy.typing as npt
 
 from localchat.backends.llama.draft_policy import DRAFT_CTX
+from localchat.backends.llama.runtime import last_error_line
+from localchat.chat.prompt import common_prefix
 from localchat.errors import ModelLoadError, UsageError
 
 REBUILD_TOKENS = 256  # what a rebuilt cache holds: the context's last tokens
@@ -75,7 +77,9 @@ class DraftModel:
                 verbose=False,
             )
         except (ValueError, RuntimeError) as exc:
-            raise ModelLoadError(f"{self.path}: llama.cpp could not load the draft model") from exc
+            raise ModelLoadError(
+                f"{self.path}: llama.cpp could not load the draft model: {last_error_line()}"
+            ) from exc
         why = vocabulary_mismatch(target.model, self.llm.model)
         if why is not None:
             self.close()
@@ -84,8 +88,13 @@ class DraftModel:
                 " choose a smaller model of the same family"
             )
         self.n_vocab = int(self.llm.n_vocab())
+        # Ids the big model has: a vocabulary may be padded by up to VOCAB_SIZE_SLACK.
+        self.usable_vocab = min(self.n_vocab, int(target.n_vocab()))
+        # A rebuilt cache holds the context's last tokens, and room to draft after them.
+        self.rebuild_tokens = min(REBUILD_TOKENS, n_ctx // 2)
         self.offset = 0  # the context position of the draft cache's first token
-        self.step_s: float | None = None  # one draft step, measured as it goes
+        self.step_s: float | None = None  # a drafted token's cost, measured as it goes
+        self.calls = 0  # drafts asked for
         self.rebuilds = 0  # times the cache was rebuilt from the context's last tokens
         self.evaluated = 0  # tokens the draft model evaluated, drafts included
 
@@ -95,20 +104,23 @@ class DraftModel:
 
     def draft(self, context: npt.NDArray[np.intc], limit: int) -> list[int]:
         """Up to ``limit`` tokens the small model would write after ``context``, greedily,
-        stopping before one it is unsure of."""
+        stopping before one it is unsure of. What it cost (catching up with the context
+        included) is counted per drafted token in ``step_s``."""
+        started = time.perf_counter()
+        self.calls += 1
         self._follow(context)
         tokens: list[int] = []
         while len(tokens) < limit:
             logits = np.ctypeslib.as_array(self.llm._ctx.get_logits_ith(-1), shape=(self.n_vocab,))
+            logits = logits[: self.usable_vocab]
             best = int(np.argmax(logits))
             if 1.0 / float(np.exp(logits - logits[best]).sum()) < MIN_CONFIDENCE:
                 break
             tokens.append(best)
             if len(tokens) < limit:
-                started = time.perf_counter()
                 self.llm.eval([best])
                 self.evaluated += 1
-                self._record_step(time.perf_counter() - started)
+        self._record_step((time.perf_counter() - started) / max(1, len(tokens)))
         return tokens
 
     def _follow(self, context: npt.NDArray[np.intc]) -> None:
@@ -116,12 +128,12 @@ class DraftModel:
         from the last tokens where that would read more than a rebuild."""
         llm = self.llm
         seen = context[self.offset :] if self.offset < len(context) else context[:0]
-        shared = _common_prefix(llm.input_ids[: llm.n_tokens], seen)
+        shared = common_prefix(llm.input_ids[: llm.n_tokens].tolist(), seen.tolist())
         if self.offset and not shared:  # its window's start is not this context's
             seen = context[:0]
         behind = len(seen) - shared
-        if len(seen) == 0 or behind > REBUILD_TOKENS or len(seen) >= llm.n_ctx() - 16:
-            self.offset = max(0, len(context) - REBUILD_TOKENS)
+        if len(seen) == 0 or behind > self.rebuild_tokens or len(seen) >= llm.n_ctx() - 16:
+            self.offset = max(0, len(context) - self.rebuild_tokens)
             seen, shared = context[self.offset :], 0
             self.rebuilds += 1
         shared = min(shared, len(seen) - 1)  # the last token again: its logits
@@ -135,10 +147,3 @@ class DraftModel:
 
     def close(self) -> None:
         self.llm.close()
-
-
-def _common_prefix(cached: npt.NDArray[np.intc], context: npt.NDArray[np.intc]) -> int:
-    """How many leading tokens the two share (numpy: the context runs to thousands)."""
-    length = min(len(cached), len(context))
-    differ = np.flatnonzero(cached[:length] != context[:length])
-    return int(differ[0]) if len(differ) else length

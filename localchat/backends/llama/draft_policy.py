@@ -73,6 +73,11 @@ class DraftPolicy:
     acceptance: dict[str, float] = field(default_factory=lambda: dict(PRIOR_ACCEPTANCE))
     step_s: dict[int, float] = field(default_factory=dict)  # tokens in a step -> seconds
     steps_since_single: int = 0
+    # Until steps are timed: each extra token's cost in a step (the calibration measures
+    # it: ``SpeedModel.batch_extra``), and a draft model's step in big-model steps (the
+    # calibration's predicted speeds of both).
+    prior_extra: float = PRIOR_EXTRA_TOKEN_COST
+    prior_model_step: float = PRIOR_MODEL_STEP_COST
 
     def reset_acceptance(self) -> None:
         """A new reply: it repeats its context more or less than the last one did."""
@@ -114,7 +119,7 @@ class DraftPolicy:
         interpolated between measured sizes, else the prior's slope from one token."""
         single = self.step_s.get(1)
         if single is None or n_tokens == 1:
-            return 1.0 + PRIOR_EXTRA_TOKEN_COST * (n_tokens - 1)
+            return 1.0 + self.prior_extra * (n_tokens - 1)
         if n_tokens in self.step_s:
             return self.step_s[n_tokens] / single
         known = sorted(self.step_s)
@@ -126,8 +131,8 @@ class DraftPolicy:
             share = (n_tokens - below) / (above[0] - below)
             return low + share * (high - low)
         # Past the largest measured: its slope per token, never below half the prior's.
-        slope = (low - 1.0) / (below - 1) if below > 1 else PRIOR_EXTRA_TOKEN_COST
-        return low + max(slope, PRIOR_EXTRA_TOKEN_COST / 2) * (n_tokens - below)
+        slope = (low - 1.0) / (below - 1) if below > 1 else self.prior_extra
+        return low + max(slope, self.prior_extra / 2) * (n_tokens - below)
 
     def draft_length(self, draft: Draft) -> int:
         """How many of the draft's tokens to verify (0: a plain step pays more)."""
@@ -150,5 +155,5 @@ class DraftPolicy:
         """A draft model's step in big-model steps: measured, else the prior."""
         single = self.step_s.get(1)
         if model_step_s is None or not single:
-            return PRIOR_MODEL_STEP_COST
+            return self.prior_model_step
         return model_step_s / single

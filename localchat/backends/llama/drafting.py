@@ -21,6 +21,7 @@ cost beat a plain step's.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -158,7 +159,7 @@ class Drafter(LlamaDraftModel):
         accepted = common_prefix(kept, draft.tokens)
         if accepted == len(kept) < len(draft.tokens):  # the reply ended inside the draft
             self.drafted -= len(draft.tokens) - len(kept)  # the rest was never tried
-            draft = Draft(draft.tokens[: len(kept)], draft.depth)
+            draft = replace(draft, tokens=draft.tokens[: len(kept)])
         self.accepted += accepted
         self.policy.record_verification(draft.kind, len(draft.tokens), accepted)
         self._last = None

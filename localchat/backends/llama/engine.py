@@ -85,6 +85,11 @@ class LoadOptions:
     # False: a draft model that cannot draft for this one (another vocabulary, a file
     # llama.cpp refuses) is left out with the reason in ``draft_model_unused``, not an error.
     draft_required: bool = True
+    # This machine's calibration, where there is one: what each extra token in a step costs
+    # (in single steps) and a draft model's step against the model's; the drafting policy
+    # starts from these until it has timed steps of its own.
+    step_extra_cost: float | None = None
+    draft_step_cost: float | None = None
 
 
 class Engine(KVCache):
@@ -140,6 +145,10 @@ class Engine(KVCache):
             )
         self.drafting = mode in ("ngram", "draft") or (mode == "auto" and self.batch_invariant)
         self._draft_policy = DraftPolicy()
+        if self.options.step_extra_cost is not None:
+            self._draft_policy.prior_extra = self.options.step_extra_cost
+        if self.options.draft_step_cost is not None:
+            self._draft_policy.prior_model_step = self.options.draft_step_cost
         self.draft_model: DraftModel | None = None
         self._draft_refused: str | None = None  # why an optional draft model was left out
         if self.options.swa_cache not in SWA_CACHE_MODES:
@@ -211,6 +220,9 @@ class Engine(KVCache):
                     self.close()
                     raise
                 self._draft_refused = str(exc)
+            except BaseException:  # Ctrl+C while it loads: the model is freed all the same
+                self.close()
+                raise
         self._warm_up()
 
     @property
@@ -223,7 +235,9 @@ class Engine(KVCache):
         if self._draft_refused is not None:
             return f"the draft model is not used: {self._draft_refused}"
         mode = self.options.speculative
-        if mode == "auto" and not self.batch_invariant:
+        if mode == "auto" and self.options.n_gpu_layers:
+            why = "GPU kernels round a batch differently from single steps, so replies could change; --speculative draft uses it anyway"
+        elif mode == "auto" and not self.batch_invariant:
             why = (
                 "drafts verified in batches could change replies with this KV cache (a q8_0"
                 " cache keeps them exact); --speculative draft uses it anyway"
@@ -478,7 +492,8 @@ class Engine(KVCache):
         return {n: policy.cost(n) for n in range(1, policy.max_draft + 2)}
 
     def close(self) -> None:
-        with contextlib.suppress(Exception):
-            if self.draft_model is not None:
+        if self.draft_model is not None:
+            with contextlib.suppress(Exception):
                 self.draft_model.close()
+        with contextlib.suppress(Exception):
             self._llm.close()
