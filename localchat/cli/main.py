@@ -32,6 +32,7 @@ from localchat.cli.models import (
 )
 from localchat.cli.parser import EXIT_USAGE, EXIT_WORLD, build_parser
 from localchat.cli.progress import line_progress
+from localchat.cli.serve import cmd_serve
 from localchat.errors import LocalchatError, UsageError, WorldError, one_line
 from localchat.paths import app_paths
 
@@ -74,6 +75,7 @@ def cmd_app(args: argparse.Namespace, out: TextIO) -> int:
 
 COMMANDS: dict[str | None, Callable[[argparse.Namespace, TextIO], int]] = {
     "ask": cmd_ask,
+    "serve": cmd_serve,
     "demo-model": cmd_demo_model,
     "bench": cmd_bench,
     "hw": cmd_hw,

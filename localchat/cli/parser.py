@@ -111,6 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
     _ask_flags(sub.add_parser("ask", help="one headless turn: stream a reply to stdout"))
     _conversation_commands(sub)
     _model_commands(sub)
+    _serve_flags(sub.add_parser("serve", help="serve the model over an OpenAI-compatible API"))
 
     bench = sub.add_parser("bench", help="measure speed and memory (takes minutes)")
     bench.add_argument(
@@ -122,10 +123,34 @@ def build_parser() -> argparse.ArgumentParser:
         "--only",
         default=None,
         help="comma-separated parts (default: all): engine, resume, window, estimate, ui,"
-        " plan, memory, remote, zerowait, branch, calibrate, spec",
+        " calibrate, plan, memory, remote, zerowait, branch, spec",
     )
     bench.add_argument("--json", action="store_true", help="print one JSON object")
     return parser
+
+
+def _serve_flags(serve: argparse.ArgumentParser) -> None:
+    _model_flags(serve, default=argparse.SUPPRESS)
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback)")
+    serve.add_argument("--port", type=_positive_int, default=8080, help="port (default: 8080)")
+    serve.add_argument(
+        "--api-key",
+        default=None,
+        help="clients must send it as a Bearer token (default: LOCALCHAT_API_KEY; needed to"
+        " bind other than loopback)",
+    )
+    serve.add_argument(
+        "--no-auth",
+        action="store_true",
+        help="serve other machines without an API key (anyone who can reach the port can use it)",
+    )
+    serve.add_argument(
+        "--kv-type",
+        default=None,
+        choices=["f16", "q8_0", "q4_0"],
+        help="KV cache type (default: the kv_type setting); q8_0 halves memory and saved states",
+    )
+    serve.add_argument("--threads", type=_positive_int, default=None, help="CPU threads")
 
 
 def _ask_flags(ask: argparse.ArgumentParser) -> None:

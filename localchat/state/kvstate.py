@@ -150,6 +150,34 @@ def read_state(path: Path, expected: StateKey) -> SavedState:
     return SavedState(key, tokens.tolist(), payload)
 
 
+def read_state_tokens(path: Path, expected: StateKey) -> list[int]:
+    """The token ids a state file holds, read without its payload (an index of many files
+    is built from these; the payload is checked when the state is restored). Raises
+    StateRejected for a file of another key or a damaged header."""
+    try:
+        with path.open("rb") as handle:
+            magic, version, header_len = _PREFIX.unpack(handle.read(_PREFIX.size))
+            if magic != MAGIC or version != FORMAT_VERSION or header_len > MAX_HEADER_BYTES:
+                raise StateRejected("not a state file this localchat reads")
+            header = json.loads(handle.read(header_len))
+            key = StateKey(
+                str(header["model_fingerprint"]),
+                int(header["n_ctx"]),
+                str(header["kv_type"]),
+                str(header["llama_cpp"]),
+            )
+            if key != expected:
+                raise StateRejected("saved under another model, context or build")
+            n_tokens = int(header["n_tokens"])
+            tokens = array("i")
+            tokens.frombytes(handle.read(4 * n_tokens))
+    except (OSError, struct.error, ValueError, KeyError, TypeError):
+        raise StateRejected("unreadable or truncated") from None
+    if len(tokens) != n_tokens:
+        raise StateRejected("truncated file")
+    return tokens.tolist()
+
+
 class StateStore:
     """The states folder: where each state lives, atomic saves, and an LRU disk budget."""
 
@@ -266,13 +294,18 @@ class BackgroundSaver:
     def __init__(self, states: StateStore, on_error: Callable[[str], None] | None = None) -> None:
         self.states = states
         self.on_error = on_error
-        self._queue: queue.Queue[tuple[str, SavedState] | None] = queue.Queue()
+        self._queue: queue.Queue[tuple[str, SavedState, Callable[[], None] | None] | None] = (
+            queue.Queue()
+        )
         self._thread = threading.Thread(target=self._run, name="kv-state-saver", daemon=True)
         self._thread.start()
         self.last_error: str | None = None
 
-    def save(self, conversation_id: str, state: SavedState) -> None:
-        self._queue.put((conversation_id, state))
+    def save(
+        self, conversation_id: str, state: SavedState, then: Callable[[], None] | None = None
+    ) -> None:
+        """Queue a save; ``then`` runs on the saver's thread once it is on disk."""
+        self._queue.put((conversation_id, state, then))
 
     def wait(self, timeout: float | None = 60.0) -> bool:
         """Block until the queued saves are on disk; False if ``timeout`` passed first."""
@@ -291,9 +324,11 @@ class BackgroundSaver:
             try:
                 if item is None:
                     return
-                conversation_id, state = item
+                conversation_id, state, then = item
                 try:
                     self.states.save(conversation_id, state)
+                    if then is not None:
+                        then()
                 except Exception as exc:  # the saver must outlive any failure: report, go on
                     reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
                     self.last_error = f"KV state not saved ({reason}); the transcript is safe"

@@ -7,7 +7,7 @@ import bisect
 import codecs
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -36,6 +36,11 @@ class Generation:
     def __iter__(self) -> Iterator[TokenDelta]:
         return self._run()
 
+    def deltas(self) -> Generator[TokenDelta, None, None]:
+        """The deltas as a generator the reader may ``close()`` early: the reply so far is
+        then held in the cache, as at its end."""
+        return self._run()
+
     @property
     def opened_reasoning(self) -> bool:
         """Whether the prompt itself opened a reasoning block (the reply starts inside it)."""
@@ -57,7 +62,7 @@ class Generation:
             yield TokenDelta(token, text, is_reasoning)
             token = None
 
-    def _run(self) -> Iterator[TokenDelta]:
+    def _run(self) -> Generator[TokenDelta, None, None]:
         engine = self._engine
         llm = engine.llm
         decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")

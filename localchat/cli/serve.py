@@ -1,0 +1,84 @@
+"""``localchat serve``: the model loaded here, over an OpenAI-compatible API for every tool
+on the machine (editors, agents, scripts, another localchat), with the prompt cache on
+disk so a restarted server restores what clients resend instead of re-reading it."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+from pathlib import Path
+from typing import TextIO
+
+from localchat.errors import UsageError
+
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+KEY_ENV = "LOCALCHAT_API_KEY"
+
+
+def check_exposure(host: str, api_key: str | None, no_auth: bool) -> None:
+    """Binding anything but loopback lets other machines in: only with a key, or when the
+    user says plainly that none is wanted."""
+    if host not in LOOPBACK and not api_key and not no_auth:
+        raise UsageError(
+            f"--host {host} lets other machines use the model: give --api-key KEY (or"
+            f" {KEY_ENV}), or --no-auth to serve without one"
+        )
+
+
+def _terminated(signum: int, _frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
+def cmd_serve(args: argparse.Namespace, out: TextIO) -> int:
+    import uvicorn
+
+    from localchat.cli.ask import _model_path
+    from localchat.paths import app_paths
+    from localchat.server.app import create_app
+    from localchat.server.runner import ModelRunner
+    from localchat.session import Session
+    from localchat.settings import load_settings
+    from localchat.state.kvstate import StateStore
+
+    if getattr(args, "server", None):
+        raise UsageError("--server chats through another server; serve runs a model here")
+    api_key = args.api_key or os.environ.get(KEY_ENV) or None
+    check_exposure(args.host, api_key, args.no_auth)
+    paths = app_paths()
+    settings = load_settings(paths.settings_file)
+    model_path = _model_path(args)
+    session = Session(paths, settings, open_stores=False)
+    engine = session.load_model(
+        model_path,
+        args.ctx,
+        args.template,
+        n_threads=args.threads,
+        kv_type=args.kv_type,
+        speculative=args.speculative,
+        draft_model=args.draft_model,
+        warn=lambda line: print(f"localchat: {line}", file=sys.stderr),
+    )
+    name = args.model or Path(model_path).stem
+    runner = ModelRunner(engine, StateStore(paths.states_dir, settings.state_budget_bytes), name)
+    config = uvicorn.Config(
+        create_app(runner, api_key), args.host, args.port, log_level="warning", access_log=False
+    )
+    server = uvicorn.Server(config)
+    shown = f"[{args.host}]" if ":" in args.host else args.host
+    print(
+        f"localchat: serving {name} (context {engine.n_ctx}) at http://{shown}:{args.port}/v1"
+        f" · {len(runner.cache)} saved prompt states · Ctrl+C stops",
+        file=out,
+        flush=True,
+    )
+    # uvicorn stops on SIGINT and SIGTERM itself, then hands the signal back: Ctrl+C ends as
+    # any command's (130), SIGTERM as a service's (143) — both after the saves under way.
+    signal.signal(signal.SIGTERM, _terminated)
+    try:
+        server.run()
+    finally:
+        runner.close()
+        engine.close()
+    return 0

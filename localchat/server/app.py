@@ -1,0 +1,265 @@
+"""The HTTP side of ``localchat serve``: an ASGI app (Starlette, served by uvicorn) speaking
+OpenAI's API — chat and text completions, streamed as server-sent events ending with
+``data: [DONE]`` — and llama-server's ``/tokenize``, ``/detokenize``, ``/health`` and
+``/metrics``. Every refusal is an OpenAI-shaped error body with its status, never a
+traceback; the model's work runs on the compute thread (``ModelRunner``)."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import threading
+from collections.abc import AsyncIterator
+from dataclasses import replace
+from typing import Any
+
+from sse_starlette.sse import EventSourceResponse
+from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response
+from starlette.routing import Route
+
+from localchat.backends.base import TurnStats
+from localchat.backends.compute_thread import run_compute
+from localchat.server.api import (
+    ApiError,
+    GenerationRequest,
+    completion_body,
+    delta_chunk,
+    final_chunks,
+    parse_request,
+)
+from localchat.server.runner import ModelRunner
+
+MAX_BODY_BYTES = 8 * 2**20  # a long conversation with files fits; more is refused
+DRAIN_LIMIT_BYTES = 64 * 2**20
+RETRY_AFTER_S = 2
+OPEN_PATHS = ("/health",)  # answered without the API key (load balancers, probes)
+_RUNNING: set[asyncio.Task[None]] = set()  # turns whose client left, still ending
+
+
+def _error(exc: ApiError) -> JSONResponse:
+    headers = {"Retry-After": str(RETRY_AFTER_S)} if exc.status == 503 else None
+    return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
+
+
+async def _json_body(request: Request) -> Any:
+    """The request's JSON; a body over ``MAX_BODY_BYTES`` is read to its end (so the client
+    gets the answer rather than a broken pipe; ``DRAIN_LIMIT_BYTES`` at most) and refused."""
+    raw = bytearray()
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size <= MAX_BODY_BYTES:
+            raw += chunk
+        elif size > DRAIN_LIMIT_BYTES:
+            break
+    if size > MAX_BODY_BYTES:
+        raise ApiError(413, f"the body is over {MAX_BODY_BYTES // 2**20} MiB", code="too_large")
+    try:
+        return json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ApiError(400, f"the body is not valid JSON ({exc})", code="invalid_json") from None
+
+
+def create_app(runner: ModelRunner, api_key: str | None = None) -> Starlette:
+    """The server's routes over ``runner``; with ``api_key``, every route but /health asks
+    for ``Authorization: Bearer <key>``."""
+    names = runner.aliases()
+
+    def check_key(request: Request) -> None:
+        if api_key is None or request.url.path in OPEN_PATHS:
+            return
+        given = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
+        if not hmac.compare_digest(given.encode(), api_key.encode()):
+            raise ApiError(401, "a valid API key is needed: Authorization: Bearer <key>",
+                           "authentication_error", "invalid_api_key")  # fmt: skip
+
+    async def guarded(request: Request, handler: Any) -> Response:
+        try:
+            check_key(request)
+            response: Response = await handler(request)
+            return response
+        except ApiError as exc:
+            return _error(exc)
+
+    async def health(_request: Request) -> Response:
+        return JSONResponse({"status": "ok"})
+
+    async def models(_request: Request) -> Response:
+        engine = runner.engine
+        entry = {
+            "id": runner.model_name,
+            "object": "model",
+            "created": 0,
+            "owned_by": "localchat",
+            "meta": {"n_ctx": engine.n_ctx, "n_ctx_train": engine.info.context_length,
+                     "n_vocab": engine.n_vocab},
+        }  # fmt: skip
+        return JSONResponse({"object": "list", "data": [entry]})
+
+    async def metrics(_request: Request) -> Response:
+        return PlainTextResponse(runner.metrics(), media_type="text/plain; version=0.0.4")
+
+    async def tokenize(request: Request) -> Response:
+        body = await _json_body(request)
+        content = body.get("content") if isinstance(body, dict) else None
+        if not isinstance(content, str):
+            raise ApiError(400, "content must be a string", code="invalid_type")
+        special = bool(body.get("add_special", False))
+        engine = runner.engine
+        tokens = await run_in_threadpool(
+            run_compute, engine.tokenize, content, add_bos=special and engine.add_bos,
+            special=bool(body.get("parse_special", True)),
+        )  # fmt: skip
+        if body.get("with_pieces"):
+            pieces = [{"id": t, "piece": engine.token_text(t)} for t in tokens]
+            return JSONResponse({"tokens": pieces})
+        return JSONResponse({"tokens": tokens})
+
+    async def detokenize(request: Request) -> Response:
+        body = await _json_body(request)
+        tokens = body.get("tokens") if isinstance(body, dict) else None
+        n_vocab = runner.engine.n_vocab
+        if not isinstance(tokens, list) or not all(
+            isinstance(t, int) and not isinstance(t, bool) and 0 <= t < n_vocab for t in tokens
+        ):
+            raise ApiError(400, f"tokens must be a list of ids from 0 to {n_vocab - 1}",
+                           code="invalid_type")  # fmt: skip
+        text = await run_in_threadpool(run_compute, runner.engine.detokenize, tokens)
+        return JSONResponse({"content": text})
+
+    async def chat(request: Request) -> Response:
+        return await _generate(runner, await _request_of(request, names, True))
+
+    async def complete(request: Request) -> Response:
+        return await _generate(runner, await _request_of(request, names, False))
+
+    def route(path: str, handler: Any, methods: list[str]) -> Route:
+        async def endpoint(request: Request) -> Response:
+            return await guarded(request, handler)
+
+        return Route(path, endpoint, methods=methods)
+
+    async def failed(_request: Request, exc: Exception) -> Response:
+        body = ApiError(500, f"the server failed: {type(exc).__name__}: {exc}", "server_error")
+        return _error(body)
+
+    return Starlette(
+        routes=[
+            route("/health", health, ["GET"]),
+            route("/v1/models", models, ["GET"]),
+            route("/models", models, ["GET"]),
+            route("/metrics", metrics, ["GET"]),
+            route("/tokenize", tokenize, ["POST"]),
+            route("/detokenize", detokenize, ["POST"]),
+            route("/v1/chat/completions", chat, ["POST"]),
+            route("/chat/completions", chat, ["POST"]),
+            route("/v1/completions", complete, ["POST"]),
+            route("/completions", complete, ["POST"]),
+        ],
+        exception_handlers={Exception: failed},
+    )
+
+
+async def _request_of(request: Request, names: set[str], chat: bool) -> GenerationRequest:
+    parsed = parse_request(await _json_body(request), chat)
+    if parsed.model and parsed.model not in names:
+        raise ApiError(404, f"no model {parsed.model!r} here; this server runs {sorted(names)[0]!r}"
+                       " (GET /v1/models)", code="model_not_found")  # fmt: skip
+    return parsed
+
+
+async def _generate(runner: ModelRunner, request: GenerationRequest) -> Response:
+    """Admit, tokenize (a prompt the context cannot hold is refused before any stream
+    starts), then stream the reply or return it whole."""
+    runner.admit()
+    try:
+        prompt, max_tokens = await run_in_threadpool(run_compute, runner.prompt_of, request)
+    except BaseException:
+        runner.leave_queue()
+        raise
+    if request.model == "":
+        request = replace(request, model=runner.model_name)
+    if request.stream:
+        return EventSourceResponse(_stream(runner, request, prompt, max_tokens), ping=15)
+    pieces: dict[str, list[str]] = {"text": [], "reasoning": []}
+    stats = await run_in_threadpool(
+        _run_job, runner, request, prompt, max_tokens, threading.Event(),
+        lambda kind, text: pieces[kind].append(text),
+    )  # fmt: skip
+    body = completion_body(request, "".join(pieces["text"]), "".join(pieces["reasoning"]), stats)
+    return JSONResponse(body)
+
+
+def _run_job(
+    runner: ModelRunner,
+    request: GenerationRequest,
+    prompt: list[int],
+    max_tokens: int,
+    cancel: threading.Event,
+    emit: Any,
+) -> TurnStats:
+    """One request's turn on the compute thread (blocking the calling worker thread)."""
+
+    def job() -> TurnStats:
+        if cancel.is_set():  # the client left while it waited
+            runner.leave_queue()
+            return TurnStats()
+        runner.started()
+        try:
+            return runner.run(request, prompt, max_tokens, cancel, emit)
+        finally:
+            runner.finished()
+
+    return run_compute(job)
+
+
+async def _stream(
+    runner: ModelRunner, request: GenerationRequest, prompt: list[int], max_tokens: int
+) -> AsyncIterator[str]:
+    """The reply as SSE data lines; a client that goes away stops its sequence at once
+    (what was generated stays in the cache)."""
+    loop = asyncio.get_running_loop()
+    queue: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
+    cancel = threading.Event()
+
+    def emit(kind: str, text: str) -> None:
+        loop.call_soon_threadsafe(queue.put_nowait, (kind, text))
+
+    async def work() -> None:
+        try:
+            stats = await run_in_threadpool(
+                _run_job, runner, request, prompt, max_tokens, cancel, emit
+            )
+            queue.put_nowait(("done", stats))
+        except Exception as exc:
+            queue.put_nowait(("error", exc))
+
+    task = asyncio.create_task(work())
+    try:
+        yield json.dumps(delta_chunk(request, first=True))
+        while True:
+            kind, value = await queue.get()
+            if kind == "done":
+                for chunk in final_chunks(request, value):
+                    yield json.dumps(chunk)
+                yield "[DONE]"
+                return
+            if kind == "error":
+                error = (
+                    value
+                    if isinstance(value, ApiError)
+                    else ApiError(
+                        500, f"the server failed: {type(value).__name__}: {value}", "server_error"
+                    )
+                )
+                yield json.dumps(error.body())
+                return
+            yield json.dumps(delta_chunk(request, value, reasoning=kind == "reasoning"))
+    finally:
+        cancel.set()  # the turn stops at its next token; its task ends on its own
+        _RUNNING.add(task)
+        task.add_done_callback(_RUNNING.discard)

@@ -1,0 +1,286 @@
+"""``localchat serve`` through real clients: the official ``openai`` client, plain HTTP and
+localchat's own remote backend, against a real uvicorn server on SmolLM2 — replies equal
+``ask``'s, a resent conversation reuses the cache, a restarted server restores it from disk,
+and every bad request is an OpenAI-shaped error with its status."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import uvicorn
+
+from localchat.backends.base import Sampling
+from localchat.backends.llama.engine import Engine, LoadOptions
+from localchat.backends.remote import RemoteBackend
+from localchat.chat.template import ChatMessage
+from localchat.cli.main import main
+from localchat.paths import app_paths
+from localchat.server.app import create_app
+from localchat.server.runner import ModelRunner
+from localchat.state.kvstate import StateStore
+
+NAME = "smollm2"
+QUESTION = "Write a Python function that returns the squares of a list of numbers."
+
+
+class Served:
+    """A runner served by uvicorn on a free loopback port, in a thread."""
+
+    def __init__(self, model: Path, states: Path, api_key: str | None = None) -> None:
+        options = LoadOptions(n_ctx=2048, n_threads=2, kv_type="q8_0")
+        self.engine = Engine(model, options)
+        self.runner = ModelRunner(self.engine, StateStore(states), NAME)
+        config = uvicorn.Config(
+            create_app(self.runner, api_key), "127.0.0.1", 0, log_level="warning"
+        )
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        while not self.server.started:
+            time.sleep(0.01)
+        port = self.server.servers[0].sockets[0].getsockname()[1]
+        self.root = f"http://127.0.0.1:{port}"
+
+    def close(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
+        self.runner.close()
+        self.engine.close()
+
+
+@pytest.fixture
+def served(smollm2: Path, tmp_path: Path) -> Iterator[Served]:
+    server = Served(smollm2, tmp_path / "states")
+    yield server
+    server.close()
+
+
+def _client(root: str, key: str = "none") -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{root}/v1", api_key=key, max_retries=0)
+
+
+def _plain_reply(model: Path, messages: list[ChatMessage], max_tokens: int) -> str:
+    """What ``ask`` writes for the same messages: the engine alone, greedy."""
+    engine = Engine(model, LoadOptions(n_ctx=2048, n_threads=2, kv_type="q8_0"))
+    try:
+        generation = engine.generate(
+            engine.prompt_tokens(messages), Sampling(temperature=0.0), max_tokens
+        )
+        for _ in generation:
+            pass
+        return generation.text
+    finally:
+        engine.close()
+
+
+def test_a_reply_over_the_api_is_asks_and_a_resent_conversation_reuses_the_cache(
+    served: Served, smollm2: Path
+) -> None:
+    client = _client(served.root)
+    messages: list[dict[str, str]] = [{"role": "user", "content": QUESTION}]
+    first = client.chat.completions.create(
+        model=NAME,
+        messages=messages,
+        temperature=0,
+        max_tokens=60,  # type: ignore[arg-type]
+    )
+    text = first.choices[0].message.content or ""
+    assert text == _plain_reply(smollm2, [ChatMessage("user", QUESTION)], 60)
+    assert first.usage is not None and first.usage.completion_tokens == 60
+    assert first.usage.prompt_tokens_details is not None
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert first.choices[0].finish_reason == "length"
+    # Streamed, with the conversation resent and a new message: the same text as unstreamed,
+    # and the earlier prompt and reply come from the cache.
+    messages += [{"role": "assistant", "content": text}, {"role": "user", "content": "Thanks."}]
+    chunks = list(
+        client.chat.completions.create(
+            model=NAME, messages=messages, temperature=0, max_tokens=30,  # type: ignore[arg-type]
+            stream=True, stream_options={"include_usage": True},
+        )
+    )  # fmt: skip
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    usage = chunks[-1].usage
+    assert usage is not None and usage.prompt_tokens_details is not None
+    assert usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens + 50
+    history = [ChatMessage(m["role"], m["content"]) for m in messages]
+    assert streamed == _plain_reply(smollm2, history, 30)
+    metrics = httpx.get(f"{served.root}/metrics").text
+    assert (
+        "llamacpp:kv_cache_usage_ratio" in metrics
+        and "llamacpp:tokens_predicted_total 90" in metrics
+    )
+
+
+def test_a_restarted_server_restores_a_resent_conversation_from_disk(
+    smollm2: Path, tmp_path: Path
+) -> None:
+    messages = [{"role": "user", "content": QUESTION}]
+    first = Served(smollm2, tmp_path / "states")
+    try:
+        reply = _client(first.root).chat.completions.create(
+            model=NAME,
+            messages=messages,
+            temperature=0,
+            max_tokens=40,  # type: ignore[arg-type]
+        )
+    finally:
+        first.close()  # the saves under way finish before it is gone
+    messages += [
+        {"role": "assistant", "content": reply.choices[0].message.content or ""},
+        {"role": "user", "content": "Now as a list comprehension."},
+    ]
+    again = Served(smollm2, tmp_path / "states")
+    try:
+        assert len(again.runner.cache) == 1  # found on disk at start
+        body = {"model": NAME, "messages": messages, "temperature": 0, "max_tokens": 30}
+        answer = httpx.post(f"{again.root}/v1/chat/completions", json=body, timeout=120).json()
+        cached = answer["usage"]["prompt_tokens_details"]["cached_tokens"]
+        assert cached >= 64 and answer["timings"]["cache_n"] == cached
+        assert answer["timings"]["prompt_n"] == answer["usage"]["prompt_tokens"] - cached
+        assert (
+            "localchat:prompt_tokens_restored_total 0"
+            not in httpx.get(f"{again.root}/metrics").text
+        )
+        history = [ChatMessage(m["role"], m["content"]) for m in messages]
+        assert answer["choices"][0]["message"]["content"] == _plain_reply(smollm2, history, 30)
+        # The conversation's state now extends the one it was restored from: stored once.
+        again.runner.saver.wait()
+        assert len(again.runner.cache) == 1
+        assert len(list((tmp_path / "states").glob("serve-*"))) == 1
+    finally:
+        again.close()
+
+
+def _error(response: httpx.Response) -> tuple[int, str]:
+    body = response.json()
+    assert set(body) == {"error"} and {"message", "type", "code"} <= set(body["error"])
+    return response.status_code, body["error"]["message"]
+
+
+def test_bad_requests_are_openai_shaped_errors(served: Served) -> None:
+    url = f"{served.root}/v1/chat/completions"
+    hello = [{"role": "user", "content": "hi"}]
+    assert _error(httpx.post(url, content=b"{not json"))[0] == 400
+    status, message = _error(httpx.post(url, json={"messages": hello, "n": 2}))
+    assert status == 400 and "n must be 1" in message
+    status, message = _error(httpx.post(url, json={"messages": "hi"}))
+    assert status == 400 and "messages must be a non-empty list" in message
+    status, message = _error(httpx.post(url, json={"messages": hello, "temperature": "hot"}))
+    assert status == 400 and "temperature must be a number" in message
+    status, message = _error(httpx.post(url, json={"model": "gpt-4o", "messages": hello}))
+    assert status == 404 and "no model 'gpt-4o' here" in message
+    status, message = _error(httpx.post(url, json={"messages": hello, "max_tokens": 5000}))
+    assert status == 400 and "max_tokens 5000 is past the context" in message
+    status, _ = _error(httpx.post(url, content=b"x" * (9 * 1024 * 1024)))
+    assert status == 413
+    # The model still answers after all of that.
+    ok = httpx.post(url, json={"messages": hello, "max_tokens": 3}, timeout=60)
+    assert ok.status_code == 200 and ok.json()["model"] == NAME
+
+
+def test_an_api_key_guards_everything_but_health(smollm2: Path, tmp_path: Path) -> None:
+    server = Served(smollm2, tmp_path / "states", api_key="s3cret")
+    try:
+        assert httpx.get(f"{server.root}/health").json() == {"status": "ok"}
+        status, message = _error(httpx.get(f"{server.root}/v1/models"))
+        assert status == 401 and "API key" in message
+        with pytest.raises(openai.AuthenticationError):
+            _client(server.root, "wrong").models.list()
+        assert [m.id for m in _client(server.root, "s3cret").models.list()] == [NAME]
+    finally:
+        server.close()
+
+
+def test_tokenize_detokenize_completions_and_localchats_own_client(served: Served) -> None:
+    tokens = httpx.post(f"{served.root}/tokenize", json={"content": "Hello world"}).json()["tokens"]
+    assert tokens == served.engine.tokenize("Hello world", special=True)
+    text = httpx.post(f"{served.root}/detokenize", json={"tokens": tokens}).json()["content"]
+    assert text == "Hello world"
+    assert _error(httpx.post(f"{served.root}/detokenize", json={"tokens": [-1]}))[0] == 400
+    done = _client(served.root).completions.create(
+        model=NAME, prompt="def add(a, b):", max_tokens=12, temperature=0
+    )
+    assert done.choices[0].text and done.usage is not None and done.usage.completion_tokens == 12
+    # localchat itself as the client: counts from /tokenize, the cache fill from /metrics.
+    remote = RemoteBackend(f"{served.root}/v1", NAME)
+    try:
+        reply = remote.stream([ChatMessage("user", "Say hi.")], Sampling(temperature=0.0), 8)
+        said = "".join(delta.text for delta in reply)
+        assert said and reply.stats.generated_tokens == 8
+        assert remote.count_tokens("Hello world") == len(tokens)
+        usage = remote.cache_usage()
+        assert usage is not None and 0 < usage < 1
+    finally:
+        remote.close()
+
+
+def test_a_client_that_leaves_mid_stream_stops_its_sequence(served: Served) -> None:
+    body = {
+        "messages": [{"role": "user", "content": "Tell a very long story."}],
+        "max_tokens": 1000,
+        "stream": True,
+    }
+    with httpx.stream("POST", f"{served.root}/v1/chat/completions", json=body) as response:
+        lines = response.iter_lines()
+        for _ in range(6):
+            next(lines)
+    deadline = time.monotonic() + 30
+    while served.runner.counters.running and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert served.runner.counters.running == 0
+    assert served.runner.counters.generated_tokens < 1000
+    # What was generated stays in the cache.
+    assert len(served.engine.cached_tokens) > 20
+
+
+def test_serve_binds_other_addresses_only_with_a_key(
+    isolated_home: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["serve", "--host", "0.0.0.0", "--model-path", "x.gguf"]) == 2
+    err = capsys.readouterr().err
+    assert "--host 0.0.0.0 lets other machines use the model: give --api-key KEY" in err
+    assert err.count("\n") == 1
+
+
+@pytest.mark.parametrize(("stop", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_the_cli_serves_and_stops_on_a_signal_after_its_saves(
+    smollm2: Path, isolated_home: Path, stop: signal.Signals, code: int
+) -> None:
+    port = 18931 if stop == signal.SIGINT else 18932
+    command = [sys.executable, "-m", "localchat", "serve", "--model-path", str(smollm2),
+               "--port", str(port), "--ctx", "1024"]  # fmt: skip
+    process = subprocess.Popen(
+        command, env=dict(os.environ), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        assert process.stdout is not None
+        banner = process.stdout.readline()
+        assert (
+            f"serving SmolLM2-135M-Instruct.Q4_1 (context 1024) at http://127.0.0.1:{port}/v1"
+            in banner
+        )
+        for _ in range(100):
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.1)
+        body = {"messages": [{"role": "user", "content": QUESTION}], "max_tokens": 80}
+        answer = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=body, timeout=120)
+        assert answer.json()["usage"]["completion_tokens"] > 0
+    finally:
+        process.send_signal(stop)
+        exited = process.wait(timeout=30)
+    assert exited == code, process.stderr.read() if process.stderr else ""
+    assert list(app_paths().states_dir.glob("serve-*")), "the reply's state was saved first"
