@@ -352,10 +352,10 @@ class Session:
             if flag:
                 say(f"the draft model {flag} is not used: speculative is {mode!r}")
             return None
-        library = Library(self.paths, detect_hardware())
         ctx = n_ctx or ENGINE_DEFAULT_CTX
         if asked:
-            try:
+            try:  # the library (and the catalog it reads) only where a draft is asked for
+                library = Library(self.paths, detect_hardware())
                 found = library.draft_path(asked)
             except UsageError as exc:
                 if flag:
@@ -363,8 +363,11 @@ class Session:
                 say(f"{exc} (the draft_model setting)")  # the model still loads
                 return None
             return library.plan_for_draft(target, found, ctx, kv_type)
-        entry = catalog_draft(target, self.paths.user_catalog)
-        plan = library.draft_plan(target, entry, ctx, kv_type) if entry is not None else None
+        entry = catalog_draft(target, self.paths.user_catalog)  # a broken catalog: none
+        if entry is None:
+            return None
+        library = Library(self.paths, detect_hardware())
+        plan = library.draft_plan(target, entry, ctx, kv_type)
         if plan is None or not plan.fits or (mode == "auto" and not plan.pays):
             return None
         return plan

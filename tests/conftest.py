@@ -26,6 +26,7 @@ def isolated_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     home = tmp_path / "home"
     monkeypatch.setenv("LOCALCHAT_HOME", str(home))
     monkeypatch.delenv("OLLAMA_MODELS", raising=False)  # other tools' folders: inside home
+    monkeypatch.delenv("LOCALCHAT_API_KEY", raising=False)  # a key of the user's: not here
     # The starter model's package index: none unless a test serves one (no 93 MB downloads).
     monkeypatch.setenv("LOCALCHAT_PACKAGE_INDEX", f"{DEAD}/simple")
     monkeypatch.setenv("HF_ENDPOINT", DEAD)  # and no hub unless a test serves one

@@ -68,6 +68,11 @@ def test_it_settles_only_on_two_clean_readings_that_agree() -> None:
     assert settle([_round(), _round({"Q2_K": 1.3})], NAMES) is None  # they disagree
     best = settle([_round(), _round({"Q2_K": 1.1}), _round({"Q2_K": 1.3})], NAMES)
     assert best is not None and best["Q2_K"].gen_s == pytest.approx(IDLE["Q2_K"])
+    # A lone fast reading no other confirms does not keep the type from settling: the
+    # fastest confirmed one is its figure.
+    lucky = [_round({"Q2_K": 0.7}), _round({"Q2_K": 1.0}), _round({"Q2_K": 1.05})]
+    best = settle(lucky, NAMES)
+    assert best is not None and best["Q2_K"].gen_s == pytest.approx(IDLE["Q2_K"])
 
 
 def test_contention_that_comes_and_goes_cannot_reorder_the_types() -> None:

@@ -220,6 +220,7 @@ def test_only_the_remote_backend_speaks_http_to_servers_and_a_local_start_never_
     allowed = {
         "backends/remote.py",  # the wire to servers
         "bench/remote.py",  # the bare client it is measured against
+        "bench/serve.py",  # the plain client `localchat serve` is read with
         "models/starter.py",  # the package index, read only while the starter model is fetched
     }
     offenders = [

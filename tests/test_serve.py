@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,7 +17,6 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-import uvicorn
 
 from localchat.backends.base import Sampling
 from localchat.backends.llama.engine import Engine, LoadOptions
@@ -25,7 +24,7 @@ from localchat.backends.remote import RemoteBackend
 from localchat.chat.template import ChatMessage
 from localchat.cli.main import main
 from localchat.paths import app_paths
-from localchat.server.app import create_app
+from localchat.server.app import BackgroundServer
 from localchat.server.runner import ModelRunner
 from localchat.state.kvstate import StateStore
 
@@ -34,26 +33,17 @@ QUESTION = "Write a Python function that returns the squares of a list of number
 
 
 class Served:
-    """A runner served by uvicorn on a free loopback port, in a thread."""
+    """SmolLM2 (q8_0 cache: replies exactly ``ask``'s) behind a real uvicorn server."""
 
     def __init__(self, model: Path, states: Path, api_key: str | None = None) -> None:
         options = LoadOptions(n_ctx=2048, n_threads=2, kv_type="q8_0")
         self.engine = Engine(model, options)
         self.runner = ModelRunner(self.engine, StateStore(states), NAME)
-        config = uvicorn.Config(
-            create_app(self.runner, api_key), "127.0.0.1", 0, log_level="warning"
-        )
-        self.server = uvicorn.Server(config)
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        while not self.server.started:
-            time.sleep(0.01)
-        port = self.server.servers[0].sockets[0].getsockname()[1]
-        self.root = f"http://127.0.0.1:{port}"
+        self.server = BackgroundServer(self.runner, api_key)
+        self.root = self.server.root
 
     def close(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=30)
+        self.server.close()
         self.runner.close()
         self.engine.close()
 
@@ -189,6 +179,21 @@ def test_bad_requests_are_openai_shaped_errors(served: Served) -> None:
     assert ok.status_code == 200 and ok.json()["model"] == NAME
 
 
+def test_without_a_key_browsers_and_other_host_names_are_refused(served: Served) -> None:
+    url = f"{served.root}/v1/chat/completions"
+    form = httpx.post(url, content=b'{"messages": []}', headers={"content-type": "text/plain"})
+    assert _error(form) == (
+        415,
+        "send the body as application/json (Content-Type: application/json)",
+    )
+    rebound = httpx.get(f"{served.root}/v1/models", headers={"host": "evil.example:8080"})
+    status, message = _error(rebound)
+    assert status == 403 and "not for host 'evil.example'" in message
+    assert _error(httpx.get(f"{served.root}/v2/nothing"))[0] == 404
+    seeded = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "seed": -1}
+    assert httpx.post(url, json=seeded, timeout=60).status_code == 200
+
+
 def test_an_api_key_guards_everything_but_health(smollm2: Path, tmp_path: Path) -> None:
     server = Served(smollm2, tmp_path / "states", api_key="s3cret")
     try:
@@ -229,6 +234,7 @@ def test_a_client_that_leaves_mid_stream_stops_its_sequence(served: Served) -> N
     body = {
         "messages": [{"role": "user", "content": "Tell a very long story."}],
         "max_tokens": 1000,
+        "temperature": 0,
         "stream": True,
     }
     with httpx.stream("POST", f"{served.root}/v1/chat/completions", json=body) as response:
@@ -239,7 +245,7 @@ def test_a_client_that_leaves_mid_stream_stops_its_sequence(served: Served) -> N
     while served.runner.counters.running and time.monotonic() < deadline:
         time.sleep(0.05)
     assert served.runner.counters.running == 0
-    assert served.runner.counters.generated_tokens < 1000
+    assert 0 < served.runner.counters.generated_tokens < 100  # stopped at once, not at 1000
     # What was generated stays in the cache.
     assert len(served.engine.cached_tokens) > 20
 
@@ -257,7 +263,9 @@ def test_serve_binds_other_addresses_only_with_a_key(
 def test_the_cli_serves_and_stops_on_a_signal_after_its_saves(
     smollm2: Path, isolated_home: Path, stop: signal.Signals, code: int
 ) -> None:
-    port = 18931 if stop == signal.SIGINT else 18932
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
     command = [sys.executable, "-m", "localchat", "serve", "--model-path", str(smollm2),
                "--port", str(port), "--ctx", "1024"]  # fmt: skip
     process = subprocess.Popen(
@@ -284,3 +292,38 @@ def test_the_cli_serves_and_stops_on_a_signal_after_its_saves(
         exited = process.wait(timeout=30)
     assert exited == code, process.stderr.read() if process.stderr else ""
     assert list(app_paths().states_dir.glob("serve-*")), "the reply's state was saved first"
+
+
+def test_the_prompt_cache_serves_states_before_they_are_on_disk_and_stores_a_chain_once(
+    tmp_path: Path,
+) -> None:
+    from localchat.server.prompt_cache import BLOCK, PromptCache
+    from localchat.state.kvstate import BackgroundSaver, StateKey
+
+    key = StateKey("f" * 64, 2048, "q8_0", "test")
+    states = StateStore(tmp_path / "states")
+    saver = BackgroundSaver(states)
+    cache = PromptCache(states, key, saver)
+    first = list(range(3 * BLOCK + 5))
+    sid = cache.save(first, b"first")
+    hit = cache.lookup([*first, 9, 9])  # queued or written: found either way
+    assert hit is not None and hit.state_id == sid and hit.shared == len(first)
+    assert cache.lookup([*first[:BLOCK], 7, 7, 7]) is None or len(first) >= BLOCK
+    longer = [*first, *range(1000, 1000 + 2 * BLOCK)]
+    cache.save(longer, b"second", replaces=sid)
+    saver.wait()
+    assert len(list((tmp_path / "states").glob("serve-*"))) == 1  # the chain, stored once
+    hit = cache.lookup([*longer, 5])
+    assert hit is not None and bytes(hit.state.payload) == b"second"
+    # Nothing shared beyond what the caller already holds: no read at all.
+    assert cache.lookup([*longer, 5], beyond=len(longer)) is None
+    # Another model's index never sees it; a restarted one does; a damaged file is skipped.
+    assert len(PromptCache(states, StateKey("e" * 64, 2048, "q8_0", "test"), saver)) == 0
+    (tmp_path / "states" / f"serve-broken.{'f' * 16}.lckv").write_bytes(b"LCKVSTAT\x02")
+    again = PromptCache(states, key, saver)
+    assert len(again) == 1 and again.lookup([*longer, 5]) is not None
+    # A state the budget evicted is forgotten when asked for.
+    for path in (tmp_path / "states").glob("serve-*.lckv"):
+        path.unlink()
+    assert again.lookup([*longer, 5]) is None and len(again) == 0
+    saver.close()

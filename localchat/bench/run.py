@@ -28,6 +28,7 @@ from localchat.bench.memory import bench_memory
 from localchat.bench.plan import bench_plan
 from localchat.bench.remote import bench_remote
 from localchat.bench.resume import bench_resume
+from localchat.bench.serve import bench_serve
 from localchat.bench.spec import bench_spec
 from localchat.bench.ui import bench_ui
 from localchat.bench.window import bench_window
@@ -50,6 +51,7 @@ BENCHES: dict[str, Part] = {
     "zerowait": bench_zerowait,
     "branch": bench_branch,
     "spec": bench_spec,
+    "serve": bench_serve,
 }
 PARTS: tuple[str, ...] = tuple(BENCHES)
 
@@ -82,6 +84,11 @@ TARGETS: dict[str, tuple[str, float]] = {
     "spec_replies_identical": (">=", 1),
     "spec_draft_failing_ratio": (">=", 0.95),
     "spec_draft_failing_identical": (">=", 1),
+    "serve_gen_ratio": (">=", 0.95),
+    "serve_restart_ttft_ratio": ("<=", 1.3),
+    # Continuous batching's figures: this version answers in turn, so they are not met yet.
+    "serve_join_ttft_ratio": ("<=", 2.0),
+    "serve_parallel_throughput": (">=", 1.0),
 }
 
 

@@ -123,16 +123,23 @@ def build_parser() -> argparse.ArgumentParser:
         "--only",
         default=None,
         help="comma-separated parts (default: all): engine, resume, window, estimate, ui,"
-        " calibrate, plan, memory, remote, zerowait, branch, spec",
+        " calibrate, plan, memory, remote, zerowait, branch, spec, serve",
     )
     bench.add_argument("--json", action="store_true", help="print one JSON object")
     return parser
 
 
+def _port(text: str) -> int:
+    value = _positive_int(text)
+    if value > 65535:
+        raise argparse.ArgumentTypeError(f"{value} is not a port: use 1 to 65535")
+    return value
+
+
 def _serve_flags(serve: argparse.ArgumentParser) -> None:
     _model_flags(serve, default=argparse.SUPPRESS)
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback)")
-    serve.add_argument("--port", type=_positive_int, default=8080, help="port (default: 8080)")
+    serve.add_argument("--port", type=_port, default=8080, help="port (default: 8080)")
     serve.add_argument(
         "--api-key",
         default=None,

@@ -15,6 +15,7 @@ from localchat.errors import UsageError
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 KEY_ENV = "LOCALCHAT_API_KEY"
+STOP_GRACE_S = 20  # replies under way get this long to end when the server is stopped
 
 
 def check_exposure(host: str, api_key: str | None, no_auth: bool) -> None:
@@ -63,7 +64,12 @@ def cmd_serve(args: argparse.Namespace, out: TextIO) -> int:
     name = args.model or Path(model_path).stem
     runner = ModelRunner(engine, StateStore(paths.states_dir, settings.state_budget_bytes), name)
     config = uvicorn.Config(
-        create_app(runner, api_key), args.host, args.port, log_level="warning", access_log=False
+        create_app(runner, api_key, loopback=args.host in LOOPBACK),
+        args.host,
+        args.port,
+        log_level="warning",
+        access_log=False,
+        timeout_graceful_shutdown=STOP_GRACE_S,
     )
     server = uvicorn.Server(config)
     shown = f"[{args.host}]" if ":" in args.host else args.host

@@ -12,12 +12,14 @@ time), and each type keeps its best reading. A round is thrown away when llama.c
 got less than their share of the CPU (the process's CPU time against the wall clock), when
 other programs kept more than a sliver of the machine's CPUs busy (the system's CPU time
 less ours: it shows contention on machines with more cores than threads), or when the
-reference type, read first in every round, drifts from its best. The figures are kept only when every type was read at least twice within
-``AGREE`` of its best; otherwise nothing is saved and plans go by memory until a later try.
+reference type, read first in every round, drifts from its best. Each type's figure is its
+fastest reading that another reading confirms (within ``AGREE``); the figures are kept only
+when every type has one, otherwise nothing is saved and plans go by memory until a later try.
 """
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 from collections.abc import Callable
@@ -43,7 +45,7 @@ GEN_TOKENS = 25  # 24 timed steps: 16 read too noisy to agree within AGREE at ti
 MIN_CPU_SHARE = 0.8  # of threads x wall time: below it another program had the cores
 MAX_OTHERS_SHARE = 0.15  # of all CPUs' time, used by other programs while a file was read
 DRIFT = 0.2  # a round whose reference reads this much slower than its best is thrown away
-AGREE = 0.15  # a type's two best generation readings within this of each other: settled
+AGREE = 0.15  # a reading confirmed by another this close to it: settled
 # Prompt readings (a 64-token batch, tens of milliseconds) swing more between runs of an idle
 # machine (a Q4_K file read 690-866 tok/s); they price prefill only, and contention shows in
 # the generation readings and the CPU shares.
@@ -86,27 +88,48 @@ def round_order(names: list[str], round_index: int) -> list[str]:
 
 def clean_rounds(rounds: list[list[Reading]]) -> list[list[Reading]]:
     """The rounds worth keeping: every reading had its CPU share, and the reference read
-    within ``DRIFT`` of the best clean reference."""
+    within ``DRIFT`` of the best clean reference (its fastest confirmed reading)."""
     # The tiny model's token is too short to load both threads: its share says nothing.
     fair = [r for r in rounds if r and all(_fair(x) for x in r)]
     references = [x.gen_s for r in fair for x in r if x.name == REFERENCE]
     if not references:
         return fair
-    best = min(references)
+    best = confirmed(references, AGREE) or min(references)  # a lone fast one sets no bar
     return [r for r in fair if all(x.gen_s <= best * (1 + DRIFT) for x in r if x.name == REFERENCE)]
 
 
 def settle(rounds: list[list[Reading]], names: list[str]) -> dict[str, Reading] | None:
-    """Each file's best reading, once every file has two clean readings that agree within
-    ``AGREE`` (prompt: ``PROMPT_AGREE``; the tiny model's milliseconds need only be clean);
-    None while they do not."""
+    """Each file's fastest confirmed reading (``confirmed``), once every file has one
+    (generation within ``AGREE``, prompt within ``PROMPT_AGREE``; the tiny model's
+    milliseconds need only be clean: its fastest); None while one has not."""
     kept = clean_rounds(rounds)
     best = best_readings(kept, names)
+    settled: dict[str, Reading] = {}
     for name in names:
-        readings = [x for r in kept for x in r if x.name == name]
-        if name not in best or (name != OVERHEAD and not _two_agree(readings)):
+        if name not in best:
             return None
-    return best
+        if name == OVERHEAD:
+            settled[name] = best[name]
+            continue
+        readings = [x for r in kept for x in r if x.name == name]
+        gen = confirmed([x.gen_s for x in readings], AGREE)
+        prompt = confirmed([x.prompt_s for x in readings], PROMPT_AGREE)
+        if gen is None or prompt is None:
+            return None
+        share = next(x.cpu_share for x in readings if x.gen_s == gen)
+        settled[name] = Reading(name, gen, prompt, share)
+    return settled
+
+
+def confirmed(seconds: list[float], tolerance: float) -> float | None:
+    """The fastest reading another one confirms (the next slower within ``tolerance``):
+    a lone fast reading (a moment of boost, a lucky schedule) cannot be repeated, so it does
+    not keep the rest from settling; None while no two agree."""
+    ordered = sorted(seconds)
+    for fast, next_one in itertools.pairwise(ordered):
+        if next_one <= fast * (1 + tolerance):
+            return fast
+    return None
 
 
 def best_readings(rounds: list[list[Reading]], names: list[str]) -> dict[str, Reading]:
@@ -121,11 +144,10 @@ def best_readings(rounds: list[list[Reading]], names: list[str]) -> dict[str, Re
 
 
 def _two_agree(readings: list[Reading]) -> bool:
-    if len(readings) < 2:
-        return False
-    gens = sorted(x.gen_s for x in readings)
-    prompts = sorted(x.prompt_s for x in readings)
-    return gens[1] <= gens[0] * (1 + AGREE) and prompts[1] <= prompts[0] * (1 + PROMPT_AGREE)
+    return (
+        confirmed([x.gen_s for x in readings], AGREE) is not None
+        and confirmed([x.prompt_s for x in readings], PROMPT_AGREE) is not None
+    )
 
 
 def solve_costs(files: list[tuple[dict[str, int], float]], overhead_s: float) -> dict[str, float]:

@@ -139,14 +139,14 @@ def parse_request(body: Any, chat: bool) -> GenerationRequest:
             raise _bad("prompt must be a string", "invalid_type")
         messages, prompt = None, raw
     max_tokens = _integer(body, "max_completion_tokens", 1) or _integer(body, "max_tokens", 1)
-    seed = _integer(body, "seed", 0)
+    seed = _integer(body, "seed", -1)  # -1 (llama-server) or none: a new one each time
     sampling = Sampling(
         temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
         top_p=_number(body, "top_p", 1.0, 0.0, 1.0),
         top_k=int(_number(body, "top_k", 40, 0, 1_000_000)),
         min_p=_number(body, "min_p", 0.05, 0.0, 1.0),
         repeat_penalty=_number(body, "repeat_penalty", 1.0, 0.0, 10.0),
-        seed=seed if seed is not None else random.randrange(2**31),  # none given: not fixed
+        seed=seed if seed is not None and seed >= 0 else random.randrange(2**31),
     )
     stream = body.get("stream", False)
     if not isinstance(stream, bool):

@@ -10,6 +10,7 @@ import asyncio
 import hmac
 import json
 import threading
+import time
 from collections.abc import AsyncIterator
 from dataclasses import replace
 from typing import Any
@@ -17,6 +18,7 @@ from typing import Any
 from sse_starlette.sse import EventSourceResponse
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
@@ -36,6 +38,7 @@ from localchat.server.runner import ModelRunner
 MAX_BODY_BYTES = 8 * 2**20  # a long conversation with files fits; more is refused
 DRAIN_LIMIT_BYTES = 64 * 2**20
 RETRY_AFTER_S = 2
+DISCONNECT_POLL_S = 0.25
 OPEN_PATHS = ("/health",)  # answered without the API key (load balancers, probes)
 _RUNNING: set[asyncio.Task[None]] = set()  # turns whose client left, still ending
 
@@ -64,13 +67,43 @@ async def _json_body(request: Request) -> Any:
         raise ApiError(400, f"the body is not valid JSON ({exc})", code="invalid_json") from None
 
 
-def create_app(runner: ModelRunner, api_key: str | None = None) -> Starlette:
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "[::1]", "::1")
+# What a web page may POST without asking the browser first: never a model's request here.
+BROWSER_SIMPLE_TYPES = ("text/plain", "application/x-www-form-urlencoded", "multipart/form-data")
+
+
+def _host_name(header: str) -> str:
+    """The name in a Host header, without its port ("[::1]:8080" -> "[::1]")."""
+    if header.startswith("["):
+        return header[: header.find("]") + 1]
+    return header.rsplit(":", 1)[0]
+
+
+def _refuse_browsers(request: Request, loopback: bool) -> None:
+    """Without a key, only this machine's own clients: a body a web page may send unasked
+    (a form, plain text) is refused, and on loopback a request for another host name (a
+    page's DNS rebinding)."""
+    host = _host_name(request.headers.get("host", ""))
+    if loopback and host and host not in LOOPBACK_HOSTS:
+        raise ApiError(403, f"this server answers on loopback only, not for host {host!r};"
+                       " give it --api-key to serve other names", "permission_error", "forbidden_host")  # fmt: skip
+    kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if request.method == "POST" and kind in BROWSER_SIMPLE_TYPES:
+        raise ApiError(415, "send the body as application/json (Content-Type: application/json)",
+                       code="unsupported_media_type")  # fmt: skip
+
+
+def create_app(runner: ModelRunner, api_key: str | None = None, loopback: bool = True) -> Starlette:
     """The server's routes over ``runner``; with ``api_key``, every route but /health asks
-    for ``Authorization: Bearer <key>``."""
+    for ``Authorization: Bearer <key>``; without, browsers' requests are refused (on
+    ``loopback``, also any for another host name)."""
     names = runner.aliases()
 
     def check_key(request: Request) -> None:
-        if api_key is None or request.url.path in OPEN_PATHS:
+        if request.url.path in OPEN_PATHS:
+            return
+        if api_key is None:
+            _refuse_browsers(request, loopback)
             return
         given = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
         if not hmac.compare_digest(given.encode(), api_key.encode()):
@@ -110,14 +143,18 @@ def create_app(runner: ModelRunner, api_key: str | None = None) -> Starlette:
             raise ApiError(400, "content must be a string", code="invalid_type")
         special = bool(body.get("add_special", False))
         engine = runner.engine
-        tokens = await run_in_threadpool(
-            run_compute, engine.tokenize, content, add_bos=special and engine.add_bos,
-            special=bool(body.get("parse_special", True)),
-        )  # fmt: skip
-        if body.get("with_pieces"):
-            pieces = [{"id": t, "piece": engine.token_text(t)} for t in tokens]
-            return JSONResponse({"tokens": pieces})
-        return JSONResponse({"tokens": tokens})
+
+        def pieces() -> list[int] | list[dict[str, Any]]:
+            tokens = engine.tokenize(
+                content,
+                add_bos=special and engine.add_bos,
+                special=bool(body.get("parse_special", True)),
+            )
+            if body.get("with_pieces"):
+                return [{"id": t, "piece": engine.token_text(t)} for t in tokens]
+            return tokens
+
+        return JSONResponse({"tokens": await run_in_threadpool(run_compute, pieces)})
 
     async def detokenize(request: Request) -> Response:
         body = await _json_body(request)
@@ -128,14 +165,14 @@ def create_app(runner: ModelRunner, api_key: str | None = None) -> Starlette:
         ):
             raise ApiError(400, f"tokens must be a list of ids from 0 to {n_vocab - 1}",
                            code="invalid_type")  # fmt: skip
-        text = await run_in_threadpool(run_compute, runner.engine.detokenize, tokens)
+        text = await run_in_threadpool(run_compute, runner.engine.detokenize, tokens, True)
         return JSONResponse({"content": text})
 
     async def chat(request: Request) -> Response:
-        return await _generate(runner, await _request_of(request, names, True))
+        return await _generate(runner, await _request_of(request, names, True), request)
 
     async def complete(request: Request) -> Response:
-        return await _generate(runner, await _request_of(request, names, False))
+        return await _generate(runner, await _request_of(request, names, False), request)
 
     def route(path: str, handler: Any, methods: list[str]) -> Route:
         async def endpoint(request: Request) -> Response:
@@ -144,8 +181,15 @@ def create_app(runner: ModelRunner, api_key: str | None = None) -> Starlette:
         return Route(path, endpoint, methods=methods)
 
     async def failed(_request: Request, exc: Exception) -> Response:
-        body = ApiError(500, f"the server failed: {type(exc).__name__}: {exc}", "server_error")
-        return _error(body)
+        return _error(
+            ApiError(
+                500, f"the server failed ({type(exc).__name__}); see its terminal", "server_error"
+            )
+        )
+
+    async def http_error(_request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, HTTPException)
+        return _error(ApiError(exc.status_code, str(exc.detail), code="not_found"))
 
     return Starlette(
         routes=[
@@ -160,7 +204,7 @@ def create_app(runner: ModelRunner, api_key: str | None = None) -> Starlette:
             route("/v1/completions", complete, ["POST"]),
             route("/completions", complete, ["POST"]),
         ],
-        exception_handlers={Exception: failed},
+        exception_handlers={Exception: failed, HTTPException: http_error},
     )
 
 
@@ -172,7 +216,7 @@ async def _request_of(request: Request, names: set[str], chat: bool) -> Generati
     return parsed
 
 
-async def _generate(runner: ModelRunner, request: GenerationRequest) -> Response:
+async def _generate(runner: ModelRunner, request: GenerationRequest, http: Request) -> Response:
     """Admit, tokenize (a prompt the context cannot hold is refused before any stream
     starts), then stream the reply or return it whole."""
     runner.admit()
@@ -186,12 +230,26 @@ async def _generate(runner: ModelRunner, request: GenerationRequest) -> Response
     if request.stream:
         return EventSourceResponse(_stream(runner, request, prompt, max_tokens), ping=15)
     pieces: dict[str, list[str]] = {"text": [], "reasoning": []}
-    stats = await run_in_threadpool(
-        _run_job, runner, request, prompt, max_tokens, threading.Event(),
-        lambda kind, text: pieces[kind].append(text),
-    )  # fmt: skip
+    cancel = threading.Event()
+    watcher = asyncio.create_task(_cancel_when_gone(http, cancel))
+    try:
+        stats = await run_in_threadpool(
+            _run_job, runner, request, prompt, max_tokens, cancel,
+            lambda kind, text: pieces[kind].append(text),
+        )  # fmt: skip
+    finally:
+        watcher.cancel()
     body = completion_body(request, "".join(pieces["text"]), "".join(pieces["reasoning"]), stats)
     return JSONResponse(body)
+
+
+async def _cancel_when_gone(http: Request, cancel: threading.Event) -> None:
+    """A whole-body request whose client left (a timeout, an editor's retry) stops its turn."""
+    while not cancel.is_set():
+        if await http.is_disconnected():
+            cancel.set()
+            return
+        await asyncio.sleep(DISCONNECT_POLL_S)
 
 
 def _run_job(
@@ -263,3 +321,27 @@ async def _stream(
         cancel.set()  # the turn stops at its next token; its task ends on its own
         _RUNNING.add(task)
         task.add_done_callback(_RUNNING.discard)
+
+
+class BackgroundServer:
+    """``runner`` served by uvicorn on a free loopback port, in a thread of this process:
+    what the tests and the bench talk to through real clients. ``close()`` stops it (the
+    runner is the caller's)."""
+
+    def __init__(self, runner: ModelRunner, api_key: str | None = None) -> None:
+        import uvicorn
+
+        config = uvicorn.Config(create_app(runner, api_key), "127.0.0.1", 0, log_level="warning")
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, name="serve", daemon=True)
+        self.thread.start()
+        while not self.server.started and self.thread.is_alive():
+            time.sleep(0.01)
+        if not self.server.started:
+            raise RuntimeError("the server did not start")
+        port = self.server.servers[0].sockets[0].getsockname()[1]
+        self.root = f"http://127.0.0.1:{port}"
+
+    def close(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=30)

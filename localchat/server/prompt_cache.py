@@ -34,6 +34,7 @@ from localchat.state.kvstate import (
 )
 
 BLOCK = 64  # tokens a hash names; a shorter match is not worth a file read
+MAX_PENDING = 4  # saves waiting for the disk; beyond it a new one is skipped
 ID_PREFIX = "serve-"
 
 
@@ -61,7 +62,12 @@ class CacheHit:
 
 
 class PromptCache:
-    """The index of the server's saved states for one model, and their saves."""
+    """The index of the server's saved states for one model, and their saves.
+
+    A state joins the index when its save is queued and is served from memory until it is
+    on disk (``_pending``); the state it replaces leaves the disk once the new one is there.
+    Saves are best effort: while ``MAX_PENDING`` wait for the disk, a new one is skipped
+    (the cache in memory still serves the next request)."""
 
     def __init__(self, states: StateStore, key: StateKey, saver: BackgroundSaver) -> None:
         self.states = states
@@ -69,68 +75,87 @@ class PromptCache:
         self.saver = saver
         self._lock = threading.Lock()
         self._by_block: dict[str, str] = {}  # chained block hash -> state id
-        self._lengths: dict[str, int] = {}  # state id -> tokens it holds
+        self._blocks: dict[str, list[str]] = {}  # state id -> its block hashes
+        self._pending: dict[str, SavedState] = {}  # queued, not yet on disk
         self._scan()
 
     def _scan(self) -> None:
         """Index the states earlier runs saved for this model (the newest wins a block)."""
         pattern = f"{ID_PREFIX}*.{self.key.model_fingerprint[:16]}{SUFFIX}"
-        files = sorted(self.states.directory.glob(pattern), key=lambda p: p.stat().st_mtime)
-        for path in files:
+        found = []
+        for path in self.states.directory.glob(pattern):
             try:
-                tokens = read_state_tokens(path, self.key)
-            except (StateRejected, FileNotFoundError):
+                found.append((path.stat().st_mtime, path, read_state_tokens(path, self.key)))
+            except (StateRejected, OSError):  # damaged, another key, or evicted meanwhile
                 continue
+        for _mtime, path, tokens in sorted(found, key=lambda f: f[0]):
             self._add(path.name.split(".", 1)[0], tokens)
 
     def _add(self, sid: str, tokens: Sequence[int]) -> None:
+        blocks = block_hashes(tokens)
         with self._lock:
-            for block in block_hashes(tokens):
+            for block in blocks:
                 self._by_block[block] = sid
-            self._lengths[sid] = len(tokens)
+            self._blocks[sid] = blocks
 
     def _forget(self, sid: str) -> None:
         with self._lock:
-            self._lengths.pop(sid, None)
-            for block in [b for b, s in self._by_block.items() if s == sid]:
-                del self._by_block[block]
+            for block in self._blocks.pop(sid, []):
+                if self._by_block.get(block) == sid:
+                    del self._by_block[block]
 
     def __len__(self) -> int:
-        return len(self._lengths)
+        return len(self._blocks)
 
-    def lookup(self, prompt: Sequence[int]) -> CacheHit | None:
-        """The saved state sharing the longest prefix with ``prompt`` (whole blocks at
-        least), validated; None when there is none."""
+    def lookup(self, prompt: Sequence[int], beyond: int = 0) -> CacheHit | None:
+        """The saved state sharing the longest prefix with ``prompt``, validated, where it
+        holds at least a block more than ``beyond`` tokens (what the caller already has);
+        None when there is none."""
         hashes = block_hashes(prompt)
         for index in range(len(hashes) - 1, -1, -1):
+            if (index + 1) * BLOCK < beyond + BLOCK:
+                break  # shorter than what the caller holds: not worth a read
             with self._lock:
                 sid = self._by_block.get(hashes[index])
+                state = self._pending.get(sid) if sid is not None else None
             if sid is None:
                 continue
-            try:
-                state = self.states.load(sid, self.key)
-            except StateRejected:  # evicted by the budget, or damaged: forget it
-                self._forget(sid)
-                continue
+            if state is None:
+                try:
+                    state = self.states.load(sid, self.key)
+                except StateRejected:  # evicted by the budget, or damaged: forget it
+                    self._forget(sid)
+                    continue
             shared = common_prefix(state.tokens, prompt)
             if shared >= (index + 1) * BLOCK:  # the hash is the ids: never another's state
                 return CacheHit(state, shared, sid)
             self._forget(sid)
         return None
 
-    def save(self, tokens: Sequence[int], payload: bytes, replaces: str | None = None) -> str:
-        """Save the state holding ``tokens`` in the background; ``replaces``: a state whose
-        tokens are a prefix of these, dropped once the new one is on disk."""
+    def save(
+        self, tokens: Sequence[int], payload: bytes, replaces: str | None = None
+    ) -> str | None:
+        """Save the state holding ``tokens`` in the background (None: skipped, the disk is
+        behind); ``replaces``: a state whose tokens are a prefix of these, dropped once the
+        new one is on disk."""
         sid = state_id(tokens)
+        with self._lock:
+            if len(self._pending) >= MAX_PENDING:
+                return None
+        state = SavedState(self.key, list(tokens), payload)
+        with self._lock:
+            self._pending[sid] = state
+        self._add(sid, tokens)
         if replaces == sid:
             replaces = None
         if replaces is not None:
             self._forget(replaces)
 
-        def drop_replaced() -> None:
+        def on_disk() -> None:  # saves run in order: the replaced one was written first
+            with self._lock:
+                self._pending.pop(sid, None)
             if replaces is not None:
                 self.states.discard(replaces, self.key.model_fingerprint)
 
-        self.saver.save(sid, SavedState(self.key, list(tokens), payload), drop_replaced)
-        self._add(sid, tokens)
+        self.saver.save(sid, state, on_disk)
         return sid

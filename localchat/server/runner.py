@@ -127,6 +127,12 @@ class ModelRunner:
         engine = self.engine
         engine.cache_owner = OWNER
         restored, continues = self._start_from_cache(prompt)
+        if request.messages is None:  # a raw completion: any reasoning is just its text
+            answer = emit
+
+            def emit(_kind: str, text: str) -> None:
+                answer("text", text)
+
         generation = engine.generate(prompt, request.sampling, max_tokens, cancel)
         stops = StopFilter(request.stop)
         stopped = False
@@ -164,13 +170,13 @@ class ModelRunner:
         engine = self.engine
         in_memory = common_prefix(engine.cached_tokens, prompt)
         restored = 0
-        if len(prompt) - in_memory > BLOCK:
-            hit = self.cache.lookup(prompt)
-            if hit is not None and hit.shared > in_memory:
-                state = hit.state
-                if engine.load_sequence_state(state.payload, state.tokens):
-                    self._held = (hit.state_id, list(state.tokens))
-                    restored = min(hit.shared, len(prompt) - 1)
+        hit = self.cache.lookup(prompt, beyond=in_memory)
+        # A window cache cannot be cut back far: there only a state wholly inside the prompt.
+        if hit is not None and (not engine.windowed or hit.shared == len(hit.state.tokens)):
+            state = hit.state
+            if engine.load_sequence_state(state.payload, state.tokens):
+                self._held = (hit.state_id, list(state.tokens))
+                restored = min(hit.shared, len(prompt) - 1)
         held = self._held
         continues = None
         if held is not None and common_prefix(held[1], prompt) == len(held[1]):
@@ -194,10 +200,14 @@ class ModelRunner:
         """Save what the cache holds (the prompt and the reply) in the background."""
         engine = self.engine
         tokens = engine.cached_tokens
-        if len(tokens) < BLOCK:
-            return
+        held = self._held
+        if len(tokens) < BLOCK or (
+            replaces is not None and held is not None and len(tokens) < len(held[1]) + BLOCK
+        ):
+            return  # short, or less than a block past the state it continues: not worth a write
         sid = self.cache.save(tokens, engine.save_sequence_state(), replaces)
-        self._held = (sid, tokens)
+        if sid is not None:
+            self._held = (sid, tokens)
 
     # -- what /metrics shows ---------------------------------------------------------------
     def metrics(self) -> str:

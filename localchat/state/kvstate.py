@@ -169,9 +169,11 @@ def read_state_tokens(path: Path, expected: StateKey) -> list[int]:
             if key != expected:
                 raise StateRejected("saved under another model, context or build")
             n_tokens = int(header["n_tokens"])
+            if not 0 <= n_tokens <= key.n_ctx:
+                raise StateRejected("corrupt header")
             tokens = array("i")
             tokens.frombytes(handle.read(4 * n_tokens))
-    except (OSError, struct.error, ValueError, KeyError, TypeError):
+    except (OSError, struct.error, ValueError, KeyError, TypeError, MemoryError):
         raise StateRejected("unreadable or truncated") from None
     if len(tokens) != n_tokens:
         raise StateRejected("truncated file")
@@ -304,7 +306,7 @@ class BackgroundSaver:
     def save(
         self, conversation_id: str, state: SavedState, then: Callable[[], None] | None = None
     ) -> None:
-        """Queue a save; ``then`` runs on the saver's thread once it is on disk."""
+        """Queue a save; ``then`` runs on the saver's thread after it (written or failed)."""
         self._queue.put((conversation_id, state, then))
 
     def wait(self, timeout: float | None = 60.0) -> bool:
@@ -327,12 +329,13 @@ class BackgroundSaver:
                 conversation_id, state, then = item
                 try:
                     self.states.save(conversation_id, state)
-                    if then is not None:
-                        then()
                 except Exception as exc:  # the saver must outlive any failure: report, go on
                     reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
                     self.last_error = f"KV state not saved ({reason}); the transcript is safe"
                     if self.on_error is not None:
                         self.on_error(self.last_error)
+                finally:
+                    if then is not None:
+                        then()
             finally:
                 self._queue.task_done()

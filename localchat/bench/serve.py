@@ -1,0 +1,177 @@
+"""``bench --only serve``: ``localchat serve`` on the real SmolLM2, read by a plain HTTP
+client (httpx, the SSE lines parsed and nothing else).
+
+- ``serve_gen_ratio``: one stream's tokens/s as the client reads it over the engine's own
+  for the same greedy reply in this process (median of rounds, the order alternating).
+- ``serve_restart_ttft_ratio``: a 2,000-token conversation's next request right after the
+  server restarted (its state restored from disk) over the same request warm; with
+  ``serve_reread_ttft_s``, what re-reading the conversation costs (a server without it).
+- ``serve_join_ttft_ratio``: a short request that arrives while another streams a 300-token
+  reply, its first-token time over its time alone (this version answers in turn: it waits).
+- ``serve_parallel_throughput``: four concurrent streams' tokens/s over one stream's.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from localchat.bench.common import Progress, _say, filler_text, scratch_dir
+from localchat.cpu import physical_cores
+
+SERVE_CTX = 4096
+GEN_TOKENS = 200
+GEN_ROUNDS = 3
+JOIN_TOKENS = 300
+HISTORY_WORDS = 1900  # with the template: about 2,000 tokens
+PARALLEL = 4
+PARALLEL_TOKENS = 64
+QUESTION = "Write a long essay about memory."
+
+
+def _stream(root: str, messages: list[dict[str, str]], max_tokens: int) -> dict[str, float]:
+    """One streamed greedy reply read with httpx: when it was sent, its first and last
+    content chunk, and the chunks read."""
+    import httpx
+
+    body = {"messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True}
+    sent = time.perf_counter()
+    first = last = 0.0
+    chunks = 0
+    with httpx.stream("POST", f"{root}/v1/chat/completions", json=body, timeout=600) as reply:
+        for line in reply.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            choices = json.loads(line[6:]).get("choices") or [{}]
+            if choices[0].get("delta", {}).get("content"):
+                last = time.perf_counter()
+                first = first or last
+                chunks += 1
+    return {"ttft_s": first - sent, "chunks": chunks, "tps": (chunks - 1) / max(1e-9, last - first)}
+
+
+def bench_serve(model_path: Path, progress: Progress = None) -> dict[str, Any]:
+    """The server's figures on SmolLM2 (``model_path`` is not used: a real template)."""
+    from localchat.models.starter import ensure_starter
+    from localchat.paths import app_paths
+
+    starter = ensure_starter(app_paths(), hub=False)
+    if not starter.real:
+        return {"serve_skipped": f"SmolLM2 could not be had: {starter.note}"}
+    with scratch_dir("serve") as scratch:
+        results = _gen_and_join(starter.path, scratch / "states", progress)
+        results.update(_restart(starter.path, scratch / "restart", progress))
+    return results
+
+
+def _gen_and_join(model: Path, states: Path, progress: Progress) -> dict[str, Any]:
+    from localchat.backends.compute_thread import run_compute
+    from localchat.bench.common import cold_greedy_turn
+    from localchat.chat.template import ChatMessage
+
+    with _Served(model, states) as (runner, root):
+        engine = runner.engine
+        messages = [{"role": "user", "content": QUESTION}]
+        prompt = run_compute(engine.prompt_tokens, [ChatMessage("user", QUESTION)])
+        ratios = []
+        for index in range(GEN_ROUNDS):
+            order = ("engine", "server") if index % 2 == 0 else ("server", "engine")
+            tps: dict[str, float] = {}
+            for side in order:
+                if side == "engine":
+                    stats = run_compute(cold_greedy_turn, engine, prompt, GEN_TOKENS)
+                    tps[side] = stats.gen_tps
+                else:
+                    run_compute(engine.reset)  # the same cold start as the engine's
+                    tps[side] = _stream(root, messages, GEN_TOKENS)["tps"]
+            ratios.append(tps["server"] / tps["engine"])
+            _say(progress, f"serve: round {index + 1}: {tps['server']:.1f} tok/s read over"
+                 f" HTTP, {tps['engine']:.1f} in process")  # fmt: skip
+        short = [{"role": "user", "content": "Say hi."}]
+        alone = _stream(root, short, 8)["ttft_s"]
+        long_reply = threading.Thread(target=_stream, args=(root, messages, JOIN_TOKENS))
+        long_reply.start()
+        time.sleep(0.5)  # the long reply streams
+        joined = _stream(root, short, 8)["ttft_s"]
+        long_reply.join()
+        _say(
+            progress, f"serve: a short request alone {alone:.2f} s, beside a stream {joined:.2f} s"
+        )
+        one = _stream(root, messages, PARALLEL_TOKENS)["tps"]
+        began = time.perf_counter()
+        streams = [
+            threading.Thread(target=_stream, args=(root, messages, PARALLEL_TOKENS))
+            for _ in range(PARALLEL)
+        ]
+        for stream in streams:
+            stream.start()
+        for stream in streams:
+            stream.join()
+        together = PARALLEL * PARALLEL_TOKENS / (time.perf_counter() - began)
+    return {
+        "serve_gen_ratio": round(statistics.median(ratios), 3),
+        "serve_join_alone_ttft_s": round(alone, 3),
+        "serve_join_ttft_s": round(joined, 3),
+        "serve_join_ttft_ratio": round(joined / alone, 2),
+        "serve_parallel_throughput": round(together / one, 3),
+    }
+
+
+def _restart(model: Path, states: Path, progress: Progress) -> dict[str, Any]:
+    """A 2,000-token conversation: its next request right after a restart, warm, and on a
+    server that has nothing saved (a re-read)."""
+    history = [
+        {"role": "system", "content": filler_text(0, HISTORY_WORDS)},
+        {"role": "user", "content": "Summarize that in one line."},
+    ]
+    with _Served(model, states) as (_runner, root):
+        reply = _stream(root, history, 16)
+    assert reply["chunks"] > 0
+    history += [
+        {"role": "assistant", "content": "It is about a cache."},
+        {"role": "user", "content": "And in three words?"},
+    ]
+    with _Served(model, states) as (runner, root):
+        restored = _stream(root, history, 8)["ttft_s"]
+        warm = _stream(root, history, 8)["ttft_s"]
+        tokens = runner.counters.prompt_tokens // 2
+    with scratch_dir("serve-cold") as empty, _Served(model, empty) as (_runner, root):
+        reread = _stream(root, history, 8)["ttft_s"]
+    _say(progress, f"serve: {tokens} tokens: {restored:.2f} s after a restart, {warm:.2f} s"
+         f" warm, {reread:.2f} s re-read")  # fmt: skip
+    return {
+        "serve_history_tokens": tokens,
+        "serve_restart_ttft_s": round(restored, 3),
+        "serve_warm_ttft_s": round(warm, 3),
+        "serve_reread_ttft_s": round(reread, 3),
+        "serve_restart_ttft_ratio": round(restored / warm, 3),
+    }
+
+
+class _Served:
+    """SmolLM2 behind the real server in this process, with its states in ``states``."""
+
+    def __init__(self, model: Path, states: Path) -> None:
+        self.model, self.states = model, states
+
+    def __enter__(self) -> tuple[Any, str]:
+        from localchat.backends.compute_thread import run_compute
+        from localchat.backends.llama.engine import Engine, LoadOptions
+        from localchat.server.app import BackgroundServer
+        from localchat.server.runner import ModelRunner
+        from localchat.state.kvstate import StateStore
+
+        options = LoadOptions(n_ctx=SERVE_CTX, n_threads=physical_cores())
+        self.engine = run_compute(Engine, self.model, options)
+        self.runner = ModelRunner(self.engine, StateStore(self.states), "smollm2")
+        self.server = BackgroundServer(self.runner)
+        return self.runner, self.server.root
+
+    def __exit__(self, *_exc: object) -> None:
+        self.server.close()
+        self.runner.close()
+        self.engine.close()
