@@ -45,6 +45,50 @@ def _servers(path: Path, value: object) -> tuple[ServerConfig, ...]:
     return tuple(servers)
 
 
+LOG_FORMATS = ("text", "json")
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    """``[serve]``: how ``localchat serve`` listens; its flags override each. The API key
+    itself stays out of files: ``api_key_env`` names the variable that holds it."""
+
+    host: str = "127.0.0.1"
+    port: int = 8080
+    ctx: int | None = None
+    log_format: str = "text"
+    api_key_env: str | None = None
+
+
+def _serve(path: Path, value: object) -> ServeConfig:
+    if not isinstance(value, dict):
+        raise UsageError(f"{path}: serve must be a [serve] table")
+    known = {f.name for f in fields(ServeConfig)}
+    unknown = sorted(set(value) - known)
+    if unknown:
+        raise UsageError(
+            f"{path}: [serve] has no {', '.join(unknown)}; known: {', '.join(sorted(known))}"
+        )
+    config = ServeConfig(**value)
+    port_ok = (
+        isinstance(config.port, int)
+        and not isinstance(config.port, bool)
+        and 0 < config.port < 65536
+    )
+    ctx_ok = config.ctx is None or (isinstance(config.ctx, int) and config.ctx > 0)
+    if not isinstance(config.host, str) or not config.host or not port_ok or not ctx_ok:
+        raise UsageError(
+            f"{path}: [serve] host must be an address, port 1 to 65535, ctx a positive number"
+        )
+    if config.log_format not in LOG_FORMATS:
+        raise UsageError(
+            f"{path}: [serve] log_format must be one of {', '.join(LOG_FORMATS)}, not {config.log_format!r}"
+        )
+    if config.api_key_env is not None and not isinstance(config.api_key_env, str):
+        raise UsageError(f"{path}: [serve] api_key_env must name an environment variable")
+    return config
+
+
 @dataclass(frozen=True)
 class Settings:
     state_budget_bytes: int = DEFAULT_BUDGET_BYTES
@@ -104,6 +148,9 @@ class Settings:
     ``name``, ``url`` — the API base, e.g. http://gpu-box:8000/v1 — and optionally
     ``key_env``, the environment variable holding its API key)."""
 
+    serve: ServeConfig = ServeConfig()
+    """``localchat serve``'s address, context and log format (``[serve]``)."""
+
     def server(self, spec: str) -> ServerConfig:
         """A server by its configured name, or a URL given as is."""
         found = next((s for s in self.servers if s.name == spec), None)
@@ -134,6 +181,8 @@ def load_settings(path: Path) -> Settings:
             name, value = "state_budget_bytes", parse_size(str(value))
         if name == "servers":
             value = _servers(path, value)
+        if name == "serve":
+            value = _serve(path, value)
         if name not in known:
             raise UsageError(f"{path}: unknown setting {key!r}; known: {', '.join(sorted(known))}")
         values[name] = value
@@ -175,6 +224,7 @@ def load_settings(path: Path) -> Settings:
             "speculative",
             "draft_model",
             "servers",
+            "serve",
         ):
             continue
         if not isinstance(value, int | float) or isinstance(value, bool) or value < 0:

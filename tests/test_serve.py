@@ -5,7 +5,10 @@ and every bad request is an OpenAI-shaped error with its status."""
 
 from __future__ import annotations
 
+import io
+import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -23,9 +26,11 @@ from localchat.backends.llama.engine import Engine, LoadOptions
 from localchat.backends.remote import RemoteBackend
 from localchat.chat.template import ChatMessage
 from localchat.cli.main import main
+from localchat.errors import UsageError
 from localchat.paths import app_paths
 from localchat.server.app import BackgroundServer
 from localchat.server.runner import ModelRunner
+from localchat.settings import load_settings
 from localchat.state.kvstate import StateStore
 
 NAME = "smollm2"
@@ -267,7 +272,12 @@ def test_the_cli_serves_and_stops_on_a_signal_after_its_saves(
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     command = [sys.executable, "-m", "localchat", "serve", "--model-path", str(smollm2),
-               "--port", str(port), "--ctx", "1024"]  # fmt: skip
+               "--ctx", "1024"]  # fmt: skip
+    if stop == signal.SIGINT:
+        command += ["--port", str(port)]
+    else:  # a service: its address and JSON lines from settings.toml's [serve]
+        app_paths().settings_file.parent.mkdir(parents=True, exist_ok=True)
+        app_paths().settings_file.write_text(f'[serve]\nport = {port}\nlog_format = "json"\n')
     process = subprocess.Popen(
         command, env=dict(os.environ), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
@@ -290,8 +300,32 @@ def test_the_cli_serves_and_stops_on_a_signal_after_its_saves(
     finally:
         process.send_signal(stop)
         exited = process.wait(timeout=30)
-    assert exited == code, process.stderr.read() if process.stderr else ""
+    err = process.stderr.read() if process.stderr else ""
+    assert exited == code, err
     assert list(app_paths().states_dir.glob("serve-*")), "the reply's state was saved first"
+    lines = [line for line in err.splitlines() if line.startswith("{")]
+    if stop == signal.SIGTERM:  # one JSON object per request
+        record = json.loads(lines[0])
+        assert record["endpoint"] == "chat" and record["completion_tokens"] > 0
+    else:  # not a terminal: a line per request
+        assert "chat: " in err and "generated at" in err and not lines
+
+
+def test_serve_settings_are_checked_in_one_line(tmp_path: Path) -> None:
+    settings = tmp_path / "settings.toml"
+    settings.write_text('[serve]\nhost = "0.0.0.0"\nport = 9000\napi_key_env = "MY_KEY"\n')
+    config = load_settings(settings).serve
+    assert (config.host, config.port, config.api_key_env, config.log_format) == (
+        "0.0.0.0", 9000, "MY_KEY", "text",
+    )  # fmt: skip
+    for text, said in (
+        ("[serve]\nport = 70000\n", "port 1 to 65535"),
+        ('[serve]\nlog_format = "xml"\n', "log_format must be one of text, json, not 'xml'"),
+        ('[serve]\nkey = "s3cret"\n', "[serve] has no key; known: api_key_env, ctx, host"),
+    ):
+        settings.write_text(text)
+        with pytest.raises(UsageError, match=re.escape(said)):
+            load_settings(settings)
 
 
 def test_the_prompt_cache_serves_states_before_they_are_on_disk_and_stores_a_chain_once(
@@ -327,3 +361,22 @@ def test_the_prompt_cache_serves_states_before_they_are_on_disk_and_stores_a_cha
         path.unlink()
     assert again.lookup([*longer, 5]) is None and len(again) == 0
     saver.close()
+
+
+def test_a_terminal_shows_one_status_line_redrawn_in_place(served: Served) -> None:
+    from localchat.server.live import REDRAW_S, ServerLog
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    terminal = Terminal()
+    log = ServerLog(served.runner, terminal)
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "temperature": 0}
+    httpx.post(f"{served.root}/v1/chat/completions", json=body, timeout=60)
+    time.sleep(2.5 * REDRAW_S)
+    log.close()
+    shown = terminal.getvalue()
+    assert shown.startswith("\r\x1b[2Krunning 0 · waiting 0 · last ")
+    assert "KV " in shown and "evaluated · 0 saved states" in shown  # under a block: none
+    assert "\n" not in shown.rstrip("\n")  # redrawn in place, not scrolled

@@ -4,8 +4,9 @@ client (httpx, the SSE lines parsed and nothing else).
 - ``serve_gen_ratio``: one stream's tokens/s as the client reads it over the engine's own
   for the same greedy reply in this process (median of rounds, the order alternating).
 - ``serve_restart_ttft_ratio``: a 2,000-token conversation's next request right after the
-  server restarted (its state restored from disk) over the same request warm; with
-  ``serve_reread_ttft_s``, what re-reading the conversation costs (a server without it).
+  server restarted (its state restored from disk) over the same request on a warm server
+  (one that answered the request before it: the same new tokens to evaluate); with
+  ``serve_reread_ttft_s``, what re-reading the conversation costs.
 - ``serve_join_ttft_ratio``: a short request that arrives while another streams a 300-token
   reply, its first-token time over its time alone (this version answers in turn: it waits).
 - ``serve_parallel_throughput``: four concurrent streams' tokens/s over one stream's.
@@ -122,25 +123,26 @@ def _gen_and_join(model: Path, states: Path, progress: Progress) -> dict[str, An
 
 
 def _restart(model: Path, states: Path, progress: Progress) -> dict[str, Any]:
-    """A 2,000-token conversation: its next request right after a restart, warm, and on a
-    server that has nothing saved (a re-read)."""
+    """A 2,000-token conversation's next request: right after a restart (the conversation
+    restored from disk), on a warm server that answered the request before it (the same
+    new tokens to evaluate), and what re-reading the conversation costs."""
     history = [
         {"role": "system", "content": filler_text(0, HISTORY_WORDS)},
         {"role": "user", "content": "Summarize that in one line."},
     ]
-    with _Served(model, states) as (_runner, root):
-        reply = _stream(root, history, 16)
-    assert reply["chunks"] > 0
-    history += [
+    following = [
+        *history,
         {"role": "assistant", "content": "It is about a cache."},
         {"role": "user", "content": "And in three words?"},
     ]
+    with _Served(model, states) as (_runner, root):
+        assert _stream(root, history, 16)["chunks"] > 0
     with _Served(model, states) as (runner, root):
-        restored = _stream(root, history, 8)["ttft_s"]
-        warm = _stream(root, history, 8)["ttft_s"]
-        tokens = runner.counters.prompt_tokens // 2
+        restored = _stream(root, following, 8)["ttft_s"]
+        tokens = runner.counters.prompt_tokens
     with scratch_dir("serve-cold") as empty, _Served(model, empty) as (_runner, root):
-        reread = _stream(root, history, 8)["ttft_s"]
+        reread = _stream(root, history, 16)["ttft_s"]
+        warm = _stream(root, following, 8)["ttft_s"]
     _say(progress, f"serve: {tokens} tokens: {restored:.2f} s after a restart, {warm:.2f} s"
          f" warm, {reread:.2f} s re-read")  # fmt: skip
     return {

@@ -138,8 +138,17 @@ def _port(text: str) -> int:
 
 def _serve_flags(serve: argparse.ArgumentParser) -> None:
     _model_flags(serve, default=argparse.SUPPRESS)
-    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback)")
-    serve.add_argument("--port", type=_port, default=8080, help="port (default: 8080)")
+    serve.add_argument(
+        "--host", default=None, help="address to bind (default: [serve] host, else loopback)"
+    )
+    serve.add_argument("--port", type=_port, default=None, help="port (default: 8080)")
+    serve.add_argument(
+        "--log-format",
+        choices=["text", "json"],
+        default=None,
+        help="text: a live status line on a terminal, a line per request elsewhere; json: a"
+        " JSON object per request (services)",
+    )
     serve.add_argument(
         "--api-key",
         default=None,

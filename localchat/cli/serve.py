@@ -38,6 +38,7 @@ def cmd_serve(args: argparse.Namespace, out: TextIO) -> int:
     from localchat.cli.ask import _model_path
     from localchat.paths import app_paths
     from localchat.server.app import create_app
+    from localchat.server.live import ServerLog
     from localchat.server.runner import ModelRunner
     from localchat.session import Session
     from localchat.settings import load_settings
@@ -45,15 +46,18 @@ def cmd_serve(args: argparse.Namespace, out: TextIO) -> int:
 
     if getattr(args, "server", None):
         raise UsageError("--server chats through another server; serve runs a model here")
-    api_key = args.api_key or os.environ.get(KEY_ENV) or None
-    check_exposure(args.host, api_key, args.no_auth)
     paths = app_paths()
     settings = load_settings(paths.settings_file)
+    config = settings.serve
+    host, port = args.host or config.host, args.port or config.port
+    key_envs = [e for e in (config.api_key_env, KEY_ENV) if e]
+    api_key = args.api_key or next((os.environ[e] for e in key_envs if os.environ.get(e)), None)
+    check_exposure(host, api_key, args.no_auth)
     model_path = _model_path(args)
     session = Session(paths, settings, open_stores=False)
     engine = session.load_model(
         model_path,
-        args.ctx,
+        args.ctx or config.ctx,
         args.template,
         n_threads=args.threads,
         kv_type=args.kv_type,
@@ -63,28 +67,31 @@ def cmd_serve(args: argparse.Namespace, out: TextIO) -> int:
     )
     name = args.model or Path(model_path).stem
     runner = ModelRunner(engine, StateStore(paths.states_dir, settings.state_budget_bytes), name)
-    config = uvicorn.Config(
-        create_app(runner, api_key, loopback=args.host in LOOPBACK),
-        args.host,
-        args.port,
-        log_level="warning",
-        access_log=False,
-        timeout_graceful_shutdown=STOP_GRACE_S,
+    server = uvicorn.Server(
+        uvicorn.Config(
+            create_app(runner, api_key, loopback=host in LOOPBACK),
+            host,
+            port,
+            log_level="warning",
+            access_log=False,
+            timeout_graceful_shutdown=STOP_GRACE_S,
+        )
     )
-    server = uvicorn.Server(config)
-    shown = f"[{args.host}]" if ":" in args.host else args.host
+    shown = f"[{host}]" if ":" in host else host
     print(
-        f"localchat: serving {name} (context {engine.n_ctx}) at http://{shown}:{args.port}/v1"
+        f"localchat: serving {name} (context {engine.n_ctx}) at http://{shown}:{port}/v1"
         f" · {len(runner.cache)} saved prompt states · Ctrl+C stops",
         file=out,
         flush=True,
     )
+    log = ServerLog(runner, sys.stderr, args.log_format or config.log_format)
     # uvicorn stops on SIGINT and SIGTERM itself, then hands the signal back: Ctrl+C ends as
     # any command's (130), SIGTERM as a service's (143) — both after the saves under way.
     signal.signal(signal.SIGTERM, _terminated)
     try:
         server.run()
     finally:
+        log.close()
         runner.close()
         engine.close()
     return 0

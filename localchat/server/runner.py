@@ -17,7 +17,7 @@ from localchat.backends.base import TokenDelta, TurnStats
 from localchat.backends.llama.engine import Engine
 from localchat.chat.prompt import common_prefix
 from localchat.chat.stops import StopFilter
-from localchat.server.api import DEFAULT_MAX_TOKENS, ApiError, GenerationRequest
+from localchat.server.api import DEFAULT_MAX_TOKENS, ApiError, GenerationRequest, finish_reason
 from localchat.server.prompt_cache import BLOCK, PromptCache
 from localchat.state.kvstate import BackgroundSaver, StateStore
 
@@ -42,6 +42,27 @@ class Counters:
     last: dict[str, float] = field(default_factory=dict)  # the last request's figures
 
 
+@dataclass(frozen=True)
+class TurnRecord:
+    """One answered request, as the log shows it."""
+
+    endpoint: str  # "chat" or "completions"
+    finish: str  # "stop", "length", "cancelled"
+    prompt_tokens: int
+    cached_tokens: int  # not evaluated: held in memory or restored from disk
+    restored_tokens: int  # of those, restored from a state on disk
+    completion_tokens: int
+    ttft_ms: float
+    gen_tps: float
+
+    def line(self) -> str:
+        return (
+            f"{self.endpoint}: {self.prompt_tokens} prompt tokens ({self.cached_tokens} cached,"
+            f" {self.restored_tokens} from disk), {self.completion_tokens} generated at"
+            f" {self.gen_tps:.1f} tok/s, first token {self.ttft_ms:.0f} ms, {self.finish}"
+        )
+
+
 class ModelRunner:
     """One loaded model serving requests in turn, with its prompt cache on disk."""
 
@@ -56,6 +77,7 @@ class ModelRunner:
         self.counters = Counters()
         self._lock = threading.Lock()
         self._held: tuple[str, list[int]] | None = None  # the saved state the cache continues
+        self.on_turn: Callable[[TurnRecord], None] | None = None  # each answered request
 
     def aliases(self) -> set[str]:
         """Names a request's ``model`` may give: the served name and the file's."""
@@ -153,6 +175,19 @@ class ModelRunner:
             stats.stop_reason = "stop"
         self._count(stats, restored)
         self._save(continues)
+        if self.on_turn is not None:
+            self.on_turn(
+                TurnRecord(
+                    "chat" if request.messages is not None else "completions",
+                    "cancelled" if cancel.is_set() else finish_reason(stats),
+                    stats.prompt_tokens,
+                    stats.prompt_tokens - stats.prompt_tokens_evaluated,
+                    restored,
+                    stats.generated_tokens,
+                    round(stats.ttft_s * 1000, 1),
+                    round(stats.gen_tps, 1),
+                )
+            )
         return stats
 
     def _emit(self, delta: TokenDelta, stops: StopFilter, emit: Emit) -> bool:
