@@ -1,5 +1,5 @@
-"""``bench --only serve``: ``localchat serve`` on the real SmolLM2, read by a plain HTTP
-client (httpx, the SSE lines parsed and nothing else).
+"""``bench --only serve``: ``localchat serve`` on the real SmolLM2, in a process of its own
+as clients meet it, read by a plain HTTP client (httpx, the SSE lines parsed, nothing else).
 
 - ``serve_gen_ratio``: one stream's tokens/s as the client reads it over the engine's own
   for the same greedy reply in this process (median of rounds, the order alternating).
@@ -15,13 +15,17 @@ client (httpx, the SSE lines parsed and nothing else).
 from __future__ import annotations
 
 import json
+import signal
+import socket
 import statistics
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
 from typing import Any
 
-from localchat.bench.common import Progress, _say, filler_text, scratch_dir
+from localchat.bench.common import Progress, _say, env_with_home, filler_text, scratch_dir
 from localchat.cpu import physical_cores
 
 SERVE_CTX = 4096
@@ -32,6 +36,7 @@ HISTORY_WORDS = 1900  # with the template: about 2,000 tokens
 PARALLEL = 4
 PARALLEL_TOKENS = 64
 QUESTION = "Write a long essay about memory."
+START_LIMIT_S = 120.0
 
 
 def _stream(root: str, messages: list[dict[str, str]], max_tokens: int) -> dict[str, float]:
@@ -39,20 +44,29 @@ def _stream(root: str, messages: list[dict[str, str]], max_tokens: int) -> dict[
     content chunk, and the chunks read."""
     import httpx
 
-    body = {"messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True}
+    body = {"messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}  # fmt: skip
     sent = time.perf_counter()
     first = last = 0.0
     chunks = 0
+    prompt_tokens = 0
     with httpx.stream("POST", f"{root}/v1/chat/completions", json=body, timeout=600) as reply:
         for line in reply.iter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
-            choices = json.loads(line[6:]).get("choices") or [{}]
+            chunk = json.loads(line[6:])
+            prompt_tokens = (chunk.get("usage") or {}).get("prompt_tokens", prompt_tokens)
+            choices = chunk.get("choices") or [{}]
             if choices[0].get("delta", {}).get("content"):
                 last = time.perf_counter()
                 first = first or last
                 chunks += 1
-    return {"ttft_s": first - sent, "chunks": chunks, "tps": (chunks - 1) / max(1e-9, last - first)}
+    return {
+        "ttft_s": first - sent,
+        "chunks": chunks,
+        "tps": (chunks - 1) / max(1e-9, last - first),
+        "prompt_tokens": prompt_tokens,
+    }
 
 
 def bench_serve(model_path: Path, progress: Progress = None) -> dict[str, Any]:
@@ -64,57 +78,63 @@ def bench_serve(model_path: Path, progress: Progress = None) -> dict[str, Any]:
     if not starter.real:
         return {"serve_skipped": f"SmolLM2 could not be had: {starter.note}"}
     with scratch_dir("serve") as scratch:
-        results = _gen_and_join(starter.path, scratch / "states", progress)
+        results = _gen_and_join(starter.path, scratch / "home", progress)
         results.update(_restart(starter.path, scratch / "restart", progress))
     return results
 
 
-def _gen_and_join(model: Path, states: Path, progress: Progress) -> dict[str, Any]:
-    from localchat.backends.compute_thread import run_compute
+def _gen_and_join(model: Path, home: Path, progress: Progress) -> dict[str, Any]:
+    from localchat.backends.llama.engine import Engine, LoadOptions
     from localchat.bench.common import cold_greedy_turn
     from localchat.chat.template import ChatMessage
 
-    with _Served(model, states) as (runner, root):
-        engine = runner.engine
-        messages = [{"role": "user", "content": QUESTION}]
-        prompt = run_compute(engine.prompt_tokens, [ChatMessage("user", QUESTION)])
-        ratios = []
-        for index in range(GEN_ROUNDS):
-            order = ("engine", "server") if index % 2 == 0 else ("server", "engine")
-            tps: dict[str, float] = {}
-            for side in order:
-                if side == "engine":
-                    stats = run_compute(cold_greedy_turn, engine, prompt, GEN_TOKENS)
-                    tps[side] = stats.gen_tps
-                else:
-                    run_compute(engine.reset)  # the same cold start as the engine's
-                    tps[side] = _stream(root, messages, GEN_TOKENS)["tps"]
-            ratios.append(tps["server"] / tps["engine"])
-            _say(progress, f"serve: round {index + 1}: {tps['server']:.1f} tok/s read over"
-                 f" HTTP, {tps['engine']:.1f} in process")  # fmt: skip
-        short = [{"role": "user", "content": "Say hi."}]
-        alone = _stream(root, short, 8)["ttft_s"]
-        long_reply = threading.Thread(target=_stream, args=(root, messages, JOIN_TOKENS))
-        long_reply.start()
-        time.sleep(0.5)  # the long reply streams
-        joined = _stream(root, short, 8)["ttft_s"]
-        long_reply.join()
-        _say(
-            progress, f"serve: a short request alone {alone:.2f} s, beside a stream {joined:.2f} s"
-        )
-        one = _stream(root, messages, PARALLEL_TOKENS)["tps"]
-        began = time.perf_counter()
-        streams = [
-            threading.Thread(target=_stream, args=(root, messages, PARALLEL_TOKENS))
-            for _ in range(PARALLEL)
-        ]
-        for stream in streams:
-            stream.start()
-        for stream in streams:
-            stream.join()
-        together = PARALLEL * PARALLEL_TOKENS / (time.perf_counter() - began)
+    engine = Engine(model, LoadOptions(n_ctx=SERVE_CTX, n_threads=physical_cores()))
+    try:
+        prompt = engine.prompt_tokens([ChatMessage("user", QUESTION)])
+        with _ServeProcess(model, home) as root:
+            messages = [{"role": "user", "content": QUESTION}]
+            ratios = []
+            for index in range(GEN_ROUNDS):
+                order = ("engine", "server") if index % 2 == 0 else ("server", "engine")
+                tps: dict[str, float] = {}
+                for side in order:
+                    if side == "engine":
+                        tps[side] = cold_greedy_turn(engine, prompt, GEN_TOKENS).gen_tps
+                    else:  # the server keeps the prompt from the round before: same work
+                        tps[side] = _stream(root, messages, GEN_TOKENS)["tps"]
+                ratios.append(tps["server"] / tps["engine"])
+                _say(progress, f"serve: round {index + 1}: {tps['server']:.1f} tok/s read over"
+                     f" HTTP, {tps['engine']:.1f} in process")  # fmt: skip
+            return {"serve_gen_ratio": round(statistics.median(ratios), 3)} | _join_and_parallel(
+                root, messages, progress
+            )
+    finally:
+        engine.close()
+
+
+def _join_and_parallel(
+    root: str, messages: list[dict[str, str]], progress: Progress
+) -> dict[str, Any]:
+    short = [{"role": "user", "content": "Say hi."}]
+    alone = _stream(root, short, 8)["ttft_s"]
+    long_reply = threading.Thread(target=_stream, args=(root, messages, JOIN_TOKENS))
+    long_reply.start()
+    time.sleep(0.5)  # the long reply streams
+    joined = _stream(root, short, 8)["ttft_s"]
+    long_reply.join()
+    _say(progress, f"serve: a short request alone {alone:.2f} s, beside a stream {joined:.2f} s")
+    one = _stream(root, messages, PARALLEL_TOKENS)["tps"]
+    began = time.perf_counter()
+    streams = [
+        threading.Thread(target=_stream, args=(root, messages, PARALLEL_TOKENS))
+        for _ in range(PARALLEL)
+    ]
+    for stream in streams:
+        stream.start()
+    for stream in streams:
+        stream.join()
+    together = PARALLEL * PARALLEL_TOKENS / (time.perf_counter() - began)
     return {
-        "serve_gen_ratio": round(statistics.median(ratios), 3),
         "serve_join_alone_ttft_s": round(alone, 3),
         "serve_join_ttft_s": round(joined, 3),
         "serve_join_ttft_ratio": round(joined / alone, 2),
@@ -122,10 +142,10 @@ def _gen_and_join(model: Path, states: Path, progress: Progress) -> dict[str, An
     }
 
 
-def _restart(model: Path, states: Path, progress: Progress) -> dict[str, Any]:
-    """A 2,000-token conversation's next request: right after a restart (the conversation
-    restored from disk), on a warm server that answered the request before it (the same
-    new tokens to evaluate), and what re-reading the conversation costs."""
+def _restart(model: Path, home: Path, progress: Progress) -> dict[str, Any]:
+    """A 2,000-token conversation's next request: right after the server restarted (the
+    conversation restored from disk), on a warm server that answered the request before it
+    (the same new tokens to evaluate), and what re-reading the conversation costs."""
     history = [
         {"role": "system", "content": filler_text(0, HISTORY_WORDS)},
         {"role": "user", "content": "Summarize that in one line."},
@@ -135,18 +155,18 @@ def _restart(model: Path, states: Path, progress: Progress) -> dict[str, Any]:
         {"role": "assistant", "content": "It is about a cache."},
         {"role": "user", "content": "And in three words?"},
     ]
-    with _Served(model, states) as (_runner, root):
+    with _ServeProcess(model, home) as root:
         assert _stream(root, history, 16)["chunks"] > 0
-    with _Served(model, states) as (runner, root):
-        restored = _stream(root, following, 8)["ttft_s"]
-        tokens = runner.counters.prompt_tokens
-    with scratch_dir("serve-cold") as empty, _Served(model, empty) as (_runner, root):
+    with _ServeProcess(model, home) as root:  # a new process: only the disk remembers
+        after_restart = _stream(root, following, 8)
+    with scratch_dir("serve-cold") as empty, _ServeProcess(model, empty) as root:
         reread = _stream(root, history, 16)["ttft_s"]
         warm = _stream(root, following, 8)["ttft_s"]
-    _say(progress, f"serve: {tokens} tokens: {restored:.2f} s after a restart, {warm:.2f} s"
-         f" warm, {reread:.2f} s re-read")  # fmt: skip
+    restored = after_restart["ttft_s"]
+    _say(progress, f"serve: {after_restart['prompt_tokens']} tokens: {restored:.2f} s after a"
+         f" restart, {warm:.2f} s warm, {reread:.2f} s re-read")  # fmt: skip
     return {
-        "serve_history_tokens": tokens,
+        "serve_history_tokens": after_restart["prompt_tokens"],
         "serve_restart_ttft_s": round(restored, 3),
         "serve_warm_ttft_s": round(warm, 3),
         "serve_reread_ttft_s": round(reread, 3),
@@ -154,26 +174,35 @@ def _restart(model: Path, states: Path, progress: Progress) -> dict[str, Any]:
     }
 
 
-class _Served:
-    """SmolLM2 behind the real server in this process, with its states in ``states``."""
+class _ServeProcess:
+    """``localchat serve`` on SmolLM2 in a process of its own (as clients meet it), its
+    LOCALCHAT_HOME ``home``; stopped with SIGTERM, which finishes its saves."""
 
-    def __init__(self, model: Path, states: Path) -> None:
-        self.model, self.states = model, states
+    def __init__(self, model: Path, home: Path) -> None:
+        self.model, self.home = model, home
 
-    def __enter__(self) -> tuple[Any, str]:
-        from localchat.backends.compute_thread import run_compute
-        from localchat.backends.llama.engine import Engine, LoadOptions
-        from localchat.server.app import BackgroundServer
-        from localchat.server.runner import ModelRunner
-        from localchat.state.kvstate import StateStore
+    def __enter__(self) -> str:
+        import httpx
 
-        options = LoadOptions(n_ctx=SERVE_CTX, n_threads=physical_cores())
-        self.engine = run_compute(Engine, self.model, options)
-        self.runner = ModelRunner(self.engine, StateStore(self.states), "smollm2")
-        self.server = BackgroundServer(self.runner)
-        return self.runner, self.server.root
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        command = [sys.executable, "-m", "localchat", "serve", "--model-path", str(self.model),
+                   "--port", str(port), "--ctx", str(SERVE_CTX)]  # fmt: skip
+        self.process = subprocess.Popen(
+            command, env=env_with_home(self.home), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+        )
+        root = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + START_LIMIT_S
+        while time.monotonic() < deadline and self.process.poll() is None:
+            try:
+                if httpx.get(f"{root}/health", timeout=1).status_code == 200:
+                    return root
+            except httpx.TransportError:
+                time.sleep(0.1)
+        self.__exit__()
+        raise RuntimeError("localchat serve did not start")
 
     def __exit__(self, *_exc: object) -> None:
-        self.server.close()
-        self.runner.close()
-        self.engine.close()
+        self.process.send_signal(signal.SIGTERM)
+        self.process.wait(timeout=60)
