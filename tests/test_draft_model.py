@@ -25,7 +25,7 @@ from localchat.models.catalog import CatalogError, catalog_draft, load_catalog
 from localchat.models.draft_plan import plan_draft, predicted_gain
 from localchat.models.hardware import Hardware
 from localchat.models.library import Library
-from localchat.models.speed import SpeedModel, SpeedPrediction
+from localchat.models.speed import SpeedModel, SpeedPrediction, machine_name
 from localchat.paths import app_paths
 from localchat.session import Session
 from localchat.settings import Settings
@@ -307,3 +307,27 @@ def test_ask_drafts_with_a_draft_model_and_refuses_it_for_a_server(
     assert drafted["stats"]["drafted_tokens"] > 0 and plain["stats"]["drafted_tokens"] == 0
     assert main(["ask", "hi", "--server", "http://127.0.0.1:9", "--draft-model", "x"]) == 2
     assert "--draft-model choose how a local model runs" in capsys.readouterr().err
+
+
+def test_hw_plans_name_the_catalog_draft_where_it_would_pay() -> None:
+    from localchat.models.catalog import load_catalog
+    from localchat.models.draft_plan import with_catalog_drafts
+    from localchat.models.planner import plan_catalog
+
+    catalog = load_catalog(None)
+    roomy = Hardware(64 * GIB, 64 * GIB, 8)
+    costs = {t: 1e-10 for t in ("F16", "Q8_0", "Q6_K", "Q5_K", "Q4_K", "Q3_K", "Q2_K")}
+
+    def drafts(batch_extra: float) -> dict[str, str | None]:
+        speed = SpeedModel(costs, 1e-4, costs, 1e-5, machine_name(), 8, batch_extra=batch_extra)
+        plans = with_catalog_drafts(
+            catalog, plan_catalog(catalog, roomy, 8192, speed), roomy, speed
+        )
+        return {p.model: p.draft for p in plans}
+
+    flat = drafts(0.02)  # verifying a few tokens costs about one: a 0.5B pays for a 7B
+    assert flat["qwen2.5-7b-instruct"] == "qwen2.5-0.5b-instruct"
+    assert flat["llama-3.2-3b-instruct"] == "llama-3.2-1b-instruct"
+    assert flat["qwen2.5-0.5b-instruct"] is None and flat["gemma-2-2b-it"] is None
+    steep = drafts(1.0)  # each extra token a whole step: no draft pays
+    assert all(draft is None for draft in steep.values())

@@ -63,6 +63,7 @@ def cmd_hw(args: argparse.Namespace, out: TextIO) -> int:
     from dataclasses import replace
 
     from localchat.models.catalog import load_catalog
+    from localchat.models.draft_plan import with_catalog_drafts
     from localchat.models.hardware import GPU_NONE, GPU_NVIDIA, detect_hardware
     from localchat.models.planner import (
         format_hardware_report,
@@ -104,6 +105,7 @@ def cmd_hw(args: argparse.Namespace, out: TextIO) -> int:
     else:
         catalog = load_catalog(app_paths().user_catalog)
         plans = plan_catalog(catalog, hardware, args.ctx, speed, min_tps)
+        plans = with_catalog_drafts(catalog, plans, hardware, speed)
     if args.json:
         payload = {"hardware": hardware_json(hardware), "plans": [plan.as_json() for plan in plans]}
         out.write(json.dumps(payload, indent=2) + "\n")

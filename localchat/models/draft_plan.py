@@ -11,7 +11,7 @@ its own cache (``DRAFT_CTX`` at most) and compute buffer come on top of the big 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from localchat.backends.llama.draft_policy import (
@@ -23,8 +23,9 @@ from localchat.backends.llama.draft_policy import (
 )
 from localchat.gguf.estimate import LayerWeights, ModelDims, estimate_memory, kv_bytes_per_token
 from localchat.gguf.info import GGUFInfo, read_gguf
+from localchat.models.catalog import CatalogModel
 from localchat.models.hardware import Hardware, repacked_weight_types
-from localchat.models.planner import PREDICT_FILL
+from localchat.models.planner import PREDICT_FILL, Plan
 from localchat.models.speed import SpeedModel, SpeedPrediction, TokenWork
 from localchat.units import format_bytes
 
@@ -100,3 +101,39 @@ def _predict(speed: SpeedModel, info: GGUFInfo, kv_type: str) -> SpeedPrediction
     prediction = speed.predict(work.gen, kv, PREDICT_FILL, prompt_work=work.prompt)
     assert prediction is not None  # None only for GPU layers of unknown bandwidth
     return prediction
+
+
+def with_catalog_drafts(
+    models: list[CatalogModel], plans: list[Plan], hardware: Hardware, speed: SpeedModel | None
+) -> list[Plan]:
+    """``plans`` (``plan_catalog``'s, one per model) with the catalog's draft named where
+    both fit together and the calibration predicts a gain (drafts keep replies exact with a
+    quantized KV cache; ``--speculative draft`` uses them anyway)."""
+    by_name = {plan.model: plan for plan in plans}
+    out = []
+    for model, plan in zip(models, plans, strict=True):
+        draft = by_name.get(model.draft or "")
+        if speed is None or draft is None or not plan.fits or not draft.fits:
+            out.append(plan)
+            continue
+        if plan.predicted_gen_tps is None or draft.predicted_gen_tps is None:
+            out.append(plan)
+            continue
+        ours = SpeedPrediction(plan.predicted_gen_tps, plan.predicted_prompt_tps or 0.0)
+        theirs = SpeedPrediction(draft.predicted_gen_tps, draft.predicted_prompt_tps or 0.0)
+        _length, gain = predicted_gain(ours, theirs, speed.batch_extra)
+        both = (plan.estimate.ram_required if plan.estimate else 0) + (
+            draft.estimate.ram_required if draft.estimate else 0
+        )
+        if gain < MIN_PREDICTED_GAIN or both > hardware.ram_available_bytes:
+            out.append(plan)
+            continue
+        note = f"with draft model {draft.model} {draft.quant}: ~x{gain:.2f}"
+        if plan.kv_type == "f16":
+            note += ' (kv_type = "q8_0" keeps replies exact)'
+        out.append(
+            replace(
+                plan, draft=draft.model, draft_gain=gain, explanation=f"{plan.explanation}; {note}"
+            )
+        )
+    return out

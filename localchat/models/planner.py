@@ -89,6 +89,8 @@ class Plan:
     predicted_prompt_tps: float | None = None
     flash_attn: bool = False
     n_ubatch: int = N_UBATCH
+    draft: str | None = None  # the catalog's draft model, where it would pay here
+    draft_gain: float | None = None  # the speed-up the calibration predicts with it
 
     def as_json(self) -> dict[str, object]:
         return {
@@ -108,6 +110,8 @@ class Plan:
             "predicted_prompt_tps": _rounded(self.predicted_prompt_tps),
             "flash_attn": self.flash_attn,
             "n_ubatch": self.n_ubatch,
+            "draft": self.draft,
+            "draft_predicted_gain": _rounded(self.draft_gain),
             "explanation": self.explanation,
         }
 

@@ -14,6 +14,7 @@ from textual.widgets import Label, Static
 
 from localchat.errors import LocalchatError, one_line
 from localchat.models.catalog import load_catalog
+from localchat.models.draft_plan import with_catalog_drafts
 from localchat.models.hardware import detect_hardware
 from localchat.models.planner import MIN_TOKENS_PER_S, format_hardware_report, plan_catalog
 from localchat.models.speed import load_speed_model
@@ -47,6 +48,7 @@ class HardwareScreen(ReportsWorkerFailures, ModalScreen[None]):
         try:
             catalog = load_catalog(paths.user_catalog)
             plans = plan_catalog(catalog, hardware, speed=speed, min_tps=self.min_tps)
+            plans = with_catalog_drafts(catalog, plans, hardware, speed)
         except (LocalchatError, OSError) as exc:  # a broken models.toml: say so, plan nothing
             plans = []
             report = format_hardware_report(hardware, plans) + f"\n{one_line(exc)}\n"
