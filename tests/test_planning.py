@@ -297,7 +297,7 @@ def test_hw_json_for_a_given_machine(
     assert set(plan) == {
         "model", "quant", "file", "n_gpu_layers", "n_layers", "n_ctx", "kv_type", "estimated_bytes",
         "required_bytes", "required_vram_bytes", "fits", "explanation", "predicted_gen_tps",
-        "predicted_prompt_tps", "flash_attn", "n_ubatch",
+        "predicted_prompt_tps", "flash_attn", "n_ubatch", "draft", "draft_predicted_gain",
     }  # fmt: skip
     assert all(p["n_ctx"] <= 4096 for p in payload["plans"])
 

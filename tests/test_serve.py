@@ -13,6 +13,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,6 +23,7 @@ import openai
 import pytest
 
 from localchat.backends.base import Sampling
+from localchat.backends.compute_thread import run_compute
 from localchat.backends.llama.engine import Engine, LoadOptions
 from localchat.backends.remote import RemoteBackend
 from localchat.chat.template import ChatMessage
@@ -380,3 +382,26 @@ def test_a_terminal_shows_one_status_line_redrawn_in_place(served: Served) -> No
     assert shown.startswith("\r\x1b[2Krunning 0 · waiting 0 · last ")
     assert "KV " in shown and "evaluated · 0 saved states" in shown  # under a block: none
     assert "\n" not in shown.rstrip("\n")  # redrawn in place, not scrolled
+
+
+def test_counting_tokens_does_not_wait_for_the_compute_thread(served: Served) -> None:
+    # The compute thread is held (as by a long reply): without the fix the count times out.
+    busy, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        busy.set()
+        release.wait(60)
+
+    holder = threading.Thread(target=run_compute, args=(hold,))
+    holder.start()
+    try:
+        assert busy.wait(30)
+        counted = httpx.post(f"{served.root}/tokenize", json={"content": "Hello world"},
+                             timeout=20).json()  # fmt: skip
+        text = httpx.post(f"{served.root}/detokenize", json={"tokens": counted["tokens"]},
+                          timeout=20).json()  # fmt: skip
+    finally:
+        release.set()
+        holder.join()
+    assert counted["tokens"] == served.engine.tokenize("Hello world", special=True)
+    assert text["content"].endswith("Hello world")

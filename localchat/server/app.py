@@ -154,7 +154,9 @@ def create_app(runner: ModelRunner, api_key: str | None = None, loopback: bool =
                 return [{"id": t, "piece": engine.token_text(t)} for t in tokens]
             return tokens
 
-        return JSONResponse({"tokens": await run_in_threadpool(run_compute, pieces)})
+        # Not behind a running reply: llama.cpp's tokenizer reads the vocabulary only (as
+        # llama-server tokenizes in its HTTP threads while its loop decodes).
+        return JSONResponse({"tokens": await run_in_threadpool(pieces)})
 
     async def detokenize(request: Request) -> Response:
         body = await _json_body(request)
@@ -165,7 +167,7 @@ def create_app(runner: ModelRunner, api_key: str | None = None, loopback: bool =
         ):
             raise ApiError(400, f"tokens must be a list of ids from 0 to {n_vocab - 1}",
                            code="invalid_type")  # fmt: skip
-        text = await run_in_threadpool(run_compute, runner.engine.detokenize, tokens, True)
+        text = await run_in_threadpool(runner.engine.detokenize, tokens, True)
         return JSONResponse({"content": text})
 
     async def chat(request: Request) -> Response:
