@@ -56,6 +56,7 @@ class ServeConfig:
     host: str = "127.0.0.1"
     port: int = 8080
     ctx: int | None = None
+    parallel: int | None = None  # None: what memory allows (at most 4)
     log_format: str = "text"
     api_key_env: str | None = None
 
@@ -75,10 +76,14 @@ def _serve(path: Path, value: object) -> ServeConfig:
         and not isinstance(config.port, bool)
         and 0 < config.port < 65536
     )
-    ctx_ok = config.ctx is None or (isinstance(config.ctx, int) and config.ctx > 0)
+    ctx_ok = all(
+        n is None or (isinstance(n, int) and not isinstance(n, bool) and n > 0)
+        for n in (config.ctx, config.parallel)
+    )
     if not isinstance(config.host, str) or not config.host or not port_ok or not ctx_ok:
         raise UsageError(
-            f"{path}: [serve] host must be an address, port 1 to 65535, ctx a positive number"
+            f"{path}: [serve] host must be an address, port 1 to 65535, ctx and parallel"
+            " positive numbers"
         )
     if config.log_format not in LOG_FORMATS:
         raise UsageError(

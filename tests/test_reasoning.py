@@ -8,7 +8,7 @@ import random
 from pathlib import Path
 
 import pytest
-from textual.widgets import Collapsible, Static
+from textual.widgets import Collapsible, Markdown, Static
 
 from localchat.backends.llama.engine import Engine, LoadOptions
 from localchat.chat.reasoning import ReasoningStream, opens_reasoning, split_reasoning
@@ -122,6 +122,12 @@ async def test_the_app_shows_reasoning_dimmed_and_collapsible(
         tiny_model, n_ctx=512, max_tokens=12, conversation_name="math", template=OPENS
     ) as ui:
         app = ui.app
+
+        def stored_shown() -> bool:  # mounted, with its children (later on a busy machine)
+            found = app.query(AssistantMessage)
+            return bool(found) and bool(found.first().query(Markdown))
+
+        await ui.until(stored_shown, "the stored reply is shown")
         stored = app.query(AssistantMessage).first()
         assert stored.raw == "The answer is **4**."
         assert stored.markdown.source == "The answer is **4**."

@@ -42,10 +42,12 @@ QUESTION = "Write a Python function that returns the squares of a list of number
 class Served:
     """SmolLM2 (q8_0 cache: replies exactly ``ask``'s) behind a real uvicorn server."""
 
-    def __init__(self, model: Path, states: Path, api_key: str | None = None) -> None:
+    def __init__(
+        self, model: Path, states: Path, api_key: str | None = None, parallel: int = 1
+    ) -> None:
         options = LoadOptions(n_ctx=2048, n_threads=2, kv_type="q8_0")
         self.engine = Engine(model, options)
-        self.runner = ModelRunner(self.engine, StateStore(states), NAME)
+        self.runner = ModelRunner(self.engine, StateStore(states), NAME, parallel=parallel)
         self.server = BackgroundServer(self.runner, api_key)
         self.root = self.server.root
 
@@ -254,7 +256,7 @@ def test_a_client_that_leaves_mid_stream_stops_its_sequence(served: Served) -> N
     assert served.runner.counters.running == 0
     assert 0 < served.runner.counters.generated_tokens < 100  # stopped at once, not at 1000
     # What was generated stays in the cache.
-    assert len(served.engine.cached_tokens) > 20
+    assert len(served.runner.batch.tokens[0]) > 20
 
 
 def test_serve_binds_other_addresses_only_with_a_key(
@@ -276,19 +278,22 @@ def test_the_cli_serves_and_stops_on_a_signal_after_its_saves(
     command = [sys.executable, "-m", "localchat", "serve", "--model-path", str(smollm2),
                "--ctx", "1024"]  # fmt: skip
     if stop == signal.SIGINT:
-        command += ["--port", str(port)]
+        command += ["--port", str(port), "--parallel", "1"]
     else:  # a service: its address and JSON lines from settings.toml's [serve]
         app_paths().settings_file.parent.mkdir(parents=True, exist_ok=True)
-        app_paths().settings_file.write_text(f'[serve]\nport = {port}\nlog_format = "json"\n')
+        app_paths().settings_file.write_text(
+            f'[serve]\nport = {port}\nlog_format = "json"\nparallel = 2\n'
+        )
     process = subprocess.Popen(
         command, env=dict(os.environ), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
     try:
         assert process.stdout is not None
         banner = process.stdout.readline()
+        sequences = "1 sequence" if stop == signal.SIGINT else "2 sequences"
         assert (
-            f"serving SmolLM2-135M-Instruct.Q4_1 (context 1024) at http://127.0.0.1:{port}/v1"
-            in banner
+            f"serving SmolLM2-135M-Instruct.Q4_1 (context 1024 × {sequences}) at"
+            f" http://127.0.0.1:{port}/v1" in banner
         )
         for _ in range(100):
             try:
@@ -379,7 +384,7 @@ def test_a_terminal_shows_one_status_line_redrawn_in_place(served: Served) -> No
     time.sleep(2.5 * REDRAW_S)
     log.close()
     shown = terminal.getvalue()
-    assert shown.startswith("\r\x1b[2Krunning 0 · waiting 0 · last ")
+    assert shown.startswith("\r\x1b[2Krunning 0/1 · waiting 0 · last ")
     assert "KV " in shown and "evaluated · 0 saved states" in shown  # under a block: none
     assert "\n" not in shown.rstrip("\n")  # redrawn in place, not scrolled
 

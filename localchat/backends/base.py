@@ -78,10 +78,16 @@ class Reply(Protocol):
     """A reply being written: iterate it for deltas; ``stats`` and ``text`` fill as it runs."""
 
     stats: TurnStats
-    text: str
-    tokens: list[int]  # the reply's token ids where the backend has them (a server: none)
 
     def __iter__(self) -> Iterator[TokenDelta]: ...
+
+    @property
+    def text(self) -> str: ...
+
+    @property
+    def tokens(self) -> list[int]:
+        """The reply's token ids where the backend has them (a server: none)."""
+        ...
 
     @property
     def answer(self) -> str: ...

@@ -58,6 +58,12 @@ def run_compute(function: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> 
     return future.result()
 
 
+def start_compute(function: Callable[[], None]) -> None:
+    """Start ``function`` on the compute thread and return at once (a server's scheduling
+    loop, which runs while it has sequences and takes new ones between its steps)."""
+    _EXECUTOR.submit(function)
+
+
 def wait_idle(timeout_s: float) -> bool:
     """Wait until what the compute thread runs now, and what waits for it, is done (quitting
     lets background work finish its step before the stores close); False on timeout."""

@@ -8,7 +8,8 @@ as clients meet it, read by a plain HTTP client (httpx, the SSE lines parsed, no
   (one that answered the request before it: the same new tokens to evaluate); with
   ``serve_reread_ttft_s``, what re-reading the conversation costs.
 - ``serve_join_ttft_ratio``: a short request that arrives while another streams a 300-token
-  reply, its first-token time over its time alone (this version answers in turn: it waits).
+  reply, its first-token time over its time alone (it joins the running steps); beside it
+  ``serve_join_queued_ttft_s``, the same on a server of one sequence, which answers in turn.
 - ``serve_parallel_throughput``: four concurrent streams' tokens/s over one stream's.
 """
 
@@ -36,6 +37,7 @@ HISTORY_WORDS = 1900  # with the template: about 2,000 tokens
 PARALLEL = 4
 PARALLEL_TOKENS = 64
 QUESTION = "Write a long essay about memory."
+SHORT = [{"role": "user", "content": "Say hi."}]
 START_LIMIT_S = 120.0
 
 
@@ -91,7 +93,7 @@ def _gen_and_join(model: Path, home: Path, progress: Progress) -> dict[str, Any]
     engine = Engine(model, LoadOptions(n_ctx=SERVE_CTX, n_threads=physical_cores()))
     try:
         prompt = engine.prompt_tokens([ChatMessage("user", QUESTION)])
-        with _ServeProcess(model, home) as root:
+        with _ServeProcess(model, home, PARALLEL) as root:
             messages = [{"role": "user", "content": QUESTION}]
             ratios = []
             for index in range(GEN_ROUNDS):
@@ -105,23 +107,31 @@ def _gen_and_join(model: Path, home: Path, progress: Progress) -> dict[str, Any]
                 ratios.append(tps["server"] / tps["engine"])
                 _say(progress, f"serve: round {index + 1}: {tps['server']:.1f} tok/s read over"
                      f" HTTP, {tps['engine']:.1f} in process")  # fmt: skip
-            return {"serve_gen_ratio": round(statistics.median(ratios), 3)} | _join_and_parallel(
-                root, messages, progress
-            )
+            results = {"serve_gen_ratio": round(statistics.median(ratios), 3)}
+            results |= _join_and_parallel(root, messages, progress)
+        with _ServeProcess(model, home, 1) as root:  # one sequence: requests wait their turn
+            queued = _join(root, messages)
+        _say(progress, f"serve: beside a stream on a server of one sequence {queued:.2f} s")
+        return results | {"serve_join_queued_ttft_s": round(queued, 3)}
     finally:
         engine.close()
+
+
+def _join(root: str, messages: list[dict[str, str]]) -> float:
+    """A short request's first-token time while a long reply streams."""
+    long_reply = threading.Thread(target=_stream, args=(root, messages, JOIN_TOKENS))
+    long_reply.start()
+    time.sleep(0.5)  # the long reply streams
+    joined = _stream(root, SHORT, 8)["ttft_s"]
+    long_reply.join()
+    return joined
 
 
 def _join_and_parallel(
     root: str, messages: list[dict[str, str]], progress: Progress
 ) -> dict[str, Any]:
-    short = [{"role": "user", "content": "Say hi."}]
-    alone = _stream(root, short, 8)["ttft_s"]
-    long_reply = threading.Thread(target=_stream, args=(root, messages, JOIN_TOKENS))
-    long_reply.start()
-    time.sleep(0.5)  # the long reply streams
-    joined = _stream(root, short, 8)["ttft_s"]
-    long_reply.join()
+    alone = _stream(root, SHORT, 8)["ttft_s"]
+    joined = _join(root, messages)
     _say(progress, f"serve: a short request alone {alone:.2f} s, beside a stream {joined:.2f} s")
     one = _stream(root, messages, PARALLEL_TOKENS)["tps"]
     began = time.perf_counter()
@@ -178,8 +188,8 @@ class _ServeProcess:
     """``localchat serve`` on SmolLM2 in a process of its own (as clients meet it), its
     LOCALCHAT_HOME ``home``; stopped with SIGTERM, which finishes its saves."""
 
-    def __init__(self, model: Path, home: Path) -> None:
-        self.model, self.home = model, home
+    def __init__(self, model: Path, home: Path, parallel: int = 1) -> None:
+        self.model, self.home, self.parallel = model, home, parallel
 
     def __enter__(self) -> str:
         import httpx
@@ -188,7 +198,8 @@ class _ServeProcess:
             probe.bind(("127.0.0.1", 0))
             port = probe.getsockname()[1]
         command = [sys.executable, "-m", "localchat", "serve", "--model-path", str(self.model),
-                   "--port", str(port), "--ctx", str(SERVE_CTX)]  # fmt: skip
+                   "--port", str(port), "--ctx", str(SERVE_CTX),
+                   "--parallel", str(self.parallel)]  # fmt: skip
         self.process = subprocess.Popen(
             command, env=env_with_home(self.home), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
         )

@@ -167,6 +167,13 @@ def _serve_flags(serve: argparse.ArgumentParser) -> None:
         help="KV cache type (default: the kv_type setting); q8_0 halves memory and saved states",
     )
     serve.add_argument("--threads", type=_positive_int, default=None, help="CPU threads")
+    serve.add_argument(
+        "--parallel",
+        type=_positive_int,
+        default=None,
+        help="requests answered side by side, each with its own --ctx (default: [serve]"
+        " parallel, else what memory allows, at most 4)",
+    )
 
 
 def _ask_flags(ask: argparse.ArgumentParser) -> None:

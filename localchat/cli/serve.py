@@ -36,10 +36,11 @@ def cmd_serve(args: argparse.Namespace, out: TextIO) -> int:
     import uvicorn
 
     from localchat.cli.ask import _model_path
+    from localchat.models.hardware import detect_hardware
     from localchat.paths import app_paths
     from localchat.server.app import create_app
     from localchat.server.live import ServerLog
-    from localchat.server.runner import ModelRunner
+    from localchat.server.runner import ModelRunner, default_parallel
     from localchat.session import Session
     from localchat.settings import load_settings
     from localchat.state.kvstate import StateStore
@@ -54,6 +55,9 @@ def cmd_serve(args: argparse.Namespace, out: TextIO) -> int:
     api_key = args.api_key or next((os.environ[e] for e in key_envs if os.environ.get(e)), None)
     check_exposure(host, api_key, args.no_auth)
     model_path = _model_path(args)
+    if args.draft_model or args.speculative not in (None, "off", "auto"):
+        print("localchat: serve does not draft yet: replies are decoded side by side,"
+              " without speculative decoding", file=sys.stderr)  # fmt: skip
     session = Session(paths, settings, open_stores=False)
     engine = session.load_model(
         model_path,
@@ -61,12 +65,17 @@ def cmd_serve(args: argparse.Namespace, out: TextIO) -> int:
         args.template,
         n_threads=args.threads,
         kv_type=args.kv_type,
-        speculative=args.speculative,
-        draft_model=args.draft_model,
+        # Replies are decoded side by side; drafting inside those steps is still to come.
+        speculative="off",
+        draft_model=None,
         warn=lambda line: print(f"localchat: {line}", file=sys.stderr),
     )
     name = args.model or Path(model_path).stem
-    runner = ModelRunner(engine, StateStore(paths.states_dir, settings.state_budget_bytes), name)
+    parallel = args.parallel or config.parallel
+    if parallel is None:
+        parallel = default_parallel(engine, detect_hardware().ram_available_bytes)
+    states = StateStore(paths.states_dir, settings.state_budget_bytes)
+    runner = ModelRunner(engine, states, name, parallel=parallel)
     server = uvicorn.Server(
         uvicorn.Config(
             create_app(runner, api_key, loopback=host in LOOPBACK),
@@ -79,7 +88,8 @@ def cmd_serve(args: argparse.Namespace, out: TextIO) -> int:
     )
     shown = f"[{host}]" if ":" in host else host
     print(
-        f"localchat: serving {name} (context {engine.n_ctx}) at http://{shown}:{port}/v1"
+        f"localchat: serving {name} (context {engine.n_ctx} × {parallel}"
+        f" sequence{'s' if parallel != 1 else ''}) at http://{shown}:{port}/v1"
         f" · {len(runner.cache)} saved prompt states · Ctrl+C stops",
         file=out,
         flush=True,

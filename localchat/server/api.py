@@ -52,6 +52,8 @@ class GenerationRequest:
     stop: tuple[str, ...] = ()
     stream: bool = False
     include_usage: bool = False
+    frequency_penalty: float = 0.0  # OpenAI's: subtracted per time a token already came
+    presence_penalty: float = 0.0  # OpenAI's: subtracted once a token came at all
     created: int = field(default_factory=lambda: int(time.time()))
     request_id: str = field(default_factory=lambda: f"chatcmpl-{uuid.uuid4().hex[:24]}")
 
@@ -166,6 +168,8 @@ def parse_request(body: Any, chat: bool) -> GenerationRequest:
         _stops(body),
         stream,
         bool(options.get("include_usage", False)),
+        frequency_penalty=_number(body, "frequency_penalty", 0.0, -2.0, 2.0),
+        presence_penalty=_number(body, "presence_penalty", 0.0, -2.0, 2.0),
     )
 
 

@@ -23,8 +23,6 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
-from localchat.backends.base import TurnStats
-from localchat.backends.compute_thread import run_compute
 from localchat.server.api import (
     ApiError,
     GenerationRequest,
@@ -223,7 +221,8 @@ async def _generate(runner: ModelRunner, request: GenerationRequest, http: Reque
     starts), then stream the reply or return it whole."""
     runner.admit()
     try:
-        prompt, max_tokens = await run_in_threadpool(run_compute, runner.prompt_of, request)
+        # Rendered and tokenized beside the running replies (no model compute in it).
+        prompt, max_tokens = await run_in_threadpool(runner.prompt_of, request)
     except BaseException:
         runner.leave_queue()
         raise
@@ -236,7 +235,7 @@ async def _generate(runner: ModelRunner, request: GenerationRequest, http: Reque
     watcher = asyncio.create_task(_cancel_when_gone(http, cancel))
     try:
         stats = await run_in_threadpool(
-            _run_job, runner, request, prompt, max_tokens, cancel,
+            runner.run, request, prompt, max_tokens, cancel,
             lambda kind, text: pieces[kind].append(text),
         )  # fmt: skip
     finally:
@@ -254,29 +253,6 @@ async def _cancel_when_gone(http: Request, cancel: threading.Event) -> None:
         await asyncio.sleep(DISCONNECT_POLL_S)
 
 
-def _run_job(
-    runner: ModelRunner,
-    request: GenerationRequest,
-    prompt: list[int],
-    max_tokens: int,
-    cancel: threading.Event,
-    emit: Any,
-) -> TurnStats:
-    """One request's turn on the compute thread (blocking the calling worker thread)."""
-
-    def job() -> TurnStats:
-        if cancel.is_set():  # the client left while it waited
-            runner.leave_queue()
-            return TurnStats()
-        runner.started()
-        try:
-            return runner.run(request, prompt, max_tokens, cancel, emit)
-        finally:
-            runner.finished()
-
-    return run_compute(job)
-
-
 async def _stream(
     runner: ModelRunner, request: GenerationRequest, prompt: list[int], max_tokens: int
 ) -> AsyncIterator[str]:
@@ -291,9 +267,7 @@ async def _stream(
 
     async def work() -> None:
         try:
-            stats = await run_in_threadpool(
-                _run_job, runner, request, prompt, max_tokens, cancel, emit
-            )
+            stats = await run_in_threadpool(runner.run, request, prompt, max_tokens, cancel, emit)
             queue.put_nowait(("done", stats))
         except Exception as exc:
             queue.put_nowait(("error", exc))

@@ -51,12 +51,14 @@ class ServerLog:
     def status(self) -> str:
         """The status line: what runs, how fast, how full the cache is, where prompts came from."""
         counters = self.runner.counters
-        engine = self.runner.engine
-        held, n_ctx = len(engine.cached_tokens), engine.n_ctx
+        batch = self.runner.batch
+        held, cells = batch.cells_used, batch.n_ctx_seq * batch.n_seq
         last = counters.last.get("gen_tps", 0.0)
+        rates = self.runner.scheduler.rates()
+        each = f" ({', '.join(f'{r:.1f}' for r in rates)} tok/s)" if rates else ""
         return (
-            f"running {counters.running} · waiting {counters.queued} · last {last:.1f} tok/s"
-            f" · KV {held}/{n_ctx} ({held / max(1, n_ctx):.0%}) · prompt tokens"
+            f"running {counters.running}/{batch.n_seq}{each} · waiting {counters.queued}"
+            f" · last {last:.1f} tok/s · KV {held}/{cells} ({held / max(1, cells):.0%}) · prompt tokens"
             f" {counters.reused_tokens} cached, {counters.restored_tokens} from disk,"
             f" {counters.evaluated_tokens} evaluated · {len(self.runner.cache)} saved states"
         )

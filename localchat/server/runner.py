@@ -1,29 +1,38 @@
-"""The model behind ``localchat serve``: requests answered one at a time on the compute
-thread, each starting from the longest prefix it shares with the cache in memory or with a
-state saved on disk, and leaving its own state saved for the next.
-
-This first slice serves one sequence: requests queue (bounded; beyond the bound the caller
-says 503) and run in order. The counters feed ``/metrics`` and the terminal's view.
+"""The model behind ``localchat serve``: up to ``parallel`` requests answered side by side
+(``Scheduler``: continuous batching), each starting from the longest prefix it shares with
+a sequence in memory or a state saved on disk, and leaving its own state saved for the next.
+More requests queue (bounded; beyond the bound the caller says 503). The counters feed
+``/metrics`` and the terminal's view.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from localchat.backends.base import TokenDelta, TurnStats
+from localchat.backends.base import TurnStats
+from localchat.backends.compute_thread import run_compute
+from localchat.backends.llama.batch import SequenceBatch
 from localchat.backends.llama.engine import Engine
 from localchat.chat.prompt import common_prefix
-from localchat.chat.stops import StopFilter
 from localchat.server.api import DEFAULT_MAX_TOKENS, ApiError, GenerationRequest, finish_reason
-from localchat.server.prompt_cache import BLOCK, PromptCache
+from localchat.server.prompt_cache import PromptCache
+from localchat.server.scheduler import Emit, Job, Scheduler
 from localchat.state.kvstate import BackgroundSaver, StateStore
 
-# What the engine's run emits for a reply: ("text" | "reasoning", piece).
-Emit = Callable[[str, str], None]
-OWNER = "serve"  # the engine's cache owner while the server holds it
+MAX_PARALLEL_CPU = 4  # sequences a CPU decodes together before a step costs as much as more
+KV_SHARE_OF_FREE_RAM = 0.5  # of the memory free after the load, what sequences may take
+
+
+def default_parallel(engine: Engine, available_bytes: int) -> int:
+    """Sequences for ``--parallel`` when none is asked: what memory allows for the context
+    (each sequence has a cache of its own), at most ``MAX_PARALLEL_CPU``."""
+    per_sequence = max(1, engine.kv_bytes_per_token * engine.n_ctx)
+    fits = int(available_bytes * KV_SHARE_OF_FREE_RAM) // per_sequence
+    return max(1, min(MAX_PARALLEL_CPU, fits))
 
 
 @dataclass
@@ -33,6 +42,7 @@ class Counters:
     requests: int = 0
     running: int = 0
     queued: int = 0
+    peak_running: int = 0  # the most requests answered at once
     prompt_tokens: int = 0
     evaluated_tokens: int = 0
     reused_tokens: int = 0  # held in memory from the request before
@@ -64,19 +74,26 @@ class TurnRecord:
 
 
 class ModelRunner:
-    """One loaded model serving requests in turn, with its prompt cache on disk."""
+    """One loaded model serving requests side by side, with its prompt cache on disk."""
 
     def __init__(
-        self, engine: Engine, states: StateStore, model_name: str, max_queue: int = 16
+        self,
+        engine: Engine,
+        states: StateStore,
+        model_name: str,
+        max_queue: int = 16,
+        parallel: int = 1,
     ) -> None:
         self.engine = engine
         self.model_name = model_name
         self.max_queue = max_queue
+        self.parallel = parallel
         self.saver = BackgroundSaver(states)
         self.cache = PromptCache(states, engine.state_key, self.saver)
         self.counters = Counters()
         self._lock = threading.Lock()
-        self._held: tuple[str, list[int]] | None = None  # the saved state the cache continues
+        self.batch = run_compute(SequenceBatch, engine, parallel, engine.n_ctx)
+        self.scheduler = Scheduler(self.batch, self.cache, self._started, self._finished)
         self.on_turn: Callable[[TurnRecord], None] | None = None  # each answered request
 
     def aliases(self) -> set[str]:
@@ -98,41 +115,51 @@ class ModelRunner:
             self.counters.queued += 1
             self.counters.requests += 1
 
-    def started(self) -> None:
+    def leave_queue(self) -> None:
+        """A request that never reached the scheduler (refused, or its client went away)."""
+        with self._lock:
+            self.counters.queued -= 1
+
+    def _started(self, _job: Job) -> None:
         with self._lock:
             self.counters.queued -= 1
             self.counters.running += 1
+            self.counters.peak_running = max(self.counters.peak_running, self.counters.running)
 
-    def finished(self) -> None:
+    def _finished(self, job: Job) -> None:
         with self._lock:
-            self.counters.running -= 1
+            if job.started:
+                self.counters.running -= 1
+            else:
+                self.counters.queued -= 1
+        if job.started and job.error is None:
+            self._count(job.stats, job.restored)
+            if self.on_turn is not None:
+                with contextlib.suppress(Exception):  # a log that cannot be written
+                    self.on_turn(self._record(job))
 
-    def leave_queue(self) -> None:
-        """A request that never started (refused, or its client went away)."""
-        with self._lock:
-            self.counters.queued -= 1
-
-    # -- on the compute thread -------------------------------------------------------------
+    # -- a request -------------------------------------------------------------------------
     def prompt_of(self, request: GenerationRequest) -> tuple[list[int], int]:
         """The request's prompt ids (the chat template rendered as ``ask`` renders it) and
-        its reply's length; ``ApiError`` where the context cannot hold them."""
+        its reply's length; ``ApiError`` where a sequence's context cannot hold them."""
         engine = self.engine
         if request.messages is not None:
             prompt = engine.prompt_tokens(request.messages)
         else:
             prompt = engine.tokenize(request.prompt or "", add_bos=engine.add_bos, special=True)
-        room = engine.n_ctx - len(prompt)
-        if room <= 0:
+        n_ctx = self.batch.n_ctx_seq
+        room = n_ctx - len(prompt)
+        if room <= 0 or not prompt:
             raise ApiError(
                 400,
-                f"the prompt is {len(prompt)} tokens but the context holds {engine.n_ctx}",
+                f"the prompt is {len(prompt)} tokens but the context holds {n_ctx}",
                 code="context_length_exceeded",
             )
         if request.max_tokens is not None and request.max_tokens > room:
             raise ApiError(
                 400,
                 f"max_tokens {request.max_tokens} is past the context: the prompt takes"
-                f" {len(prompt)} of {engine.n_ctx} tokens, {room} are left",
+                f" {len(prompt)} of {n_ctx} tokens, {room} are left",
                 code="context_length_exceeded",
             )
         return prompt, min(request.max_tokens or DEFAULT_MAX_TOKENS, room)
@@ -145,78 +172,28 @@ class ModelRunner:
         cancel: threading.Event,
         emit: Emit,
     ) -> TurnStats:
-        """Generate the reply, emitting its pieces; the state is saved after it."""
-        engine = self.engine
-        engine.cache_owner = OWNER
-        restored, continues = self._start_from_cache(prompt)
-        if request.messages is None:  # a raw completion: any reasoning is just its text
-            answer = emit
+        """Answer the request (waiting for a sequence, then beside the others), emitting its
+        pieces; its state is saved after it. Blocks the calling worker thread, which also
+        reads a saved state from disk where one holds more of the prompt than memory does
+        (so the running sequences do not wait for the disk)."""
+        job = Job(request, prompt, max_tokens, cancel, emit)
+        in_memory = max(common_prefix(tokens, prompt) for tokens in list(self.batch.tokens))
+        job.hit = self.cache.lookup(prompt, beyond=in_memory)
+        return self.scheduler.answer(job)
 
-            def emit(_kind: str, text: str) -> None:
-                answer("text", text)
-
-        generation = engine.generate(prompt, request.sampling, max_tokens, cancel)
-        stops = StopFilter(request.stop)
-        stopped = False
-        stream = generation.deltas()
-        try:
-            for delta in stream:
-                stopped = self._emit(delta, stops, emit)
-                if stopped:
-                    break
-        finally:
-            stream.close()  # the reply so far stays in the cache
-        if not stopped:
-            tail = stops.flush()
-            if tail:
-                emit("text", tail)
-        stats = generation.stats
-        if stopped:
-            stats.stop_reason = "stop"
-        self._count(stats, restored)
-        self._save(continues)
-        if self.on_turn is not None:
-            self.on_turn(
-                TurnRecord(
-                    "chat" if request.messages is not None else "completions",
-                    "cancelled" if cancel.is_set() else finish_reason(stats),
-                    stats.prompt_tokens,
-                    stats.prompt_tokens - stats.prompt_tokens_evaluated,
-                    restored,
-                    stats.generated_tokens,
-                    round(stats.ttft_s * 1000, 1),
-                    round(stats.gen_tps, 1),
-                )
-            )
-        return stats
-
-    def _emit(self, delta: TokenDelta, stops: StopFilter, emit: Emit) -> bool:
-        if delta.reasoning:
-            emit("reasoning", delta.text)
-            return False
-        text, stopped = stops.feed(delta.text)
-        if text:
-            emit("text", text)
-        return stopped
-
-    def _start_from_cache(self, prompt: list[int]) -> tuple[int, str | None]:
-        """Restore a saved state where it holds more of ``prompt`` than the cache in memory:
-        (tokens restored from disk, the saved state this request's own will extend)."""
-        engine = self.engine
-        in_memory = common_prefix(engine.cached_tokens, prompt)
-        restored = 0
-        hit = self.cache.lookup(prompt, beyond=in_memory)
-        # A window cache cannot be cut back far: there only a state wholly inside the prompt.
-        if hit is not None and (not engine.windowed or hit.shared == len(hit.state.tokens)):
-            state = hit.state
-            if engine.load_sequence_state(state.payload, state.tokens):
-                self._held = (hit.state_id, list(state.tokens))
-                restored = min(hit.shared, len(prompt) - 1)
-        held = self._held
-        continues = None
-        if held is not None and common_prefix(held[1], prompt) == len(held[1]):
-            continues = held[0]  # this request extends that state: it replaces it
-        return restored, continues
+    @staticmethod
+    def _record(job: Job) -> TurnRecord:
+        stats = job.stats
+        return TurnRecord(
+            "chat" if job.request.messages is not None else "completions",
+            "cancelled" if stats.stop_reason == "cancelled" else finish_reason(stats),
+            stats.prompt_tokens,
+            stats.prompt_tokens - stats.prompt_tokens_evaluated,
+            job.restored,
+            stats.generated_tokens,
+            round(stats.ttft_s * 1000, 1),
+            round(stats.gen_tps, 1),
+        )
 
     def _count(self, stats: TurnStats, restored: int) -> None:
         with self._lock:
@@ -231,30 +208,17 @@ class ModelRunner:
                 counters.generation_s += stats.generated_tokens / stats.gen_tps
             counters.last = {"gen_tps": stats.gen_tps, "restored": restored, "at": time.time()}
 
-    def _save(self, replaces: str | None) -> None:
-        """Save what the cache holds (the prompt and the reply) in the background."""
-        engine = self.engine
-        tokens = engine.cached_tokens
-        held = self._held
-        if len(tokens) < BLOCK or (
-            replaces is not None and held is not None and len(tokens) < len(held[1]) + BLOCK
-        ):
-            return  # short, or less than a block past the state it continues: not worth a write
-        sid = self.cache.save(tokens, engine.save_sequence_state(), replaces)
-        if sid is not None:
-            self._held = (sid, tokens)
-
     # -- what /metrics shows ---------------------------------------------------------------
     def metrics(self) -> str:
         """Prometheus text, under llama-server's names where one exists."""
-        engine = self.engine
+        batch = self.batch
+        used = batch.cells_used
         with self._lock:
             c = self.counters
             rows = [
                 ("llamacpp:kv_cache_usage_ratio", "gauge", "KV cache fill (1 is full)",
-                 len(engine.cached_tokens) / max(1, engine.n_ctx)),
-                ("llamacpp:kv_cache_tokens", "gauge", "tokens in the KV cache",
-                 len(engine.cached_tokens)),
+                 used / max(1, batch.n_ctx_seq * batch.n_seq)),
+                ("llamacpp:kv_cache_tokens", "gauge", "tokens in the KV cache", used),
                 ("llamacpp:prompt_tokens_total", "counter", "prompt tokens evaluated",
                  c.evaluated_tokens),
                 ("llamacpp:tokens_predicted_total", "counter", "tokens generated",
@@ -276,5 +240,9 @@ class ModelRunner:
         return "\n".join(lines) + "\n"
 
     def close(self) -> None:
-        """Finish the saves under way (a stopped server keeps every state it promised)."""
+        """Finish the saves under way (a stopped server keeps every state it promised), then
+        free the sequences' context (the engine is the caller's). Replies still under way
+        stop at their next step; their states are saved too."""
+        self.scheduler.close()
+        run_compute(self.batch.close)  # after the loop has let go of the compute thread
         self.saver.close()

@@ -115,7 +115,7 @@ class Engine(KVCache):
         threads = self.options.n_threads or physical_cores()
         # How many threads generate: the app sizes its own CPU budget by it.
         self.threads = threads
-        kv_id = KV_TYPES[self.options.kv_type]
+        kv_id = self.kv_type_id = KV_TYPES[self.options.kv_type]  # llama.cpp's ggml type
         # Quantized V caches need flash attention in llama.cpp; elsewhere the plan's rule.
         self.flash_attn = self.options.kv_type != "f16" or (
             self.options.flash_attn
@@ -400,6 +400,11 @@ class Engine(KVCache):
         return bytes(self._llm.detokenize([token], special=True)).decode("utf-8", errors="replace")
 
     # -- tokens ------------------------------------------------------------------------
+    def reply_bytes(self, token: int) -> bytes:
+        """A reply token's bytes, control tokens silent (a character may span tokens: join
+        them before decoding)."""
+        return bytes(self._llm.detokenize([token]))
+
     def tokenize(self, text: str, *, add_bos: bool = False, special: bool = False) -> list[int]:
         """Token ids of ``text``; ``special`` parses control tokens such as ``<|im_end|>``."""
         return list(self._llm.tokenize(text.encode("utf-8"), add_bos=add_bos, special=special))

@@ -7,7 +7,7 @@ import bisect
 import codecs
 import threading
 import time
-from collections.abc import Generator, Iterator
+from collections.abc import Generator, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -20,6 +20,63 @@ if TYPE_CHECKING:  # the engine makes generations; they read its model and cache
     from localchat.backends.llama.engine import Engine
 
 
+class ReplyText:
+    """A reply's tokens turned into text deltas as they come: UTF-8 joined across tokens,
+    the tokenizer's own first space dropped, the template's stop strings cut (with the tokens
+    whose text came after them), reasoning split from the answer. One engine sequence or
+    one of a server's batch, the same text."""
+
+    def __init__(self, engine: Engine, prompt: Sequence[int]) -> None:
+        self._engine = engine
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._stops = StopFilter(engine.template.stop)
+        self.opened_reasoning = opens_reasoning(engine.detokenize(prompt[-8:], special=True))
+        self._reasoning = ReasoningStream(self.opened_reasoning)
+        self._strip_space = bool(prompt) and engine.strips_reply_space(prompt[-1])
+        self._raw_ends: list[int] = []  # the reply's length in characters after each token
+        self.tokens: list[int] = []
+        self.generated = 0  # tokens fed, those a stop string cut off included
+        self.text = ""
+        self.stopped = False  # a stop string ended it
+
+    def feed(self, token: int) -> list[TokenDelta]:
+        """The deltas ``token`` adds (the first carries the token); after a stop string the
+        reply's tokens are those whose text came before it."""
+        self.tokens.append(token)
+        self.generated += 1
+        piece = self._decoder.decode(self._engine.reply_bytes(token))
+        if self._strip_space and piece:
+            # SentencePiece writes a space after a control token that the reply's text does
+            # not have: re-rendered, the template gives it back.
+            piece = piece.removeprefix(" ")
+            self._strip_space = False
+        self._raw_ends.append((self._raw_ends[-1] if self._raw_ends else 0) + len(piece))
+        piece, self.stopped = self._stops.feed(piece)
+        self.text += piece
+        if self.stopped:
+            del self.tokens[bisect.bisect_right(self._raw_ends, len(self.text)) :]
+        return self._deltas(token, self._reasoning.feed(piece))
+
+    def flush(self) -> list[TokenDelta]:
+        """What was held back (a possible stop string's start, an open reasoning block)."""
+        held_back = self._stops.flush()
+        self.text += held_back
+        return self._deltas(None, [*self._reasoning.feed(held_back), *self._reasoning.flush()])
+
+    def close(self) -> None:
+        """Ended early (the reader stopped): held-back text is still the reply's. Bytes of a
+        character the reply never finished are dropped: the text is exactly what was streamed."""
+        self.text += self._stops.flush()
+
+    @staticmethod
+    def _deltas(token: int | None, parts: list[tuple[bool, str]]) -> list[TokenDelta]:
+        deltas = []
+        for is_reasoning, text in parts:
+            deltas.append(TokenDelta(token, text, is_reasoning))
+            token = None
+        return deltas
+
+
 @dataclass
 class Generation:
     """An in-progress generation: iterate it for ``TokenDelta``s; ``stats`` fills as it runs."""
@@ -30,8 +87,17 @@ class Generation:
     _max_tokens: int
     _cancel: threading.Event | None
     stats: TurnStats = field(default_factory=TurnStats)
-    tokens: list[int] = field(default_factory=list)
-    text: str = ""
+    _reply: ReplyText | None = None
+
+    @property
+    def tokens(self) -> list[int]:
+        """The reply's tokens so far."""
+        return self._reply.tokens if self._reply is not None else []
+
+    @property
+    def text(self) -> str:
+        """The reply's text so far."""
+        return self._reply.text if self._reply is not None else ""
 
     def __iter__(self) -> Iterator[TokenDelta]:
         return self._run()
@@ -56,16 +122,9 @@ class Generation:
         """The reply without its reasoning."""
         return split_reasoning(self.text, self.opened_reasoning)[1]
 
-    def _deltas(self, token: int | None, parts: list[tuple[bool, str]]) -> Iterator[TokenDelta]:
-        """One delta per part of the piece (the first carries the token)."""
-        for is_reasoning, text in parts:
-            yield TokenDelta(token, text, is_reasoning)
-            token = None
-
     def _run(self) -> Generator[TokenDelta, None, None]:
         engine = self._engine
         llm = engine.llm
-        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         stats = self.stats
         stats.prompt_tokens = len(self._tokens)
         llm.set_seed(self._sampling.seed)
@@ -84,15 +143,11 @@ class Generation:
             repeat_penalty=self._sampling.repeat_penalty,
         )
         stats.stop_reason = "length"
-        stops = StopFilter(engine.template.stop)
-        reasoning = ReasoningStream(self.opened_reasoning)
-        strip_space = engine.strips_reply_space(self._tokens[-1])
-        raw_length = 0
-        raw_ends: list[int] = []  # the reply's length in characters after each token
+        reply = self._reply = ReplyText(engine, self._tokens)
         try:
             for token in stream:
                 now = time.perf_counter()
-                if not self.tokens:
+                if not reply.tokens:
                     first_at = stats.first_token_at = now
                     stats.ttft_s = now - start
                     stats.prompt_tokens_evaluated = llm.tokens_evaluated - counted_before
@@ -104,45 +159,27 @@ class Generation:
                 if engine.is_end_of_generation(token):
                     stats.stop_reason = "eos"
                     break
-                self.tokens.append(token)
-                piece = decoder.decode(llm.detokenize([token]))
-                if strip_space and piece:
-                    # SentencePiece writes a space after a control token that the reply's
-                    # text does not have: re-rendered, the template gives it back.
-                    piece = piece.removeprefix(" ")
-                    strip_space = False
-                raw_length += len(piece)
-                raw_ends.append(raw_length)
-                piece, stopped = stops.feed(piece)
-                self.text += piece
-                stats.generated_tokens = len(self.tokens)
-                if len(self.tokens) > 1 and now > first_at:
-                    stats.gen_tps = (len(self.tokens) - 1) / (now - first_at)
-                if stopped:
+                deltas = reply.feed(token)
+                stats.generated_tokens = reply.generated
+                if reply.generated > 1 and now > first_at:
+                    stats.gen_tps = (reply.generated - 1) / (now - first_at)
+                if reply.stopped:  # said before the last deltas: a reader may stop at them
                     stats.stop_reason = "stop"
-                    # The reply is the tokens whose text came before the stop string.
-                    kept = bisect.bisect_right(raw_ends, len(self.text))
-                    del self.tokens[kept:]
-                    yield from self._deltas(token, reasoning.feed(piece))
+                yield from deltas
+                if reply.stopped:
                     break
-                yield from self._deltas(token, reasoning.feed(piece))
                 if self._cancel is not None and self._cancel.is_set():
                     stats.stop_reason = "cancelled"
                     break
-                if len(self.tokens) >= self._max_tokens:
+                if len(reply.tokens) >= self._max_tokens:
                     break
                 # The prompt and the reply (drafts in the cache past them are not the reply).
-                if len(self._tokens) + len(self.tokens) >= engine.n_ctx:
+                if len(self._tokens) + len(reply.tokens) >= engine.n_ctx:
                     stats.stop_reason = "context"
                     break
-            held_back = stops.flush()
-            self.text += held_back
-            yield from self._deltas(None, [*reasoning.feed(held_back), *reasoning.flush()])
+            yield from reply.flush()
         finally:
-            # Closed before the end (the reader stopped): held-back text is still the reply's.
-            self.text += stops.flush()
-            # Bytes of a character the reply never finished are dropped, not shown as "?":
-            # the text is exactly what was streamed.
+            reply.close()
             stream.close()
             llm.draft_model = None
             llm.verify_next = 0

@@ -1,0 +1,214 @@
+"""Several sequences decoded together in one llama.cpp context on an engine's loaded model:
+what a server needs to answer requests side by side (continuous batching).
+
+llama-cpp-python's ``Llama`` keeps one sequence, so this is llama.cpp's own API: a second
+context on the same weights with ``n_seq_max`` sequences, each with a KV cache of its own
+(``kv_unified`` off: measured here, a greedy reply among others is then the one it is
+alone, with or without flash attention; a unified cache without flash attention changes
+replies), one ``llama_decode`` per step for every sequence's tokens, a sampler chain per
+sequence, and per-sequence cuts and saved states (the same bytes a conversation's state
+file holds, so a server's prompt cache and a chat's are one format).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import llama_cpp
+
+from localchat.backends.base import Sampling
+from localchat.backends.llama.runtime import abort_requested, last_error_line, watch_abort
+from localchat.errors import ModelLoadError
+
+if TYPE_CHECKING:
+    from localchat.backends.llama.engine import Engine
+
+PENALTY_LAST_N = 64  # tokens a repetition penalty looks back over (llama.cpp's default)
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """Tokens one sequence adds in a step; ``logits``: whether its last token is sampled."""
+
+    seq: int
+    tokens: Sequence[int]
+    logits: bool = True
+
+
+class BatchFull(RuntimeError):
+    """llama.cpp found no room in the KV cache for a step (a sequence past its context)."""
+
+
+class SequenceSampler:
+    """One sequence's sampler chain (penalties, top-k, top-p, min-p, temperature, a seeded
+    draw; greedy at temperature 0), as llama-cpp-python orders them for a single reply."""
+
+    def __init__(
+        self,
+        sampling: Sampling,
+        n_vocab: int,
+        frequency_penalty: float = 0.0,
+        presence_penalty: float = 0.0,
+    ) -> None:
+        params = llama_cpp.llama_sampler_chain_default_params()
+        self._chain = llama_cpp.llama_sampler_chain_init(params)
+        add = self._add
+        if sampling.repeat_penalty != 1.0 or frequency_penalty or presence_penalty:
+            add(
+                llama_cpp.llama_sampler_init_penalties(
+                    n_vocab,  # as llama-cpp-python's binding declares it
+                    PENALTY_LAST_N,
+                    sampling.repeat_penalty,
+                    frequency_penalty,
+                    presence_penalty,
+                )
+            )
+        if sampling.temperature <= 0:
+            add(llama_cpp.llama_sampler_init_greedy())
+            return
+        if sampling.top_k > 0:
+            add(llama_cpp.llama_sampler_init_top_k(sampling.top_k))
+        add(llama_cpp.llama_sampler_init_top_p(sampling.top_p, 1))
+        add(llama_cpp.llama_sampler_init_min_p(sampling.min_p, 1))
+        add(llama_cpp.llama_sampler_init_temp(sampling.temperature))
+        add(llama_cpp.llama_sampler_init_dist(sampling.seed & 0xFFFFFFFF))
+
+    def _add(self, sampler: object) -> None:
+        llama_cpp.llama_sampler_chain_add(self._chain, sampler)
+
+    def close(self) -> None:
+        if self._chain is not None:
+            llama_cpp.llama_sampler_free(self._chain)
+            self._chain = None
+
+
+class SequenceBatch:
+    """``n_seq`` sequences of ``n_ctx_seq`` positions each, sharing the engine's weights.
+
+    ``tokens[seq]`` is what each sequence's cache holds, position by position; ``decode``
+    appends to it, ``cut`` and ``load`` change it. Runs on the compute thread, as the engine.
+    """
+
+    def __init__(self, engine: Engine, n_seq: int, n_ctx_seq: int) -> None:
+        options = engine.options
+        params = llama_cpp.llama_context_default_params()
+        params.n_seq_max = n_seq
+        params.n_ctx = n_ctx_seq * n_seq
+        # A step carries a full prompt chunk and a token for every other sequence.
+        self.capacity = min(options.n_batch, n_ctx_seq) + n_seq
+        params.n_batch = self.capacity
+        params.n_ubatch = options.n_ubatch
+        params.n_threads = params.n_threads_batch = engine.threads
+        params.type_k = params.type_v = engine.kv_type_id
+        params.flash_attn_type = 1 if engine.flash_attn else 0
+        params.kv_unified = False
+        params.swa_full = options.swa_cache == "full"
+        self.n_seq = n_seq
+        self.n_ctx_seq = n_ctx_seq
+        self.engine = engine
+        self._ctx = llama_cpp.llama_init_from_model(engine.llm.model, params)
+        if not self._ctx:
+            raise ModelLoadError(
+                f"{engine.model_path}: llama.cpp could not make a context for {n_seq} sequences"
+                f" of {n_ctx_seq} tokens: {last_error_line()}; try a smaller --parallel or --ctx"
+            )
+        watch_abort(self._ctx)
+        self._memory = llama_cpp.llama_get_memory(self._ctx)
+        self._batch = llama_cpp.llama_batch_init(self.capacity, 0, 1)
+        self._n_vocab = engine.n_vocab
+        self.tokens: list[list[int]] = [[] for _ in range(n_seq)]
+
+    # -- a step ------------------------------------------------------------------------------
+    def decode(self, chunks: Sequence[Chunk]) -> dict[int, int]:
+        """Evaluate every chunk in one ``llama_decode``: {seq: the batch row whose logits
+        are sampled}. ``BatchFull`` where a sequence has no room left."""
+        batch = self._batch
+        rows: dict[int, int] = {}
+        total = sum(len(chunk.tokens) for chunk in chunks)
+        if total > self.capacity:  # checked before llama.cpp's arrays are written
+            raise ValueError(f"a step of {total} tokens is over the batch's {self.capacity}")
+        n = 0
+        for chunk in chunks:
+            start = len(self.tokens[chunk.seq])
+            for offset, token in enumerate(chunk.tokens):
+                batch.token[n] = token
+                batch.pos[n] = start + offset
+                batch.n_seq_id[n] = 1
+                batch.seq_id[n][0] = chunk.seq
+                batch.logits[n] = False
+                n += 1
+            if chunk.logits and chunk.tokens:
+                batch.logits[n - 1] = True
+                rows[chunk.seq] = n - 1
+        batch.n_tokens = n
+        status = llama_cpp.llama_decode(self._ctx, batch)
+        if status != 0:
+            if abort_requested():
+                raise KeyboardInterrupt
+            for chunk in chunks:  # llama.cpp keeps none of a failed step's tokens
+                self.cut(chunk.seq, len(self.tokens[chunk.seq]))
+            if status == 1:
+                raise BatchFull("no room in the KV cache for this step")
+            raise RuntimeError(f"llama.cpp could not decode a step: {last_error_line()}")
+        for chunk in chunks:
+            self.tokens[chunk.seq].extend(chunk.tokens)
+        return rows
+
+    def sample(self, sampler: SequenceSampler, row: int) -> int:
+        """The next token from ``row``'s logits (the sampler remembers it for penalties)."""
+        return int(llama_cpp.llama_sampler_sample(sampler._chain, self._ctx, row))
+
+    # -- a sequence's cache --------------------------------------------------------------------
+    def cut(self, seq: int, keep: int) -> bool:
+        """Keep the first ``keep`` positions of ``seq``; False where that cannot continue
+        exactly (a window cache that dropped positions the next token would look at, as
+        ``Engine.keeps`` says for one sequence): then the sequence is emptied."""
+        held = len(self.tokens[seq])
+        window = self.engine.n_swa if self.engine.windowed else 0
+        if keep < held and window:
+            pos_min = int(llama_cpp.llama_memory_seq_pos_min(self._memory, seq))
+            if pos_min > max(0, keep - window):
+                keep = -1
+        if keep >= 0 and llama_cpp.llama_memory_seq_rm(self._memory, seq, keep, -1):
+            del self.tokens[seq][keep:]
+            return True
+        llama_cpp.llama_memory_seq_rm(self._memory, seq, -1, -1)
+        self.tokens[seq] = []
+        return keep == 0
+
+    def save(self, seq: int) -> bytes:
+        """The raw KV state of ``seq``: the bytes a state file stores."""
+        size = llama_cpp.llama_state_seq_get_size(self._ctx, seq)
+        buffer = (ctypes.c_uint8 * size)()
+        written = llama_cpp.llama_state_seq_get_data(self._ctx, buffer, size, seq)
+        return bytes(memoryview(buffer)[:written])
+
+    def load(self, seq: int, data: bytes | memoryview, tokens: Sequence[int]) -> bool:
+        """Restore a saved state holding ``tokens`` into ``seq``; False if llama.cpp refuses."""
+        self.cut(seq, 0)
+        if len(tokens) > self.n_ctx_seq:
+            return False
+        buffer = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
+        read = llama_cpp.llama_state_seq_set_data(self._ctx, buffer, len(data), seq)
+        if read != len(data):
+            self.cut(seq, 0)
+            return False
+        self.tokens[seq] = list(tokens)
+        return True
+
+    @property
+    def cells_used(self) -> int:
+        return sum(len(t) for t in self.tokens)
+
+    def close(self) -> None:
+        if self._batch is not None:
+            with contextlib.suppress(Exception):
+                llama_cpp.llama_batch_free(self._batch)
+            self._batch = None
+        if self._ctx:
+            llama_cpp.llama_free(self._ctx)
+            self._ctx = None

@@ -1,0 +1,333 @@
+"""Continuous batching: every running request advances in the same llama.cpp step.
+
+A request waits for a free sequence (the one whose cache shares most of its prompt, else
+the one idle longest), starts from the longest prefix found in memory or on disk, then each
+step carries one token for every sequence that is generating and a chunk of the prompt of
+every one that is reading — so a request that arrives while others stream starts at once
+instead of waiting for their replies to end. Each sequence has its own sampler; a greedy
+reply among others is the reply alone (per-sequence caches, see ``SequenceBatch``).
+
+The loop runs on the compute thread while it has work and takes new requests between two
+steps; the request's worker thread waits on its job.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from localchat.backends.base import TurnStats
+from localchat.backends.compute_thread import start_compute
+from localchat.backends.llama.batch import Chunk, SequenceBatch, SequenceSampler
+from localchat.backends.llama.generation import ReplyText
+from localchat.chat.prompt import common_prefix
+from localchat.chat.stops import StopFilter
+from localchat.server.api import ApiError, GenerationRequest
+from localchat.server.prompt_cache import BLOCK, CacheHit, PromptCache
+
+# What a reply emits: ("text" | "reasoning", piece).
+Emit = Callable[[str, str], None]
+
+
+@dataclass
+class Job:
+    """One request: its prompt ids, how long its reply may be, where its pieces go."""
+
+    request: GenerationRequest
+    prompt: list[int]
+    max_tokens: int
+    cancel: threading.Event
+    emit: Emit
+    done: threading.Event = field(default_factory=threading.Event)
+    stats: TurnStats = field(default_factory=TurnStats)
+    hit: CacheHit | None = None  # the saved state found for it (read off the compute thread)
+    restored: int = 0  # prompt tokens restored from a state on disk
+    started: bool = False  # it held a sequence (else it left the queue unanswered)
+    error: BaseException | None = None
+
+
+@dataclass
+class _Running:
+    """A job holding a sequence."""
+
+    job: Job
+    seq: int
+    reply: ReplyText
+    stops: StopFilter  # the request's own stop strings
+    sampler: SequenceSampler
+    continues: str | None  # the saved state this sequence extends (replaced by its own)
+    started: float
+    reused: int  # prompt tokens the sequence held when the job started
+    next_token: int | None = None  # sampled, not yet evaluated
+    first_at: float = 0.0
+    request_stopped: bool = False  # the request's own stop string ended the reply
+
+
+class Scheduler:
+    """The sequences of a ``SequenceBatch`` serving jobs; ``on_start``/``on_finish`` report
+    to the runner's counters."""
+
+    def __init__(
+        self,
+        batch: SequenceBatch,
+        cache: PromptCache,
+        on_start: Callable[[Job], None],
+        on_finish: Callable[[Job], None],
+    ) -> None:
+        self.batch = batch
+        self.engine = batch.engine
+        self.cache = cache
+        self.on_start = on_start
+        self.on_finish = on_finish
+        self._lock = threading.Lock()
+        self._inbox: deque[Job] = deque()
+        self._looping = False
+        self._running: dict[int, _Running] = {}
+        self._held: list[tuple[str, list[int]] | None] = [None] * batch.n_seq
+        self._last_used = [0.0] * batch.n_seq
+        self._closing = False
+
+    def answer(self, job: Job) -> TurnStats:
+        """Queue ``job`` and wait for its reply (on the request's worker thread)."""
+        with self._lock:
+            if self._closing:
+                raise ApiError(503, "the server is stopping", "server_busy", "stopping")
+            self._inbox.append(job)
+            start = not self._looping
+            self._looping = True
+        if start:
+            start_compute(self._loop)
+        job.done.wait()
+        if job.error is not None:  # one exception per request, not one shared by all
+            error = job.error
+            raise RuntimeError(f"{type(error).__name__}: {error}") from error
+        return job.stats
+
+    def close(self) -> None:
+        """Take no more jobs and stop those under way at their next step (their states are
+        still saved); returns once the loop has let go of the compute thread."""
+        with self._lock:
+            self._closing = True
+            jobs = [*self._inbox, *(r.job for r in list(self._running.values()))]
+        for job in jobs:
+            job.cancel.set()
+
+    # -- the loop, on the compute thread -------------------------------------------------
+    def _loop(self) -> None:
+        waiting: deque[Job] = deque()
+        try:
+            while True:
+                with self._lock:
+                    waiting.extend(self._inbox)
+                    self._inbox.clear()
+                    if not waiting and not self._running:
+                        self._looping = False
+                        return
+                while waiting and len(self._running) < self.batch.n_seq:
+                    job = waiting.popleft()
+                    try:
+                        self._start(job)
+                    except Exception as exc:  # (a state that would not load): this one fails
+                        self._fail(job, exc)
+                if self._running:
+                    self._step()
+        except BaseException as exc:  # a failed step fails the requests, not the server
+            with self._lock:
+                waiting.extend(self._inbox)
+                self._inbox.clear()
+                self._looping = False
+            for running in list(self._running.values()):
+                self.batch.cut(running.seq, 0)
+                self._held[running.seq] = None
+                running.sampler.close()
+                self._fail(running.job, exc)
+            self._running.clear()
+            for job in waiting:
+                self._fail(job, exc)
+
+    def _fail(self, job: Job, exc: BaseException) -> None:
+        job.error = exc
+        try:
+            self.on_finish(job)
+        finally:
+            job.done.set()
+
+    def _start(self, job: Job) -> None:
+        """Give ``job`` a sequence and the longest prefix of its prompt there is."""
+        if job.cancel.is_set():  # its client left while it waited
+            job.stats.stop_reason = "cancelled"
+            self.on_finish(job)
+            job.done.set()
+            return
+        batch, prompt = self.batch, job.prompt
+        free = [s for s in range(batch.n_seq) if s not in self._running]
+        seq = max(free, key=lambda s: (common_prefix(batch.tokens[s], prompt), -self._last_used[s]))
+        in_memory = common_prefix(batch.tokens[seq], prompt)
+        hit = job.hit
+        # A window cache cannot be cut back far: there only a state wholly inside the prompt.
+        if (
+            hit is not None
+            and hit.shared >= in_memory + BLOCK
+            and (not self.engine.windowed or hit.shared == len(hit.state.tokens))
+        ):
+            if batch.load(seq, hit.state.payload, hit.state.tokens):
+                self._held[seq] = (hit.state_id, list(hit.state.tokens))
+                job.restored = min(hit.shared, len(prompt) - 1)
+            else:
+                self._held[seq] = None
+        job.hit = None  # its payload is in the cache now (or refused): not kept twice
+        # The last prompt token is always evaluated: its logits give the first reply token.
+        keep = min(common_prefix(batch.tokens[seq], prompt), len(prompt) - 1)
+        if not batch.cut(seq, keep):
+            self._held[seq] = None
+            job.restored = 0
+        held, continues = self._held[seq], None
+        if held is not None and common_prefix(held[1], prompt) == len(held[1]):
+            continues = held[0]  # this request extends that state: its own replaces it
+        elif held is not None:
+            self._held[seq] = None  # the sequence holds another conversation now
+        request = job.request
+        sampler = SequenceSampler(
+            request.sampling,
+            self.engine.n_vocab,
+            request.frequency_penalty,
+            request.presence_penalty,
+        )
+        stats = job.stats
+        stats.prompt_tokens = len(prompt)
+        stats.prompt_tokens_evaluated = len(prompt) - len(batch.tokens[seq])
+        stats.stop_reason = "length"
+        self._running[seq] = _Running(
+            job, seq, ReplyText(self.engine, prompt), StopFilter(job.request.stop), sampler,
+            continues, time.perf_counter(), len(batch.tokens[seq]),
+        )  # fmt: skip
+        job.started = True
+        self.on_start(job)
+
+    def _step(self) -> None:
+        """One decode for every running sequence, then a token sampled for each that has
+        read its whole prompt."""
+        batch = self.batch
+        chunks = []
+        generating = [r for r in self._running.values() if r.next_token is not None]
+        for running in generating:
+            assert running.next_token is not None
+            chunks.append(Chunk(running.seq, [running.next_token]))
+        room = batch.capacity - len(chunks)
+        for running in self._running.values():
+            if running.next_token is not None:
+                continue
+            if running.job.cancel.is_set():
+                continue
+            prompt, held = running.job.prompt, len(batch.tokens[running.seq])
+            take = min(room, batch.capacity - batch.n_seq, len(prompt) - held)
+            if take <= 0:
+                continue
+            chunks.append(
+                Chunk(running.seq, prompt[held : held + take], held + take == len(prompt))
+            )
+            room -= take
+        rows = batch.decode(chunks) if chunks else {}
+        now = time.perf_counter()
+        for running in list(self._running.values()):
+            if running.job.cancel.is_set():
+                self._finish(running, "cancelled")
+            elif running.seq in rows:
+                self._advance(running, batch.sample(running.sampler, rows[running.seq]), now)
+
+    def _advance(self, running: _Running, token: int, now: float) -> None:
+        """Take the token sampled for ``running``: stream it or end the reply."""
+        stats, reply, job = running.job.stats, running.reply, running.job
+        if not reply.generated:
+            running.first_at = stats.first_token_at = now
+            stats.ttft_s = now - running.started
+            if stats.ttft_s > 0:
+                stats.prompt_tps = stats.prompt_tokens_evaluated / stats.ttft_s
+        if self.engine.is_end_of_generation(token):
+            self._finish(running, "eos")
+            return
+        for delta in reply.feed(token):
+            self._emit(running, delta.text, delta.reasoning)
+        stats.generated_tokens = reply.generated
+        if reply.generated > 1 and now > running.first_at:
+            stats.gen_tps = (reply.generated - 1) / (now - running.first_at)
+        if reply.stopped or running.request_stopped:
+            self._finish(running, "stop")
+        elif reply.generated >= job.max_tokens:
+            self._finish(running, "length")
+        elif len(job.prompt) + reply.generated >= self.batch.n_ctx_seq:
+            self._finish(running, "context")
+        else:
+            running.next_token = token
+
+    def _emit(self, running: _Running, text: str, reasoning: bool) -> None:
+        """Send a piece on (a raw completion's reasoning is just its text), through the
+        request's own stop strings; a reader that fails (its client gone) cancels the job."""
+        job = running.job
+        if running.request_stopped:
+            return
+        try:
+            if reasoning and job.request.messages is not None:
+                job.emit("reasoning", text)
+                return
+            text, running.request_stopped = running.stops.feed(text)
+            if text:
+                job.emit("text", text)
+        except Exception:
+            job.cancel.set()
+
+    def _finish(self, running: _Running, reason: str) -> None:
+        """End the reply: the rest of its text, the cache cut to the prompt and the reply
+        kept, that state saved in the background, the waiting request released (whatever
+        fails on the way fails this request only)."""
+        del self._running[running.seq]
+        job, reply = running.job, running.reply
+        try:
+            if not running.request_stopped:
+                for delta in reply.flush():
+                    self._emit(running, delta.text, delta.reasoning)
+                tail = running.stops.flush()
+                if tail and not running.request_stopped:
+                    try:
+                        job.emit("text", tail)
+                    except Exception:
+                        job.cancel.set()
+            reply.close()
+            stats = job.stats
+            stats.stop_reason = reason
+            held = len(self.batch.tokens[running.seq])
+            if not reply.generated:  # stopped while it read the prompt: what it read
+                stats.prompt_tokens_evaluated = max(0, min(held, len(job.prompt)) - running.reused)
+            kept = len(job.prompt) + len(reply.tokens)
+            if held > kept:
+                self.batch.cut(running.seq, kept)
+            self._last_used[running.seq] = time.monotonic()
+            self._save(running)
+        except Exception as exc:
+            job.error = exc
+        finally:
+            running.sampler.close()
+            self.on_finish(job)
+            job.done.set()
+
+    def _save(self, running: _Running) -> None:
+        """Save what the sequence holds (the prompt and the reply) in the background."""
+        seq = running.seq
+        tokens = list(self.batch.tokens[seq])
+        held = self._held[seq]
+        if len(tokens) < BLOCK or (
+            running.continues is not None
+            and held is not None
+            and len(tokens) < len(held[1]) + BLOCK
+        ):
+            return  # short, or less than a block past the state it continues: not worth a write
+        sid = self.cache.save(tokens, self.batch.save(seq), running.continues)
+        if sid is not None:
+            self._held[seq] = (sid, tokens)
+
+    def rates(self) -> list[float]:
+        """Each generating sequence's tokens/s so far (read from any thread)."""
+        return [r.job.stats.gen_tps for r in list(self._running.values()) if r.job.stats.gen_tps]

@@ -1,0 +1,192 @@
+"""``localchat serve`` answering requests side by side (continuous batching) on the real
+SmolLM2: one llama.cpp step for every running sequence, a request that arrives while
+another streams starts at once, greedy replies among others are each reply alone, and each
+sequence samples with its own parameters."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from localchat.chat.template import ChatMessage
+from tests.test_serve import NAME, QUESTION, Served, _client, _plain_reply
+
+QUESTIONS = [
+    QUESTION,
+    "List five fruits and say the colour of each.",
+    "Explain what a binary search does, step by step.",
+]
+
+
+@pytest.fixture
+def served3(smollm2: Path, tmp_path: Path) -> Iterator[Served]:
+    server = Served(smollm2, tmp_path / "states", parallel=3)
+    yield server
+    server.close()
+
+
+def _ask(root: str, question: str, max_tokens: int, **extra: object) -> dict:
+    body = {"model": NAME, "messages": [{"role": "user", "content": question}],
+            "max_tokens": max_tokens, "temperature": 0, **extra}  # fmt: skip
+    response = httpx.post(f"{root}/v1/chat/completions", json=body, timeout=300)
+    assert response.status_code == 200, response.text
+    return dict(response.json())
+
+
+def test_greedy_replies_side_by_side_are_each_reply_alone(served3: Served, smollm2: Path) -> None:
+    replies: dict[int, str] = {}
+    starts = threading.Barrier(len(QUESTIONS))
+
+    def ask(index: int) -> None:
+        starts.wait()
+        body = _ask(served3.root, QUESTIONS[index], 48)
+        replies[index] = body["choices"][0]["message"]["content"]
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(QUESTIONS))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert served3.runner.counters.running == 0 and served3.runner.counters.queued == 0
+    for index, question in enumerate(QUESTIONS):
+        assert replies[index] == _plain_reply(smollm2, [ChatMessage("user", question)], 48)
+    # They ran side by side (started together, the first still generating when the
+    # others came), each in a sequence of its own.
+    assert served3.runner.counters.peak_running >= 2
+
+
+def test_a_request_that_arrives_while_another_streams_is_answered_before_it_ends(
+    served3: Served,
+) -> None:
+    body = {"model": NAME, "messages": [{"role": "user", "content": "Tell a very long story."}],
+            "max_tokens": 400, "temperature": 0, "stream": True}  # fmt: skip
+    streamed: list[str] = []
+    first = threading.Event()
+
+    def stream_long() -> None:
+        with httpx.stream("POST", f"{served3.root}/v1/chat/completions", json=body,
+                          timeout=300) as response:  # fmt: skip
+            for line in response.iter_lines():
+                if line.startswith("data: {") and '"content"' in line:
+                    streamed.append(line)
+                    if len(streamed) > 2:  # the reply itself streams (not just its role)
+                        first.set()
+
+    long_reply = threading.Thread(target=stream_long)
+    long_reply.start()
+    assert first.wait(120)
+    short = _ask(served3.root, QUESTIONS[1], 8)
+    # The short reply came while the long one was still streaming (a queue would have
+    # answered it only after all 400 tokens).
+    assert long_reply.is_alive() and served3.runner.counters.running == 1
+    assert short["usage"]["completion_tokens"] == 8
+    long_reply.join()
+    assert len(streamed) > 300
+
+
+def test_each_sequence_samples_with_its_own_parameters(served3: Served) -> None:
+    def sampled(seed: int, **extra: object) -> str:
+        body = _ask(served3.root, QUESTIONS[2], 24, temperature=1.0, top_p=0.95, seed=seed,
+                    **extra)  # fmt: skip
+        return str(body["choices"][0]["message"]["content"])
+
+    alone = sampled(7)
+    # Side by side, each with its own seed: a seed gives its reply again whatever runs beside
+    # it (one shared sampler would mix the draws).
+    together: dict[int, str] = {}
+    starts = threading.Barrier(3)
+
+    def ask(index: int, seed: int) -> None:
+        starts.wait()
+        together[index] = sampled(seed)
+
+    threads = [threading.Thread(target=ask, args=(i, seed)) for i, seed in enumerate((7, 8, 7))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert served3.runner.counters.peak_running >= 2
+    assert together[0] == together[2] == alone
+    assert together[1] != alone or sampled(9) != alone
+    greedy = _ask(served3.root, QUESTIONS[2], 24)["choices"][0]["message"]["content"]
+    penalised = _ask(served3.root, QUESTIONS[2], 24, frequency_penalty=2.0, presence_penalty=2.0)
+    assert penalised["choices"][0]["message"]["content"] != greedy
+    refused = httpx.post(f"{served3.root}/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": "hi"}], "presence_penalty": 3})  # fmt: skip
+    assert refused.status_code == 400 and "presence_penalty" in refused.json()["error"]["message"]
+
+
+def test_the_openai_client_streams_two_replies_at_once(served3: Served, smollm2: Path) -> None:
+    client = _client(served3.root)
+    streams = [
+        client.chat.completions.create(
+            model=NAME,
+            messages=[{"role": "user", "content": q}],
+            temperature=0,
+            max_tokens=32,
+            stream=True,
+        )
+        for q in QUESTIONS[:2]
+    ]
+    # Read the two streams in turn, a chunk of each: both are running together.
+    texts = ["", ""]
+    iterators = [iter(s) for s in streams]
+    live = [True, True]
+    while any(live):
+        for index, chunks in enumerate(iterators):
+            if not live[index]:
+                continue
+            chunk = next(chunks, None)
+            if chunk is None:
+                live[index] = False
+            elif chunk.choices and chunk.choices[0].delta.content:
+                texts[index] += chunk.choices[0].delta.content
+    for index, question in enumerate(QUESTIONS[:2]):
+        assert texts[index] == _plain_reply(smollm2, [ChatMessage("user", question)], 32)
+    assert served3.runner.counters.peak_running == 2
+
+
+def test_a_client_that_leaves_stops_its_sequence_and_the_others_go_on(
+    served3: Served, smollm2: Path
+) -> None:
+    body = {"model": NAME, "messages": [{"role": "user", "content": "Tell a very long story."}],
+            "max_tokens": 1000, "temperature": 0, "stream": True}  # fmt: skip
+    other: dict[str, str] = {}
+    with httpx.stream("POST", f"{served3.root}/v1/chat/completions", json=body,
+                      timeout=300) as response:  # fmt: skip
+        lines = response.iter_lines()
+        next(lines)
+
+        def ask_other() -> None:
+            reply = _ask(served3.root, QUESTIONS[0], 40)
+            other["text"] = reply["choices"][0]["message"]["content"]
+
+        beside = threading.Thread(target=ask_other)
+        beside.start()
+        counters = served3.runner.counters
+        deadline = time.monotonic() + 60
+        while counters.running < 2 and time.monotonic() < deadline:  # both run
+            next(lines)
+        assert counters.running == 2
+    # The story's client left: its sequence stops; the other reply is whole and unchanged.
+    beside.join()
+    assert other["text"] == _plain_reply(smollm2, [ChatMessage("user", QUESTIONS[0])], 40)
+    deadline = time.monotonic() + 30
+    while counters.running and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert counters.running == 0 and counters.generated_tokens < 300
+
+
+def test_parallel_defaults_to_what_memory_allows(served3: Served) -> None:
+    from localchat.server.runner import MAX_PARALLEL_CPU, default_parallel
+
+    engine = served3.engine
+    one = engine.kv_bytes_per_token * engine.n_ctx  # a sequence's cache
+    assert default_parallel(engine, 0) == 1  # always one
+    assert default_parallel(engine, 6 * one) == 3  # half of what is free goes to caches
+    assert default_parallel(engine, 10**15) == MAX_PARALLEL_CPU
