@@ -14,6 +14,7 @@ import httpx
 import pytest
 
 from localchat.chat.template import ChatMessage
+from localchat.server.scheduler import COPY_MIN_TOKENS
 from tests.test_serve import NAME, QUESTION, Served, _client, _plain_reply
 
 QUESTIONS = [
@@ -61,7 +62,7 @@ def test_greedy_replies_side_by_side_are_each_reply_alone(served3: Served, smoll
 
 
 def test_a_request_that_arrives_while_another_streams_is_answered_before_it_ends(
-    served3: Served,
+    served3: Served, smollm2: Path
 ) -> None:
     body = {"model": NAME, "messages": [{"role": "user", "content": "Tell a very long story."}],
             "max_tokens": 400, "temperature": 0, "stream": True}  # fmt: skip
@@ -85,6 +86,11 @@ def test_a_request_that_arrives_while_another_streams_is_answered_before_it_ends
     # answered it only after all 400 tokens).
     assert long_reply.is_alive() and served3.runner.counters.running == 1
     assert short["usage"]["completion_tokens"] == 8
+    # The system prompt both share was copied from the streaming sequence, not evaluated,
+    # and the reply is the one it has alone.
+    assert short["usage"]["prompt_tokens_details"]["cached_tokens"] >= COPY_MIN_TOKENS
+    plain = _plain_reply(smollm2, [ChatMessage("user", QUESTIONS[1])], 8)
+    assert short["choices"][0]["message"]["content"] == plain
     long_reply.join()
     assert len(streamed) > 300
 

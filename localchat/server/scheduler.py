@@ -29,6 +29,9 @@ from localchat.server.api import ApiError, GenerationRequest
 from localchat.server.prompt_cache import BLOCK, CacheHit, PromptCache
 
 # What a reply emits: ("text" | "reasoning", piece).
+# A prefix another sequence holds is copied where it saves at least this many tokens: the
+# copy takes the whole cache of one sequence (memory speed), a token's evaluation far more.
+COPY_MIN_TOKENS = 16
 Emit = Callable[[str, str], None]
 
 
@@ -179,6 +182,15 @@ class Scheduler:
             else:
                 self._held[seq] = None
         job.hit = None  # its payload is in the cache now (or refused): not kept twice
+        # Another sequence, running or idle, may hold more of the prompt (a system prompt
+        # every client sends): its cache is copied rather than the prefix evaluated again.
+        have = common_prefix(batch.tokens[seq], prompt)
+        source = max(range(batch.n_seq), key=lambda s: common_prefix(batch.tokens[s], prompt))
+        shared = common_prefix(batch.tokens[source], prompt)
+        if source != seq and shared >= have + COPY_MIN_TOKENS:
+            self._held[seq] = None
+            job.restored = 0
+            batch.copy(source, seq, min(shared, len(prompt) - 1))
         # The last prompt token is always evaluated: its logits give the first reply token.
         keep = min(common_prefix(batch.tokens[seq], prompt), len(prompt) - 1)
         if not batch.cut(seq, keep):

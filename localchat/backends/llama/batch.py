@@ -180,6 +180,14 @@ class SequenceBatch:
         self.tokens[seq] = []
         return keep == 0
 
+    def copy(self, source: int, target: int, keep: int) -> bool:
+        """Make ``target`` hold the first ``keep`` positions of ``source`` (a prefix two
+        requests share: copied, not evaluated again). Each sequence has a cache of its own,
+        so llama.cpp copies the whole cache, at the next decode, and the rest is cut."""
+        llama_cpp.llama_memory_seq_cp(self._memory, source, target, -1, -1)
+        self.tokens[target] = list(self.tokens[source])
+        return self.cut(target, keep)
+
     def save(self, seq: int) -> bytes:
         """The raw KV state of ``seq``: the bytes a state file stores."""
         size = llama_cpp.llama_state_seq_get_size(self._ctx, seq)
