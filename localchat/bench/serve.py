@@ -8,7 +8,8 @@ as clients meet it, read by a plain HTTP client (httpx, the SSE lines parsed, no
   (one that answered the request before it: the same new tokens to evaluate); with
   ``serve_reread_ttft_s``, what re-reading the conversation costs.
 - ``serve_join_ttft_ratio``: a short request that arrives while another streams a 300-token
-  reply, its first-token time over its time alone (it joins the running steps); beside it
+  reply, its first-token time over its time alone (it joins the running steps; the median
+  of rounds); beside it
   ``serve_join_queued_ttft_s``, the same on a server of one sequence, which answers in turn.
 - ``serve_parallel_throughput``: four concurrent streams' tokens/s over one stream's.
 """
@@ -33,6 +34,7 @@ SERVE_CTX = 4096
 GEN_TOKENS = 200
 GEN_ROUNDS = 3
 JOIN_TOKENS = 300
+JOIN_ROUNDS = 3
 HISTORY_WORDS = 1900  # with the template: about 2,000 tokens
 PARALLEL = 4
 PARALLEL_TOKENS = 64
@@ -130,25 +132,35 @@ def _join(root: str, messages: list[dict[str, str]]) -> float:
 def _join_and_parallel(
     root: str, messages: list[dict[str, str]], progress: Progress
 ) -> dict[str, Any]:
-    alone = _stream(root, SHORT, 8)["ttft_s"]
-    joined = _join(root, messages)
+    alones, joins = [], []
+    for _ in range(JOIN_ROUNDS):
+        alones.append(_stream(root, SHORT, 8)["ttft_s"])
+        joins.append(_join(root, messages))
+    alone, joined = statistics.median(alones), statistics.median(joins)
+    ratio = statistics.median(j / a for j, a in zip(joins, alones, strict=True))
     _say(progress, f"serve: a short request alone {alone:.2f} s, beside a stream {joined:.2f} s")
-    one = _stream(root, messages, PARALLEL_TOKENS)["tps"]
-    began = time.perf_counter()
-    streams = [
-        threading.Thread(target=_stream, args=(root, messages, PARALLEL_TOKENS))
-        for _ in range(PARALLEL)
-    ]
-    for stream in streams:
-        stream.start()
-    for stream in streams:
-        stream.join()
-    together = PARALLEL * PARALLEL_TOKENS / (time.perf_counter() - began)
+    gains = []
+    for _ in range(JOIN_ROUNDS):
+        one = _stream(root, messages, PARALLEL_TOKENS)["tps"]
+        began = time.perf_counter()
+        streams = [
+            threading.Thread(target=_stream, args=(root, messages, PARALLEL_TOKENS))
+            for _ in range(PARALLEL)
+        ]
+        for stream in streams:
+            stream.start()
+        for stream in streams:
+            stream.join()
+        gains.append(PARALLEL * PARALLEL_TOKENS / (time.perf_counter() - began) / one)
+    _say(
+        progress,
+        f"serve: {PARALLEL} streams at once: {statistics.median(gains):.2f}× one's tokens/s",
+    )
     return {
         "serve_join_alone_ttft_s": round(alone, 3),
         "serve_join_ttft_s": round(joined, 3),
-        "serve_join_ttft_ratio": round(joined / alone, 2),
-        "serve_parallel_throughput": round(together / one, 3),
+        "serve_join_ttft_ratio": round(ratio, 2),
+        "serve_parallel_throughput": round(statistics.median(gains), 3),
     }
 
 
