@@ -32,7 +32,7 @@ from localchat.cpu import physical_cores
 
 SERVE_CTX = 4096
 GEN_TOKENS = 200
-GEN_ROUNDS = 3
+GEN_ROUNDS = 5
 JOIN_TOKENS = 300
 JOIN_ROUNDS = 3
 HISTORY_WORDS = 1900  # with the template: about 2,000 tokens
