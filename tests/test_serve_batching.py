@@ -13,8 +13,13 @@ from pathlib import Path
 import httpx
 import pytest
 
+from localchat.backends.base import Sampling
+from localchat.backends.llama.engine import Engine, LoadOptions
 from localchat.chat.template import ChatMessage
+from localchat.server.app import BackgroundServer
+from localchat.server.runner import ModelRunner
 from localchat.server.scheduler import COPY_MIN_TOKENS
+from localchat.state.kvstate import StateStore
 from tests.test_serve import NAME, QUESTION, Served, _client, _plain_reply
 
 QUESTIONS = [
@@ -196,3 +201,47 @@ def test_parallel_defaults_to_what_memory_allows(served3: Served) -> None:
     assert default_parallel(engine, 0) == 1  # always one
     assert default_parallel(engine, 6 * one) == 3  # half of what is free goes to caches
     assert default_parallel(engine, 10**15) == MAX_PARALLEL_CPU
+
+
+def test_a_generated_model_served_side_by_side_writes_asks_replies(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    # An F16 cache without flash attention (the tiny model's plan at this context): the
+    # configuration where a unified cache would change replies.
+    options = LoadOptions(n_ctx=512, n_threads=2)
+    engine = Engine(tiny_model, options)
+    assert not engine.flash_attn and engine.options.kv_type == "f16"
+    runner = ModelRunner(engine, StateStore(tmp_path / "states"), "tiny", parallel=2)
+    server = BackgroundServer(runner)
+    try:
+        replies: dict[int, dict] = {}
+        starts = threading.Barrier(2)
+
+        def ask(index: int) -> None:
+            starts.wait()
+            replies[index] = _ask(server.root, QUESTIONS[index], 96, model="tiny")
+
+        threads = [threading.Thread(target=ask, args=(i,)) for i in range(2)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        assert runner.counters.peak_running == 2
+    finally:
+        server.close()
+        runner.close()
+        engine.close()
+    for index in range(2):
+        alone = Engine(tiny_model, options)
+        try:
+            generation = alone.generate(
+                alone.prompt_tokens([ChatMessage("user", QUESTIONS[index])]),
+                Sampling(temperature=0.0),
+                96,
+            )
+            for _ in generation:
+                pass
+        finally:
+            alone.close()
+        assert replies[index]["choices"][0]["message"]["content"] == generation.text
+        assert replies[index]["usage"]["completion_tokens"] == generation.stats.generated_tokens
