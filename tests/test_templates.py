@@ -73,8 +73,8 @@ def test_tojson_keeps_unicode_and_takes_indent() -> None:
 
 def test_raise_exception_becomes_a_one_line_error() -> None:
     template = _template("header_style.jinja")
-    with pytest.raises(ModelFileError, match="failed: Unknown role tool"):
-        template.render([ChatMessage("user", "a"), ChatMessage("tool", "b")])
+    with pytest.raises(ModelFileError, match="failed: Unknown role narrator"):
+        template.render([ChatMessage("user", "a"), ChatMessage("narrator", "b")])
 
 
 def test_a_template_without_a_system_role_gets_it_folded_into_the_first_user_message() -> None:

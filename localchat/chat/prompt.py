@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 
 from localchat.chat.template import ChatMessage, ChatTemplate, TemplateRunaway
+from localchat.chat.tools import ToolSpec
 
 Tokenize = Callable[[str], list[int]]
 Piece = Callable[[int], bytes]
@@ -94,8 +95,10 @@ class PromptBuilder:
         bos: list[int],
         piece: Piece,
         now: datetime | None = None,
+        tools: list[ToolSpec] | None = None,
     ) -> None:
         self.template = template
+        self.tools = tools  # rendered at the prompt's head: another set re-reads the history
         self.tokenize = tokenize
         self.bos = bos
         self.piece = piece
@@ -116,7 +119,7 @@ class PromptBuilder:
         return list(bos) + self.tokenize(text)
 
     def render(self, messages: Sequence[ChatMessage], generation_prompt: bool = True) -> str:
-        return self.template.render(list(messages), generation_prompt, self.now)
+        return self.template.render(list(messages), generation_prompt, self.now, self.tools)
 
     def build(self, messages: Sequence[ChatMessage], held: Sequence[int] = ()) -> BuiltPrompt:
         """The token ids that ask the model for the next assistant reply.

@@ -15,6 +15,7 @@ its bounds a template fails with one line suggesting ``--template``.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -29,13 +30,26 @@ from localchat.chat.sandbox import (
     compile_bounded,
     render_bounded,
 )
+from localchat.chat.tools import ToolCall, ToolSpec, describe_tools, tool_family
 from localchat.errors import ModelFileError, one_line
 
 
 @dataclass(frozen=True)
 class ChatMessage:
-    role: str  # "system" | "user" | "assistant"
+    role: str  # "system" | "user" | "assistant" | "tool"
     content: str
+    tool_calls: tuple[ToolCall, ...] = ()  # an assistant's calls
+    tool_call_id: str = ""  # a tool result: the call it answers
+
+    def as_template_message(self) -> dict[str, Any]:
+        """The message as templates index it (OpenAI's shape; keys only where set: some
+        templates test ``'tool_calls' in message``)."""
+        message: dict[str, Any] = {"role": self.role, "content": self.content}
+        if self.tool_calls:
+            message["tool_calls"] = [call.as_message() for call in self.tool_calls]
+        if self.tool_call_id:
+            message["tool_call_id"] = self.tool_call_id
+        return message
 
 
 @dataclass(frozen=True)
@@ -85,17 +99,27 @@ class ChatTemplate:
                 f"the chat template {name!r} does not compile: {one_line(exc)}"
             ) from None
         self.caps = self._probe()
+        self.tool_family = tool_family(source)
 
-    def _raw(self, messages: list[ChatMessage], add_generation_prompt: bool, now: datetime) -> str:
+    def _raw(
+        self,
+        messages: list[ChatMessage],
+        add_generation_prompt: bool,
+        now: datetime,
+        tools: list[ToolSpec] | None = None,
+    ) -> str:
         if self._ran_away is None:
             context: dict[str, Any] = {
-                "messages": [{"role": m.role, "content": m.content} for m in messages],
+                "messages": [m.as_template_message() for m in messages],
                 "add_generation_prompt": add_generation_prompt,
                 "bos_token": self.bos_token,
                 "eos_token": self.eos_token,
                 "strftime_now": now.strftime,
             }
+            if tools:  # undefined without tools, as llama.cpp renders it
+                context["tools"] = [tool.schema() for tool in tools]
             given = sum(map(len, [m.content for m in messages]))
+            given += sum(len(str(tool.schema())) for tool in tools or ())
             limit = RENDER_CHARS + CHARS_PER_MESSAGE_CHAR * given
             try:
                 return render_bounded(self._template, context, limit)
@@ -142,11 +166,20 @@ class ChatTemplate:
         messages: list[ChatMessage],
         add_generation_prompt: bool = True,
         now: datetime | None = None,
+        tools: list[ToolSpec] | None = None,
     ) -> str:
         """The prompt text; ``now`` is what ``strftime_now`` reports (a conversation pins its
-        start, so a template that writes today's date gives the same text on every day)."""
+        start, so a template that writes today's date gives the same text on every day).
+        ``tools`` go to the template, or, where it renders none (``tool_family`` generic),
+        into the system prompt with the generic call format."""
+        messages = self.adapt(messages)
+        if self.tool_family == "generic":  # no tools in the template: the polyfill's
+            messages = _calls_as_text(messages)
+            if tools:
+                messages = _with_tools_described(messages, tools)
+            tools = None
         try:
-            return self._raw(self.adapt(messages), add_generation_prompt, now or datetime.now())
+            return self._raw(messages, add_generation_prompt, now or datetime.now(), tools)
         except TemplateRunaway:
             raise
         except Exception as exc:  # raise_exception, or broken code: one line, no traceback
@@ -176,11 +209,41 @@ def _fold_system(messages: list[ChatMessage]) -> list[ChatMessage]:
     return out
 
 
+def _calls_as_text(messages: list[ChatMessage]) -> list[ChatMessage]:
+    """For a template that renders no tools (as llama.cpp's polyfill does): an assistant's
+    calls as the JSON it wrote, a tool's result as a user message saying what it returned."""
+    out = []
+    for message in messages:
+        if message.tool_calls:
+            written = "\n".join(
+                json.dumps({"name": c.name, "arguments": c.arguments}, ensure_ascii=False)
+                for c in message.tool_calls
+            )
+            content = f"{message.content}\n{written}" if message.content else written
+            message = ChatMessage(message.role, content)
+        elif message.role == "tool":
+            result = {"tool_response": {"id": message.tool_call_id, "content": message.content}}
+            message = ChatMessage("user", json.dumps(result, ensure_ascii=False))
+        out.append(message)
+    return out
+
+
+def _with_tools_described(messages: list[ChatMessage], tools: list[ToolSpec]) -> list[ChatMessage]:
+    """The tools described in the system prompt (made where there is none)."""
+    described = describe_tools(tools)
+    if messages and messages[0].role == "system":
+        first = messages[0]
+        return [ChatMessage("system", f"{first.content}\n\n{described}"), *messages[1:]]
+    return [ChatMessage("system", described), *messages]
+
+
 def _merge_same_roles(messages: list[ChatMessage]) -> list[ChatMessage]:
-    """Consecutive messages of one role become one (joined by a blank line)."""
+    """Consecutive messages of one role become one (joined by a blank line); tool calls
+    and tool results stay apart (each pairs with its own)."""
     out: list[ChatMessage] = []
     for message in messages:
-        if out and out[-1].role == message.role:
+        apart = message.tool_calls or message.role == "tool" or (out and out[-1].tool_calls)
+        if out and out[-1].role == message.role and not apart:
             out[-1] = ChatMessage(message.role, f"{out[-1].content}\n\n{message.content}")
         else:
             out.append(message)

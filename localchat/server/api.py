@@ -15,8 +15,10 @@ from typing import Any
 
 from localchat.backends.base import Sampling, TurnStats
 from localchat.chat.template import ChatMessage
+from localchat.chat.tools import ToolCall, ToolSpec
+from localchat.server.tool_api import ToolRequestError, openai_calls, parse_tools, tool_message
 
-ROLES = ("system", "user", "assistant")
+ROLES = ("system", "user", "assistant", "tool")
 DEFAULT_MAX_TOKENS = 512
 MAX_STOPS = 4  # OpenAI's limit
 
@@ -54,6 +56,8 @@ class GenerationRequest:
     include_usage: bool = False
     frequency_penalty: float = 0.0  # OpenAI's: subtracted per time a token already came
     presence_penalty: float = 0.0  # OpenAI's: subtracted once a token came at all
+    tools: tuple[ToolSpec, ...] = ()  # offered to the model (none under tool_choice "none")
+    tool_choice: str = "auto"  # "auto", "required", or the one tool's name
     created: int = field(default_factory=lambda: int(time.time()))
     request_id: str = field(default_factory=lambda: f"chatcmpl-{uuid.uuid4().hex[:24]}")
 
@@ -108,7 +112,11 @@ def _messages(body: dict[str, Any]) -> list[ChatMessage]:
         role = "system" if item.get("role") == "developer" else item.get("role")
         if role not in ROLES:
             raise _bad(f"{where}.role must be one of {', '.join(ROLES)}, not {role!r}")
-        messages.append(ChatMessage(str(role), _text_content(item.get("content"), where)))
+        content = _text_content(item.get("content"), where)
+        try:
+            messages.append(tool_message(str(role), content, item, where))
+        except ToolRequestError as exc:
+            raise _bad(str(exc), "invalid_type") from None
     return messages
 
 
@@ -131,8 +139,14 @@ def parse_request(body: Any, chat: bool) -> GenerationRequest:
     n = _integer(body, "n", 1)
     if n is not None and n != 1:
         raise _bad("n must be 1: this server writes one choice per request")
+    tools: tuple[ToolSpec, ...] = ()
+    tool_choice = "auto"
     if chat:
         messages, prompt = _messages(body), None
+        try:
+            tools, tool_choice = parse_tools(body)
+        except ToolRequestError as exc:
+            raise _bad(str(exc)) from None
     else:
         raw = body.get("prompt")
         if isinstance(raw, list) and len(raw) == 1 and isinstance(raw[0], str):
@@ -170,6 +184,8 @@ def parse_request(body: Any, chat: bool) -> GenerationRequest:
         bool(options.get("include_usage", False)),
         frequency_penalty=_number(body, "frequency_penalty", 0.0, -2.0, 2.0),
         presence_penalty=_number(body, "presence_penalty", 0.0, -2.0, 2.0),
+        tools=tools if tool_choice != "none" else (),
+        tool_choice=tool_choice if tool_choice != "none" else "auto",
     )
 
 
@@ -220,14 +236,22 @@ def _envelope(request: GenerationRequest, chunk: bool) -> dict[str, Any]:
 
 
 def completion_body(
-    request: GenerationRequest, text: str, reasoning: str, stats: TurnStats
+    request: GenerationRequest,
+    text: str,
+    reasoning: str,
+    stats: TurnStats,
+    calls: list[ToolCall] | None = None,
 ) -> dict[str, Any]:
-    """The whole reply, unstreamed."""
-    reason = finish_reason(stats)
+    """The whole reply, unstreamed (with the tools it calls)."""
+    reason = "tool_calls" if calls else finish_reason(stats)
     if request.messages is not None:
-        message: dict[str, Any] = {"role": "assistant", "content": text}
+        message: dict[str, Any] = {"role": "assistant", "content": text or None if calls else text}
         if reasoning:
             message["reasoning_content"] = reasoning
+        if calls:
+            message["tool_calls"] = [
+                {k: v for k, v in call.items() if k != "index"} for call in openai_calls(calls)
+            ]
         choice: dict[str, Any] = {"index": 0, "message": message, "finish_reason": reason}
     else:
         choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
@@ -256,12 +280,20 @@ def delta_chunk(
     return body
 
 
-def final_chunks(request: GenerationRequest, stats: TurnStats) -> list[dict[str, Any]]:
-    """The chunk that says why the reply ended, and the usage chunk where it was asked for."""
+def final_chunks(
+    request: GenerationRequest, stats: TurnStats, calls: list[ToolCall] | None = None
+) -> list[dict[str, Any]]:
+    """The calls the reply made (one delta), the chunk that says why the reply ended, and
+    the usage chunk where it was asked for."""
+    chunks = []
+    if calls:
+        called = delta_chunk(request)
+        called["choices"][0]["delta"]["tool_calls"] = openai_calls(calls)
+        chunks.append(called)
     last = delta_chunk(request)
-    last["choices"][0]["finish_reason"] = finish_reason(stats)
+    last["choices"][0]["finish_reason"] = "tool_calls" if calls else finish_reason(stats)
     last["timings"] = timings(stats)
-    chunks = [last]
+    chunks.append(last)
     if request.include_usage:
         chunks.append({**_envelope(request, chunk=True), "choices": [], "usage": usage(stats)})
     return chunks

@@ -32,6 +32,7 @@ from localchat.server.api import (
     parse_request,
 )
 from localchat.server.runner import ModelRunner
+from localchat.server.tool_api import ToolCallStream
 
 MAX_BODY_BYTES = 8 * 2**20  # a long conversation with files fits; more is refused
 DRAIN_LIMIT_BYTES = 64 * 2**20
@@ -240,8 +241,22 @@ async def _generate(runner: ModelRunner, request: GenerationRequest, http: Reque
         )  # fmt: skip
     finally:
         watcher.cancel()
-    body = completion_body(request, "".join(pieces["text"]), "".join(pieces["reasoning"]), stats)
+    text, calls = "".join(pieces["text"]), None
+    calls_stream = _tool_calls_stream(runner, request)
+    if calls_stream is not None:
+        calls_stream.feed(text)
+        text, calls = calls_stream.finish()
+        text = text.strip() if calls else "".join(pieces["text"])
+    body = completion_body(request, text, "".join(pieces["reasoning"]), stats, calls)
     return JSONResponse(body)
+
+
+def _tool_calls_stream(runner: ModelRunner, request: GenerationRequest) -> ToolCallStream | None:
+    """Where the request offers tools: the reply read for the calls in the model's format."""
+    if not request.tools:
+        return None
+    family = runner.engine.template.tool_family
+    return ToolCallStream(family, {tool.name for tool in request.tools})
 
 
 async def _cancel_when_gone(http: Request, cancel: threading.Event) -> None:
@@ -273,12 +288,18 @@ async def _stream(
             queue.put_nowait(("error", exc))
 
     task = asyncio.create_task(work())
+    calls_stream = _tool_calls_stream(runner, request)
     try:
         yield json.dumps(delta_chunk(request, first=True))
         while True:
             kind, value = await queue.get()
             if kind == "done":
-                for chunk in final_chunks(request, value):
+                calls = None
+                if calls_stream is not None:  # the text held back, then the calls
+                    rest, calls = calls_stream.finish()
+                    if rest.strip() if calls else rest:
+                        yield json.dumps(delta_chunk(request, rest.rstrip() if calls else rest))
+                for chunk in final_chunks(request, value, calls):
                     yield json.dumps(chunk)
                 yield "[DONE]"
                 return
@@ -292,6 +313,10 @@ async def _stream(
                 )
                 yield json.dumps(error.body())
                 return
+            if calls_stream is not None and kind == "text":
+                value = calls_stream.feed(value)
+                if not value:
+                    continue
             yield json.dumps(delta_chunk(request, value, reasoning=kind == "reasoning"))
     finally:
         cancel.set()  # the turn stops at its next token; its task ends on its own

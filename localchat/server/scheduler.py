@@ -49,6 +49,8 @@ class Job:
     hit: CacheHit | None = None  # the saved state found for it (read off the compute thread)
     restored: int = 0  # prompt tokens restored from a state on disk
     started: bool = False  # it held a sequence (else it left the queue unanswered)
+    spelled: frozenset[int] = frozenset()  # control tokens its text keeps (tool calls)
+    grammar: str | None = None  # GBNF the reply must follow (a required tool call)
     error: BaseException | None = None
 
 
@@ -104,6 +106,8 @@ class Scheduler:
         if start:
             start_compute(self._loop)
         job.done.wait()
+        if isinstance(job.error, ValueError):  # what the request asked for (a grammar)
+            raise ApiError(400, str(job.error), code="invalid_value")
         if job.error is not None:  # one exception per request, not one shared by all
             error = job.error
             raise RuntimeError(f"{type(error).__name__}: {error}") from error
@@ -202,18 +206,15 @@ class Scheduler:
         elif held is not None:
             self._held[seq] = None  # the sequence holds another conversation now
         request = job.request
-        sampler = SequenceSampler(
-            request.sampling,
-            self.engine.n_vocab,
-            request.frequency_penalty,
-            request.presence_penalty,
+        sampler = batch.sampler(
+            request.sampling, request.frequency_penalty, request.presence_penalty, job.grammar
         )
         stats = job.stats
         stats.prompt_tokens = len(prompt)
         stats.prompt_tokens_evaluated = len(prompt) - len(batch.tokens[seq])
         stats.stop_reason = "length"
         self._running[seq] = _Running(
-            job, seq, ReplyText(self.engine, prompt), StopFilter(job.request.stop), sampler,
+            job, seq, ReplyText(self.engine, prompt, job.spelled), StopFilter(job.request.stop), sampler,
             continues, time.perf_counter(), len(batch.tokens[seq]),
         )  # fmt: skip
         job.started = True

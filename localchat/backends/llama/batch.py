@@ -53,10 +53,18 @@ class SequenceSampler:
         n_vocab: int,
         frequency_penalty: float = 0.0,
         presence_penalty: float = 0.0,
+        grammar: tuple[object, str] | None = None,
     ) -> None:
         params = llama_cpp.llama_sampler_chain_default_params()
         self._chain = llama_cpp.llama_sampler_chain_init(params)
         add = self._add
+        if grammar is not None:  # first: what it rules out is never drawn
+            vocab, rules = grammar
+            sampler = llama_cpp.llama_sampler_init_grammar(vocab, rules.encode(), b"root")
+            if not sampler:  # llama.cpp refused the grammar: NULL, never to be added
+                self.close()
+                raise ValueError(f"llama.cpp could not parse the grammar: {last_error_line()}")
+            add(sampler)
         if sampling.repeat_penalty != 1.0 or frequency_penalty or presence_penalty:
             add(
                 llama_cpp.llama_sampler_init_penalties(
@@ -157,6 +165,23 @@ class SequenceBatch:
         for chunk in chunks:
             self.tokens[chunk.seq].extend(chunk.tokens)
         return rows
+
+    def sampler(
+        self,
+        sampling: Sampling,
+        frequency_penalty: float = 0.0,
+        presence_penalty: float = 0.0,
+        grammar: str | None = None,
+    ) -> SequenceSampler:
+        """A sampler for one sequence (``grammar``: GBNF its tokens must follow)."""
+        vocab = llama_cpp.llama_model_get_vocab(self.engine.llm.model)
+        return SequenceSampler(
+            sampling,
+            self._n_vocab,
+            frequency_penalty,
+            presence_penalty,
+            None if grammar is None else (vocab, grammar),
+        )
 
     def sample(self, sampler: SequenceSampler, row: int) -> int:
         """The next token from ``row``'s logits (the sampler remembers it for penalties)."""

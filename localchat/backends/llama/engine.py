@@ -40,6 +40,7 @@ from localchat.chat.formats import (
 )
 from localchat.chat.prompt import PromptBuilder
 from localchat.chat.template import ChatMessage, ChatTemplate
+from localchat.chat.tools import ToolSpec
 from localchat.cpu import physical_cores
 from localchat.errors import LocalchatError, ModelFileError, ModelLoadError, UsageError
 from localchat.gguf.estimate import ModelDims, kv_bytes_per_token, preferred_flash_attn
@@ -364,20 +365,32 @@ class Engine(KVCache):
                 return buffer.raw[:n]
             size = -n
 
-    def prompt_builder(self, now: datetime | None = None) -> PromptBuilder:
+    def prompt_builder(
+        self, now: datetime | None = None, tools: list[ToolSpec] | None = None
+    ) -> PromptBuilder:
         """Builds prompts for this model: its template, its tokenizer, its BOS rule.
-        ``now`` is the date the template may write (a conversation's start)."""
+        ``now`` is the date the template may write (a conversation's start); ``tools``
+        the functions it may call."""
         return PromptBuilder(
             self.template,
             lambda text: self.tokenize(text, special=True),
             [self.bos_token] if self.add_bos else [],
             self.token_bytes,
             now,
+            tools,
         )
 
-    def prompt_tokens(self, messages: list[ChatMessage]) -> list[int]:
+    def prompt_tokens(
+        self, messages: list[ChatMessage], tools: list[ToolSpec] | None = None
+    ) -> list[int]:
         """The token ids asking for a reply to ``messages`` (a one-off exchange)."""
-        return self.prompt_builder().build(messages).tokens
+        return self.prompt_builder(tools=tools).build(messages).tokens
+
+    def spelled_tokens(self, texts: Sequence[str]) -> frozenset[int]:
+        """The tokens that are each of ``texts`` whole (a tool call's markers, often control
+        tokens a reply's text leaves out): a reply keeps them, so its calls can be read."""
+        tokens = (self.tokenize(text, special=True) for text in texts)
+        return frozenset(ids[0] for ids in tokens if len(ids) == 1)
 
     def count_tokens(self, text: str) -> int:
         return len(self.tokenize(text))

@@ -26,8 +26,11 @@ class ReplyText:
     whose text came after them), reasoning split from the answer. One engine sequence or
     one of a server's batch, the same text."""
 
-    def __init__(self, engine: Engine, prompt: Sequence[int]) -> None:
+    def __init__(
+        self, engine: Engine, prompt: Sequence[int], spelled: frozenset[int] = frozenset()
+    ) -> None:
         self._engine = engine
+        self._spelled = spelled  # control tokens kept in the text (tool-call markers)
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self._stops = StopFilter(engine.template.stop)
         self.opened_reasoning = opens_reasoning(engine.detokenize(prompt[-8:], special=True))
@@ -44,7 +47,11 @@ class ReplyText:
         reply's tokens are those whose text came before it."""
         self.tokens.append(token)
         self.generated += 1
-        piece = self._decoder.decode(self._engine.reply_bytes(token))
+        engine = self._engine
+        spelled = token in self._spelled
+        piece = self._decoder.decode(
+            engine.token_bytes(token) if spelled else engine.reply_bytes(token)
+        )
         if self._strip_space and piece:
             # SentencePiece writes a space after a control token that the reply's text does
             # not have: re-rendered, the template gives it back.

@@ -1,0 +1,31 @@
+"""Grammars that hold generation to a shape: a tool call in the model's own format, whose
+JSON follows the tools' schemas (llama-cpp-python's schema converter, llama.cpp's grammar
+sampler) — so even a small model writes a well-formed call when one is required."""
+
+from __future__ import annotations
+
+import json
+import re
+
+from llama_cpp.llama_grammar import json_schema_to_gbnf
+
+from localchat.chat.tools import ToolSpec, call_frame, call_schema
+
+
+def _literal(text: str) -> str:
+    """``text`` as a GBNF string literal."""
+    escaped = text.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+    return f'"{escaped}"'
+
+
+def tool_call_grammar(family: str, tools: list[ToolSpec], name: str | None = None) -> str:
+    """GBNF for one call to one of ``tools`` (or the one ``name``d), framed as ``family``
+    writes calls; after it, only the end of the reply."""
+    rules = json_schema_to_gbnf(json.dumps(call_schema(family, tools, name)))
+    rules = re.sub(r"^root\s*::=", "call ::=", rules, count=1, flags=re.MULTILINE)
+    before, after = call_frame(family)
+    parts = [_literal(before)] if before else []
+    parts.append("call")
+    if after:
+        parts.append(_literal(after))
+    return f"root ::= {' '.join(parts)}\n{rules}"

@@ -1,0 +1,249 @@
+"""Tools a model may call: their definitions as a chat template takes them, and the calls
+each model family writes, found again in its reply.
+
+Templates render OpenAI's ``tools`` list (``{"type": "function", "function": {name,
+description, parameters}}``, as llama.cpp's server passes it) and assistant messages with
+``tool_calls`` and ``tool`` results. Each family writes its calls its own way (llama.cpp's
+server parses the same formats); the family is read off the template's source:
+
+- ``hermes`` (Qwen2.5, Qwen3, Hermes): ``<tool_call>{"name": …, "arguments": {…}}</tool_call>``
+- ``llama3`` (Llama 3.1–3.3): the reply is ``{"name": …, "parameters": {…}}``
+- ``mistral``: ``[TOOL_CALLS][{"name": …, "arguments": {…}}, …]``
+- ``phi4`` (Phi-4-mini): ``<|tool_call|>{"name": …, "arguments": {…}}<|/tool_call|>``
+- ``lfm2``: ``<|tool_call_start|>[{"name": …, "arguments": {…}}, …]<|tool_call_end|>``
+- ``generic``: a template that knows no tools; a JSON object ``{"name", "arguments"}``
+  anywhere in the reply (the tools are described in the system prompt).
+
+Several of the markers are control tokens a reply's text normally leaves out: ``markers``
+names them, so the text a parser reads keeps them.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import secrets
+import string
+from dataclasses import dataclass, field
+from typing import Any
+
+FAMILIES = ("hermes", "llama3", "mistral", "phi4", "lfm2", "generic")
+ID_ALPHABET = string.ascii_letters + string.digits
+ID_LENGTH = 9  # Mistral's templates take ids of exactly nine letters and digits
+
+
+def new_call_id() -> str:
+    return "".join(secrets.choice(ID_ALPHABET) for _ in range(ID_LENGTH))
+
+
+@dataclass(frozen=True)
+class ToolSpec:
+    """A function the model may call: its name, what it does, its JSON-schema parameters."""
+
+    name: str
+    description: str = ""
+    parameters: dict[str, Any] = field(default_factory=lambda: {"type": "object", "properties": {}})
+
+    def schema(self) -> dict[str, Any]:
+        """OpenAI's tool definition, as templates index it."""
+        function = {"name": self.name, "description": self.description}
+        function["parameters"] = self.parameters  # type: ignore[assignment]
+        return {"type": "function", "function": function}
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """A call the model wrote: which tool, with which arguments; ``id`` pairs the result."""
+
+    name: str
+    arguments: dict[str, Any]
+    id: str = field(default_factory=new_call_id)
+
+    def as_message(self) -> dict[str, Any]:
+        """The call as an assistant message's ``tool_calls`` entry (arguments as an object,
+        which every template here writes with ``tojson``)."""
+        return {
+            "id": self.id,
+            "type": "function",
+            "function": {"name": self.name, "arguments": self.arguments},
+        }
+
+
+# Where a family's calls start, and where each ends (None: at the end of the reply).
+_MARKERS: dict[str, tuple[str, str | None]] = {
+    "hermes": ("<tool_call>", "</tool_call>"),
+    "mistral": ("[TOOL_CALLS]", None),
+    "phi4": ("<|tool_call|>", "<|/tool_call|>"),
+    "lfm2": ("<|tool_call_start|>", "<|tool_call_end|>"),
+}
+
+
+def tool_family(template_source: str) -> str:
+    """The call format a chat template teaches its model (``generic`` where none)."""
+    for family in ("lfm2", "phi4", "mistral", "hermes"):
+        if _MARKERS[family][0] in template_source:
+            return family
+    if "ipython" in template_source and '"parameters"' in template_source:
+        return "llama3"
+    return "generic"
+
+
+def markers(family: str) -> tuple[str, ...]:
+    """The strings that open and close a family's calls (kept in a reply's text)."""
+    pair = _MARKERS.get(family)
+    if pair is None:
+        return ()
+    return tuple(m for m in pair if m is not None)
+
+
+def call_start(family: str) -> str | None:
+    """The text a family's first call starts with (None: a JSON object, found anywhere)."""
+    pair = _MARKERS.get(family)
+    return pair[0] if pair else None
+
+
+def parse_tool_calls(
+    text: str, family: str, known: set[str] | None = None
+) -> tuple[str, list[ToolCall]]:
+    """The reply's text without its calls, and the calls (those of ``known`` tools only,
+    where given). Text that only looks like a call stays text."""
+    if family in _MARKERS:
+        return _parse_marked(text, family, known)
+    return _parse_json_objects(text, known)
+
+
+def _parse_marked(text: str, family: str, known: set[str] | None) -> tuple[str, list[ToolCall]]:
+    start, end = _MARKERS[family]
+    calls: list[ToolCall] = []
+    kept: list[str] = []
+    rest = text
+    while start in rest:
+        before, _, after = rest.partition(start)
+        kept.append(before)
+        if end is not None and end in after:
+            body, _, rest = after.partition(end)
+        elif end is None:  # the calls run to the end of their JSON (Mistral's list)
+            body, rest = _json_prefix(after)
+        else:
+            body, rest = after, ""
+        found = _calls_in(body, known)
+        if not found:  # not a call after all: the text stays as it was written
+            kept.append(start + body + (end or "") if end and end in after else start + body)
+        calls += found
+    kept.append(rest)
+    return "".join(kept).strip(), calls
+
+
+def _json_prefix(text: str) -> tuple[str, str]:
+    """The JSON value ``text`` starts with, and what follows it."""
+    stripped = text.lstrip()
+    try:
+        _value, end = json.JSONDecoder().raw_decode(stripped)
+    except ValueError:
+        return text, ""
+    return stripped[:end], stripped[end:]
+
+
+def _calls_in(body: str, known: set[str] | None) -> list[ToolCall]:
+    """The calls in a marked block: one JSON object or a list of them."""
+    try:
+        value = json.loads(body.strip())
+    except ValueError:
+        return []
+    items = value if isinstance(value, list) else [value]
+    calls = [_call_of(item, known) for item in items]
+    return [c for c in calls if c is not None] if all(c is not None for c in calls) else []
+
+
+def _call_of(item: object, known: set[str] | None) -> ToolCall | None:
+    if not isinstance(item, dict) or not isinstance(item.get("name"), str):
+        return None
+    arguments = item.get("arguments", item.get("parameters", {}))
+    if isinstance(arguments, str):  # some models write the arguments as a JSON string
+        try:
+            arguments = json.loads(arguments)
+        except ValueError:
+            return None
+    if not isinstance(arguments, dict) or (known is not None and item["name"] not in known):
+        return None
+    call_id = item.get("id")
+    if isinstance(call_id, str) and call_id:
+        return ToolCall(item["name"], arguments, call_id)
+    return ToolCall(item["name"], arguments)
+
+
+_FENCE = re.compile(r"```(?:json)?\s*(.*?)```", re.DOTALL)
+
+
+def _parse_json_objects(text: str, known: set[str] | None) -> tuple[str, list[ToolCall]]:
+    """Calls written as bare JSON objects (Llama 3's format, and the generic one), in a
+    code fence or not; the ``<|python_tag|>`` Llama may write first is dropped."""
+    source = text.replace("<|python_tag|>", "")
+    decoder = json.JSONDecoder()
+    calls: list[ToolCall] = []
+    kept: list[str] = []
+    position = 0
+    index = source.find("{")
+    while index != -1:
+        try:
+            value, end = decoder.raw_decode(source, index)
+        except ValueError:
+            index = source.find("{", index + 1)
+            continue
+        items = value if isinstance(value, list) else [value]
+        if isinstance(value, dict) and isinstance(value.get("tool_calls"), list):
+            items = value["tool_calls"]
+        found = [_call_of(item, known) for item in items]
+        if found and all(c is not None for c in found):
+            kept.append(source[position:index])
+            calls += [c for c in found if c is not None]
+            position = end
+            index = source.find("{", end)
+        else:  # an object that is no call: look inside it too
+            index = source.find("{", index + 1)
+    kept.append(source[position:])
+    content = _FENCE.sub(lambda m: "" if not m.group(1).strip() else m.group(0), "".join(kept))
+    return content.strip(), calls
+
+
+def describe_tools(tools: list[ToolSpec]) -> str:
+    """A system prompt's description of the tools and the generic call format, for a
+    template that renders no tools itself."""
+    lines = [
+        "You can call these functions. To call one, reply with only a JSON object:"
+        ' {"name": <function name>, "arguments": <an object of its arguments>}.',
+        "",
+    ]
+    lines += [json.dumps(tool.schema()["function"], ensure_ascii=False) for tool in tools]
+    return "\n".join(lines)
+
+
+# The text around a call's JSON object, as each family writes one call (a forced call is
+# generated inside this frame), and the key its arguments go under.
+_FRAMES: dict[str, tuple[str, str]] = {
+    "hermes": ("<tool_call>\n", "\n</tool_call>"),
+    "mistral": ("[TOOL_CALLS][", "]"),
+    "phi4": ("<|tool_call|>", "<|/tool_call|>"),
+    "lfm2": ("<|tool_call_start|>[", "]<|tool_call_end|>"),
+}
+
+
+def call_frame(family: str) -> tuple[str, str]:
+    """The text before and after one call's JSON object in ``family``'s format."""
+    return _FRAMES.get(family, ("", ""))
+
+
+def call_schema(family: str, tools: list[ToolSpec], name: str | None = None) -> dict[str, Any]:
+    """The JSON schema of one call to any of ``tools`` (or to the one ``name``d): what a
+    grammar holds a forced call to. Llama 3 writes its arguments as ``parameters``."""
+    key = "parameters" if family == "llama3" else "arguments"
+    chosen = [tool for tool in tools if name is None or tool.name == name]
+    options = [
+        {
+            "type": "object",
+            "properties": {"name": {"const": tool.name}, key: tool.parameters},
+            "required": ["name", key],
+        }
+        for tool in chosen
+    ]
+    return options[0] if len(options) == 1 else {"oneOf": options}
