@@ -56,9 +56,12 @@ def served(smollm2: Path, tmp_path: Path) -> Iterator[Served]:
 
 def test_a_required_call_then_its_result_continue_from_the_cache(served: Served) -> None:
     client = _client(served.root)
+    cities = {"type": "string", "enum": ["Oslo", "Rome", "Paris"]}  # not left to the build
+    weather = {"type": "function", "function": {**WEATHER["function"], "parameters": {  # type: ignore[dict-item]
+        "type": "object", "properties": {"city": cities}, "required": ["city"]}}}  # fmt: skip
     messages: list[dict] = [{"role": "user", "content": "What is the weather in Oslo?"}]
     first = client.chat.completions.create(
-        model=NAME, messages=messages, tools=[WEATHER], tool_choice="required",  # type: ignore[list-item]
+        model=NAME, messages=messages, tools=[weather], tool_choice="required",  # type: ignore[list-item]
         temperature=0, max_tokens=60,
     )  # fmt: skip
     choice = first.choices[0]
@@ -66,7 +69,7 @@ def test_a_required_call_then_its_result_continue_from_the_cache(served: Served)
     assert choice.message.tool_calls is not None
     call = choice.message.tool_calls[0]
     assert call.function.name == "get_weather"  # type: ignore[union-attr]
-    assert json.loads(call.function.arguments) == {"city": "Oslo"}  # type: ignore[union-attr]
+    assert json.loads(call.function.arguments)["city"] in ("Oslo", "Rome", "Paris")  # type: ignore[union-attr]
     # The tool's result goes back; the reply continues with the history from the cache.
     messages += [
         {"role": "assistant", "content": None, "tool_calls": [
@@ -75,7 +78,7 @@ def test_a_required_call_then_its_result_continue_from_the_cache(served: Served)
         {"role": "tool", "tool_call_id": call.id, "content": '{"sky": "clear", "celsius": 21}'},
     ]  # fmt: skip
     second = client.chat.completions.create(
-        model=NAME, messages=messages, tools=[WEATHER], temperature=0, max_tokens=40,  # type: ignore[arg-type]
+        model=NAME, messages=messages, tools=[weather], temperature=0, max_tokens=40,  # type: ignore[arg-type]
     )  # fmt: skip
     assert second.choices[0].finish_reason in ("stop", "length")
     assert second.choices[0].message.content
@@ -83,6 +86,13 @@ def test_a_required_call_then_its_result_continue_from_the_cache(served: Served)
     details = second.usage.prompt_tokens_details
     assert details is not None and details.cached_tokens is not None
     assert details.cached_tokens >= first.usage.prompt_tokens  # only the result was read
+    # tool_choice "none": the same prompt (its head, and so its cache, kept), no call read.
+    same = client.chat.completions.create(
+        model=NAME, messages=messages[:1], tools=[weather], tool_choice="none",  # type: ignore[arg-type]
+        temperature=0, max_tokens=4,
+    )  # fmt: skip
+    assert same.usage is not None and same.usage.prompt_tokens == first.usage.prompt_tokens
+    assert same.choices[0].message.tool_calls is None
 
 
 def test_a_named_tool_is_the_one_called_streamed_as_one_delta(served: Served) -> None:
@@ -120,6 +130,13 @@ def test_bad_tool_requests_are_one_line_errors(served: Served) -> None:
     bad_arguments = [{"role": "assistant", "content": None, "tool_calls": [
         {"id": "abc", "type": "function", "function": {"name": "f", "arguments": "{no"}}]}]  # fmt: skip
     assert "arguments is not JSON" in refused(messages=bad_arguments)
+    odd_name = {"type": "function", "function": {"name": 'say "hi"', "parameters": {}}}
+    assert "must be 1 to 64 letters" in refused(tools=[odd_name])
+    unfollowable = {"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"x": {"$ref": "#/nowhere"}}}}}  # fmt: skip
+    assert "cannot be turned into a grammar" in refused(
+        tools=[unfollowable], tool_choice="required"
+    )
 
 
 @pytest.mark.parametrize(
@@ -141,6 +158,13 @@ def test_a_generated_model_with_a_real_template_calls_in_its_format(
                 "tools": [tool], "tool_choice": "required", "max_tokens": 80,
                 "temperature": 0}  # fmt: skip
         reply = httpx.post(f"{server.root}/v1/chat/completions", json=body, timeout=60).json()
+        # Streamed: the family's marker never shows as text; the call comes as one delta.
+        deltas = []
+        with httpx.stream("POST", f"{server.root}/v1/chat/completions",
+                          json={**body, "stream": True}, timeout=60) as response:  # fmt: skip
+            for line in response.iter_lines():
+                if line.startswith("data: {"):
+                    deltas += [c["delta"] for c in json.loads(line[6:])["choices"]]
     finally:
         server.close()
         runner.close()
@@ -153,6 +177,9 @@ def test_a_generated_model_with_a_real_template_calls_in_its_format(
     call = choice["message"]["tool_calls"][0]["function"]
     assert call["name"] == "get_weather"
     assert json.loads(call["arguments"])["city"] in ("Oslo", "Rome")
+    assert not any(marker in (d.get("content") or "") for d in deltas)
+    streamed = [d["tool_calls"][0]["function"] for d in deltas if "tool_calls" in d]
+    assert streamed == [call]  # greedy: the same call as unstreamed
 
 
 def test_a_stream_shows_text_before_a_call_and_holds_back_a_marker_split_across_pieces() -> None:

@@ -125,5 +125,14 @@ def test_models_screen(snap_compare, tiny_model: Path) -> None:
         # Listed, and the highlighted model's plan shown under the table.
         status = screen.query_one("#download-status", Static)
         await until(pilot, lambda: str(status.render()), "the models and a plan")
+        table = screen.query_one(DataTable)
+        await until(pilot, lambda: table.row_count == len(screen.rows) > 0, "every row")
+
+        def laid_out() -> bool:  # the columns sized to the rows (on idle: later when busy)
+            widths = [column.content_width for column in table.columns.values()]
+            return not table._new_rows and widths[0] >= len(screen.rows[0].model)
+
+        await until(pilot, laid_out, "the table laid out")
+        await pilot.pause()
 
     assert snap_compare(app, terminal_size=SIZE, run_before=run_before)

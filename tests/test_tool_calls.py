@@ -4,6 +4,7 @@ family's calls are found again in a reply — the format the template itself wri
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -63,9 +64,11 @@ def test_a_call_the_template_writes_is_parsed_back_and_a_result_renders(name: st
     text = template.render(exchange, tools=[WEATHER])
     assert '{"temperature": 21}' in text or '\\"temperature\\": 21' in text
     # The call as the template wrote it is what the parser finds in a reply.
+    cue = template.render(exchange[:1])
     written = template.render(exchange[:2], add_generation_prompt=False)
-    after_question = written.split("Oslo?", 1)[1]
-    _, calls = parse_tool_calls(after_question, template.tool_family, {"get_weather"})
+    assert written.startswith(cue)
+    reply = written[len(cue) :]
+    _, calls = parse_tool_calls(reply, template.tool_family, {"get_weather"})
     assert [(c.name, c.arguments) for c in calls] == [("get_weather", {"city": "Oslo"})]
 
 
@@ -106,3 +109,76 @@ def test_a_template_without_tools_gets_them_described_in_the_system_prompt() -> 
         [ChatMessage("system", "Be brief."), ChatMessage("user", "Hi")], tools=[WEATHER]
     )
     assert with_system.startswith("<|im_start|>system\nBe brief.\n\nYou can call")
+
+
+def test_json_that_is_no_call_is_left_whole() -> None:
+    definition = '{"name": "get_weather", "description": "x", "parameters": {"type": "object"}}'
+    assert parse_tool_calls(definition, "generic", {"get_weather"}) == (definition, [])
+    bare_name = 'Try {"name": "get_weather"} later.'
+    assert parse_tool_calls(bare_name, "generic") == (bare_name, [])
+    nested = '{"steps": [{"name": "get_weather", "arguments": {"city": "Oslo"}}], "retry": 2}'
+    assert parse_tool_calls(nested, "generic") == (nested, [])
+    listed = '[{"name": "get_weather", "arguments": {"city": "Oslo"}}, {"name": "get_weather", "arguments": {"city": "Rome"}}]'
+    content, calls = parse_tool_calls(listed, "generic")
+    assert content == "" and [c.arguments["city"] for c in calls] == ["Oslo", "Rome"]
+    # Llama 3's call is the whole reply: JSON later in a text reply is text.
+    prose = 'Here is JSON: {"name": "get_weather", "parameters": {"city": "Oslo"}}'
+    assert parse_tool_calls(prose, "llama3") == (prose, [])
+    tagged = '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Oslo"}}'
+    assert parse_tool_calls(tagged, "llama3")[1][0].arguments == {"city": "Oslo"}
+
+
+def test_lfm2s_own_python_calls_are_read_too() -> None:
+    reply = '<|tool_call_start|>[get_weather(city="Oslo"), get_weather(city="Rome")]<|tool_call_end|>Done.'
+    content, calls = parse_tool_calls(reply, "lfm2", {"get_weather"})
+    assert content == "Done." and [c.arguments for c in calls] == [
+        {"city": "Oslo"},
+        {"city": "Rome"},
+    ]
+    assert parse_tool_calls("<|tool_call_start|>[os.system('x')]<|tool_call_end|>", "lfm2")[1] == []
+
+
+def test_a_clients_call_ids_reach_mistral_as_nine_characters() -> None:
+    template = _template("mistral-nemo")
+    call = ToolCall("get_weather", {"city": "Oslo"}, "call_0123456789abcdef")
+    text = template.render(
+        [
+            ChatMessage("user", "Weather?"),
+            ChatMessage("assistant", "", tool_calls=(call,)),
+            ChatMessage("tool", "21 C", tool_call_id=call.id),
+        ],
+        tools=[WEATHER],
+    )
+    ids = re.findall(r'"(?:id|call_id)": "(\w+)"', text)
+    assert len(ids) == 2 and ids[0] == ids[1] and len(ids[0]) == ID_LENGTH
+
+
+def test_a_template_without_tools_or_a_system_role_takes_a_whole_exchange() -> None:
+    template = ChatTemplate((TOOLS_DIR.parent / "no_system.jinja").read_text(), "<s>", "</s>")
+    assert template.tool_family == "generic" and not template.caps.supports_system_role
+    call = ToolCall("get_weather", {"city": "Oslo"})
+    text = template.render(
+        [
+            ChatMessage("user", "Weather in Oslo and Rome?"),
+            ChatMessage("assistant", "", tool_calls=(call,)),
+            ChatMessage("tool", "21 C", tool_call_id=call.id),
+            ChatMessage("tool", "25 C", tool_call_id="other"),
+        ],
+        tools=[WEATHER],
+    )
+    assert "You can call these functions." in text and '"get_weather"' in text
+    assert "21 C" in text and "25 C" in text
+
+
+def test_a_grammar_takes_definitions_and_refuses_what_it_cannot_follow() -> None:
+    from localchat.backends.llama.grammar import GrammarError, tool_call_grammar
+
+    pydantic_style = ToolSpec("book", "Book a trip.", {
+        "$defs": {"Place": {"type": "object", "properties": {"city": {"type": "string"}}}},
+        "type": "object", "properties": {"to": {"$ref": "#/$defs/Place"}}, "required": ["to"]})  # fmt: skip
+    grammar = tool_call_grammar("hermes", [WEATHER, pydantic_style])
+    assert grammar.startswith('root ::= "<tool_call>\\n" call "\\n</tool_call>"')
+    assert '"\\"book\\""' in grammar and '"\\"get_weather\\""' in grammar
+    broken = ToolSpec("odd", "", {"type": "object", "properties": {"x": {"$ref": "#/nowhere"}}})
+    with pytest.raises(GrammarError, match="cannot be turned into a grammar"):
+        tool_call_grammar("hermes", [broken])

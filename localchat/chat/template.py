@@ -15,8 +15,9 @@ its bounds a template fails with one line suggesting ``--template``.
 
 from __future__ import annotations
 
+import hashlib
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime
 from typing import Any
 
@@ -30,7 +31,7 @@ from localchat.chat.sandbox import (
     compile_bounded,
     render_bounded,
 )
-from localchat.chat.tools import ToolCall, ToolSpec, describe_tools, tool_family
+from localchat.chat.tools import ID_LENGTH, ToolCall, ToolSpec, describe_tools, tool_family
 from localchat.errors import ModelFileError, one_line
 
 
@@ -172,12 +173,14 @@ class ChatTemplate:
         start, so a template that writes today's date gives the same text on every day).
         ``tools`` go to the template, or, where it renders none (``tool_family`` generic),
         into the system prompt with the generic call format."""
-        messages = self.adapt(messages)
         if self.tool_family == "generic":  # no tools in the template: the polyfill's
             messages = _calls_as_text(messages)
             if tools:
                 messages = _with_tools_described(messages, tools)
             tools = None
+        elif self.tool_family == "mistral":
+            messages = _nine_character_ids(messages)
+        messages = self.adapt(messages)  # after: the polyfill's messages are adapted too
         try:
             return self._raw(messages, add_generation_prompt, now or datetime.now(), tools)
         except TemplateRunaway:
@@ -206,6 +209,27 @@ def _fold_system(messages: list[ChatMessage]) -> list[ChatMessage]:
         out.append(message)
     if pending:
         out.append(ChatMessage("user", pending))
+    return out
+
+
+def _nine_character_ids(messages: list[ChatMessage]) -> list[ChatMessage]:
+    """Mistral's templates take call ids of exactly nine letters and digits: any other id
+    (a client's ``call_…``) is mapped to one, the same on the call and on its result."""
+
+    def nine(call_id: str) -> str:
+        if len(call_id) == ID_LENGTH and call_id.isalnum():
+            return call_id
+        digest = hashlib.sha256(call_id.encode()).hexdigest()
+        return digest[:ID_LENGTH]
+
+    out = []
+    for message in messages:
+        if message.tool_calls:
+            calls = tuple(replace(c, id=nine(c.id)) for c in message.tool_calls)
+            message = replace(message, tool_calls=calls)
+        elif message.tool_call_id:
+            message = replace(message, tool_call_id=nine(message.tool_call_id))
+        out.append(message)
     return out
 
 

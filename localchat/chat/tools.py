@@ -20,6 +20,7 @@ names them, so the text a parser reads keeps them.
 
 from __future__ import annotations
 
+import ast
 import json
 import re
 import secrets
@@ -109,6 +110,8 @@ def parse_tool_calls(
     where given). Text that only looks like a call stays text."""
     if family in _MARKERS:
         return _parse_marked(text, family, known)
+    if family == "llama3":
+        return _parse_llama3(text, known)
     return _parse_json_objects(text, known)
 
 
@@ -145,20 +148,28 @@ def _json_prefix(text: str) -> tuple[str, str]:
 
 
 def _calls_in(body: str, known: set[str] | None) -> list[ToolCall]:
-    """The calls in a marked block: one JSON object or a list of them."""
+    """The calls in a marked block: one JSON object or a list of them (or LFM2's Python
+    calls)."""
     try:
         value = json.loads(body.strip())
     except ValueError:
-        return []
+        return _parse_pythonic(body, known)
     items = value if isinstance(value, list) else [value]
     calls = [_call_of(item, known) for item in items]
     return [c for c in calls if c is not None] if all(c is not None for c in calls) else []
 
 
+CALL_KEYS = frozenset({"name", "arguments", "parameters", "id", "type"})
+
+
 def _call_of(item: object, known: set[str] | None) -> ToolCall | None:
+    """A call: a name and its arguments, nothing else (a tool's definition echoed back,
+    with its description, is no call)."""
     if not isinstance(item, dict) or not isinstance(item.get("name"), str):
         return None
-    arguments = item.get("arguments", item.get("parameters", {}))
+    if set(item) - CALL_KEYS or ("arguments" not in item and "parameters" not in item):
+        return None
+    arguments = item.get("arguments", item.get("parameters"))
     if isinstance(arguments, str):  # some models write the arguments as a JSON string
         try:
             arguments = json.loads(arguments)
@@ -173,37 +184,74 @@ def _call_of(item: object, known: set[str] | None) -> ToolCall | None:
 
 
 _FENCE = re.compile(r"```(?:json)?\s*(.*?)```", re.DOTALL)
+_TOP_LEVEL = re.compile(r"[{\[]")
 
 
 def _parse_json_objects(text: str, known: set[str] | None) -> tuple[str, list[ToolCall]]:
-    """Calls written as bare JSON objects (Llama 3's format, and the generic one), in a
-    code fence or not; the ``<|python_tag|>`` Llama may write first is dropped."""
-    source = text.replace("<|python_tag|>", "")
+    """Calls written as bare JSON (the generic format: an object or a list of them, in a
+    code fence or not). Only whole top-level values count: JSON that is no call is left
+    as it was written, and nothing inside it is taken for a call."""
     decoder = json.JSONDecoder()
     calls: list[ToolCall] = []
     kept: list[str] = []
     position = 0
-    index = source.find("{")
-    while index != -1:
+    match = _TOP_LEVEL.search(text)
+    while match is not None:
+        index = match.start()
         try:
-            value, end = decoder.raw_decode(source, index)
+            value, end = decoder.raw_decode(text, index)
         except ValueError:
-            index = source.find("{", index + 1)
+            match = _TOP_LEVEL.search(text, index + 1)
             continue
         items = value if isinstance(value, list) else [value]
         if isinstance(value, dict) and isinstance(value.get("tool_calls"), list):
             items = value["tool_calls"]
         found = [_call_of(item, known) for item in items]
         if found and all(c is not None for c in found):
-            kept.append(source[position:index])
+            kept.append(text[position:index])
             calls += [c for c in found if c is not None]
             position = end
-            index = source.find("{", end)
-        else:  # an object that is no call: look inside it too
-            index = source.find("{", index + 1)
-    kept.append(source[position:])
+        match = _TOP_LEVEL.search(text, end)  # past this value, whatever it was
+    kept.append(text[position:])
     content = _FENCE.sub(lambda m: "" if not m.group(1).strip() else m.group(0), "".join(kept))
     return content.strip(), calls
+
+
+def _parse_llama3(text: str, known: set[str] | None) -> tuple[str, list[ToolCall]]:
+    """Llama 3's call is the whole reply: a JSON object (after ``<|python_tag|>``, which it
+    may write first), as llama.cpp reads it; a reply that starts otherwise is text."""
+    body = text.strip().removeprefix("<|python_tag|>").strip()
+    if not body.startswith("{"):
+        return text, []
+    try:
+        value, end = json.JSONDecoder().raw_decode(body)
+    except ValueError:
+        return text, []
+    call = _call_of(value, known)
+    if call is None:
+        return text, []
+    return body[end:].strip(), [call]
+
+
+def _parse_pythonic(body: str, known: set[str] | None) -> list[ToolCall]:
+    """LFM2's own format: ``[name(key="value", n=1), …]``, keyword arguments of literals."""
+    try:
+        tree = ast.parse(body.strip(), mode="eval").body
+    except SyntaxError:
+        return []
+    items = tree.elts if isinstance(tree, ast.List) else [tree]
+    calls = []
+    for item in items:
+        if not isinstance(item, ast.Call) or not isinstance(item.func, ast.Name) or item.args:
+            return []
+        try:
+            arguments = {k.arg: ast.literal_eval(k.value) for k in item.keywords if k.arg}
+        except ValueError:
+            return []
+        if known is not None and item.func.id not in known:
+            return []
+        calls.append(ToolCall(item.func.id, arguments))
+    return calls
 
 
 def describe_tools(tools: list[ToolSpec]) -> str:
@@ -238,12 +286,22 @@ def call_schema(family: str, tools: list[ToolSpec], name: str | None = None) -> 
     grammar holds a forced call to. Llama 3 writes its arguments as ``parameters``."""
     key = "parameters" if family == "llama3" else "arguments"
     chosen = [tool for tool in tools if name is None or tool.name == name]
-    options = [
-        {
-            "type": "object",
-            "properties": {"name": {"const": tool.name}, key: tool.parameters},
-            "required": ["name", key],
-        }
-        for tool in chosen
-    ]
-    return options[0] if len(options) == 1 else {"oneOf": options}
+    definitions: dict[str, Any] = {}
+    options = []
+    for tool in chosen:
+        parameters = dict(tool.parameters)
+        # Definitions a schema refers to ("#/$defs/…", as pydantic writes them) resolve
+        # against the whole call's schema: they move to its root.
+        for key_name in ("$defs", "definitions"):
+            definitions.update(parameters.pop(key_name, None) or {})
+        options.append(
+            {
+                "type": "object",
+                "properties": {"name": {"const": tool.name}, key: parameters},
+                "required": ["name", key],
+            }
+        )
+    schema: dict[str, Any] = options[0] if len(options) == 1 else {"oneOf": options}
+    if definitions:
+        schema = {**schema, "$defs": definitions, "definitions": definitions}
+    return schema

@@ -56,8 +56,8 @@ class GenerationRequest:
     include_usage: bool = False
     frequency_penalty: float = 0.0  # OpenAI's: subtracted per time a token already came
     presence_penalty: float = 0.0  # OpenAI's: subtracted once a token came at all
-    tools: tuple[ToolSpec, ...] = ()  # offered to the model (none under tool_choice "none")
-    tool_choice: str = "auto"  # "auto", "required", or the one tool's name
+    tools: tuple[ToolSpec, ...] = ()  # rendered in the prompt
+    tool_choice: str = "auto"  # "auto", "none" (no calls read), "required", or a tool's name
     created: int = field(default_factory=lambda: int(time.time()))
     request_id: str = field(default_factory=lambda: f"chatcmpl-{uuid.uuid4().hex[:24]}")
 
@@ -184,8 +184,8 @@ def parse_request(body: Any, chat: bool) -> GenerationRequest:
         bool(options.get("include_usage", False)),
         frequency_penalty=_number(body, "frequency_penalty", 0.0, -2.0, 2.0),
         presence_penalty=_number(body, "presence_penalty", 0.0, -2.0, 2.0),
-        tools=tools if tool_choice != "none" else (),
-        tool_choice=tool_choice if tool_choice != "none" else "auto",
+        tools=tools,  # under "none" too: the prompt's head (and its cache) stays the same
+        tool_choice=tool_choice,
     )
 
 

@@ -23,6 +23,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
+from localchat.chat.tools import parse_tool_calls
 from localchat.server.api import (
     ApiError,
     GenerationRequest,
@@ -242,18 +243,18 @@ async def _generate(runner: ModelRunner, request: GenerationRequest, http: Reque
     finally:
         watcher.cancel()
     text, calls = "".join(pieces["text"]), None
-    calls_stream = _tool_calls_stream(runner, request)
-    if calls_stream is not None:
-        calls_stream.feed(text)
-        text, calls = calls_stream.finish()
-        text = text.strip() if calls else "".join(pieces["text"])
+    if _tool_calls_stream(runner, request) is not None:
+        content, calls = parse_tool_calls(
+            text, runner.engine.template.tool_family, {tool.name for tool in request.tools}
+        )
+        text = content if calls else text
     body = completion_body(request, text, "".join(pieces["reasoning"]), stats, calls)
     return JSONResponse(body)
 
 
 def _tool_calls_stream(runner: ModelRunner, request: GenerationRequest) -> ToolCallStream | None:
     """Where the request offers tools: the reply read for the calls in the model's format."""
-    if not request.tools:
+    if not request.tools or request.tool_choice == "none":
         return None
     family = runner.engine.template.tool_family
     return ToolCallStream(family, {tool.name for tool in request.tools})

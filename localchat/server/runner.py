@@ -17,9 +17,10 @@ from localchat.backends.base import TurnStats
 from localchat.backends.compute_thread import run_compute
 from localchat.backends.llama.batch import SequenceBatch
 from localchat.backends.llama.engine import Engine
-from localchat.backends.llama.grammar import tool_call_grammar
+from localchat.backends.llama.grammar import GrammarError, tool_call_grammar
 from localchat.chat.prompt import common_prefix
 from localchat.chat.tools import markers
+from localchat.errors import ModelFileError
 from localchat.server.api import DEFAULT_MAX_TOKENS, ApiError, GenerationRequest, finish_reason
 from localchat.server.prompt_cache import PromptCache
 from localchat.server.scheduler import Emit, Job, Scheduler
@@ -146,7 +147,10 @@ class ModelRunner:
         its reply's length; ``ApiError`` where a sequence's context cannot hold them."""
         engine = self.engine
         if request.messages is not None:
-            prompt = engine.prompt_tokens(request.messages, list(request.tools) or None)
+            try:
+                prompt = engine.prompt_tokens(request.messages, list(request.tools) or None)
+            except ModelFileError as exc:  # the template refused these messages
+                raise ApiError(400, str(exc), code="invalid_value") from None
         else:
             prompt = engine.tokenize(request.prompt or "", add_bos=engine.add_bos, special=True)
         n_ctx = self.batch.n_ctx_seq
@@ -179,12 +183,15 @@ class ModelRunner:
         reads a saved state from disk where one holds more of the prompt than memory does
         (so the running sequences do not wait for the disk)."""
         job = Job(request, prompt, max_tokens, cancel, emit)
-        if request.tools:  # the family's call markers stay in the text, to be parsed
+        if request.tools and request.tool_choice != "none":  # markers stay in the text
             family = self.engine.template.tool_family
             job.spelled = self.engine.spelled_tokens(markers(family))
-            if request.tool_choice != "auto":  # a call is required: a grammar holds it to one
+            if request.tool_choice not in ("auto", "none"):  # a call is required: a grammar
                 name = None if request.tool_choice == "required" else request.tool_choice
-                job.grammar = tool_call_grammar(family, list(request.tools), name)
+                try:
+                    job.grammar = tool_call_grammar(family, list(request.tools), name)
+                except GrammarError as exc:
+                    raise ApiError(400, str(exc), code="invalid_value") from None
         in_memory = max(common_prefix(tokens, prompt) for tokens in list(self.batch.tokens))
         job.hit = self.cache.lookup(prompt, beyond=in_memory)
         return self.scheduler.answer(job)

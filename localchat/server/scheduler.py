@@ -23,6 +23,7 @@ from localchat.backends.base import TurnStats
 from localchat.backends.compute_thread import start_compute
 from localchat.backends.llama.batch import Chunk, SequenceBatch, SequenceSampler
 from localchat.backends.llama.generation import ReplyText
+from localchat.backends.llama.grammar import GrammarError
 from localchat.chat.prompt import common_prefix
 from localchat.chat.stops import StopFilter
 from localchat.server.api import ApiError, GenerationRequest
@@ -106,7 +107,7 @@ class Scheduler:
         if start:
             start_compute(self._loop)
         job.done.wait()
-        if isinstance(job.error, ValueError):  # what the request asked for (a grammar)
+        if isinstance(job.error, GrammarError):  # what the request asked for
             raise ApiError(400, str(job.error), code="invalid_value")
         if job.error is not None:  # one exception per request, not one shared by all
             error = job.error

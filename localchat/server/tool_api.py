@@ -6,6 +6,7 @@ comes, the calls as one delta at the end."""
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -13,6 +14,8 @@ from localchat.chat.template import ChatMessage
 from localchat.chat.tools import ToolCall, ToolSpec, call_start, parse_tool_calls
 
 TOOL_CHOICES = ("auto", "none", "required")
+LLAMA3_TAG = "<|python_tag|>"
+TOOL_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")  # OpenAI's rule (and safe in a grammar)
 
 
 class ToolRequestError(ValueError):
@@ -33,6 +36,10 @@ def parse_tools(body: dict[str, Any]) -> tuple[tuple[ToolSpec, ...], str]:
         if not isinstance(function, dict) or not isinstance(name, str) or not name:
             raise ToolRequestError(
                 f"tools[{index}] must be {{type: function, function: {{name, …}}}}"
+            )
+        if not TOOL_NAME.fullmatch(name):
+            raise ToolRequestError(
+                f"tools[{index}].function.name {name!r} must be 1 to 64 letters, digits, _ . -"
             )
         parameters = function.get("parameters") or {"type": "object", "properties": {}}
         if not isinstance(parameters, dict):
@@ -112,32 +119,48 @@ def openai_calls(calls: list[ToolCall]) -> list[dict[str, Any]]:
 class ToolCallStream:
     """A streamed reply that may call tools: text before the family's call marker goes on
     at once (a marker's possible start held back), the rest waits for the end, where its
-    calls are parsed. Families without a marker (a bare JSON call) hold the whole reply."""
+    calls are parsed. Llama 3's call is a whole reply that starts with ``{``: a reply that
+    starts otherwise streams as text. The generic format (JSON anywhere) holds the reply."""
 
     family: str
     known: set[str]
     _held: str = ""
-    _in_call: bool = False
+    _mode: str = ""  # "" (deciding), "call" (held to the end) or "text" (no call can come)
     text: str = field(default="")  # everything fed
 
     def feed(self, piece: str) -> str:
         """What of ``piece`` can be shown now."""
         self.text += piece
-        marker = call_start(self.family)
-        if marker is None or self._in_call:
-            self._held += piece
-            return ""
+        if self._mode == "text":
+            return piece
         self._held += piece
+        if self._mode == "call":
+            return ""
+        if self.family == "llama3":
+            return self._feed_llama3()
+        marker = call_start(self.family)
+        if marker is None:
+            self._mode = "call"
+            return ""
         at = self._held.find(marker)
         if at != -1:
             shown, self._held = self._held[:at], self._held[at:]
-            self._in_call = True
+            self._mode = "call"
             return shown
         keep = _partial_suffix(self._held, marker)
-        shown, self._held = (
-            self._held[: len(self._held) - keep],
-            self._held[len(self._held) - keep :],
-        )
+        cut = len(self._held) - keep
+        shown, self._held = self._held[:cut], self._held[cut:]
+        return shown
+
+    def _feed_llama3(self) -> str:
+        start = self._held.lstrip()
+        if not start or LLAMA3_TAG.startswith(start):
+            return ""  # it may still become a call
+        if start.startswith(("{", LLAMA3_TAG)):
+            self._mode = "call"
+            return ""
+        self._mode = "text"
+        shown, self._held = self._held, ""
         return shown
 
     def finish(self) -> tuple[str, list[ToolCall]]:

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 import llama_cpp
 
 from localchat.backends.base import Sampling
+from localchat.backends.llama.grammar import GrammarError
 from localchat.backends.llama.runtime import abort_requested, last_error_line, watch_abort
 from localchat.errors import ModelLoadError
 
@@ -63,7 +64,7 @@ class SequenceSampler:
             sampler = llama_cpp.llama_sampler_init_grammar(vocab, rules.encode(), b"root")
             if not sampler:  # llama.cpp refused the grammar: NULL, never to be added
                 self.close()
-                raise ValueError(f"llama.cpp could not parse the grammar: {last_error_line()}")
+                raise GrammarError(f"llama.cpp could not parse the grammar: {last_error_line()}")
             add(sampler)
         if sampling.repeat_penalty != 1.0 or frequency_penalty or presence_penalty:
             add(

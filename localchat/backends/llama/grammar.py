@@ -18,10 +18,20 @@ def _literal(text: str) -> str:
     return f'"{escaped}"'
 
 
+class GrammarError(ValueError):
+    """The tools' schemas give no grammar llama.cpp takes (the message says why)."""
+
+
 def tool_call_grammar(family: str, tools: list[ToolSpec], name: str | None = None) -> str:
     """GBNF for one call to one of ``tools`` (or the one ``name``d), framed as ``family``
     writes calls; after it, only the end of the reply."""
-    rules = json_schema_to_gbnf(json.dumps(call_schema(family, tools, name)))
+    try:
+        rules = json_schema_to_gbnf(json.dumps(call_schema(family, tools, name)))
+    except Exception as exc:  # the converter asserts on what it cannot follow
+        raise GrammarError(
+            f"the tools' parameter schemas cannot be turned into a grammar ({type(exc).__name__}:"
+            f" {exc}); simplify them or use tool_choice auto"
+        ) from None
     rules = re.sub(r"^root\s*::=", "call ::=", rules, count=1, flags=re.MULTILINE)
     before, after = call_frame(family)
     parts = [_literal(before)] if before else []
