@@ -302,11 +302,13 @@ class Session:
         draft_model: str | None = None,
         warn: Callable[[str], object] | None = None,
         on_this_thread: bool = False,
+        own_cells: int | None = None,
     ) -> Engine:
         """Load ``path`` on the compute thread with the user's settings (``kv_type``,
         ``speculative``, ``draft_model``: the settings unless given); ``use`` it after.
         ``warn``: a draft model asked for that does not draft, and why (a flag's that cannot
-        be had is an error). ``on_this_thread``:
+        be had is an error). ``own_cells``: the engine's own context where another does the
+        work (``serve``). ``on_this_thread``:
         load where the model will evaluate (the CLI's main thread), so llama.cpp keeps one
         thread pool."""
         template = template or catalog_template(path, self.paths.user_catalog)
@@ -328,6 +330,7 @@ class Session:
             draft_required=draft_model is not None,
             step_extra_cost=speed.batch_extra if speed else None,
             draft_step_cost=draft.step_cost if draft else None,
+            own_cells=own_cells,
         )
         engine = Engine(path, options) if on_this_thread else run_compute(Engine, path, options)
         unused = engine.draft_model_unused

@@ -245,3 +245,27 @@ def test_a_generated_model_served_side_by_side_writes_asks_replies(
             alone.close()
         assert replies[index]["choices"][0]["message"]["content"] == generation.text
         assert replies[index]["usage"]["completion_tokens"] == generation.stats.generated_tokens
+
+
+def test_the_engines_own_context_holds_no_sequence_when_serving(
+    smollm2: Path, tmp_path: Path
+) -> None:
+    # serve loads the engine with a small context of its own: the sequences' context holds
+    # the KV, planned (flash attention, q8_0) for the context asked.
+    options = LoadOptions(n_ctx=2048, n_threads=2, kv_type="q8_0", own_cells=256)
+    engine = Engine(smollm2, options)
+    runner = ModelRunner(engine, StateStore(tmp_path / "states"), NAME, parallel=2)
+    server = BackgroundServer(runner)
+    try:
+        assert engine.n_ctx == 256 and engine.planned_ctx == 2048
+        assert runner.batch.n_ctx_seq == 2048
+        assert engine.kv_bytes_allocated <= 256 * engine.kv_bytes_per_token
+        reply = _ask(server.root, QUESTIONS[0], 40)
+        assert reply["choices"][0]["message"]["content"] == _plain_reply(
+            smollm2, [ChatMessage("user", QUESTIONS[0])], 40
+        )
+        assert runner.cache.key.n_ctx == 2048  # saved states name the sequences' context
+    finally:
+        server.close()
+        runner.close()
+        engine.close()

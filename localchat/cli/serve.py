@@ -15,7 +15,8 @@ from localchat.errors import UsageError
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 KEY_ENV = "LOCALCHAT_API_KEY"
-STOP_GRACE_S = 20  # replies under way get this long to end when the server is stopped
+STOP_GRACE_S = 20
+OWN_CELLS = 256  # the engine's own context: it only warms the model up  # replies under way get this long to end when the server is stopped
 
 
 def check_exposure(host: str, api_key: str | None, no_auth: bool) -> None:
@@ -68,6 +69,7 @@ def cmd_serve(args: argparse.Namespace, out: TextIO) -> int:
         # Replies are decoded side by side; drafting inside those steps is still to come.
         speculative="off",
         draft_model=None,
+        own_cells=OWN_CELLS,  # the sequences' context holds the KV: none wasted here
         warn=lambda line: print(f"localchat: {line}", file=sys.stderr),
     )
     name = args.model or Path(model_path).stem
@@ -88,7 +90,7 @@ def cmd_serve(args: argparse.Namespace, out: TextIO) -> int:
     )
     shown = f"[{host}]" if ":" in host else host
     print(
-        f"localchat: serving {name} (context {engine.n_ctx} × {parallel}"
+        f"localchat: serving {name} (context {runner.batch.n_ctx_seq} × {parallel}"
         f" sequence{'s' if parallel != 1 else ''}) at http://{shown}:{port}/v1"
         f" · {len(runner.cache)} saved prompt states · Ctrl+C stops",
         file=out,

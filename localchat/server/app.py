@@ -128,7 +128,7 @@ def create_app(runner: ModelRunner, api_key: str | None = None, loopback: bool =
             "object": "model",
             "created": 0,
             "owned_by": "localchat",
-            "meta": {"n_ctx": engine.n_ctx, "n_ctx_train": engine.info.context_length,
+            "meta": {"n_ctx": runner.batch.n_ctx_seq, "n_ctx_train": engine.info.context_length,
                      "n_vocab": engine.n_vocab},
         }  # fmt: skip
         return JSONResponse({"object": "list", "data": [entry]})

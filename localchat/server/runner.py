@@ -11,7 +11,7 @@ import contextlib
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from localchat.backends.base import TurnStats
 from localchat.backends.compute_thread import run_compute
@@ -33,7 +33,7 @@ KV_SHARE_OF_FREE_RAM = 0.5  # of the memory free after the load, what sequences 
 def default_parallel(engine: Engine, available_bytes: int) -> int:
     """Sequences for ``--parallel`` when none is asked: what memory allows for the context
     (each sequence has a cache of its own), at most ``MAX_PARALLEL_CPU``."""
-    per_sequence = max(1, engine.kv_bytes_per_token * engine.n_ctx)
+    per_sequence = max(1, engine.kv_bytes_per_token * engine.planned_ctx)
     fits = int(available_bytes * KV_SHARE_OF_FREE_RAM) // per_sequence
     return max(1, min(MAX_PARALLEL_CPU, fits))
 
@@ -92,10 +92,12 @@ class ModelRunner:
         self.max_queue = max_queue
         self.parallel = parallel
         self.saver = BackgroundSaver(states)
-        self.cache = PromptCache(states, engine.state_key, self.saver)
+        self.batch = run_compute(SequenceBatch, engine, parallel, engine.planned_ctx)
+        # A saved state depends on a sequence's context (the engine's own may be smaller).
+        key = replace(engine.state_key, n_ctx=self.batch.n_ctx_seq)
+        self.cache = PromptCache(states, key, self.saver)
         self.counters = Counters()
         self._lock = threading.Lock()
-        self.batch = run_compute(SequenceBatch, engine, parallel, engine.n_ctx)
         self.scheduler = Scheduler(self.batch, self.cache, self._started, self._finished)
         self.on_turn: Callable[[TurnRecord], None] | None = None  # each answered request
 

@@ -91,6 +91,10 @@ class LoadOptions:
     # starts from these until it has timed steps of its own.
     step_extra_cost: float | None = None
     draft_step_cost: float | None = None
+    # Where another context on these weights does the work (serve's sequences): the cells
+    # of the engine's own, which then only warms the model up. The plan (flash attention,
+    # ``planned_ctx``) is still made for ``n_ctx``.
+    own_cells: int | None = None
 
 
 class Engine(KVCache):
@@ -113,6 +117,8 @@ class Engine(KVCache):
                 f"{self.model_path}: context size {n_ctx} is larger than the model's trained"
                 f" context {trained}; use --ctx {trained} or less"
             )
+        self.planned_ctx = n_ctx  # the context the plan is for (``own_cells`` aside)
+        own = min(self.options.own_cells or n_ctx, n_ctx)
         threads = self.options.n_threads or physical_cores()
         # How many threads generate: the app sizes its own CPU budget by it.
         self.threads = threads
@@ -162,8 +168,8 @@ class Engine(KVCache):
         try:
             self._llm = RecordingLlama(
                 model_path=str(self.model_path),
-                n_ctx=n_ctx,
-                n_batch=min(self.options.n_batch, n_ctx),
+                n_ctx=own,
+                n_batch=min(self.options.n_batch, own),
                 n_threads=threads,
                 n_threads_batch=threads,
                 n_gpu_layers=self.options.n_gpu_layers,
