@@ -5,15 +5,18 @@ sequence samples with its own parameters."""
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 
 from localchat.backends.base import Sampling
+from localchat.backends.compute_thread import run_compute
 from localchat.backends.llama.engine import Engine, LoadOptions
 from localchat.chat.template import ChatMessage
 from localchat.server.app import BackgroundServer
@@ -44,26 +47,51 @@ def _ask(root: str, question: str, max_tokens: int, **extra: object) -> dict:
     return dict(response.json())
 
 
+@contextlib.contextmanager
+def _queued_together(runner: ModelRunner, count: int) -> Iterator[None]:
+    """Hold the compute thread until ``count`` requests are handed in, so they start in
+    one step, side by side, however fast the model and however busy the machine."""
+    busy, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        busy.set()
+        release.wait(120)
+
+    holder = threading.Thread(target=run_compute, args=(hold,))
+    holder.start()
+    assert busy.wait(60)
+    try:
+        yield
+        deadline = time.monotonic() + 120
+        while runner.scheduler.waiting < count and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert runner.scheduler.waiting == count
+    finally:
+        release.set()
+        holder.join()
+
+
+def _all_at_once(runner: ModelRunner, calls: list[Callable[[], None]]) -> None:
+    threads = [threading.Thread(target=call) for call in calls]
+    with _queued_together(runner, len(calls)):
+        for thread in threads:
+            thread.start()
+    for thread in threads:
+        thread.join()
+
+
 def test_greedy_replies_side_by_side_are_each_reply_alone(served3: Served, smollm2: Path) -> None:
     replies: dict[int, str] = {}
-    starts = threading.Barrier(len(QUESTIONS))
 
     def ask(index: int) -> None:
-        starts.wait()
         body = _ask(served3.root, QUESTIONS[index], 48)
         replies[index] = body["choices"][0]["message"]["content"]
 
-    threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(QUESTIONS))]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    _all_at_once(served3.runner, [functools.partial(ask, i) for i in range(len(QUESTIONS))])
     assert served3.runner.counters.running == 0 and served3.runner.counters.queued == 0
     for index, question in enumerate(QUESTIONS):
         assert replies[index] == _plain_reply(smollm2, [ChatMessage("user", question)], 48)
-    # They ran side by side (started together, the first still generating when the
-    # others came), each in a sequence of its own.
-    assert served3.runner.counters.peak_running >= 2
+    assert served3.runner.counters.peak_running == 3  # side by side, a sequence each
 
 
 def test_a_request_that_arrives_while_another_streams_is_answered_before_it_ends(
@@ -110,18 +138,12 @@ def test_each_sequence_samples_with_its_own_parameters(served3: Served) -> None:
     # Side by side, each with its own seed: a seed gives its reply again whatever runs beside
     # it (one shared sampler would mix the draws).
     together: dict[int, str] = {}
-    starts = threading.Barrier(3)
 
     def ask(index: int, seed: int) -> None:
-        starts.wait()
         together[index] = sampled(seed)
 
-    threads = [threading.Thread(target=ask, args=(i, seed)) for i, seed in enumerate((7, 8, 7))]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    assert served3.runner.counters.peak_running >= 2
+    _all_at_once(served3.runner, [functools.partial(ask, i, s) for i, s in enumerate((7, 8, 7))])
+    assert served3.runner.counters.peak_running == 3
     assert together[0] == together[2] == alone
     assert together[1] != alone or sampled(9) != alone
     greedy = _ask(served3.root, QUESTIONS[2], 24)["choices"][0]["message"]["content"]
@@ -134,16 +156,17 @@ def test_each_sequence_samples_with_its_own_parameters(served3: Served) -> None:
 
 def test_the_openai_client_streams_two_replies_at_once(served3: Served, smollm2: Path) -> None:
     client = _client(served3.root)
-    streams = [
-        client.chat.completions.create(
-            model=NAME,
-            messages=[{"role": "user", "content": q}],
-            temperature=0,
-            max_tokens=32,
-            stream=True,
-        )
-        for q in QUESTIONS[:2]
-    ]
+    with _queued_together(served3.runner, 2):  # the streams open before either runs
+        streams = [
+            client.chat.completions.create(
+                model=NAME,
+                messages=[{"role": "user", "content": q}],
+                temperature=0,
+                max_tokens=32,
+                stream=True,
+            )
+            for q in QUESTIONS[:2]
+        ]
     # Read the two streams in turn, a chunk of each: both are running together.
     texts = ["", ""]
     iterators = [iter(s) for s in streams]
@@ -215,17 +238,12 @@ def test_a_generated_model_served_side_by_side_writes_asks_replies(
     server = BackgroundServer(runner)
     try:
         replies: dict[int, dict] = {}
-        starts = threading.Barrier(2)
 
         def ask(index: int) -> None:
-            starts.wait()
             replies[index] = _ask(server.root, QUESTIONS[index], 96, model="tiny")
 
-        threads = [threading.Thread(target=ask, args=(i,)) for i in range(2)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
+        # Thousands of tokens/s: only held together do the two replies share steps.
+        _all_at_once(runner, [functools.partial(ask, i) for i in range(2)])
         assert runner.counters.peak_running == 2
     finally:
         server.close()

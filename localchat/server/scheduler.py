@@ -114,6 +114,12 @@ class Scheduler:
             raise RuntimeError(f"{type(error).__name__}: {error}") from error
         return job.stats
 
+    @property
+    def waiting(self) -> int:
+        """Jobs handed in and not yet taken by the loop."""
+        with self._lock:
+            return len(self._inbox)
+
     def close(self) -> None:
         """Take no more jobs and stop those under way at their next step (their states are
         still saved); returns once the loop has let go of the compute thread."""
