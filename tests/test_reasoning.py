@@ -125,7 +125,10 @@ async def test_the_app_shows_reasoning_dimmed_and_collapsible(
 
         def stored_shown() -> bool:  # mounted, with its children (later on a busy machine)
             found = app.query(AssistantMessage)
-            return bool(found) and bool(found.first().query(Markdown))
+            if not found or not found.first().query(Markdown):
+                return False
+            reasoning = found.first().query(".reasoning-text")
+            return bool(reasoning) and "First add" in str(reasoning.first(Static).render())
 
         await ui.until(stored_shown, "the stored reply is shown")
         stored = app.query(AssistantMessage).first()
