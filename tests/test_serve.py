@@ -5,6 +5,7 @@ and every bad request is an OpenAI-shaped error with its status."""
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
@@ -389,24 +390,31 @@ def test_a_terminal_shows_one_status_line_redrawn_in_place(served: Served) -> No
     assert "\n" not in shown.rstrip("\n")  # redrawn in place, not scrolled
 
 
-def test_counting_tokens_does_not_wait_for_the_compute_thread(served: Served) -> None:
-    # The compute thread is held (as by a long reply): without the fix the count times out.
+@contextlib.contextmanager
+def holding_compute(limit_s: float = 120) -> Iterator[None]:
+    """The compute thread held busy (as by a long reply) until the block ends."""
     busy, release = threading.Event(), threading.Event()
 
     def hold() -> None:
         busy.set()
-        release.wait(60)
+        release.wait(limit_s)
 
     holder = threading.Thread(target=run_compute, args=(hold,))
     holder.start()
+    assert busy.wait(60)
     try:
-        assert busy.wait(30)
+        yield
+    finally:
+        release.set()
+        holder.join()
+
+
+def test_counting_tokens_does_not_wait_for_the_compute_thread(served: Served) -> None:
+    # The compute thread is held (as by a long reply): without the fix the count times out.
+    with holding_compute(60):
         counted = httpx.post(f"{served.root}/tokenize", json={"content": "Hello world"},
                              timeout=20).json()  # fmt: skip
         text = httpx.post(f"{served.root}/detokenize", json={"tokens": counted["tokens"]},
                           timeout=20).json()  # fmt: skip
-    finally:
-        release.set()
-        holder.join()
     assert counted["tokens"] == served.engine.tokenize("Hello world", special=True)
     assert text["content"].endswith("Hello world")

@@ -16,14 +16,13 @@ import httpx
 import pytest
 
 from localchat.backends.base import Sampling
-from localchat.backends.compute_thread import run_compute
 from localchat.backends.llama.engine import Engine, LoadOptions
 from localchat.chat.template import ChatMessage
 from localchat.server.app import BackgroundServer
 from localchat.server.runner import ModelRunner
 from localchat.server.scheduler import COPY_MIN_TOKENS
 from localchat.state.kvstate import StateStore
-from tests.test_serve import NAME, QUESTION, Served, _client, _plain_reply
+from tests.test_serve import NAME, QUESTION, Served, _client, _plain_reply, holding_compute
 
 QUESTIONS = [
     QUESTION,
@@ -51,24 +50,12 @@ def _ask(root: str, question: str, max_tokens: int, **extra: object) -> dict:
 def _queued_together(runner: ModelRunner, count: int) -> Iterator[None]:
     """Hold the compute thread until ``count`` requests are handed in, so they start in
     one step, side by side, however fast the model and however busy the machine."""
-    busy, release = threading.Event(), threading.Event()
-
-    def hold() -> None:
-        busy.set()
-        release.wait(120)
-
-    holder = threading.Thread(target=run_compute, args=(hold,))
-    holder.start()
-    assert busy.wait(60)
-    try:
+    with holding_compute():
         yield
         deadline = time.monotonic() + 120
         while runner.scheduler.waiting < count and time.monotonic() < deadline:
             time.sleep(0.01)
         assert runner.scheduler.waiting == count
-    finally:
-        release.set()
-        holder.join()
 
 
 def _all_at_once(runner: ModelRunner, calls: list[Callable[[], None]]) -> None:

@@ -61,6 +61,11 @@ class GenerationRequest:
     created: int = field(default_factory=lambda: int(time.time()))
     request_id: str = field(default_factory=lambda: f"chatcmpl-{uuid.uuid4().hex[:24]}")
 
+    @property
+    def reads_calls(self) -> bool:
+        """Whether the reply is read for tool calls: tools offered, and calls not refused."""
+        return bool(self.tools) and self.tool_choice != "none"
+
 
 def _number(body: dict[str, Any], name: str, default: float, low: float, high: float) -> float:
     value = body.get(name, default)

@@ -243,7 +243,7 @@ async def _generate(runner: ModelRunner, request: GenerationRequest, http: Reque
     finally:
         watcher.cancel()
     text, calls = "".join(pieces["text"]), None
-    if _tool_calls_stream(runner, request) is not None:
+    if request.reads_calls:
         content, calls = parse_tool_calls(
             text, runner.engine.template.tool_family, {tool.name for tool in request.tools}
         )
@@ -253,8 +253,8 @@ async def _generate(runner: ModelRunner, request: GenerationRequest, http: Reque
 
 
 def _tool_calls_stream(runner: ModelRunner, request: GenerationRequest) -> ToolCallStream | None:
-    """Where the request offers tools: the reply read for the calls in the model's format."""
-    if not request.tools or request.tool_choice == "none":
+    """Where the reply is read for calls: a stream that holds them back, in the model's format."""
+    if not request.reads_calls:
         return None
     family = runner.engine.template.tool_family
     return ToolCallStream(family, {tool.name for tool in request.tools})

@@ -185,7 +185,7 @@ class ModelRunner:
         reads a saved state from disk where one holds more of the prompt than memory does
         (so the running sequences do not wait for the disk)."""
         job = Job(request, prompt, max_tokens, cancel, emit)
-        if request.tools and request.tool_choice != "none":  # markers stay in the text
+        if request.reads_calls:  # the family's markers stay in the text, to be parsed
             family = self.engine.template.tool_family
             job.spelled = self.engine.spelled_tokens(markers(family))
             if request.tool_choice not in ("auto", "none"):  # a call is required: a grammar

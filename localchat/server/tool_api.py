@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from localchat.chat.template import ChatMessage
@@ -126,11 +126,9 @@ class ToolCallStream:
     known: set[str]
     _held: str = ""
     _mode: str = ""  # "" (deciding), "call" (held to the end) or "text" (no call can come)
-    text: str = field(default="")  # everything fed
 
     def feed(self, piece: str) -> str:
         """What of ``piece`` can be shown now."""
-        self.text += piece
         if self._mode == "text":
             return piece
         self._held += piece
