@@ -148,6 +148,9 @@ def _start(*args: str, python: tuple[str, ...] = ()) -> subprocess.Popen[bytes]:
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        # Unbuffered pipes: what a test reads before ``communicate`` (which reads the file
+        # descriptors themselves) is all that left them, none held in a reader's buffer.
+        bufsize=0,
     )
 
 
@@ -214,7 +217,11 @@ def test_ctrl_c_in_a_conversation_keeps_the_partial_reply(small_model: Path) -> 
     ask = ("ask", "--conversation", "story", "--model-path", str(small_model))
     proc = _start(*ask, "write a long story", "--max-tokens", "4000")
     assert proc.stdout is not None
-    first = proc.stdout.read(20)  # some of the reply
+    first = b""
+    while len(first.strip()) < 3:  # some of the reply
+        chunk = proc.stdout.read(20)
+        assert chunk, "the reply ended before any of it was read"
+        first += chunk
     out, _err = _interrupt(proc)
     reply = (first + out).decode()
     result = _run_cli("export", "story", "--format", "json")
