@@ -49,6 +49,11 @@ class AppPaths:
         return self.data_dir / "states"
 
     @property
+    def logs_dir(self) -> Path:
+        """What helpers write as they run (an MCP server's stderr), one file each."""
+        return self.data_dir / "logs"
+
+    @property
     def user_catalog(self) -> Path:
         return self.config_dir / "models.toml"
 

@@ -16,6 +16,7 @@ from localchat.backends.base import Backend, Reply, Sampling, TokenDelta, TurnSt
 from localchat.backends.compute_thread import run_compute
 from localchat.backends.llama.engine import DEFAULT_CTX as ENGINE_DEFAULT_CTX
 from localchat.backends.llama.engine import Engine, LoadOptions
+from localchat.chat.tools import TOOL_CHOICES, ToolCall, ToolUse
 from localchat.conversation.base import ConversationBase
 from localchat.conversation.local import Conversation
 from localchat.conversation.prefix_states import (
@@ -41,6 +42,8 @@ from localchat.progress import Progress, StepCallback, StepProgress
 from localchat.settings import ServerConfig, Settings
 from localchat.state.kvstate import StateStore
 from localchat.state.store import ConversationRecord, Store
+from localchat.tools.results import ToolResult, failure
+from localchat.tools.servers import ToolServers
 
 if TYPE_CHECKING:  # the wire (httpx) is imported only when a server is used
     from localchat.backends.remote import RemoteBackend
@@ -187,9 +190,41 @@ class Session:
         self.conversation: ConversationBase | None = None
         self.closing = False
         self._io = threading.Lock()
+        self.tools: ToolServers | None = None  # the MCP servers, once started
         if open_stores:
             self.store = Store(paths.database)
             self.states = StateStore(paths.states_dir, settings.state_budget_bytes)
+
+    # -- tools -----------------------------------------------------------------------------------
+    def start_tools(self) -> list[str]:
+        """Start the MCP servers settings.toml configures (none: nothing is imported); a
+        line for each that could not start (the chat goes on without it)."""
+        if self.tools is not None or not self.settings.mcp:
+            return []
+        self.tools = ToolServers(
+            self.settings.mcp, self.paths.logs_dir, self.settings.tool_result_chars
+        )
+        return self.tools.start()
+
+    def tool_use(self, choice: str = "auto") -> ToolUse | None:
+        """The tools the servers offer, with ``choice`` ("auto", "none", "required" or a
+        tool's name, which must be one of them); None where there are none."""
+        tools = tuple(self.tools.tools()) if self.tools is not None else ()
+        if choice not in TOOL_CHOICES and choice not in {tool.name for tool in tools}:
+            offered = ", ".join(tool.name for tool in tools) or "none: add [[mcp]] servers"
+            raise UsageError(f"no tool named {choice!r} to require (tools: {offered})")
+        if not tools:
+            if choice == "required":
+                raise UsageError("--tool-choice required, but no MCP server offers a tool")
+            return None
+        return ToolUse(tools, choice)
+
+    def run_tool(self, call: ToolCall) -> ToolResult:
+        """Run a call the user allowed; its result as the model reads it (an error result
+        where the server is down)."""
+        if self.tools is None:
+            return failure(f"no MCP server has a tool named {call.name!r}")
+        return self.tools.call(call)
 
     # -- which model answers ----------------------------------------------------------------
     def startup_model(
@@ -395,17 +430,18 @@ class Session:
         sampling: Sampling | None = None,
         max_tokens: int = 512,
         cancel: threading.Event | None = None,
+        tool_use: ToolUse | None = None,
     ) -> OneOffTurn:
         """A reply to ``messages`` that no conversation keeps (the CLI's one-off ``ask``), on
-        the calling thread. A local model starts a long enough system prompt (or attached
+        the calling thread; ``tool_use``: the tools it is offered. A local model starts a long enough system prompt (or attached
         files) from its saved prefix state, saving it the first time; a server just answers."""
         backend = self.backend
         if backend is None:
             raise UsageError("no model is loaded yet")
         if not isinstance(backend, Engine):
-            return OneOffTurn(backend.stream(messages, sampling, max_tokens, cancel))
+            return OneOffTurn(backend.stream(messages, sampling, max_tokens, cancel, tool_use))
         messages = list(messages)
-        builder = backend.prompt_builder()
+        builder = backend.prompt_builder(tools=list(tool_use.tools) if tool_use else None)
         prompt = builder.build(messages)
         states = self.states or StateStore(self.paths.states_dir, self.settings.state_budget_bytes)
         prefix = start_from_prefix(
@@ -416,7 +452,7 @@ class Session:
             prefix_spans(builder, messages, prompt, len(messages) - 1),
             self.settings.prefix_state_min_tokens,
         )
-        generation = backend.generate(prompt.tokens, sampling, max_tokens, cancel)
+        generation = backend.generate(prompt.tokens, sampling, max_tokens, cancel, tool_use)
         return OneOffTurn(generation, RestoreReport.from_prefix(prefix))
 
     def connect(
@@ -504,6 +540,8 @@ class Session:
         if quitting:
             free_backend = not isinstance(self.backend, Engine)
         self.closing = True
+        if self.tools is not None:
+            self.tools.close()
         held = self._io.acquire(timeout=-1 if wait_s is None else wait_s)
         try:
             self._close_conversation()

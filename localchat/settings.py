@@ -13,6 +13,8 @@ from localchat.gguf.estimate import KV_BYTES_PER_VALUE
 from localchat.gguf.quants import SWA_CACHE_MODES
 from localchat.models.planner import MIN_TOKENS_PER_S
 from localchat.state.kvstate import DEFAULT_BUDGET_BYTES
+from localchat.tools.config import McpServerConfig, parse_mcp_servers
+from localchat.tools.results import DEFAULT_RESULT_CHARS
 from localchat.units import parse_size
 
 KV_CACHE_TYPES = tuple(KV_BYTES_PER_VALUE)
@@ -156,6 +158,14 @@ class Settings:
     serve: ServeConfig = ServeConfig()
     """``localchat serve``'s address, context and log format (``[serve]``)."""
 
+    mcp: tuple[McpServerConfig, ...] = ()
+    """MCP servers whose tools a model may call, with your consent (``[[mcp]]`` tables with
+    ``name`` and either ``command = ["prog", "arg"]`` (optionally ``env``, ``cwd``) or
+    ``url`` (optionally ``headers_env``); ``timeout_s`` bounds one call)."""
+
+    tool_result_chars: int = DEFAULT_RESULT_CHARS
+    """Longest tool result the model reads, in characters; a longer one is cut, saying so."""
+
     def server(self, spec: str) -> ServerConfig:
         """A server by its configured name, or a URL given as is."""
         found = next((s for s in self.servers if s.name == spec), None)
@@ -188,6 +198,8 @@ def load_settings(path: Path) -> Settings:
             value = _servers(path, value)
         if name == "serve":
             value = _serve(path, value)
+        if name == "mcp":
+            value = parse_mcp_servers(path, value)
         if name not in known:
             raise UsageError(f"{path}: unknown setting {key!r}; known: {', '.join(sorted(known))}")
         values[name] = value
@@ -230,6 +242,7 @@ def load_settings(path: Path) -> Settings:
             "draft_model",
             "servers",
             "serve",
+            "mcp",
         ):
             continue
         if not isinstance(value, int | float) or isinstance(value, bool) or value < 0:

@@ -8,6 +8,7 @@ Layers, lowest first (README, Development):
     state/        what is stored
     backends/     who writes a reply (backends/llama: the only llama_cpp importer)
     conversation/ and models/   a turn over any backend; what to run here (neither sees the other)
+    tools/                      MCP servers, consent, results (beside them: chat text only)
     settings, session           the lifecycle
     server/                     ``serve``: the model over HTTP
     cli/, bench/, tui/          on top
@@ -40,11 +41,12 @@ BELOW: dict[str, set[str]] = {
     "backends": {"leaves", "gguf", "chat", "state"},
     "conversation": {"leaves", "gguf", "chat", "state", "backends"},
     "models": {"leaves", "gguf", "chat", "state", "backends"},
-    "settings": {"leaves", "gguf", "chat", "state", "backends", "models"},
+    "tools": {"leaves", "chat"},
+    "settings": {"leaves", "gguf", "chat", "state", "backends", "models", "tools"},
     "session": {"leaves", "gguf", "chat", "state", "backends", "conversation", "models",
-                "settings"},
+                "settings", "tools"},
     "server": {"leaves", "gguf", "chat", "state", "backends", "conversation", "models",
-               "settings", "session"},
+               "settings", "session", "tools"},
 }  # fmt: skip
 
 
@@ -169,7 +171,8 @@ LIGHT_MODULES = (
 
 PROBE = (
     "import json, sys, {name}; print(json.dumps(sorted(m for m in sys.modules"
-    " if m.split('.')[0] in ('numpy', 'llama_cpp', 'textual') or m.startswith('localchat.tui'))))"
+    " if m.split('.')[0] in ('numpy', 'llama_cpp', 'textual', 'mcp')"
+    " or m.startswith('localchat.tui'))))"
 )
 
 
@@ -187,6 +190,7 @@ def test_each_runtime_module_loads_only_what_its_layer_allows() -> None:
     for name, modules in loaded.items():
         roots = {m.split(".")[0] for m in modules}
         assert "textual" not in roots, f"{name} pulls in Textual"
+        assert "mcp" not in roots, f"{name} imports the MCP SDK (only a configured server may)"
         assert not [m for m in modules if m.startswith("localchat.tui")], f"{name} loads the app"
         if name.removeprefix("localchat.") in LIGHT_MODULES:
             assert not roots & {"numpy", "llama_cpp"}, f"{name} loads {sorted(roots)}"

@@ -14,9 +14,9 @@ import httpx
 import pytest
 
 from localchat.backends.llama.engine import Engine, LoadOptions
+from localchat.chat.tool_stream import ToolCallStream
 from localchat.server.app import BackgroundServer
 from localchat.server.runner import ModelRunner
-from localchat.server.tool_api import ToolCallStream
 from localchat.state.kvstate import StateStore
 from tests.test_serve import NAME, Served, _client
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 from localchat.chat.template import ChatMessage
+from localchat.chat.tools import ToolCall, ToolUse
 
 
 @dataclass(frozen=True)
@@ -78,6 +79,7 @@ class Reply(Protocol):
     """A reply being written: iterate it for deltas; ``stats`` and ``text`` fill as it runs."""
 
     stats: TurnStats
+    tool_calls: list[ToolCall]  # the calls the reply made (read when it ends)
 
     def __iter__(self) -> Iterator[TokenDelta]: ...
 
@@ -164,8 +166,10 @@ class Backend(Protocol):
         sampling: Sampling | None = None,
         max_tokens: int = 512,
         cancel: threading.Event | None = None,
+        tool_use: ToolUse | None = None,
     ) -> Reply:
-        """A reply to ``messages`` (the chat template applied by whoever answers)."""
+        """A reply to ``messages`` (the chat template applied by whoever answers), offered
+        ``tool_use``'s tools where given."""
         ...
 
     def close(self) -> None: ...

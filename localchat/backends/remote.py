@@ -34,6 +34,7 @@ from localchat.backends.remote_errors import (
 )
 from localchat.backends.remote_reply import RemoteReply
 from localchat.chat.template import ChatMessage
+from localchat.chat.tools import ToolUse
 from localchat.errors import UsageError, one_line
 from localchat.text import shown
 
@@ -389,13 +390,15 @@ class RemoteBackend:
         sampling: Sampling | None = None,
         max_tokens: int = 512,
         cancel: threading.Event | None = None,
+        tool_use: ToolUse | None = None,
     ) -> RemoteReply:
         """Send the conversation and open the reply's stream: a refusal (key, model, context,
-        server down) raises here, before anything is shown; the text comes as it is read."""
+        server down) raises here, before anything is shown; the text comes as it is read.
+        The tools offered go as OpenAI's ``tools``; the server parses the calls."""
         sampling = sampling or Sampling()
         body: dict[str, Any] = {
             "model": self.model,
-            "messages": [{"role": m.role, "content": m.content} for m in messages],
+            "messages": [m.as_openai() for m in messages],
             "stream": True,
             "stream_options": {"include_usage": True},
             "max_tokens": max_tokens,
@@ -406,6 +409,14 @@ class RemoteBackend:
             "repeat_penalty": sampling.repeat_penalty,
             "seed": sampling.seed,
         }
+        if tool_use is not None and tool_use.tools:
+            body["tools"] = [tool.schema() for tool in tool_use.tools]
+            choice = tool_use.forced_name
+            body["tool_choice"] = (
+                tool_use.choice
+                if choice is None
+                else {"type": "function", "function": {"name": choice}}
+            )
         # Counted before the stream opens: llama-cpp-python's server cuts a running stream
         # short when another request (a tokenize) waits for its model.
         prompt_tokens = sum(self.message_tokens(m) for m in messages)

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from localchat.backends.base import TokenDelta, TurnStats
 from localchat.backends.remote_errors import ERROR_TEXT_LIMIT, RemoteError
 from localchat.chat.reasoning import CLOSE, OPEN, ReasoningStream, split_reasoning
+from localchat.chat.tools import ToolCall, new_call_id
 from localchat.text import shown
 
 if TYPE_CHECKING:
@@ -60,6 +61,9 @@ class RemoteReply:
     _ended: bool = False  # the server said the reply is over ([DONE] or a finish reason)
     _thinking: bool = False  # inside reasoning the server sends apart from the content
     _server_generated: int | None = None  # the server's own count of the reply's tokens
+    # Tool calls as the server streams them (OpenAI's fragments by index), read at the end.
+    tool_calls: list[ToolCall] = field(default_factory=list)
+    _call_parts: dict[int, dict[str, str]] = field(default_factory=dict)
 
     @property
     def answer(self) -> str:
@@ -171,6 +175,7 @@ class RemoteReply:
                         self._thinking = True
                     parts.append((True, thought))
                     self.text += thought
+                self._read_call_fragments(delta.get("tool_calls"))
                 content = delta.get("content")
                 if isinstance(content, str) and content:
                     if self._thinking:
@@ -205,6 +210,46 @@ class RemoteReply:
                 f"{server}: the stream ended before the reply did; the partial reply is kept"
             )
         self._count_generated(first_at, last_at)
+        self.tool_calls = self._calls()
+
+    def _read_call_fragments(self, fragments: object) -> None:
+        """Join the pieces of each streamed call (its id and name come once, its arguments
+        as JSON text in pieces)."""
+        if not isinstance(fragments, list):
+            return
+        for fragment in fragments:
+            if not isinstance(fragment, dict):
+                continue
+            index = fragment.get("index", len(self._call_parts))
+            part = self._call_parts.setdefault(index if isinstance(index, int) else 0, {})
+            function = fragment.get("function") or {}
+            for key, value in (
+                ("id", fragment.get("id")),
+                ("name", function.get("name") if isinstance(function, dict) else None),
+            ):
+                if isinstance(value, str) and value:
+                    part[key] = value
+            arguments = function.get("arguments") if isinstance(function, dict) else None
+            if isinstance(arguments, str):
+                part["arguments"] = part.get("arguments", "") + arguments
+
+    def _calls(self) -> list[ToolCall]:
+        """The calls the server sent, complete; one whose arguments are not a JSON object
+        is an error the partial reply keeps."""
+        calls = []
+        for index in sorted(self._call_parts):
+            part = self._call_parts[index]
+            try:
+                arguments = json.loads(part.get("arguments") or "{}")
+            except ValueError:
+                arguments = None
+            if not part.get("name") or not isinstance(arguments, dict):
+                raise RemoteError(
+                    f"{self.backend.server} sent a tool call that is not a name and JSON"
+                    " arguments; the partial reply is kept"
+                )
+            calls.append(ToolCall(part["name"], arguments, part.get("id") or new_call_id()))
+        return calls
 
     def _count_generated(self, first_at: float, last_at: float) -> None:
         """Tokens written and their rate, by the server's count where it sent one."""

@@ -52,6 +52,15 @@ class ChatMessage:
             message["tool_call_id"] = self.tool_call_id
         return message
 
+    def as_openai(self) -> dict[str, Any]:
+        """The message as OpenAI's API takes it (a call's arguments as JSON text)."""
+        message: dict[str, Any] = {"role": self.role, "content": self.content}
+        if self.tool_calls:
+            message["tool_calls"] = [call.as_openai() for call in self.tool_calls]
+        if self.tool_call_id:
+            message["tool_call_id"] = self.tool_call_id
+        return message
+
 
 @dataclass(frozen=True)
 class TemplateCaps:

@@ -69,6 +69,46 @@ class ToolCall:
             "function": {"name": self.name, "arguments": self.arguments},
         }
 
+    def as_openai(self) -> dict[str, Any]:
+        """The call as OpenAI's API sends it: arguments as JSON text."""
+        return {
+            "id": self.id,
+            "type": "function",
+            "function": {"name": self.name, "arguments": json.dumps(self.arguments)},
+        }
+
+
+TOOL_CHOICES = ("auto", "none", "required")
+
+
+@dataclass(frozen=True)
+class ToolUse:
+    """The tools a reply is offered and how it may use them: ``choice`` is "auto" (the
+    model decides), "none" (no calls read; the tools still render, so the prompt's head and
+    its cache stay the same), "required" (one call, to any of them) or a tool's name."""
+
+    tools: tuple[ToolSpec, ...] = ()
+    choice: str = "auto"
+
+    @property
+    def reads_calls(self) -> bool:
+        """Whether the reply is read for calls: tools offered, and calls not refused."""
+        return bool(self.tools) and self.choice != "none"
+
+    @property
+    def forced(self) -> bool:
+        """Whether a call must come (generation is held to one by a grammar)."""
+        return self.reads_calls and self.choice != "auto"
+
+    @property
+    def forced_name(self) -> str | None:
+        """The one tool a call must be to (None: any)."""
+        return None if self.choice in TOOL_CHOICES else self.choice
+
+    @property
+    def names(self) -> set[str]:
+        return {tool.name for tool in self.tools}
+
 
 # Where a family's calls start, and where each ends (None: at the end of the reply).
 _MARKERS: dict[str, tuple[str, str | None]] = {

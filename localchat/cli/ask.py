@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import sys
 import threading
@@ -14,6 +15,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 from localchat.chat.attachments import check_fits, read_attachment, with_attachments
 from localchat.cli.interrupt import EXIT_INTERRUPTED
 from localchat.cli.models import default_model, library, pull
+from localchat.cli.parser import EXIT_USAGE
 from localchat.errors import UsageError
 from localchat.paths import app_paths
 from localchat.text import printable
@@ -21,6 +23,8 @@ from localchat.text import printable
 if TYPE_CHECKING:
     from localchat.backends.base import Backend, Reply, TokenDelta
     from localchat.chat.template import ChatMessage
+    from localchat.chat.tools import ToolUse
+    from localchat.cli.tool_loop import CallRecord
     from localchat.conversation.base import ConversationBase
     from localchat.conversation.turn import ConversationTurn
     from localchat.session import OneOffTurn, Session
@@ -31,8 +35,11 @@ LOCAL_ONLY_FLAGS = ("model_path", "template", "kv_type", "threads", "speculative
 
 def cmd_ask(args: argparse.Namespace, out: TextIO) -> int:
     from localchat.backends.base import Sampling
+    from localchat.chat.template import ChatMessage
+    from localchat.cli.tool_loop import MAX_ROUNDS, STOPPED_RESULT, AskTools
     from localchat.session import Session
     from localchat.settings import load_settings
+    from localchat.tools.consent import Consent
 
     if args.fresh and not args.conversation:
         raise UsageError("--fresh needs --conversation NAME (a one-off ask has no saved state)")
@@ -48,29 +55,68 @@ def cmd_ask(args: argparse.Namespace, out: TextIO) -> int:
     max_tokens = args.max_tokens or settings.max_tokens
     cancel = threading.Event()
     session = Session(app_paths(), settings, open_stores=bool(args.conversation))
+    tools = AskTools(session, Consent(set(args.allow_tool), args.yes))
     try:  # the session frees the backend, however the turn ends
         backend = _backend(args, session, model_path)
         session.use(backend)
         _report_attachments(args, session.count_tokens, backend.context_size, max_tokens)
+        tool_use = _tool_use(args, session)
         conversation: ConversationBase | None = None
         turn: ConversationTurn | OneOffTurn
+        messages = _one_off_messages(args)
         if args.conversation:
             conversation = session.open_conversation(
                 args.conversation, args.system, args.wait, args.window
             )
             assert conversation is not None  # a backend and a database: it opens or raises
+            conversation.offer_tools(tool_use)
             turn = conversation.send(args.message, sampling, max_tokens, cancel, fresh=args.fresh)
         else:
-            turn = session.ask_once(_one_off_messages(args), sampling, max_tokens, cancel)
+            turn = session.ask_once(messages, sampling, max_tokens, cancel, tool_use)
         interrupted = _stream(turn, args, cancel, out)
+        for _round in range(MAX_ROUNDS):
+            calls = turn.generation.tool_calls
+            if interrupted or not calls:
+                break
+            results = tools.run(calls)
+            if results is None:  # not allowed: the ask stops here
+                if conversation is not None:
+                    conversation.record_results(tools.not_run(calls))
+                break
+            if tool_use is not None and tool_use.forced:  # the call asked for was made
+                tool_use = dataclasses.replace(tool_use, choice="auto")
+            if conversation is not None:
+                conversation.offer_tools(tool_use)
+                turn = conversation.send_results(results, sampling, max_tokens, cancel)
+            else:
+                reply = ChatMessage("assistant", turn.generation.text, tuple(calls))
+                messages += [reply, *results]
+                turn = session.ask_once(messages, sampling, max_tokens, cancel, tool_use)
+            interrupted = _stream(turn, args, cancel, out)
+        else:
+            if turn.generation.tool_calls and conversation is not None:
+                conversation.record_results(
+                    tools.not_run(turn.generation.tool_calls, STOPPED_RESULT)
+                )
         notices = list(turn.notices)
         save_error = conversation.wait_saved() if conversation is not None else None
         speed = session.note_turn_speed(turn.generation.stats)
         notices += [notice for notice in (save_error, speed) if notice]
-        _print_result(out, args, turn.generation, backend, turn.stats_dict(), notices)
+        stats = turn.stats_dict()
+        _print_result(out, args, turn.generation, backend, stats, notices, tools.records)
     finally:
         session.close()
-    return EXIT_INTERRUPTED if interrupted else 0
+    if interrupted:
+        return EXIT_INTERRUPTED
+    return EXIT_USAGE if tools.refused else 0
+
+
+def _tool_use(args: argparse.Namespace, session: Session) -> ToolUse | None:
+    """Start the MCP servers (a line for each that cannot) and say which tools the replies
+    are offered."""
+    for problem in session.start_tools():
+        print(f"localchat: {problem}", file=sys.stderr)
+    return session.tool_use(args.tool_choice)
 
 
 def _refuse_local_flags(args: argparse.Namespace) -> None:
@@ -195,6 +241,7 @@ def _print_result(
     backend: Backend,
     stats: dict[str, Any],
     notices: list[str],
+    calls: list[CallRecord],
 ) -> None:
     for notice in notices:
         print(f"localchat: notice: {notice}", file=sys.stderr)
@@ -210,6 +257,8 @@ def _print_result(
             "server": view.server,
             "stats": stats,
         }
+        if calls:
+            payload["tool_calls"] = [record.as_json() for record in calls]
         if notices:
             payload["notices"] = notices
         out.write(json.dumps(payload, ensure_ascii=False) + "\n")

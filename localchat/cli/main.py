@@ -33,6 +33,7 @@ from localchat.cli.models import (
 from localchat.cli.parser import EXIT_USAGE, EXIT_WORLD, build_parser
 from localchat.cli.progress import line_progress
 from localchat.cli.serve import cmd_serve
+from localchat.cli.tools import cmd_tools
 from localchat.errors import LocalchatError, UsageError, WorldError, one_line
 from localchat.paths import app_paths
 
@@ -79,6 +80,7 @@ COMMANDS: dict[str | None, Callable[[argparse.Namespace, TextIO], int]] = {
     "demo-model": cmd_demo_model,
     "bench": cmd_bench,
     "hw": cmd_hw,
+    "tools": cmd_tools,
     "pull": cmd_pull,
     "models": cmd_models,
     "rm": cmd_rm,

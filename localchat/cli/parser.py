@@ -226,6 +226,23 @@ def _ask_flags(ask: argparse.ArgumentParser) -> None:
         help=f"wait this long for a conversation another process is answering (default {DEFAULT_WAIT_S:g})",
     )
     ask.add_argument(
+        "--allow-tool",
+        metavar="NAME",
+        action="append",
+        default=[],
+        help="let the model run this MCP tool without asking; repeatable",
+    )
+    ask.add_argument(
+        "--yes", action="store_true", help="let the model run every MCP tool without asking"
+    )
+    ask.add_argument(
+        "--tool-choice",
+        default="auto",
+        metavar="auto|none|required|NAME",
+        help="auto: the model decides; none: no tools; required: it must call one; NAME: it"
+        " must call that one (default auto)",
+    )
+    ask.add_argument(
         "--window",
         choices=["auto", "shift", "exact"],
         default=None,
@@ -270,6 +287,8 @@ def _model_commands(sub: argparse._SubParsersAction[_Parser]) -> None:
         help="spm, spm-space: SentencePiece; gpt2, llama3, qwen2: byte-level BPE",
     )
 
+    tools = sub.add_parser("tools", help="the MCP servers in settings.toml and their tools")
+    tools.add_argument("--json", action="store_true", help="print JSON")
     hw = sub.add_parser("hw", help="this machine (or a given one) and what runs on it")
     hw.add_argument("--json", action="store_true", help="print one JSON object")
     hw.add_argument("--ram", type=_size, help="plan for this much RAM instead (e.g. 16GiB)")

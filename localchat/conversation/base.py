@@ -16,6 +16,7 @@ from typing import Any, Concatenate, ParamSpec, TypeVar
 from localchat.backends.base import Backend, Reply, Sampling
 from localchat.backends.compute_thread import run_compute
 from localchat.chat.template import ChatMessage
+from localchat.chat.tools import ToolUse
 from localchat.chat.window import WindowPolicy
 from localchat.conversation.turn import (
     ConversationTurn,
@@ -91,6 +92,8 @@ class ConversationBase:
         # Where the branch in view ended (and its system prompt) before a branch began that
         # has no reply yet: a send that fails puts it back.
         self._head_before: tuple[int | None, str | None] | None = None
+        # The tools its replies are offered (they render at the prompt's head).
+        self.tool_use: ToolUse | None = None
 
     def _recorded_window_start(self) -> int:
         """Where this model's window starts in the branch in view: the message recorded as
@@ -109,6 +112,11 @@ class ConversationBase:
     def _remember_head(self) -> None:
         if self._head_before is None:
             self._head_before = (self.store.head(self.record.id), self.record.system_prompt)
+
+    def offer_tools(self, tool_use: ToolUse | None) -> None:
+        """The tools the next replies are offered. They render at the prompt's head: a
+        different set makes the model read the conversation again."""
+        self.tool_use = tool_use if tool_use is not None and tool_use.tools else None
 
     def close(self) -> None:
         self.closed = True
@@ -142,7 +150,7 @@ class ConversationBase:
     # -- transcript ----------------------------------------------------------------------
     def _load_exchanges(self) -> list[Exchange]:
         records = self.store.messages(self.record.id)
-        return [Exchange(r, ChatMessage(r.role, r.content)) for r in records]
+        return [Exchange(r, r.chat_message) for r in records]
 
     def system_messages(self) -> list[ChatMessage]:
         if not self.record.system_prompt:
@@ -201,18 +209,24 @@ class ConversationBase:
         if min(indexes) < self.window_first:
             self._mark_branched()
 
-    def _commit_user(self, text: str) -> Exchange:
-        """The user's message, in the transcript before anything can fail."""
-        record = self.store.add_message(self.record.id, "user", text)
-        user = Exchange(record, ChatMessage("user", text))
-        self.exchanges.append(user)
-        return user
+    def _commit(self, messages: list[ChatMessage]) -> list[Exchange]:
+        """The user's message (or the results of the calls the last reply made), in the
+        transcript before anything can fail."""
+        committed = []
+        for message in messages:
+            record = self.store.add_message(
+                self.record.id, message.role, message.content, tool_call_id=message.tool_call_id
+            )
+            committed.append(Exchange(record, record.chat_message))
+        self.exchanges.extend(committed)
+        return committed
 
-    def _take_back_user(self, user: Exchange, window_before: int) -> bool:
-        """The turn never started: the message is handed back to the caller (not kept twice)
-        and the window is where it was. True if the window had moved."""
-        self.exchanges.remove(user)
-        self.store.delete_message(user.record)
+    def _take_back(self, committed: list[Exchange], window_before: int) -> bool:
+        """The turn never started: the messages are handed back to the caller (not kept
+        twice) and the window is where it was. True if the window had moved."""
+        for exchange in reversed(committed):
+            self.exchanges.remove(exchange)
+            self.store.delete_message(exchange.record)
         moved = self.window_first != window_before
         self.window_first = window_before
         if self._head_before is not None:  # the branch it was to start: back as it was
@@ -237,10 +251,11 @@ class ConversationBase:
             stats=stats,
             tokens=reply.tokens,
             model_fingerprint=self.fingerprint,
+            tool_calls=reply.tool_calls,
         )
         self.store.update_conversation(self.record.id, model=model_name)
         self._head_before = None  # the new branch has its reply: it stays
-        exchange = Exchange(record, ChatMessage("assistant", reply.text))
+        exchange = Exchange(record, record.chat_message)
         self.exchanges.append(exchange)
         return exchange
 
@@ -262,17 +277,55 @@ class ConversationBase:
         cannot start hands the message back and leaves the conversation as it was.
         ``entered_at``: when the user sent it (``time.perf_counter``), if before this call;
         ``fresh``: rebuild a cache kept here from the transcript (a server keeps its own)."""
+        return self._turn(
+            [ChatMessage("user", text)], sampling, max_tokens, cancel, fresh, entered_at
+        )
+
+    def send_results(
+        self,
+        results: list[ChatMessage],
+        sampling: Sampling | None = None,
+        max_tokens: int = 512,
+        cancel: threading.Event | None = None,
+    ) -> ConversationTurn:
+        """Commit the results of the calls the last reply made (``tool`` messages, one per
+        call, in its order), then start the reply that reads them: the cache holds the
+        conversation up to the calls, so only the results and the cue are evaluated."""
+        self._check_answers(results)
+        return self._turn(results, sampling, max_tokens, cancel, False, None)
+
+    def record_results(self, results: list[ChatMessage]) -> None:
+        """Commit results with no reply after them (calls the user did not allow: the next
+        message goes on from there, the model told what became of its calls)."""
+        self._check_answers(results)
+        self._commit(results)
+
+    def _check_answers(self, results: list[ChatMessage]) -> None:
+        calls = self.exchanges[-1].record.tool_calls if self.exchanges else ()
+        answered = [m.tool_call_id for m in results]
+        if not calls or answered != [call.id for call in calls]:
+            raise UsageError("results must answer the calls of the conversation's last reply")
+
+    def _turn(
+        self,
+        messages: list[ChatMessage],
+        sampling: Sampling | None,
+        max_tokens: int,
+        cancel: threading.Event | None,
+        fresh: bool,
+        entered_at: float | None,
+    ) -> ConversationTurn:
         started = time.perf_counter()
-        user = self._commit_user(text)
+        committed = self._commit(messages)
         window_before = self.window_first
         try:
             start = self._start_reply(sampling, max_tokens, cancel, fresh)
         except BaseException:
-            self._start_failed(self._take_back_user(user, window_before))
+            self._start_failed(self._take_back(committed, window_before))
             raise
         turn = ConversationTurn(
             self,
-            user,
+            committed[-1],
             start.prompt,
             start.generation,
             start.restore,

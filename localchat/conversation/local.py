@@ -19,6 +19,7 @@ from localchat.backends.llama.cache import ReplayStopped
 from localchat.backends.llama.engine import Engine
 from localchat.chat.prompt import BuiltPrompt, common_prefix, settled_chars
 from localchat.chat.template import ChatMessage
+from localchat.chat.tools import ToolUse
 from localchat.chat.window import WindowPlan, WindowPolicy, plan_window, resolve_mode, shift_is_safe
 from localchat.conversation.base import ConversationBase, open_record
 from localchat.conversation.prefix_states import (
@@ -87,6 +88,13 @@ class Conversation(ConversationBase):
         self.prefix_min_tokens = prefix_min_tokens
         self._prefix_spans: list[int] = []  # where this turn's shared prefixes end
         self._ahead: _ReadAhead | None = None  # a message read ahead while being typed
+
+    def offer_tools(self, tool_use: ToolUse | None) -> None:
+        super().offer_tools(tool_use)
+        tools = list(self.tool_use.tools) if self.tool_use is not None else None
+        self.builder = self.backend.prompt_builder(
+            datetime.fromtimestamp(self.record.created_at), tools
+        )
 
     @classmethod
     def open(
@@ -202,7 +210,7 @@ class Conversation(ConversationBase):
             if engine.cache_owner == self.record.id:  # what was read ahead goes
                 engine.hold(engine.cached_tokens[: engine.committed])
             messages, prompt, window, restore = self._move_window(prompt, plan, fresh, held)
-        generation = engine.generate(prompt.tokens, sampling, max_tokens, cancel)
+        generation = engine.generate(prompt.tokens, sampling, max_tokens, cancel, self.tool_use)
         self.branched = False
         return ReplyStart(prompt, generation, restore, window, messages)
 

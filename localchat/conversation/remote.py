@@ -56,14 +56,14 @@ class RemoteConversation(ConversationBase):
         server's cache is the server's)."""
         messages, window, room = self._fit_window(max_tokens)
         try:
-            reply = self.backend.stream(messages, sampling, room, cancel)
+            reply = self.backend.stream(messages, sampling, room, cancel, self.tool_use)
         except ContextExceeded as exc:
             # The server knows its context better than the counts here: once more, with the
             # window planned against what it said (or about half the history out).
             if exc.limit:
                 self.backend.learn_context_size(exc.limit)
             messages, window, room = self._fit_window(max_tokens, shrink=True, moved=window)
-            reply = self.backend.stream(messages, sampling, room, cancel)
+            reply = self.backend.stream(messages, sampling, room, cancel, self.tool_use)
         return ReplyStart(BuiltPrompt([]), reply, RestoreReport(), window, messages)
 
     def _counts(self) -> list[tuple[str, int]]:

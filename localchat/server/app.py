@@ -23,6 +23,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
+from localchat.chat.tool_stream import ToolCallStream
 from localchat.chat.tools import parse_tool_calls
 from localchat.server.api import (
     ApiError,
@@ -33,7 +34,6 @@ from localchat.server.api import (
     parse_request,
 )
 from localchat.server.runner import ModelRunner
-from localchat.server.tool_api import ToolCallStream
 
 MAX_BODY_BYTES = 8 * 2**20  # a long conversation with files fits; more is refused
 DRAIN_LIMIT_BYTES = 64 * 2**20

@@ -7,14 +7,11 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
 from typing import Any
 
 from localchat.chat.template import ChatMessage
-from localchat.chat.tools import ToolCall, ToolSpec, call_start, parse_tool_calls
+from localchat.chat.tools import TOOL_CHOICES, ToolCall, ToolSpec
 
-TOOL_CHOICES = ("auto", "none", "required")
-LLAMA3_TAG = "<|python_tag|>"
 TOOL_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")  # OpenAI's rule (and safe in a grammar)
 
 
@@ -104,74 +101,4 @@ def tool_message(role: str, content: str, item: dict[str, Any], where: str) -> C
 
 def openai_calls(calls: list[ToolCall]) -> list[dict[str, Any]]:
     """Calls as OpenAI returns them (arguments as JSON text; ``index`` for stream deltas)."""
-    return [
-        {
-            "index": index,
-            "id": call.id,
-            "type": "function",
-            "function": {"name": call.name, "arguments": json.dumps(call.arguments)},
-        }
-        for index, call in enumerate(calls)
-    ]
-
-
-@dataclass
-class ToolCallStream:
-    """A streamed reply that may call tools: text before the family's call marker goes on
-    at once (a marker's possible start held back), the rest waits for the end, where its
-    calls are parsed. Llama 3's call is a whole reply that starts with ``{``: a reply that
-    starts otherwise streams as text. The generic format (JSON anywhere) holds the reply."""
-
-    family: str
-    known: set[str]
-    _held: str = ""
-    _mode: str = ""  # "" (deciding), "call" (held to the end) or "text" (no call can come)
-
-    def feed(self, piece: str) -> str:
-        """What of ``piece`` can be shown now."""
-        if self._mode == "text":
-            return piece
-        self._held += piece
-        if self._mode == "call":
-            return ""
-        if self.family == "llama3":
-            return self._feed_llama3()
-        marker = call_start(self.family)
-        if marker is None:
-            self._mode = "call"
-            return ""
-        at = self._held.find(marker)
-        if at != -1:
-            shown, self._held = self._held[:at], self._held[at:]
-            self._mode = "call"
-            return shown
-        keep = _partial_suffix(self._held, marker)
-        cut = len(self._held) - keep
-        shown, self._held = self._held[:cut], self._held[cut:]
-        return shown
-
-    def _feed_llama3(self) -> str:
-        start = self._held.lstrip()
-        if not start or LLAMA3_TAG.startswith(start):
-            return ""  # it may still become a call
-        if start.startswith(("{", LLAMA3_TAG)):
-            self._mode = "call"
-            return ""
-        self._mode = "text"
-        shown, self._held = self._held, ""
-        return shown
-
-    def finish(self) -> tuple[str, list[ToolCall]]:
-        """The text still to show and the calls the reply made."""
-        content, calls = parse_tool_calls(self._held, self.family, self.known)
-        if not calls:
-            return self._held, []
-        return content, calls
-
-
-def _partial_suffix(text: str, marker: str) -> int:
-    """How many characters at the end of ``text`` could begin ``marker``."""
-    for size in range(min(len(marker) - 1, len(text)), 0, -1):
-        if marker.startswith(text[-size:]):
-            return size
-    return 0
+    return [{"index": index, **call.as_openai()} for index, call in enumerate(calls)]

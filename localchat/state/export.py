@@ -7,6 +7,7 @@ is the conversation as read, and the thinking is often longer than the answer.
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 from localchat.chat.reasoning import split_reasoning
@@ -33,6 +34,12 @@ def _row(m: MessageRecord, reasoning: bool) -> dict[str, Any]:
     }
     if reasoning and thought:
         row["reasoning"] = thought
+    if m.tool_calls:
+        row["tool_calls"] = [
+            {"id": c.id, "name": c.name, "arguments": c.arguments} for c in m.tool_calls
+        ]
+    if m.tool_call_id:
+        row["tool_call_id"] = m.tool_call_id
     return row
 
 
@@ -81,8 +88,22 @@ def export_markdown(
         lines += [f"## {m.role}{suffix}", ""]
         if reasoning and thought:
             lines += ["<details><summary>reasoning</summary>", "", thought, "", "</details>", ""]
-        lines += [content, ""]
+        if m.role == "tool":  # a result is text, fenced: never read as Markdown
+            lines += [f"result of call `{m.tool_call_id}`:", "", _fenced(content), ""]
+            continue
+        if content:
+            lines += [content, ""]
+        for call in m.tool_calls:
+            arguments = json.dumps(call.arguments, ensure_ascii=False)
+            lines += [f"calls `{call.name}` (call `{call.id}`):", "", _fenced(arguments), ""]
     return "\n".join(lines).rstrip("\n") + "\n"
+
+
+def _fenced(text: str) -> str:
+    """``text`` in a code fence longer than any run of backticks inside it."""
+    longest = max((len(run) for run in re.findall("`+", text)), default=0)
+    fence = "`" * max(3, longest + 1)
+    return f"{fence}\n{text}\n{fence}"
 
 
 def export_conversation(

@@ -146,6 +146,18 @@ def _create_branch_system_prompts(db: sqlite3.Connection) -> None:
     )
 
 
+def _add_tool_calls(db: sqlite3.Connection) -> None:
+    # Tools: an assistant message keeps the calls it made (JSON: id, name, arguments), a
+    # tool message the id of the call it answers.
+    _run_script(
+        db,
+        """
+        ALTER TABLE messages ADD COLUMN tool_calls TEXT;
+        ALTER TABLE messages ADD COLUMN tool_call_id TEXT;
+        """,
+    )
+
+
 # Append-only: never edit or reorder an entry once released; add a new one.
 MIGRATIONS: tuple[tuple[str, Callable[[sqlite3.Connection], None]], ...] = (
     ("001_conversations_and_messages", _create_base),
@@ -154,4 +166,5 @@ MIGRATIONS: tuple[tuple[str, Callable[[sqlite3.Connection], None]], ...] = (
     ("004_context_windows", _create_context_windows),
     ("005_message_tree", _create_message_tree),
     ("006_branch_system_prompts", _create_branch_system_prompts),
+    ("007_tool_calls", _add_tool_calls),
 )

@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from localchat.chat.template import ChatMessage
+from localchat.chat.tools import ToolCall
 from localchat.errors import LocalchatError, UsageError
 from localchat.paths import ensure_private_dir
 from localchat.state.locks import exclusive
@@ -56,6 +58,25 @@ class MessageRecord:
     parent_id: int | None = None  # the message it follows (None: the first of its branch)
     pinned: bool = False  # never leaves the context window
     system_prompt: str | None = None  # a first message's: the system prompt of its branches
+    tool_calls: tuple[ToolCall, ...] = ()  # an assistant's calls to tools
+    tool_call_id: str = ""  # a tool result's: the call it answers
+
+    @property
+    def chat_message(self) -> ChatMessage:
+        """The message as a template renders it."""
+        return ChatMessage(self.role, self.content, self.tool_calls, self.tool_call_id)
+
+
+def _pack_calls(calls: Sequence[ToolCall]) -> str | None:
+    if not calls:
+        return None
+    return json.dumps([{"id": c.id, "name": c.name, "arguments": c.arguments} for c in calls])
+
+
+def _unpack_calls(text: str | None) -> tuple[ToolCall, ...]:
+    if not text:
+        return ()
+    return tuple(ToolCall(c["name"], c["arguments"], c["id"]) for c in json.loads(text))
 
 
 def _pack_tokens(tokens: Sequence[int]) -> bytes:
@@ -224,8 +245,8 @@ class Store:
             for seq, message in enumerate(messages):
                 cursor = db.execute(
                     "INSERT INTO messages (conversation_id, seq, role, content, token_count,"
-                    " created_at, status, stats, parent_id, pinned, system_prompt)"
-                    " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                    " created_at, status, stats, parent_id, pinned, system_prompt, tool_calls,"
+                    " tool_call_id) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                     (
                         new_id,
                         seq,
@@ -238,6 +259,8 @@ class Store:
                         parent,
                         int(message.pinned),
                         source.system_prompt if parent is None else None,
+                        _pack_calls(message.tool_calls),
+                        message.tool_call_id or None,
                     ),
                 )
                 db.execute(
@@ -296,6 +319,8 @@ class Store:
         tokens: Sequence[int] | None = None,
         model_fingerprint: str | None = None,
         pinned: bool = False,
+        tool_calls: Sequence[ToolCall] = (),
+        tool_call_id: str = "",
     ) -> MessageRecord:
         """Add a message after the branch's last one and commit it (with its token ids for
         one model, if given); it becomes the branch's last message."""
@@ -314,8 +339,8 @@ class Store:
             system_prompt = parent[1] if parent is not None and parent_id is None else None
             cursor = db.execute(
                 "INSERT INTO messages (conversation_id, seq, role, content, token_count, created_at,"
-                " status, stats, parent_id, pinned, system_prompt)"
-                " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                " status, stats, parent_id, pinned, system_prompt, tool_calls, tool_call_id)"
+                " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (
                     conversation_id,
                     seq,
@@ -328,6 +353,8 @@ class Store:
                     parent_id,
                     int(pinned),
                     system_prompt,
+                    _pack_calls(tool_calls),
+                    tool_call_id or None,
                 ),
             )
             message_id = int(cursor.lastrowid or 0)
@@ -353,6 +380,8 @@ class Store:
             parent_id,
             pinned,
             system_prompt,
+            tuple(tool_calls),
+            tool_call_id,
         )
 
     @staticmethod
@@ -370,6 +399,8 @@ class Store:
             row["parent_id"],
             bool(row["pinned"]),
             row["system_prompt"],
+            _unpack_calls(row["tool_calls"]),
+            row["tool_call_id"] or "",
         )
 
     def messages(self, conversation_id: str) -> list[MessageRecord]:

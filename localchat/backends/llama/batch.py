@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 import llama_cpp
 
 from localchat.backends.base import Sampling
-from localchat.backends.llama.grammar import GrammarError
+from localchat.backends.llama.grammar import GrammarError, checked_grammar
 from localchat.backends.llama.runtime import abort_requested, last_error_line, watch_abort
 from localchat.errors import ModelLoadError
 
@@ -61,11 +61,12 @@ class SequenceSampler:
         add = self._add
         if grammar is not None:  # first: what it rules out is never drawn
             vocab, rules = grammar
-            sampler = llama_cpp.llama_sampler_init_grammar(vocab, rules.encode(), b"root")
-            if not sampler:  # llama.cpp refused the grammar: NULL, never to be added
+            try:
+                checked_grammar(vocab, rules)
+            except GrammarError:
                 self.close()
-                raise GrammarError(f"llama.cpp could not parse the grammar: {last_error_line()}")
-            add(sampler)
+                raise
+            add(llama_cpp.llama_sampler_init_grammar(vocab, rules.encode(), b"root"))
         if sampling.repeat_penalty != 1.0 or frequency_penalty or presence_penalty:
             add(
                 llama_cpp.llama_sampler_init_penalties(

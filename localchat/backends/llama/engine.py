@@ -22,6 +22,7 @@ from localchat.backends.llama.cache import KVCache
 from localchat.backends.llama.draft_model import DraftModel
 from localchat.backends.llama.drafting import Drafter, DraftPolicy
 from localchat.backends.llama.generation import Generation
+from localchat.backends.llama.grammar import GrammarError, checked_grammar, tool_call_grammar
 from localchat.backends.llama.recording import RecordingLlama
 from localchat.backends.llama.runtime import (
     abort_requested,
@@ -40,7 +41,7 @@ from localchat.chat.formats import (
 )
 from localchat.chat.prompt import PromptBuilder
 from localchat.chat.template import ChatMessage, ChatTemplate
-from localchat.chat.tools import ToolSpec
+from localchat.chat.tools import ToolSpec, ToolUse
 from localchat.cpu import physical_cores
 from localchat.errors import LocalchatError, ModelFileError, ModelLoadError, UsageError
 from localchat.gguf.estimate import ModelDims, kv_bytes_per_token, preferred_flash_attn
@@ -407,9 +408,13 @@ class Engine(KVCache):
         sampling: Sampling | None = None,
         max_tokens: int = 512,
         cancel: threading.Event | None = None,
+        tool_use: ToolUse | None = None,
     ) -> Generation:
-        """A one-off reply to ``messages``, rendered with the model's template."""
-        return self.generate(self.prompt_tokens(list(messages)), sampling, max_tokens, cancel)
+        """A one-off reply to ``messages``, rendered with the model's template (and the
+        tools offered, where there are)."""
+        tools = list(tool_use.tools) if tool_use is not None and tool_use.tools else None
+        tokens = self.prompt_tokens(list(messages), tools)
+        return self.generate(tokens, sampling, max_tokens, cancel, tool_use)
 
     def is_end_of_generation(self, token: int) -> bool:
         return bool(llama_cpp.llama_vocab_is_eog(self._llm._model.vocab, token))
@@ -485,8 +490,11 @@ class Engine(KVCache):
         sampling: Sampling | None = None,
         max_tokens: int = 256,
         cancel: threading.Event | None = None,
+        tool_use: ToolUse | None = None,
     ) -> Generation:
-        """Stream a reply to ``prompt_tokens``, reusing the cached prefix they share."""
+        """Stream a reply to ``prompt_tokens``, reusing the cached prefix they share;
+        ``tool_use``: the tools the prompt offers (the reply is read for calls, and held to
+        one by a grammar where a call is required)."""
         tokens = list(prompt_tokens)
         if not tokens:
             raise UsageError("empty prompt")
@@ -496,7 +504,23 @@ class Engine(KVCache):
                 " use a larger --ctx or a shorter message"
             )
         room = self.n_ctx - len(tokens)
-        return Generation(self, tokens, sampling or Sampling(), min(max_tokens, room), cancel)
+        generation = Generation(self, tokens, sampling or Sampling(), min(max_tokens, room), cancel)
+        if tool_use is not None and tool_use.reads_calls:
+            generation._tool_use = tool_use
+            if tool_use.forced:
+                generation._grammar = self.call_grammar(tool_use)
+        return generation
+
+    def call_grammar(self, tool_use: ToolUse) -> str:
+        """The grammar that holds a reply to one call of ``tool_use``'s tools, in this
+        model's format; a schema llama.cpp cannot follow is a one-line error."""
+        family = self.template.tool_family
+        try:
+            rules = tool_call_grammar(family, list(tool_use.tools), tool_use.forced_name)
+            checked_grammar(self._llm._model.vocab, rules)
+        except GrammarError as exc:
+            raise UsageError(str(exc)) from None
+        return rules
 
     def drafter(self, end: int) -> Drafter | None:
         """The draft model for a generation that must stop at context length ``end``, where

@@ -11,10 +11,14 @@ from collections.abc import Generator, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from llama_cpp.llama_grammar import LlamaGrammar
+
 from localchat.backends.base import Sampling, TokenDelta, TurnStats
 from localchat.chat.prompt import common_prefix
 from localchat.chat.reasoning import ReasoningStream, opens_reasoning, split_reasoning
 from localchat.chat.stops import StopFilter
+from localchat.chat.tool_stream import ToolCallStream
+from localchat.chat.tools import ToolCall, ToolUse, markers, parse_tool_calls
 
 if TYPE_CHECKING:  # the engine makes generations; they read its model and cache
     from localchat.backends.llama.engine import Engine
@@ -95,6 +99,11 @@ class Generation:
     _cancel: threading.Event | None
     stats: TurnStats = field(default_factory=TurnStats)
     _reply: ReplyText | None = None
+    _tool_use: ToolUse | None = None  # tools offered: the reply is read for calls
+    _grammar: str | None = None  # GBNF the reply must follow (a required call)
+    # The calls the reply made (read at its end), and its text without them.
+    tool_calls: list[ToolCall] = field(default_factory=list)
+    _content: str | None = None
 
     @property
     def tokens(self) -> list[int]:
@@ -103,7 +112,9 @@ class Generation:
 
     @property
     def text(self) -> str:
-        """The reply's text so far."""
+        """The reply's text so far (once it has ended: without the calls it made)."""
+        if self._content is not None:
+            return self._content
         return self._reply.text if self._reply is not None else ""
 
     def __iter__(self) -> Iterator[TokenDelta]:
@@ -129,6 +140,20 @@ class Generation:
         """The reply without its reasoning."""
         return split_reasoning(self.text, self.opened_reasoning)[1]
 
+    def _call_stream(self) -> ToolCallStream | None:
+        """Where the reply is read for calls: a stream that holds them back, in the model's
+        format (its markers kept in the text, to be parsed)."""
+        use = self._tool_use
+        if use is None or not use.reads_calls:
+            return None
+        return ToolCallStream(self._engine.template.tool_family, use.names)
+
+    def _reply_text_without_calls(self, text: str) -> str:
+        """The reply's text with its calls taken out (what the transcript keeps as content)."""
+        assert self._tool_use is not None
+        family = self._engine.template.tool_family
+        return parse_tool_calls(text, family, self._tool_use.names)[0].strip()
+
     def _run(self) -> Generator[TokenDelta, None, None]:
         engine = self._engine
         llm = engine.llm
@@ -139,7 +164,10 @@ class Generation:
         start = time.perf_counter()
         engine.prepare_prefix(self._tokens)
         first_at = start
-        drafter = engine.drafter(len(self._tokens) + self._max_tokens)
+        # A grammar's state follows every sampled token: drafts it would reject are not
+        # taken back from it, so a held reply is never drafted.
+        grammar = None if self._grammar is None else LlamaGrammar.from_string(self._grammar, False)
+        drafter = None if grammar else engine.drafter(len(self._tokens) + self._max_tokens)
         llm.draft_model = drafter
         stream = llm.generate(
             self._tokens,
@@ -148,9 +176,12 @@ class Generation:
             min_p=self._sampling.min_p,
             temp=self._sampling.temperature,
             repeat_penalty=self._sampling.repeat_penalty,
+            grammar=grammar,
         )
         stats.stop_reason = "length"
-        reply = self._reply = ReplyText(engine, self._tokens)
+        calls = self._call_stream()
+        spelled = engine.spelled_tokens(markers(calls.family)) if calls else frozenset()
+        reply = self._reply = ReplyText(engine, self._tokens, spelled)
         try:
             for token in stream:
                 now = time.perf_counter()
@@ -172,7 +203,7 @@ class Generation:
                     stats.gen_tps = (reply.generated - 1) / (now - first_at)
                 if reply.stopped:  # said before the last deltas: a reader may stop at them
                     stats.stop_reason = "stop"
-                yield from deltas
+                yield from _shown(deltas, calls)
                 if reply.stopped:
                     break
                 if self._cancel is not None and self._cancel.is_set():
@@ -184,7 +215,13 @@ class Generation:
                 if len(self._tokens) + len(reply.tokens) >= engine.n_ctx:
                     stats.stop_reason = "context"
                     break
-            yield from reply.flush()
+            yield from _shown(reply.flush(), calls)
+            if calls is not None:
+                rest, self.tool_calls = calls.finish()
+                if rest:
+                    yield TokenDelta(None, rest)
+                if self.tool_calls:
+                    self._content = self._reply_text_without_calls(reply.text)
         finally:
             reply.close()
             stream.close()
@@ -206,3 +243,15 @@ class Generation:
             engine.committed = len(engine.cached_tokens)  # the prompt and the reply as held
             stats.kv_bytes_used = engine.kv_bytes_used
             stats.kv_bytes_allocated = engine.kv_bytes_allocated
+
+
+def _shown(deltas: list[TokenDelta], calls: ToolCallStream | None) -> Iterator[TokenDelta]:
+    """The deltas a reader sees: a reply's answer text passes ``calls`` first (which holds
+    back a tool call until the reply ends); a token is passed on even where its text is held."""
+    for delta in deltas:
+        if calls is None or delta.reasoning:
+            yield delta
+        else:
+            shown = calls.feed(delta.text)
+            if shown or delta.token is not None:
+                yield TokenDelta(delta.token, shown)

@@ -7,8 +7,10 @@ from __future__ import annotations
 import json
 import re
 
+import llama_cpp
 from llama_cpp.llama_grammar import json_schema_to_gbnf
 
+from localchat.backends.llama.runtime import last_error_line
 from localchat.chat.tools import ToolSpec, call_frame, call_schema
 
 
@@ -39,3 +41,12 @@ def tool_call_grammar(family: str, tools: list[ToolSpec], name: str | None = Non
     if after:
         parts.append(_literal(after))
     return f"root ::= {' '.join(parts)}\n{rules}"
+
+
+def checked_grammar(vocab: object, rules: str) -> None:
+    """Raise ``GrammarError`` unless llama.cpp parses ``rules``: a grammar it refuses gives
+    a NULL sampler, which llama-cpp-python would add to its chain unchecked (a crash)."""
+    sampler = llama_cpp.llama_sampler_init_grammar(vocab, rules.encode(), b"root")
+    if not sampler:
+        raise GrammarError(f"llama.cpp could not parse the grammar: {last_error_line()}")
+    llama_cpp.llama_sampler_free(sampler)

@@ -1,0 +1,29 @@
+"""No tool runs without the user saying so: which tools the user allowed, and for how long."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from localchat.chat.tools import ToolCall
+
+# What the user may answer when a call waits for consent.
+RUN_ONCE, ALWAYS, DENY = "once", "always", "deny"
+DENIED_RESULT = "error: the user did not allow this call"
+
+
+@dataclass
+class Consent:
+    """Tools allowed without asking: named ones (``ask --allow-tool``, "always for this tool"
+    in a conversation), or all of them (``ask --yes``)."""
+
+    allowed: set[str] = field(default_factory=set)
+    everything: bool = False
+
+    def allows(self, call: ToolCall) -> bool:
+        return self.everything or call.name in self.allowed
+
+    def answer(self, call: ToolCall, choice: str) -> bool:
+        """Record the user's ``choice`` for ``call``; whether it runs."""
+        if choice == ALWAYS:
+            self.allowed.add(call.name)
+        return choice in (RUN_ONCE, ALWAYS)

@@ -1,0 +1,259 @@
+"""The configured MCP servers, running beside the app or an ``ask``: their tools, and calls
+to them that never take the chat down with them.
+
+The official ``mcp`` SDK is async (anyio) and heavy to import: it is imported only when a
+server is configured, and runs on one event loop in a thread of its own, which the rest of
+localchat (threads, no event loop of its own in ``ask``) calls into and waits on. Each
+server's connection lives in one task, so its context is entered and left there, as anyio
+requires. A server's stderr goes to a log file: it would draw over the app.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import threading
+from collections.abc import Coroutine
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TextIO, TypeVar
+
+from localchat.chat.tools import ToolCall, ToolSpec
+from localchat.errors import one_line
+from localchat.tools.config import McpServerConfig
+from localchat.tools.results import DEFAULT_RESULT_CHARS, ToolResult, failure, limited
+
+if TYPE_CHECKING:
+    from mcp import Client
+
+T = TypeVar("T")
+START_TIMEOUT_S = 30.0  # a server that has not listed its tools by then is reported down
+STOP_TIMEOUT_S = 5.0
+
+
+@dataclass
+class ServerStatus:
+    """One server as ``localchat tools`` and the app's tools screen show it."""
+
+    name: str
+    where: str
+    state: str = "starting"  # "running", "failed: …", "stopped: …"
+    tools: list[ToolSpec] = field(default_factory=list)
+    log: Path | None = None
+
+    @property
+    def running(self) -> bool:
+        return self.state == "running"
+
+
+@dataclass
+class _Link:
+    config: McpServerConfig
+    status: ServerStatus
+    ready: threading.Event = field(default_factory=threading.Event)
+    client: Client | None = None
+    stop: asyncio.Event | None = None
+
+
+class ToolServers:
+    """Starts the servers, lists their tools (a name two servers share is taken by the first),
+    and runs calls: a server that fails to start, dies or times out is a line in its status
+    and an error result for the model, never an exception for the chat."""
+
+    def __init__(
+        self,
+        configs: tuple[McpServerConfig, ...],
+        log_dir: Path,
+        result_chars: int = DEFAULT_RESULT_CHARS,
+    ) -> None:
+        self.result_chars = result_chars
+        self._log_dir = log_dir
+        self._links = [_Link(c, ServerStatus(c.name, c.where)) for c in configs]
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._logs: list[TextIO] = []
+
+    # -- the lifecycle --------------------------------------------------------------------
+    def start(self, timeout_s: float = START_TIMEOUT_S) -> list[str]:
+        """Start every server and wait (at most ``timeout_s``) for each to list its tools;
+        one line for each that did not."""
+        if not self._links or self._loop is not None:
+            return []
+        loop = self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=loop.run_forever, name="mcp-servers", daemon=True)
+        self._thread.start()
+        for link in self._links:
+            asyncio.run_coroutine_threadsafe(self._serve(link), loop)
+        for link in self._links:
+            if not link.ready.wait(timeout_s):
+                link.status.state = f"failed: no answer within {timeout_s:.0f} s"
+        return [
+            f"MCP server {link.status.name!r} {link.status.state}"
+            for link in self._links
+            if not link.status.running
+        ]
+
+    def close(self) -> None:
+        """Stop the servers (their processes end with their connections) and the loop."""
+        loop = self._loop
+        if loop is None:
+            return
+        for link in self._links:
+            stop = link.stop
+            if stop is not None:
+                loop.call_soon_threadsafe(stop.set)
+        with contextlib.suppress(Exception):
+            self._submit(self._all_stopped(), STOP_TIMEOUT_S)
+        loop.call_soon_threadsafe(loop.stop)
+        if self._thread is not None:
+            self._thread.join(STOP_TIMEOUT_S)
+        self._loop = None
+        for log in self._logs:
+            with contextlib.suppress(OSError):
+                log.close()
+
+    # -- what the chat asks -----------------------------------------------------------------
+    @property
+    def statuses(self) -> list[ServerStatus]:
+        return [link.status for link in self._links]
+
+    def tools(self) -> list[ToolSpec]:
+        """The tools the servers listed (a name already taken is left out). A server that
+        stopped keeps its tools here (a call gets an error result): the tools render at the
+        prompt's head, and dropping them would make the model re-read the conversation."""
+        seen: dict[str, ToolSpec] = {}
+        for link in self._links:
+            for tool in link.status.tools:
+                seen.setdefault(tool.name, tool)
+        return list(seen.values())
+
+    def server_of(self, tool: str) -> str | None:
+        """The server whose tool ``tool`` is (None: no running server has it)."""
+        link = self._link_of(tool)
+        return None if link is None else link.status.name
+
+    def call(self, call: ToolCall) -> ToolResult:
+        """Run ``call`` on its server and wait for the result (cut to the size limit)."""
+        link = self._link_of(call.name)
+        if link is None:
+            return failure(f"no MCP server has a tool named {call.name!r}")
+        client = link.client
+        if client is None or not link.status.running:
+            return failure(f"the MCP server {link.status.name!r} {link.status.state}")
+        timeout = link.config.timeout_s
+        try:
+            result = self._submit(client.call_tool(call.name, call.arguments), timeout)
+        except TimeoutError:
+            return failure(f"{call.name} gave no result within {timeout:.0f} s")
+        except Exception as exc:  # the server died or broke the protocol: it is down
+            link.status.state = f"stopped: {_reason(exc)}"
+            if self._loop is not None and link.stop is not None:
+                self._loop.call_soon_threadsafe(link.stop.set)
+            return failure(f"the MCP server {link.status.name!r} {link.status.state}")
+        parts = []
+        for block in result.content:
+            text = getattr(block, "text", None)
+            parts.append(text if isinstance(text, str) else f"[{getattr(block, 'type', 'data')}]")
+        return limited("\n".join(parts), bool(result.is_error), self.result_chars)
+
+    # -- on the loop ----------------------------------------------------------------------
+    def _link_of(self, tool: str) -> _Link | None:
+        """The server with ``tool``: a running one first, else the one that had it."""
+        having = [link for link in self._links if any(t.name == tool for t in link.status.tools)]
+        return next((link for link in having if link.status.running), None) or next(
+            iter(having), None
+        )
+
+    def _submit(self, coroutine: Coroutine[Any, Any, T], timeout_s: float) -> T:
+        assert self._loop is not None
+        future = asyncio.run_coroutine_threadsafe(coroutine, self._loop)
+        try:
+            return future.result(timeout_s)
+        except TimeoutError:
+            future.cancel()
+            raise
+
+    async def _all_stopped(self) -> None:
+        while any(link.client is not None for link in self._links):
+            await asyncio.sleep(0.02)
+
+    async def _serve(self, link: _Link) -> None:
+        """Connect, list the tools, then hold the connection until asked to stop."""
+        status = link.status
+        link.stop = asyncio.Event()
+        try:
+            from mcp import Client
+
+            async with Client(self._transport(link.config)) as client:
+                status.tools = await _listed_tools(client)
+                link.client = client
+                status.state = "running"
+                link.ready.set()
+                await link.stop.wait()
+            if status.running:
+                status.state = "stopped"
+        except BaseException as exc:
+            if status.running or status.state == "starting":
+                reason = _reason(exc)
+                status.state = f"stopped: {reason}" if status.running else f"failed: {reason}"
+        finally:
+            link.client = None
+            link.ready.set()
+
+    def _transport(self, config: McpServerConfig) -> Any:
+        """The SDK's transport for ``config``: a subprocess over stdio, or streamable HTTP."""
+        if config.url is not None:
+            from mcp.client.streamable_http import streamable_http_client
+            from mcp.shared._httpx_utils import create_mcp_http_client
+
+            headers = {k: os.environ.get(v, "") for k, v in config.headers_env.items()}
+            client = create_mcp_http_client(headers=headers or None)
+            return streamable_http_client(config.url, http_client=client)
+        from mcp.client.stdio import StdioServerParameters, stdio_client
+
+        params = StdioServerParameters(
+            command=config.command[0],
+            args=list(config.command[1:]),
+            env=config.env or None,
+            cwd=config.cwd,
+        )
+        return stdio_client(params, errlog=self._log(config.name))
+
+    def _log(self, name: str) -> TextIO:
+        """The server's stderr: appended to its log file, readable by the user only."""
+        self._log_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        path = self._log_dir / f"mcp-{name}.log"
+        descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        log = os.fdopen(descriptor, "a", encoding="utf-8")
+        self._logs.append(log)
+        for link in self._links:
+            if link.config.name == name:
+                link.status.log = path
+        return log
+
+
+async def _listed_tools(client: Client) -> list[ToolSpec]:
+    """Every tool the server lists (all pages), as the templates take them."""
+    tools: list[ToolSpec] = []
+    cursor: str | None = None
+    while True:
+        page = await client.list_tools(cursor=cursor)
+        for tool in page.tools:
+            schema = dict(tool.input_schema or {"type": "object", "properties": {}})
+            schema.pop("title", None)  # the SDK's generated "addArguments": noise in a prompt
+            tools.append(ToolSpec(tool.name, tool.description or "", schema))
+        cursor = page.next_cursor
+        if cursor is None:
+            return tools
+
+
+def _reason(exc: BaseException) -> str:
+    """One line for why a server is down (an exception group's first leaf)."""
+    while isinstance(exc, BaseExceptionGroup) and exc.exceptions:
+        exc = exc.exceptions[0]
+    if isinstance(exc, FileNotFoundError):
+        return f"its command was not found ({exc.filename or exc})"
+    if isinstance(exc, asyncio.CancelledError):
+        return "cancelled"
+    return one_line(exc) or type(exc).__name__
