@@ -46,7 +46,7 @@ class AskTools:
     """Runs a reply's calls as the user allowed, saying on stderr what runs and what came
     back (one line each: a result is text, cut and with control characters shown)."""
 
-    def __init__(self, session: Session, consent: Consent, err: TextIO = sys.stderr) -> None:
+    def __init__(self, session: Session, consent: Consent, err: TextIO | None = None) -> None:
         self.session = session
         self.consent = consent
         self.err = err
@@ -85,7 +85,7 @@ class AskTools:
         return [ChatMessage("tool", why, tool_call_id=call.id) for call in calls]
 
     def _say(self, line: str) -> None:
-        print(f"localchat: tool: {line}", file=self.err)
+        print(f"localchat: tool: {line}", file=self.err or sys.stderr)
 
 
 def _spelled(call: ToolCall) -> str:

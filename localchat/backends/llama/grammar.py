@@ -24,6 +24,17 @@ class GrammarError(ValueError):
     """The tools' schemas give no grammar llama.cpp takes (the message says why)."""
 
 
+def _as_templates_write_json(rules: str) -> str:
+    """The converter lets the model put a space (or not) after every token; templates write
+    a call back with ``tojson`` (Python's ``json.dumps``: ``", "`` and ``": "``, nothing
+    else). Held to that spacing, a call the model writes is the text its template renders
+    from the transcript, so the next turn keeps the call's tokens in the cache."""
+    rules = rules.replace('":" space', '": "').replace('"," space', '", "')
+    # No raw control characters in a string (JSON has none; the template would escape them).
+    rules = rules.replace('char ::= [^"\\\\]', 'char ::= [^"\\\\\\x7F\\x00-\\x1F]')
+    return re.sub(r"^space ::= .*$", 'space ::= ""', rules, count=1, flags=re.MULTILINE)
+
+
 def tool_call_grammar(family: str, tools: list[ToolSpec], name: str | None = None) -> str:
     """GBNF for one call to one of ``tools`` (or the one ``name``d), framed as ``family``
     writes calls; after it, only the end of the reply."""
@@ -35,6 +46,7 @@ def tool_call_grammar(family: str, tools: list[ToolSpec], name: str | None = Non
             f" {exc}); simplify them or use tool_choice auto"
         ) from None
     rules = re.sub(r"^root\s*::=", "call ::=", rules, count=1, flags=re.MULTILINE)
+    rules = _as_templates_write_json(rules)
     before, after = call_frame(family)
     parts = [_literal(before)] if before else []
     parts.append("call")

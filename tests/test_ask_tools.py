@@ -1,0 +1,165 @@
+"""``ask`` with MCP tools, end to end: a generated model held to a call by a grammar (so the
+whole loop runs however random its weights), in the formats of real templates; the real test
+server (tests/mcp_server.py) answering; consent; the transcript and the cache after."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from localchat.cli.main import main
+from tests.test_mcp import mcp_settings, write_settings
+
+TEMPLATES = Path(__file__).parent / "templates" / "tools"
+
+
+@pytest.fixture(autouse=True)
+def test_server(isolated_home: Path) -> None:
+    write_settings(isolated_home, mcp_settings())
+
+
+def _ask(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
+    code = main(["ask", *args, "--temperature", "0", "--max-tokens", "150"])
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def _export(capsys: pytest.CaptureFixture[str], name: str) -> list[dict]:
+    assert main(["export", name, "--format", "json"]) == 0
+    messages: list[dict] = json.loads(capsys.readouterr().out)["messages"]
+    return messages
+
+
+def test_a_call_without_consent_stops_the_ask_with_exit_2(
+    tiny_model: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, _out, err = _ask(capsys, "hi", "--model-path", str(tiny_model), "--tool-choice", "ping")
+    assert code == 2
+    assert (
+        "localchat: tool: the model called ping({}); not run: allow it with --allow-tool ping (or --yes)"
+        in err
+    )
+    assert "running" not in err
+
+
+@pytest.mark.parametrize(
+    "template",
+    [
+        "chatml",
+        "qwen3.jinja",
+        "llama-3.2.jinja",
+        "mistral-nemo.jinja",
+        "phi-4-mini.jinja",
+        "lfm2.jinja",
+    ],
+)
+def test_an_allowed_call_runs_and_the_reply_reads_only_its_result(
+    tiny_model: Path, capsys: pytest.CaptureFixture[str], template: str
+) -> None:
+    chosen = template if template == "chatml" else str(TEMPLATES / template)
+    ask = ("--conversation", "c", "--model-path", str(tiny_model), "--template", chosen)
+    code, _out, err = _ask(
+        capsys, "ping it", *ask, "--tool-choice", "ping", "--allow-tool", "ping", "--json"
+    )
+    assert code == 0, err
+    assert "localchat: tool: running ping({})" in err
+    assert "localchat: tool: ping returned: pong" in err
+    roles = [(m["role"], m.get("tool_calls", [{}])[0].get("name")) for m in _export(capsys, "c")]
+    assert roles == [("user", None), ("assistant", "ping"), ("tool", None), ("assistant", None)]
+    call, result = _export(capsys, "c")[1:3]
+    assert result["content"] == "pong" and result["tool_call_id"] == call["tool_calls"][0]["id"]
+    # The next turn starts from the cache: the call as the model wrote it, the result, and
+    # the reply after it are not read again.
+    code, out, err = _ask(capsys, "thanks", *ask, "--json")
+    assert code == 0, err
+    stats = json.loads(out)["stats"]
+    if template == "mistral-nemo.jinja":
+        # Mistral's template writes the tools before the last user message: a new message
+        # moves them, and what followed is read again (so does llama.cpp, from its template).
+        assert stats["history_reevaluated_reason"] == (
+            "the chat template renders message 1 (user) differently now"
+        )
+        return
+    reason = stats["history_reevaluated_reason"] or ""
+    # The call and its result are kept (a reply after them may read differently: Llama's
+    # template trims what the random model wrote).
+    assert "message 2" not in reason and "message 3" not in reason, reason
+    assert stats["prompt_tokens_evaluated"] < stats["prompt_tokens"] / 5
+
+
+def test_the_round_trip_evaluates_the_result_and_the_cue_only(
+    tiny_model: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    ask = ("--conversation", "r", "--model-path", str(tiny_model), "--tool-choice", "ping")
+    code, out, err = _ask(capsys, "say something", *ask, "--yes", "--json")
+    assert code == 0, err
+    payload = json.loads(out)
+    (record,) = payload["tool_calls"]
+    assert record["name"] == "ping" and record["allowed"] and not record["is_error"]
+    stats = payload["stats"]  # the turn that read the result
+    assert stats["history_reevaluated_tokens"] == 0
+    # The prompt (the tools described, the message, the call) came from the cache: what was
+    # evaluated is the result's message and the cue, a few dozen of about a thousand tokens.
+    assert stats["prompt_tokens"] > 900
+    assert stats["kept_tokens"] + stats["prompt_tokens_evaluated"] == stats["prompt_tokens"]
+    assert 0 < stats["prompt_tokens_evaluated"] < 80
+
+
+def test_a_denied_call_is_kept_and_the_conversation_goes_on(
+    tiny_model: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    ask = ("--conversation", "d", "--model-path", str(tiny_model))
+    code, _out, _err = _ask(capsys, "hi", *ask, "--tool-choice", "ping")
+    assert code == 2
+    messages = _export(capsys, "d")
+    assert [m["role"] for m in messages] == ["user", "assistant", "tool"]
+    assert messages[-1]["content"] == "error: the user did not allow this call"
+    code, _out, err = _ask(capsys, "never mind", *ask)
+    assert code == 0, err
+    assert [m["role"] for m in _export(capsys, "d")][-2:] == ["user", "assistant"]
+
+
+def test_a_one_off_ask_runs_its_calls_with_yes(
+    tiny_model: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, out, err = _ask(
+        capsys, "ping", "--model-path", str(tiny_model), "--tool-choice", "ping", "--yes", "--json"
+    )
+    assert code == 0, err
+    (record,) = json.loads(out)["tool_calls"]
+    assert (record["name"], record["arguments"], record["result"]) == ("ping", {}, "pong")
+
+
+def test_a_server_that_crashes_mid_call_leaves_the_reply_going(
+    tiny_model: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, out, err = _ask(
+        capsys, "x", "--model-path", str(tiny_model), "--tool-choice", "crash", "--yes", "--json"
+    )
+    assert code == 0, err
+    assert "localchat: tool: crash failed: error: the MCP server 'test' stopped" in err
+    (record,) = json.loads(out)["tool_calls"]
+    assert record["is_error"]
+
+
+@pytest.mark.parametrize(
+    ("choice", "message"),
+    [("nope", "no tool named 'nope' to require (tools: ping, add"), ("sideways", "no tool named")],
+)
+def test_an_unknown_tool_choice_is_refused(
+    tiny_model: Path, capsys: pytest.CaptureFixture[str], choice: str, message: str
+) -> None:
+    code, _out, err = _ask(capsys, "x", "--model-path", str(tiny_model), "--tool-choice", choice)
+    assert code == 2 and message in err
+
+
+def test_required_with_no_server_is_refused(
+    tiny_model: Path, capsys: pytest.CaptureFixture[str], isolated_home: Path
+) -> None:
+    write_settings(isolated_home, "")
+    code, _out, err = _ask(
+        capsys, "x", "--model-path", str(tiny_model), "--tool-choice", "required"
+    )
+    assert code == 2 and "no MCP server offers a tool" in err
