@@ -191,6 +191,7 @@ class Session:
         self.closing = False
         self._io = threading.Lock()
         self.tools: ToolServers | None = None  # the MCP servers, once started
+        self.tools_off: set[str] = set()  # tools the user turned off (the app's tools screen)
         if open_stores:
             self.store = Store(paths.database)
             self.states = StateStore(paths.states_dir, settings.state_budget_bytes)
@@ -204,20 +205,32 @@ class Session:
         self.tools = ToolServers(
             self.settings.mcp, self.paths.logs_dir, self.settings.tool_result_chars
         )
-        return self.tools.start()
+        problems = self.tools.start()
+        with self._io:  # a conversation opened meanwhile is offered them now
+            if self.conversation is not None:
+                run_compute(self.conversation.offer_tools, self.tool_use())
+        return problems
 
     def tool_use(self, choice: str = "auto") -> ToolUse | None:
         """The tools the servers offer, with ``choice`` ("auto", "none", "required" or a
         tool's name, which must be one of them); None where there are none."""
-        tools = tuple(self.tools.tools()) if self.tools is not None else ()
+        offered = self.tools.tools() if self.tools is not None else []
+        tools = tuple(tool for tool in offered if tool.name not in self.tools_off)
         if choice not in TOOL_CHOICES and choice not in {tool.name for tool in tools}:
-            offered = ", ".join(tool.name for tool in tools) or "none: add [[mcp]] servers"
-            raise UsageError(f"no tool named {choice!r} to require (tools: {offered})")
+            names = ", ".join(tool.name for tool in tools) or "none: add [[mcp]] servers"
+            raise UsageError(f"no tool named {choice!r} to require (tools: {names})")
         if not tools:
             if choice == "required":
                 raise UsageError("--tool-choice required, but no MCP server offers a tool")
             return None
         return ToolUse(tools, choice)
+
+    def turn_tool(self, name: str, on: bool) -> None:
+        """Offer a tool to the replies or stop offering it (the open conversation's next
+        turn re-reads its history: the tools render at the prompt's head)."""
+        (self.tools_off.discard if on else self.tools_off.add)(name)
+        if self.conversation is not None:
+            run_compute(self.conversation.offer_tools, self.tool_use())
 
     def run_tool(self, call: ToolCall) -> ToolResult:
         """Run a call the user allowed; its result as the model reads it (an error result
@@ -502,6 +515,7 @@ class Session:
             if self.closing:  # ``close`` gave up waiting for this open: nothing is kept
                 conversation.close()
                 return None
+            conversation.offer_tools(self.tool_use())
             self.conversation = conversation
             return conversation
 

@@ -83,12 +83,11 @@ def cmd_ask(args: argparse.Namespace, out: TextIO) -> int:
                 if conversation is not None:
                     conversation.record_results(tools.not_run(calls))
                 break
-            if tool_use is not None and tool_use.forced:  # the call asked for was made
-                tool_use = dataclasses.replace(tool_use, choice="auto")
-            if conversation is not None:
-                conversation.offer_tools(tool_use)
+            if conversation is not None:  # a forced choice is relaxed there, as here
                 turn = conversation.send_results(results, sampling, max_tokens, cancel)
             else:
+                if tool_use is not None and tool_use.forced:  # the call asked for came
+                    tool_use = dataclasses.replace(tool_use, choice="auto")
                 reply = ChatMessage("assistant", turn.generation.text, tuple(calls))
                 messages += [reply, *results]
                 turn = session.ask_once(messages, sampling, max_tokens, cancel, tool_use)

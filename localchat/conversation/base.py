@@ -7,6 +7,7 @@ message being read ahead cannot see them half made.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import threading
 import time
@@ -292,6 +293,8 @@ class ConversationBase:
         call, in its order), then start the reply that reads them: the cache holds the
         conversation up to the calls, so only the results and the cue are evaluated."""
         self._check_answers(results)
+        if self.tool_use is not None and self.tool_use.forced:  # the call asked for came
+            self.offer_tools(dataclasses.replace(self.tool_use, choice="auto"))
         return self._turn(results, sampling, max_tokens, cancel, False, None)
 
     def record_results(self, results: list[ChatMessage]) -> None:

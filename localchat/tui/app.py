@@ -44,6 +44,7 @@ from localchat.tui.screens.chat import ChatScreen
 from localchat.tui.screens.help import HelpScreen
 from localchat.tui.screens.no_model import NoModelScreen
 from localchat.tui.screens.startup import StartupScreen
+from localchat.tui.screens.tools import ToolsScreen
 from localchat.tui.widgets.chat_message import (
     AssistantMessage,
     ChatEntry,
@@ -176,6 +177,34 @@ class LocalChatApp(ReportsWorkerFailures, App[int]):
             self.connect_server(self.server, self.n_ctx)
         else:
             self.choose_model()
+        if self.settings.mcp:
+            self.start_tools(message.session)
+
+    @work(thread=True, exit_on_error=False, group="tools")
+    def start_tools(self, session: Session) -> None:
+        """The MCP servers start beside the model; one that cannot is a notice."""
+        for problem in session.start_tools():
+            self.notify(problem, title="Tools", severity="warning", timeout=15)
+
+    def action_tools(self) -> None:
+        """The MCP servers' tools, each on or off for the replies."""
+        session = self.session
+        if session is None:
+            return
+        statuses = session.tools.statuses if session.tools is not None else []
+
+        def chosen(states: dict[str, bool] | None) -> None:
+            changed = {n: on for n, on in (states or {}).items() if on == (n in session.tools_off)}
+            if changed:
+                self.turn_tools(session, changed)
+                self.notify("The next reply reads the conversation again (the tools changed).")
+
+        self.push_screen(ToolsScreen(statuses, set(session.tools_off)), chosen)
+
+    @work(thread=True, exit_on_error=False, group="tools")
+    def turn_tools(self, session: Session, changed: dict[str, bool]) -> None:
+        for name, on in changed.items():
+            session.turn_tool(name, on)
 
     def notify(
         self,
@@ -387,6 +416,9 @@ class LocalChatApp(ReportsWorkerFailures, App[int]):
                 f"The {which.lower()} branch at the last message that has several",
                 lambda step=step: screen.run_worker(screen.step_last_branch(step), group="branch"),
             )
+        yield SystemCommand(
+            "Tools", "The MCP servers' tools: turn each on or off", self.action_tools
+        )
         for binding in CHAT_BINDINGS:
             target: object = screen
             action = binding.action

@@ -14,6 +14,7 @@ from textual import on, work
 from textual.app import ComposeResult
 from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.screen import Screen
+from textual.widget import Widget
 from textual.widgets import Footer, Header, TextArea
 from textual.widgets.markdown import MarkdownStream
 
@@ -23,9 +24,15 @@ from localchat.chat.reasoning import split_reasoning
 from localchat.conversation.base import ConversationBase
 from localchat.conversation.draft_reader import DraftReader
 from localchat.settings import Settings
+from localchat.tools.consent import Consent
 from localchat.tui.messages import ReadAhead
 from localchat.tui.pacing import FramePacer
-from localchat.tui.widgets.chat_message import AssistantMessage, ChatEntry, UserMessage
+from localchat.tui.widgets.chat_message import (
+    AssistantMessage,
+    ChatEntry,
+    ToolCallView,
+    UserMessage,
+)
 from localchat.tui.widgets.prompt_input import PromptInput
 from localchat.tui.widgets.stats_panel import StatsPanel
 from localchat.tui.worker_failures import ReportsWorkerFailures
@@ -75,6 +82,8 @@ class ChatScreenBase(Screen[None], ReportsWorkerFailures):
         self.attachments: list[Attachment] = []
         self._attachment_tokens: list[int] = []  # what each costs, counted when it came
         self._sent: tuple[str, list[Attachment], list[int]] = ("", [], [])
+        # Tools the user allowed for good, per conversation (by its id).
+        self.tool_consents: dict[str, Consent] = {}
 
     def compose(self) -> ComposeResult:
         yield Header()
@@ -127,7 +136,8 @@ class ChatScreenBase(Screen[None], ReportsWorkerFailures):
         conversation = self.conversation
         if conversation is None:
             return
-        entries: list[ChatEntry] = []
+        entries: list[Widget] = []
+        calls: dict[str, ToolCallView] = {}
         for exchange in conversation.exchanges:
             record = exchange.record
             entry: ChatEntry
@@ -136,10 +146,17 @@ class ChatScreenBase(Screen[None], ReportsWorkerFailures):
             elif record.role == "assistant":
                 thought, answer = split_reasoning(record.content)
                 entry = AssistantMessage(answer, thought, record.id)
+            elif record.role == "tool" and record.tool_call_id in calls:
+                result = record.content
+                calls[record.tool_call_id].show_result(result, result.startswith("error: "))
+                continue
             else:
                 continue
             entry.show_window(record.pinned, conversation.sees(record.id))
             entries.append(entry)
+            for call in record.tool_calls:
+                calls[call.id] = ToolCallView(call)
+                entries.append(calls[call.id])
         await log.mount_all(entries)
         log.scroll_end(animate=False)
 

@@ -16,13 +16,18 @@ from textual.widgets import Markdown
 from localchat.backends.base import Sampling, TurnStats
 from localchat.backends.compute_thread import run_compute
 from localchat.chat.attachments import with_attachments
+from localchat.chat.template import ChatMessage
+from localchat.chat.tools import ToolCall
 from localchat.conversation.base import ConversationBase
 from localchat.conversation.turn import ConversationTurn
 from localchat.errors import LocalchatError
+from localchat.tools.consent import Consent
+from localchat.tools.results import failure
 from localchat.tui.chat.base import ChatScreenBase
 from localchat.tui.messages import ReplyChunk, ReplyFailed, ReplyFinished
 from localchat.tui.pacing import MIN_INTERVAL_S, FramePacer
-from localchat.tui.widgets.chat_message import AssistantMessage, Notice, UserMessage
+from localchat.tui.screens.tool_consent import ToolConsentScreen
+from localchat.tui.widgets.chat_message import AssistantMessage, Notice, ToolCallView, UserMessage
 from localchat.tui.widgets.prompt_input import PromptInput
 from localchat.tui.widgets.stats_panel import StatsPanel
 from localchat.units import count
@@ -83,13 +88,36 @@ class TurnStreaming(ChatScreenBase):
         # with generation for the cores.
         self.call_after_refresh(self._begin_generation, self.conversation, text, entered_at)
 
+    async def start_results_turn(self, results: list[ChatMessage]) -> None:
+        """The reply that reads the results of the last reply's calls (the cache holds the
+        rest: only the results and the cue are evaluated)."""
+        assert self.conversation is not None
+        log = self.query_one("#log", VerticalScroll)
+        self._reply = AssistantMessage()
+        self._user_view = None
+        await log.mount(self._reply)
+        log.anchor()
+        self._stream = Markdown.get_stream(self._reply.markdown)
+        self._undrawn = ""
+        self.turn_idle.clear()
+        self.generating = True
+        self.call_after_refresh(
+            self._begin_generation, self.conversation, "", time.perf_counter(), results
+        )
+
     def _begin_generation(
-        self, conversation: ConversationBase, text: str, entered_at: float
+        self,
+        conversation: ConversationBase,
+        text: str,
+        entered_at: float,
+        results: list[ChatMessage] | None = None,
     ) -> None:
         # The app's drawing budget is a share of what generating costs this machine.
         self._pacer = FramePacer(self.backend.threads if self.backend is not None else 1)
         sampling = self.host.sampling or Sampling()
-        self.generate(self.session, conversation, text, entered_at, sampling, self.max_tokens)
+        self.generate(
+            self.session, conversation, text, entered_at, sampling, self.max_tokens, results
+        )
 
     def stop_turn(self) -> None:
         """Stop the reply being written (the turn commits what was written)."""
@@ -105,10 +133,11 @@ class TurnStreaming(ChatScreenBase):
         entered_at: float,
         sampling: Sampling,
         max_tokens: int,
+        results: list[ChatMessage] | None = None,
     ) -> None:
         try:
             stats = run_compute(
-                self._stream_turn, conversation, text, entered_at, sampling, max_tokens
+                self._stream_turn, conversation, text, entered_at, sampling, max_tokens, results
             )
         finally:
             self.turn_idle.set()
@@ -124,12 +153,17 @@ class TurnStreaming(ChatScreenBase):
         entered_at: float,
         sampling: Sampling,
         max_tokens: int,
+        results: list[ChatMessage] | None = None,
     ) -> TurnStats | None:
         """One turn, on the compute thread: posts the reply as it comes, in chunks; its
-        figures at the end (None: it never started)."""
+        figures at the end (None: it never started). ``results``: the turn reads the last
+        reply's call results (``text`` is then empty)."""
         cancel = self._cancel
         try:
-            turn = conversation.send(text, sampling, max_tokens, cancel, entered_at=entered_at)
+            if results is not None:
+                turn = conversation.send_results(results, sampling, max_tokens, cancel)
+            else:
+                turn = conversation.send(text, sampling, max_tokens, cancel, entered_at=entered_at)
         except LocalchatError as exc:
             self.post_message(ReplyFailed(str(exc), text))
             return None
@@ -212,8 +246,40 @@ class TurnStreaming(ChatScreenBase):
             await log.mount(Notice(notice))
         if stats.stop_reason == "cancelled":
             await log.mount(Notice("stopped — the partial reply is kept"))
+        calls = message.turn.generation.tool_calls
+        if calls and conversation is not None and stats.stop_reason != "cancelled":
+            self.run_worker(self._tool_round(conversation, calls), group="tools", exclusive=True)
+            return  # still answering: the calls run, then the reply reads their results
         self.generating = False
         self.read_ahead_box()  # typed while the reply was written
+
+    async def _tool_round(self, conversation: ConversationBase, calls: list[ToolCall]) -> None:
+        """Each call shown and run where the user allows it (asked unless allowed for this
+        conversation); a denied call's result tells the model so. Then the reply reads them."""
+        session = self.session
+        consent = self.tool_consents.setdefault(conversation.record.id, Consent())
+        log = self.query_one("#log", VerticalScroll)
+        results = []
+        for call in calls:
+            view = ToolCallView(call)
+            await log.mount(view)
+            log.anchor()
+            allowed = consent.allows(call)
+            if not allowed and not self._cancel.is_set():
+                server = session.tools.server_of(call.name) if session and session.tools else None
+                choice = await self.app.push_screen_wait(ToolConsentScreen(call, server))
+                allowed = consent.answer(call, choice)
+            if allowed and session is not None and not self._cancel.is_set():
+                result = await asyncio.to_thread(session.run_tool, call)
+            else:
+                result = failure("the user did not allow this call")
+            view.show_result(result.text, result.is_error)
+            results.append(ChatMessage("tool", result.text, tool_call_id=call.id))
+        if self._cancel.is_set() or self.torn_down() or conversation is not self.conversation:
+            await asyncio.to_thread(run_compute, conversation.record_results, results)
+            self.generating = False
+            return
+        await self.start_results_turn(results)
 
     async def on_reply_failed(self, message: ReplyFailed) -> None:
         await self._end_stream()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import json
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -17,6 +18,7 @@ from textual.widgets import Collapsible, Label, Markdown, Static
 from textual.widgets._markdown import MarkdownParagraph  # not re-exported by Textual
 from textual.widgets.markdown import MarkdownBlock
 
+from localchat.chat.tools import ToolCall
 from localchat.text import printable
 
 # Takes the parser down each of its paths (linkify compiles its patterns on first use).
@@ -294,3 +296,35 @@ class Notice(Static):
 
     def __init__(self, text: str) -> None:
         super().__init__(Text(text), classes="notice")
+
+
+class ToolCallView(Static):
+    """A call the model made and, once it came, what the tool returned: text, never markup
+    or escapes (a long result shows its start; the model got it whole, up to the limit)."""
+
+    SHOWN_RESULT_CHARS = 600
+
+    def __init__(self, call: ToolCall) -> None:
+        super().__init__(classes="tool-call")
+        self.call = call
+        self.result: str | None = None
+        self.failed = False
+        self.update(self._text())
+
+    def show_result(self, text: str, failed: bool) -> None:
+        self.result, self.failed = text, failed
+        self.set_class(failed, "-failed")
+        self.update(self._text())
+
+    def _text(self) -> Text:
+        arguments = json.dumps(self.call.arguments, ensure_ascii=False)
+        text = Text(f"⚙ {self.call.name}({printable(arguments)})", style="bold")
+        if self.result is None:
+            text.append("\n  waiting…", style="dim")
+            return text
+        shown = self.result
+        if len(shown) > self.SHOWN_RESULT_CHARS:
+            shown = shown[: self.SHOWN_RESULT_CHARS] + f"… ({len(self.result):,} characters)"
+        text.append(f"\n{'failed' if self.failed else 'returned'}: ", style="dim")
+        text.append(printable(shown))
+        return text
