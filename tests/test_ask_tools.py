@@ -163,3 +163,17 @@ def test_required_with_no_server_is_refused(
         capsys, "x", "--model-path", str(tiny_model), "--tool-choice", "required"
     )
     assert code == 2 and "no MCP server offers a tool" in err
+
+
+def test_a_real_model_held_to_a_call_writes_a_well_formed_one(
+    smollm2: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, out, err = _ask(
+        capsys, "What is 2 plus 3?", "--model-path", str(smollm2), "--tool-choice", "add",
+        "--yes", "--json",
+    )  # fmt: skip
+    assert code == 0, err
+    first = json.loads(out)["tool_calls"][0]
+    assert first["name"] == "add" and set(first["arguments"]) == {"a", "b"}
+    a, b = first["arguments"]["a"], first["arguments"]["b"]
+    assert first["result"] == str(float(a + b)) and not first["is_error"]

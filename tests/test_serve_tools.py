@@ -193,3 +193,17 @@ def test_a_stream_shows_text_before_a_call_and_holds_back_a_marker_split_across_
     ]
     plain = ToolCallStream("hermes", {"get_weather"})
     assert plain.feed("No <tool") == "No " and plain.finish() == ("<tool", [])
+
+
+def test_the_generic_format_streams_prose_and_holds_from_where_json_could_begin() -> None:
+    stream = ToolCallStream("generic", {"get_weather"})
+    shown = [stream.feed(p) for p in ["Let me look.\n`", "``json\n", '{"name": "get_weather", ',
+                                       '"arguments": {"city": "Oslo"}}\n```']]  # fmt: skip
+    assert "".join(shown) == "Let me look.\n"
+    rest, calls = stream.finish()
+    assert rest == "" and [c.name for c in calls] == ["get_weather"]
+    prose = ToolCallStream("generic", {"get_weather"})
+    assert prose.feed("Sunny, ") + prose.feed("about 20 degrees.") == "Sunny, about 20 degrees."
+    code = ToolCallStream("generic", {"get_weather"})
+    assert code.feed("Use x = {1: 2}") == "Use x = "
+    assert code.finish() == ("{1: 2}", [])  # not a call: shown when the reply ends

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from localchat.chat.tools import ToolCall, call_start, parse_tool_calls
 
 LLAMA3_TAG = "<|python_tag|>"
+GENERIC_STARTS = ("{", "```")
 
 
 @dataclass
@@ -16,7 +17,8 @@ class ToolCallStream:
     """A streamed reply that may call tools: text before the family's call marker goes on
     at once (a marker's possible start held back), the rest waits for the end, where its
     calls are parsed. Llama 3's call is a whole reply that starts with ``{``: a reply that
-    starts otherwise streams as text. The generic format (JSON anywhere) holds the reply."""
+    starts otherwise streams as text. The generic format's (JSON, bare or fenced) is held
+    from the first ``{`` or fence on."""
 
     family: str
     known: set[str]
@@ -33,15 +35,16 @@ class ToolCallStream:
         if self.family == "llama3":
             return self._feed_llama3()
         marker = call_start(self.family)
-        if marker is None:
-            self._mode = "call"
-            return ""
-        at = self._held.find(marker)
-        if at != -1:
+        # The generic format's call is JSON, bare or fenced: prose streams up to the first
+        # place one could begin, and the rest waits for the reply's end.
+        starts = (marker,) if marker is not None else GENERIC_STARTS
+        found = [at for start in starts if (at := self._held.find(start)) != -1]
+        if found:
+            at = min(found)
             shown, self._held = self._held[:at], self._held[at:]
             self._mode = "call"
             return shown
-        keep = _partial_suffix(self._held, marker)
+        keep = max(_partial_suffix(self._held, start) for start in starts)
         cut = len(self._held) - keep
         shown, self._held = self._held[:cut], self._held[cut:]
         return shown

@@ -93,10 +93,12 @@ def cmd_ask(args: argparse.Namespace, out: TextIO) -> int:
                 turn = session.ask_once(messages, sampling, max_tokens, cancel, tool_use)
             interrupted = _stream(turn, args, cancel, out)
         else:
-            if turn.generation.tool_calls and conversation is not None:
-                conversation.record_results(
-                    tools.not_run(turn.generation.tool_calls, STOPPED_RESULT)
-                )
+            if turn.generation.tool_calls:
+                print(f"localchat: tool: {STOPPED_RESULT.removeprefix('error: ')}", file=sys.stderr)
+                if conversation is not None:
+                    conversation.record_results(
+                        tools.not_run(turn.generation.tool_calls, STOPPED_RESULT)
+                    )
         notices = list(turn.notices)
         save_error = conversation.wait_saved() if conversation is not None else None
         speed = session.note_turn_speed(turn.generation.stats)

@@ -15,7 +15,7 @@ from typing import Any
 
 from localchat.backends.base import Sampling, TurnStats
 from localchat.chat.template import ChatMessage
-from localchat.chat.tools import ToolCall, ToolSpec
+from localchat.chat.tools import ToolCall, ToolSpec, ToolUse
 from localchat.server.tool_api import ToolRequestError, openai_calls, parse_tools, tool_message
 
 ROLES = ("system", "user", "assistant", "tool")
@@ -56,15 +56,11 @@ class GenerationRequest:
     include_usage: bool = False
     frequency_penalty: float = 0.0  # OpenAI's: subtracted per time a token already came
     presence_penalty: float = 0.0  # OpenAI's: subtracted once a token came at all
-    tools: tuple[ToolSpec, ...] = ()  # rendered in the prompt
-    tool_choice: str = "auto"  # "auto", "none" (no calls read), "required", or a tool's name
+    # The tools rendered in the prompt (under "none" too: the prompt's head, and its cache,
+    # stays the same) and how the reply may use them.
+    tool_use: ToolUse = field(default_factory=ToolUse)
     created: int = field(default_factory=lambda: int(time.time()))
     request_id: str = field(default_factory=lambda: f"chatcmpl-{uuid.uuid4().hex[:24]}")
-
-    @property
-    def reads_calls(self) -> bool:
-        """Whether the reply is read for tool calls: tools offered, and calls not refused."""
-        return bool(self.tools) and self.tool_choice != "none"
 
 
 def _number(body: dict[str, Any], name: str, default: float, low: float, high: float) -> float:
@@ -189,8 +185,7 @@ def parse_request(body: Any, chat: bool) -> GenerationRequest:
         bool(options.get("include_usage", False)),
         frequency_penalty=_number(body, "frequency_penalty", 0.0, -2.0, 2.0),
         presence_penalty=_number(body, "presence_penalty", 0.0, -2.0, 2.0),
-        tools=tools,  # under "none" too: the prompt's head (and its cache) stays the same
-        tool_choice=tool_choice,
+        tool_use=ToolUse(tools, tool_choice),
     )
 
 

@@ -243,9 +243,9 @@ async def _generate(runner: ModelRunner, request: GenerationRequest, http: Reque
     finally:
         watcher.cancel()
     text, calls = "".join(pieces["text"]), None
-    if request.reads_calls:
+    if request.tool_use.reads_calls:
         content, calls = parse_tool_calls(
-            text, runner.engine.template.tool_family, {tool.name for tool in request.tools}
+            text, runner.engine.template.tool_family, request.tool_use.names
         )
         text = content if calls else text
     body = completion_body(request, text, "".join(pieces["reasoning"]), stats, calls)
@@ -254,10 +254,9 @@ async def _generate(runner: ModelRunner, request: GenerationRequest, http: Reque
 
 def _tool_calls_stream(runner: ModelRunner, request: GenerationRequest) -> ToolCallStream | None:
     """Where the reply is read for calls: a stream that holds them back, in the model's format."""
-    if not request.reads_calls:
+    if not request.tool_use.reads_calls:
         return None
-    family = runner.engine.template.tool_family
-    return ToolCallStream(family, {tool.name for tool in request.tools})
+    return ToolCallStream(runner.engine.template.tool_family, request.tool_use.names)
 
 
 async def _cancel_when_gone(http: Request, cancel: threading.Event) -> None:

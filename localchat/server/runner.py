@@ -17,10 +17,9 @@ from localchat.backends.base import TurnStats
 from localchat.backends.compute_thread import run_compute
 from localchat.backends.llama.batch import SequenceBatch
 from localchat.backends.llama.engine import Engine
-from localchat.backends.llama.grammar import GrammarError, tool_call_grammar
 from localchat.chat.prompt import common_prefix
 from localchat.chat.tools import markers
-from localchat.errors import ModelFileError
+from localchat.errors import ModelFileError, UsageError
 from localchat.server.api import DEFAULT_MAX_TOKENS, ApiError, GenerationRequest, finish_reason
 from localchat.server.prompt_cache import PromptCache
 from localchat.server.scheduler import Emit, Job, Scheduler
@@ -150,7 +149,9 @@ class ModelRunner:
         engine = self.engine
         if request.messages is not None:
             try:
-                prompt = engine.prompt_tokens(request.messages, list(request.tools) or None)
+                prompt = engine.prompt_tokens(
+                    request.messages, list(request.tool_use.tools) or None
+                )
             except ModelFileError as exc:  # the template refused these messages
                 raise ApiError(400, str(exc), code="invalid_value") from None
         else:
@@ -185,14 +186,14 @@ class ModelRunner:
         reads a saved state from disk where one holds more of the prompt than memory does
         (so the running sequences do not wait for the disk)."""
         job = Job(request, prompt, max_tokens, cancel, emit)
-        if request.reads_calls:  # the family's markers stay in the text, to be parsed
+        tool_use = request.tool_use
+        if tool_use.reads_calls:  # the family's markers stay in the text, to be parsed
             family = self.engine.template.tool_family
             job.spelled = self.engine.spelled_tokens(markers(family))
-            if request.tool_choice not in ("auto", "none"):  # a call is required: a grammar
-                name = None if request.tool_choice == "required" else request.tool_choice
+            if tool_use.forced:  # a call is required: a grammar
                 try:
-                    job.grammar = tool_call_grammar(family, list(request.tools), name)
-                except GrammarError as exc:
+                    job.grammar = self.engine.call_grammar(tool_use)
+                except UsageError as exc:
                     raise ApiError(400, str(exc), code="invalid_value") from None
         in_memory = max(common_prefix(tokens, prompt) for tokens in list(self.batch.tokens))
         job.hit = self.cache.lookup(prompt, beyond=in_memory)
