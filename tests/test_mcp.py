@@ -5,8 +5,11 @@
 from __future__ import annotations
 
 import json
+import socket
 import stat
+import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -177,3 +180,37 @@ def test_tools_command_says_which_server_failed(
 def test_no_servers_configured(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["tools"]) == 0
     assert "no MCP servers configured: add [[mcp]] entries to" in capsys.readouterr().out
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def test_a_server_over_streamable_http(tmp_path: Path) -> None:
+    port = _free_port()
+    process = subprocess.Popen(
+        [sys.executable, str(SERVER), str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while True:  # until it listens
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                assert process.poll() is None and time.monotonic() < deadline, "no server"
+                time.sleep(0.1)
+        web = McpServerConfig("web", url=f"http://127.0.0.1:{port}/mcp")
+        hub = ToolServers((web,), tmp_path / "logs")
+        try:
+            assert hub.start() == []
+            assert hub.call(ToolCall("add", {"a": 1, "b": 2})).text == "3.0"
+        finally:
+            hub.close()
+    finally:
+        process.terminate()
+        process.wait(30)
