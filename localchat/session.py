@@ -351,12 +351,14 @@ class Session:
         warn: Callable[[str], object] | None = None,
         on_this_thread: bool = False,
         own_cells: int | None = None,
+        lookup_only: bool = False,
     ) -> Engine:
         """Load ``path`` on the compute thread with the user's settings (``kv_type``,
         ``speculative``, ``draft_model``: the settings unless given); ``use`` it after.
         ``warn``: a draft model asked for that does not draft, and why (a flag's that cannot
         be had is an error). ``own_cells``: the engine's own context where another does the
-        work (``serve``). ``on_this_thread``:
+        work (``serve``); ``lookup_only``: drafts by prompt lookup, never by a draft model
+        (``serve``'s batch). ``on_this_thread``:
         load where the model will evaluate (the CLI's main thread), so llama.cpp keeps one
         thread pool."""
         template = template or catalog_template(path, self.paths.user_catalog)
@@ -364,7 +366,11 @@ class Session:
         speculative = speculative or self.settings.speculative
         say = warn or (lambda _line: None)
         speed = load_speed_model(self.paths.speed_calibration)
-        draft = self._draft_plan(path, draft_model, speculative, n_ctx, kv_type, say)
+        draft = (
+            None
+            if lookup_only
+            else self._draft_plan(path, draft_model, speculative, n_ctx, kv_type, say)
+        )
         options = LoadOptions(
             n_ctx=n_ctx,
             n_threads=n_threads,

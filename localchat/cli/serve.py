@@ -56,9 +56,9 @@ def cmd_serve(args: argparse.Namespace, out: TextIO) -> int:
     api_key = args.api_key or next((os.environ[e] for e in key_envs if os.environ.get(e)), None)
     check_exposure(host, api_key, args.no_auth)
     model_path = _model_path(args)
-    if args.draft_model or args.speculative not in (None, "off", "auto"):
-        print("localchat: serve does not draft yet: replies are decoded side by side,"
-              " without speculative decoding", file=sys.stderr)  # fmt: skip
+    if args.draft_model or args.speculative == "draft":
+        print("localchat: serve drafts by prompt lookup only (a draft model is not used"
+              " there yet)", file=sys.stderr)  # fmt: skip
     session = Session(paths, settings, open_stores=False)
     engine = session.load_model(
         model_path,
@@ -66,9 +66,9 @@ def cmd_serve(args: argparse.Namespace, out: TextIO) -> int:
         args.template,
         n_threads=args.threads,
         kv_type=args.kv_type,
-        # Replies are decoded side by side; drafting inside those steps is still to come.
-        speculative="off",
-        draft_model=None,
+        # Replies are decoded side by side, each drafting by prompt lookup where it pays.
+        speculative="ngram" if args.speculative == "draft" else args.speculative,
+        lookup_only=True,
         own_cells=OWN_CELLS,  # the sequences' context holds the KV: none wasted here
         warn=lambda line: print(f"localchat: {line}", file=sys.stderr),
     )

@@ -19,9 +19,13 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from localchat.backends.base import TurnStats
 from localchat.backends.compute_thread import start_compute
 from localchat.backends.llama.batch import Chunk, SequenceBatch, SequenceSampler
+from localchat.backends.llama.draft_policy import Draft, DraftPolicy
+from localchat.backends.llama.drafting import lookup_draft
 from localchat.backends.llama.generation import ReplyText
 from localchat.backends.llama.grammar import GrammarError
 from localchat.chat.prompt import common_prefix
@@ -70,6 +74,8 @@ class _Running:
     next_token: int | None = None  # sampled, not yet evaluated
     first_at: float = 0.0
     request_stopped: bool = False  # the request's own stop string ended the reply
+    policy: DraftPolicy | None = None  # its drafts' acceptance (step costs: the scheduler's)
+    draft: Draft = field(default_factory=lambda: Draft([]))  # verified in this step
 
 
 class Scheduler:
@@ -95,6 +101,10 @@ class Scheduler:
         self._held: list[tuple[str, list[int]] | None] = [None] * batch.n_seq
         self._last_used = [0.0] * batch.n_seq
         self._closing = False
+        # Prompt lookup drafts where the engine drafts (exact where its kernels are): each
+        # sequence's acceptance its own, what a step of n tokens costs shared by all.
+        self.drafting = self.engine.drafting
+        self._step_costs = DraftPolicy(max_step=batch.capacity)
 
     def answer(self, job: Job) -> TurnStats:
         """Queue ``job`` and wait for its reply (on the request's worker thread)."""
@@ -223,20 +233,36 @@ class Scheduler:
         self._running[seq] = _Running(
             job, seq, ReplyText(self.engine, prompt, job.spelled), StopFilter(job.request.stop), sampler,
             continues, time.perf_counter(), len(batch.tokens[seq]),
+            policy=self._sequence_policy() if self.drafting else None,
         )  # fmt: skip
         job.started = True
         self.on_start(job)
 
+    def _sequence_policy(self) -> DraftPolicy:
+        """A sequence's draft policy: its own acceptance, the scheduler's step costs."""
+        costs = self._step_costs
+        prior = self.engine.options.step_extra_cost  # the calibration's, where it measured
+        policy = DraftPolicy(step_s=costs.step_s, max_step=costs.max_step)
+        if prior is not None:
+            policy.prior_extra = prior
+        return policy
+
     def _step(self) -> None:
-        """One decode for every running sequence, then a token sampled for each that has
-        read its whole prompt."""
+        """One decode for every running sequence (a generating one's token, with a drafted
+        run where one is worth verifying), then the tokens sampled for each that has read
+        its whole prompt."""
         batch = self.batch
         chunks = []
         generating = [r for r in self._running.values() if r.next_token is not None]
+        total = len(generating)
         for running in generating:
             assert running.next_token is not None
-            chunks.append(Chunk(running.seq, [running.next_token]))
-        room = batch.capacity - len(chunks)
+            running.draft = self._draft(running, total)
+            total += len(running.draft.tokens)
+            tokens = [running.next_token, *running.draft.tokens]
+            chunks.append(Chunk(running.seq, tokens, every=bool(running.draft.tokens)))
+        room = batch.capacity - total
+        reading = False
         for running in self._running.values():
             if running.next_token is not None:
                 continue
@@ -250,13 +276,62 @@ class Scheduler:
                 Chunk(running.seq, prompt[held : held + take], held + take == len(prompt))
             )
             room -= take
+            reading = True
+        started = time.perf_counter()
         rows = batch.decode(chunks) if chunks else {}
         now = time.perf_counter()
+        if self.drafting and chunks and not reading:  # what a step of this size costs
+            self._step_costs.record_step(total, now - started)
         for running in list(self._running.values()):
             if running.job.cancel.is_set():
                 self._finish(running, "cancelled")
             elif running.seq in rows:
-                self._advance(running, batch.sample(running.sampler, rows[running.seq]), now)
+                self._take(running, rows[running.seq], now)
+
+    def _draft(self, running: _Running, base: int) -> Draft:
+        """The tokens that followed the latest earlier occurrence of the sequence's last few
+        (its prompt and reply), as many as its acceptance makes worth verifying in a step
+        of ``base`` other tokens; none where drafting is off or does not pay."""
+        policy = running.policy
+        if policy is None:
+            return Draft([])
+        job, reply = running.job, running.reply
+        room = min(
+            job.max_tokens - reply.generated,
+            self.batch.n_ctx_seq - len(job.prompt) - len(reply.tokens) - 1,
+        )
+        context = np.array([*job.prompt, *reply.tokens], dtype=np.intc)
+        found = lookup_draft(context, room)
+        length = policy.best_length(found.kind, len(found.tokens), base=base)[0]
+        if not length:
+            policy.idle_step()
+            return Draft([])
+        return Draft(found.tokens[:length], found.depth)
+
+    def _take(self, running: _Running, rows: list[int], now: float) -> None:
+        """Sample each row in turn: a drafted token is kept while the model samples it
+        there; the first the model samples otherwise is its own, and ends the step's run.
+        Drafted cells past what was kept leave the cache."""
+        draft = running.draft.tokens
+        accepted = 0
+        for index, row in enumerate(rows):
+            token = self.batch.sample(running.sampler, row)
+            self._advance(running, token, now)
+            if running.seq not in self._running:  # it ended there (the cache is cut)
+                break
+            if index >= len(draft) or token != draft[index]:
+                break
+            accepted += 1
+        if draft:
+            stats, policy = running.job.stats, running.policy
+            stats.drafted_tokens += min(len(draft), accepted + 1)  # those tried
+            stats.accepted_tokens += accepted
+            stats.draft_steps += 1
+            if policy is not None:
+                policy.record_verification(running.draft.kind, len(draft), accepted)
+            if running.seq in self._running:  # the cache: prompt and reply, less the new token
+                self.batch.cut(running.seq, len(running.job.prompt) + len(running.reply.tokens) - 1)
+        running.draft = Draft([])
 
     def _advance(self, running: _Running, token: int, now: float) -> None:
         """Take the token sampled for ``running``: stream it or end the reply."""

@@ -33,11 +33,13 @@ PENALTY_LAST_N = 64  # tokens a repetition penalty looks back over (llama.cpp's 
 
 @dataclass(frozen=True)
 class Chunk:
-    """Tokens one sequence adds in a step; ``logits``: whether its last token is sampled."""
+    """Tokens one sequence adds in a step; ``logits``: whether its last token is sampled,
+    ``every``: whether each of its tokens is (a drafted run, verified)."""
 
     seq: int
     tokens: Sequence[int]
     logits: bool = True
+    every: bool = False
 
 
 class BatchFull(RuntimeError):
@@ -133,11 +135,11 @@ class SequenceBatch:
         self.tokens: list[list[int]] = [[] for _ in range(n_seq)]
 
     # -- a step ------------------------------------------------------------------------------
-    def decode(self, chunks: Sequence[Chunk]) -> dict[int, int]:
-        """Evaluate every chunk in one ``llama_decode``: {seq: the batch row whose logits
-        are sampled}. ``BatchFull`` where a sequence has no room left."""
+    def decode(self, chunks: Sequence[Chunk]) -> dict[int, list[int]]:
+        """Evaluate every chunk in one ``llama_decode``: {seq: the batch rows whose logits
+        are sampled, in order}. ``BatchFull`` where a sequence has no room left."""
         batch = self._batch
-        rows: dict[int, int] = {}
+        rows: dict[int, list[int]] = {}
         total = sum(len(chunk.tokens) for chunk in chunks)
         if total > self.capacity:  # checked before llama.cpp's arrays are written
             raise ValueError(f"a step of {total} tokens is over the batch's {self.capacity}")
@@ -149,11 +151,13 @@ class SequenceBatch:
                 batch.pos[n] = start + offset
                 batch.n_seq_id[n] = 1
                 batch.seq_id[n][0] = chunk.seq
-                batch.logits[n] = False
+                batch.logits[n] = chunk.every
                 n += 1
-            if chunk.logits and chunk.tokens:
+            if chunk.every:
+                rows[chunk.seq] = list(range(n - len(chunk.tokens), n))
+            elif chunk.logits and chunk.tokens:
                 batch.logits[n - 1] = True
-                rows[chunk.seq] = n - 1
+                rows[chunk.seq] = [n - 1]
         batch.n_tokens = n
         status = llama_cpp.llama_decode(self._ctx, batch)
         if status != 0:

@@ -78,6 +78,8 @@ class DraftPolicy:
     # calibration's predicted speeds of both).
     prior_extra: float = PRIOR_EXTRA_TOKEN_COST
     prior_model_step: float = PRIOR_MODEL_STEP_COST
+    # The largest step timed: a server's steps carry every sequence's tokens.
+    max_step: int = MAX_DRAFT + 1
 
     def reset_acceptance(self) -> None:
         """A new reply: it repeats its context more or less than the last one did."""
@@ -85,7 +87,7 @@ class DraftPolicy:
 
     def record_step(self, n_tokens: int, seconds: float) -> None:
         """A generation step of ``n_tokens`` took ``seconds`` (the prompt is not one)."""
-        if not 1 <= n_tokens <= self.max_draft + 1 or seconds <= 0:
+        if not 1 <= n_tokens <= self.max_step or seconds <= 0:
             return
         self.steps_since_single = 0 if n_tokens == 1 else self.steps_since_single + 1
         before = self.step_s.get(n_tokens)
@@ -138,14 +140,19 @@ class DraftPolicy:
         """How many of the draft's tokens to verify (0: a plain step pays more)."""
         return self.best_length(draft.kind, len(draft.tokens))[0]
 
-    def best_length(self, kind: str, available: int, step_cost: float = 0.0) -> tuple[int, float]:
+    def best_length(
+        self, kind: str, available: int, step_cost: float = 0.0, base: int = 1
+    ) -> tuple[int, float]:
         """The draft length of ``kind`` (at most ``available``) with the most expected tokens
         per unit of cost, and that gain; (0, MIN_GAIN) where no length beats a plain step.
-        ``step_cost``: what drafting each token costs, in big-model steps (a draft model's)."""
+        ``step_cost``: what drafting each token costs, in big-model steps (a draft model's);
+        ``base``: the tokens the step carries without this draft (a server's other
+        sequences, and this one's token), whose cost the draft adds to."""
         acceptance = self.acceptance[kind]
         best, best_gain = 0, MIN_GAIN
+        plain = self.cost(base)
         for drafted in range(1, min(available, self.max_draft) + 1):
-            cost = self.cost(drafted + 1) + drafted * step_cost
+            cost = self.cost(base + drafted) / plain + drafted * step_cost
             gain = expected_tokens(acceptance, drafted) / cost
             if gain > best_gain:
                 best, best_gain = drafted, gain
