@@ -12,6 +12,9 @@ as clients meet it, read by a plain HTTP client (httpx, the SSE lines parsed, no
   of rounds); beside it
   ``serve_join_queued_ttft_s``, the same on a server of one sequence, which answers in turn.
 - ``serve_parallel_throughput``: four concurrent streams' tokens/s over one stream's.
+- ``serve_spec_copy_speedup``: the bench's file returned renamed (``spec``'s copy prompt),
+  tokens/s from a server that drafts by prompt lookup (q8_0 cache, flash attention: exact)
+  over one that does not, the same greedy text (``serve_spec_identical``); median of rounds.
 """
 
 from __future__ import annotations
@@ -41,11 +44,14 @@ PARALLEL_TOKENS = 64
 QUESTION = "Write a long essay about memory."
 SHORT = [{"role": "user", "content": "Say hi."}]
 START_LIMIT_S = 120.0
+SPEC_KV = "q8_0"  # flash attention over a quantized cache: a verified run is exact on a CPU
+SPEC_TOKENS = 200
+SPEC_ROUNDS = 5
 
 
-def _stream(root: str, messages: list[dict[str, str]], max_tokens: int) -> dict[str, float]:
+def _stream(root: str, messages: list[dict[str, str]], max_tokens: int) -> dict[str, Any]:
     """One streamed greedy reply read with httpx: when it was sent, its first and last
-    content chunk, and the chunks read."""
+    content chunk, the chunks read, its text and its draft counts."""
     import httpx
 
     body = {"messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
@@ -54,14 +60,18 @@ def _stream(root: str, messages: list[dict[str, str]], max_tokens: int) -> dict[
     first = last = 0.0
     chunks = 0
     prompt_tokens = 0
+    text: list[str] = []
+    timings: dict[str, Any] = {}
     with httpx.stream("POST", f"{root}/v1/chat/completions", json=body, timeout=600) as reply:
         for line in reply.iter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             chunk = json.loads(line[6:])
             prompt_tokens = (chunk.get("usage") or {}).get("prompt_tokens", prompt_tokens)
+            timings = chunk.get("timings") or timings
             choices = chunk.get("choices") or [{}]
             if choices[0].get("delta", {}).get("content"):
+                text.append(choices[0]["delta"]["content"])
                 last = time.perf_counter()
                 first = first or last
                 chunks += 1
@@ -70,6 +80,9 @@ def _stream(root: str, messages: list[dict[str, str]], max_tokens: int) -> dict[
         "chunks": chunks,
         "tps": (chunks - 1) / max(1e-9, last - first),
         "prompt_tokens": prompt_tokens,
+        "text": "".join(text),
+        "draft_n": timings.get("draft_n", 0),
+        "draft_n_accepted": timings.get("draft_n_accepted", 0),
     }
 
 
@@ -84,6 +97,7 @@ def bench_serve(model_path: Path, progress: Progress = None) -> dict[str, Any]:
     with scratch_dir("serve") as scratch:
         results = _gen_and_join(starter.path, scratch / "home", progress)
         results.update(_restart(starter.path, scratch / "restart", progress))
+        results.update(_drafting(starter.path, scratch / "spec", progress))
     return results
 
 
@@ -117,6 +131,37 @@ def _gen_and_join(model: Path, home: Path, progress: Progress) -> dict[str, Any]
         return results | {"serve_join_queued_ttft_s": round(queued, 3)}
     finally:
         engine.close()
+
+
+def _drafting(model: Path, home: Path, progress: Progress) -> dict[str, Any]:
+    """Copy replies from a drafting server and a plain one, in alternating rounds."""
+    from localchat.bench.spec import COPY_PROMPT
+
+    messages = [{"role": "user", "content": COPY_PROMPT}]
+    speeds: dict[str, list[float]] = {"auto": [], "off": []}
+    texts: dict[str, set[str]] = {"auto": set(), "off": set()}
+    drafted = accepted = 0
+    with (
+        _ServeProcess(model, home / "on", 1, ("--kv-type", SPEC_KV, "--speculative", "auto")) as on,
+        _ServeProcess(
+            model, home / "off", 1, ("--kv-type", SPEC_KV, "--speculative", "off")
+        ) as off,
+    ):
+        roots = {"auto": on, "off": off}
+        for index in range(SPEC_ROUNDS):
+            for mode in ("auto", "off") if index % 2 == 0 else ("off", "auto"):
+                reply = _stream(roots[mode], messages, SPEC_TOKENS)
+                speeds[mode].append(reply["tps"])
+                texts[mode].add(str(reply["text"]))
+                if mode == "auto":
+                    drafted, accepted = int(reply["draft_n"]), int(reply["draft_n_accepted"])
+        ratio = statistics.median(speeds["auto"]) / statistics.median(speeds["off"])
+    _say(progress, f"serve: a copy reply drafting {ratio:.2f}x, {accepted} of {drafted} accepted")
+    return {
+        "serve_spec_copy_speedup": round(ratio, 3),
+        "serve_spec_acceptance": round(accepted / max(1, drafted), 3),
+        "serve_spec_identical": int(len(texts["auto"] | texts["off"]) == 1),
+    }
 
 
 def _join(root: str, messages: list[dict[str, str]]) -> float:
@@ -200,8 +245,10 @@ class _ServeProcess:
     """``localchat serve`` on SmolLM2 in a process of its own (as clients meet it), its
     LOCALCHAT_HOME ``home``; stopped with SIGTERM, which finishes its saves."""
 
-    def __init__(self, model: Path, home: Path, parallel: int = 1) -> None:
-        self.model, self.home, self.parallel = model, home, parallel
+    def __init__(
+        self, model: Path, home: Path, parallel: int = 1, extra: tuple[str, ...] = ()
+    ) -> None:
+        self.model, self.home, self.parallel, self.extra = model, home, parallel, extra
 
     def __enter__(self) -> str:
         import httpx
@@ -211,7 +258,7 @@ class _ServeProcess:
             port = probe.getsockname()[1]
         command = [sys.executable, "-m", "localchat", "serve", "--model-path", str(self.model),
                    "--port", str(port), "--ctx", str(SERVE_CTX),
-                   "--parallel", str(self.parallel)]  # fmt: skip
+                   "--parallel", str(self.parallel), *self.extra]  # fmt: skip
         self.process = subprocess.Popen(
             command, env=env_with_home(self.home), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
         )
