@@ -5,6 +5,7 @@ server (tests/mcp_server.py) answering; consent; the transcript and the cache af
 from __future__ import annotations
 
 import json
+import threading
 from pathlib import Path
 
 import pytest
@@ -177,3 +178,45 @@ def test_a_real_model_held_to_a_call_writes_a_well_formed_one(
     assert first["name"] == "add" and set(first["arguments"]) == {"a", "b"}
     a, b = first["arguments"]["a"], first["arguments"]["b"]
     assert first["result"] == str(float(a + b)) and not first["is_error"]
+
+
+def test_calls_left_without_results_are_answered_before_the_next_message(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    """A reply stopped on its way to its calls, a fork made at them: the next message finds
+    them answered as not run (templates and servers want every call answered)."""
+    from localchat.backends.base import Sampling
+    from localchat.backends.llama.engine import Engine, LoadOptions
+    from localchat.chat.tools import ToolSpec, ToolUse
+    from localchat.conversation.base import NOT_RUN
+    from localchat.conversation.local import Conversation
+    from localchat.state.kvstate import StateStore
+    from localchat.state.store import Store
+
+    engine = Engine(tiny_model, LoadOptions(n_ctx=2048, n_threads=2))
+    store = Store(tmp_path / "db.sqlite3")
+    conversation = Conversation.open(store, StateStore(tmp_path / "states"), "c", engine)
+    try:
+        ping = ToolSpec("ping", "Answer pong.", {"type": "object", "properties": {}})
+        conversation.offer_tools(ToolUse((ping,), "ping"))
+        turn = conversation.send("ping", Sampling(temperature=0), 150)
+        for _ in turn:
+            pass
+        (call,) = turn.generation.tool_calls
+        for _ in conversation.send("never mind", Sampling(temperature=0), 8):
+            pass
+        roles = [
+            (e.record.role, e.record.content, e.record.tool_call_id) for e in conversation.exchanges
+        ]
+        assert roles[2] == ("tool", NOT_RUN, call.id) and roles[3][0] == "user"
+        # A reply the user stopped makes no calls, whatever it wrote.
+        stopped = threading.Event()
+        stopped.set()
+        turn = conversation.send("again", Sampling(temperature=0), 150, stopped)
+        for _ in turn:
+            pass
+        assert turn.generation.stats.stop_reason == "cancelled" and turn.generation.tool_calls == []
+    finally:
+        conversation.close()
+        engine.close()
+        store.close()

@@ -39,6 +39,14 @@ async def _require(conversation: ConversationBase, name: str) -> None:
     await asyncio.to_thread(run_compute, conversation.offer_tools, forced)
 
 
+async def _answer(ui: ChatUI, button: str) -> ToolConsentScreen:
+    """Wait for the consent dialog, then press one of its buttons once presses count."""
+    consent = await ui.shown(ToolConsentScreen)
+    await ui.until(lambda: consent.armed, "the dialog to take answers")
+    await ui.pilot.click(f"#{button}")
+    return consent
+
+
 async def _round_done(ui: ChatUI, replies_before: int) -> None:
     """The call's reply and the reply that read its result are both over and drawn."""
     await ui.until(
@@ -57,7 +65,7 @@ async def test_a_call_asks_runs_once_and_the_reply_reads_only_its_result(
         await ui.pilot.press(*"ping", "enter")
         consent = await ui.shown(ToolConsentScreen)
         assert consent.call.name == "ping" and consent.server == "test"
-        await ui.pilot.press("o")  # run once
+        await _answer(ui, "once")
         await _round_done(ui, 0)
         (view,) = ui.app.chat.query(ToolCallView)
         assert (view.result, view.failed) == ("pong", False)
@@ -89,8 +97,7 @@ async def test_a_denied_call_tells_the_model_and_always_stops_asking(
         # Always: the next call to it runs without asking.
         await _require(conversation, "ping")
         await ui.pilot.press(*"two", "enter")
-        await ui.shown(ToolConsentScreen)
-        await ui.pilot.press("a")
+        await _answer(ui, "always")
         await _round_done(ui, 2)
         await _require(conversation, "ping")
         await ui.pilot.press(*"three", "enter")

@@ -244,10 +244,13 @@ class RemoteReply:
             except ValueError:
                 arguments = None
             if not part.get("name") or not isinstance(arguments, dict):
-                raise RemoteError(
-                    f"{self.backend.server} sent a tool call that is not a name and JSON"
-                    " arguments; the partial reply is kept"
+                why = (
+                    "the reply reached its length limit in the middle of a tool call"
+                    if self.stats.stop_reason == "length"
+                    else f"{self.backend.server} sent a tool call that is not a name and JSON"
+                    " arguments"
                 )
+                raise RemoteError(f"{why}; the partial reply is kept")
             calls.append(ToolCall(part["name"], arguments, part.get("id") or new_call_id()))
         return calls
 

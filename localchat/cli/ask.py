@@ -36,10 +36,10 @@ LOCAL_ONLY_FLAGS = ("model_path", "template", "kv_type", "threads", "speculative
 def cmd_ask(args: argparse.Namespace, out: TextIO) -> int:
     from localchat.backends.base import Sampling
     from localchat.chat.template import ChatMessage
-    from localchat.cli.tool_loop import MAX_ROUNDS, STOPPED_RESULT, AskTools
+    from localchat.cli.tool_loop import AskTools
     from localchat.session import Session
     from localchat.settings import load_settings
-    from localchat.tools.consent import Consent
+    from localchat.tools.consent import MAX_ROUNDS, STOPPED_RESULT, Consent
 
     if args.fresh and not args.conversation:
         raise UsageError("--fresh needs --conversation NAME (a one-off ask has no saved state)")

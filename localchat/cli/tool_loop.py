@@ -18,10 +18,6 @@ from localchat.tools.results import ToolResult
 if TYPE_CHECKING:
     from localchat.session import Session
 
-# Rounds of calls one ask runs at most: a model that keeps calling stops there.
-MAX_ROUNDS = 8
-STOPPED_RESULT = f"error: localchat stops after {MAX_ROUNDS} rounds of tool calls in one ask"
-
 
 @dataclass
 class CallRecord:
@@ -65,7 +61,7 @@ class AskTools:
                 if not self.consent.allows(call):
                     self._say(
                         f"the model called {_spelled(call)}; not run: allow it with"
-                        f" --allow-tool {call.name} (or --yes)"
+                        f" --allow-tool {shown(call.name)} (or --yes)"
                     )
             return None
         results = []

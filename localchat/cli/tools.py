@@ -10,6 +10,7 @@ from typing import TextIO
 
 from localchat.cli.parser import EXIT_WORLD
 from localchat.paths import app_paths
+from localchat.text import shown
 
 
 def cmd_tools(args: argparse.Namespace, out: TextIO) -> int:
@@ -43,11 +44,13 @@ def cmd_tools(args: argparse.Namespace, out: TextIO) -> int:
         ]
         out.write(json.dumps(rows, indent=2) + "\n")
     else:
-        for status in statuses:
-            out.write(f"{status.name}  {status.state}  ({status.where})\n")
+        for status in statuses:  # what servers say is shown, control characters spelled out
+            out.write(f"{status.name}  {shown(status.state, 300)}  ({shown(status.where, 200)})\n")
             for tool in status.tools:
                 summary = " ".join(tool.description.split())
-                out.write(f"  {tool.name}" + (f"  {summary[:100]}" if summary else "") + "\n")
+                out.write(
+                    f"  {shown(tool.name)}" + (f"  {shown(summary, 100)}" if summary else "") + "\n"
+                )
             if status.log is not None and not status.running:
                 out.write(f"  log: {status.log}\n")
     return 0 if all(s.running for s in statuses) else EXIT_WORLD

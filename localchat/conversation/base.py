@@ -32,6 +32,8 @@ from localchat.state.locks import ConversationLock
 from localchat.state.store import ConversationRecord, Store
 
 P = ParamSpec("P")
+# What a call that never ran gets as its result (a reply stopped, a fork made at the call).
+NOT_RUN = "error: the call was not run"
 T = TypeVar("T")
 C = TypeVar("C", bound="ConversationBase")
 
@@ -278,6 +280,7 @@ class ConversationBase:
         cannot start hands the message back and leaves the conversation as it was.
         ``entered_at``: when the user sent it (``time.perf_counter``), if before this call;
         ``fresh``: rebuild a cache kept here from the transcript (a server keeps its own)."""
+        self._answer_unanswered_calls()
         return self._turn(
             [ChatMessage("user", text)], sampling, max_tokens, cancel, fresh, entered_at
         )
@@ -295,13 +298,22 @@ class ConversationBase:
         self._check_answers(results)
         if self.tool_use is not None and self.tool_use.forced:  # the call asked for came
             self.offer_tools(dataclasses.replace(self.tool_use, choice="auto"))
-        return self._turn(results, sampling, max_tokens, cancel, False, None)
+        # The results stay even where the reply cannot start: the calls are answered.
+        return self._turn(results, sampling, max_tokens, cancel, False, None, keep=True)
 
     def record_results(self, results: list[ChatMessage]) -> None:
         """Commit results with no reply after them (calls the user did not allow: the next
         message goes on from there, the model told what became of its calls)."""
         self._check_answers(results)
         self._commit(results)
+
+    def _answer_unanswered_calls(self) -> None:
+        """Calls the branch ends on without results (a reply stopped on its way to them,
+        a fork made there) get one saying so: every template and server wants each call
+        answered before the next message."""
+        calls = self.exchanges[-1].record.tool_calls if self.exchanges else ()
+        if calls:
+            self._commit([ChatMessage("tool", NOT_RUN, tool_call_id=c.id) for c in calls])
 
     def _check_answers(self, results: list[ChatMessage]) -> None:
         calls = self.exchanges[-1].record.tool_calls if self.exchanges else ()
@@ -317,14 +329,21 @@ class ConversationBase:
         cancel: threading.Event | None,
         fresh: bool,
         entered_at: float | None,
+        keep: bool = False,
     ) -> ConversationTurn:
+        """Commit ``messages`` and start the reply; one that cannot start takes them back
+        (unless ``keep``: results stay, answering their calls)."""
         started = time.perf_counter()
         committed = self._commit(messages)
         window_before = self.window_first
         try:
             start = self._start_reply(sampling, max_tokens, cancel, fresh)
         except BaseException:
-            self._start_failed(self._take_back(committed, window_before))
+            if keep:
+                moved, self.window_first = self.window_first != window_before, window_before
+                self._start_failed(moved)
+            else:
+                self._start_failed(self._take_back(committed, window_before))
             raise
         turn = ConversationTurn(
             self,

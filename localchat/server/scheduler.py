@@ -103,7 +103,8 @@ class Scheduler:
         self._closing = False
         # Prompt lookup drafts where the engine drafts (exact where its kernels are): each
         # sequence's acceptance its own, what a step of n tokens costs shared by all.
-        self.drafting = self.engine.drafting
+        # (Not over a window cache: its rejected cells cannot always be cut back exactly.)
+        self.drafting = self.engine.drafting and not self.engine.windowed
         self._step_costs = DraftPolicy(max_step=batch.capacity)
 
     def answer(self, job: Job) -> TurnStats:
@@ -257,7 +258,7 @@ class Scheduler:
         total = len(generating)
         for running in generating:
             assert running.next_token is not None
-            running.draft = self._draft(running, total)
+            running.draft = self._draft(running, total, batch.capacity - total)
             total += len(running.draft.tokens)
             tokens = [running.next_token, *running.draft.tokens]
             chunks.append(Chunk(running.seq, tokens, every=bool(running.draft.tokens)))
@@ -288,15 +289,17 @@ class Scheduler:
             elif running.seq in rows:
                 self._take(running, rows[running.seq], now)
 
-    def _draft(self, running: _Running, base: int) -> Draft:
+    def _draft(self, running: _Running, base: int, spare: int) -> Draft:
         """The tokens that followed the latest earlier occurrence of the sequence's last few
         (its prompt and reply), as many as its acceptance makes worth verifying in a step
-        of ``base`` other tokens; none where drafting is off or does not pay."""
+        of ``base`` other tokens (and the step has ``spare`` places left); none where
+        drafting is off or does not pay."""
         policy = running.policy
-        if policy is None:
+        if policy is None or spare <= 0:
             return Draft([])
         job, reply = running.job, running.reply
         room = min(
+            spare,
             job.max_tokens - reply.generated,
             self.batch.n_ctx_seq - len(job.prompt) - len(reply.tokens) - 1,
         )

@@ -9,6 +9,9 @@ from localchat.chat.tools import ToolCall
 # What the user may answer when a call waits for consent.
 RUN_ONCE, ALWAYS, DENY = "once", "always", "deny"
 DENIED_RESULT = "error: the user did not allow this call"
+# Rounds of calls one message leads to at most: a model that keeps calling stops there.
+MAX_ROUNDS = 8
+STOPPED_RESULT = f"error: localchat stops after {MAX_ROUNDS} rounds of tool calls"
 
 
 @dataclass

@@ -14,18 +14,26 @@ import asyncio
 import contextlib
 import os
 import threading
+import time
 from collections.abc import Coroutine
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO, TypeVar
 
 from localchat.chat.tools import ToolCall, ToolSpec
-from localchat.errors import one_line
+from localchat.errors import LocalchatError, one_line
+from localchat.paths import ensure_private_dir
 from localchat.tools.config import McpServerConfig
 from localchat.tools.results import DEFAULT_RESULT_CHARS, ToolResult, failure, limited
 
 if TYPE_CHECKING:
     from mcp import Client
+
+
+class ToolServerError(LocalchatError):
+    """A server that cannot be reached as configured (the message says why)."""
+
 
 T = TypeVar("T")
 START_TIMEOUT_S = 30.0  # a server that has not listed its tools by then is reported down
@@ -73,6 +81,7 @@ class ToolServers:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._logs: list[TextIO] = []
+        self._tasks: list[Future[None]] = []
 
     # -- the lifecycle --------------------------------------------------------------------
     def start(self, timeout_s: float = START_TIMEOUT_S) -> list[str]:
@@ -83,10 +92,12 @@ class ToolServers:
         loop = self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=loop.run_forever, name="mcp-servers", daemon=True)
         self._thread.start()
+        self._tasks = [
+            asyncio.run_coroutine_threadsafe(self._serve(each), loop) for each in self._links
+        ]
+        deadline = time.monotonic() + timeout_s  # one wait for all: they start side by side
         for link in self._links:
-            asyncio.run_coroutine_threadsafe(self._serve(link), loop)
-        for link in self._links:
-            if not link.ready.wait(timeout_s):
+            if not link.ready.wait(max(0.0, deadline - time.monotonic())):
                 link.status.state = f"failed: no answer within {timeout_s:.0f} s"
         return [
             f"MCP server {link.status.name!r} {link.status.state}"
@@ -105,6 +116,10 @@ class ToolServers:
                 loop.call_soon_threadsafe(stop.set)
         with contextlib.suppress(Exception):
             self._submit(self._all_stopped(), STOP_TIMEOUT_S)
+        for task in self._tasks:  # one still connecting (a slow start): given up
+            task.cancel()
+        for link in self._links:
+            link.ready.set()
         loop.call_soon_threadsafe(loop.stop)
         if self._thread is not None:
             self._thread.join(STOP_TIMEOUT_S)
@@ -159,11 +174,10 @@ class ToolServers:
 
     # -- on the loop ----------------------------------------------------------------------
     def _link_of(self, tool: str) -> _Link | None:
-        """The server with ``tool``: a running one first, else the one that had it."""
-        having = [link for link in self._links if any(t.name == tool for t in link.status.tools)]
-        return next((link for link in having if link.status.running), None) or next(
-            iter(having), None
-        )
+        """The server whose ``tool`` the model was offered (the first that lists the name),
+        running or not: a call never goes to another server the user did not see."""
+        having = (each for each in self._links if any(t.name == tool for t in each.status.tools))
+        return next(having, None)
 
     def _submit(self, coroutine: Coroutine[Any, Any, T], timeout_s: float) -> T:
         assert self._loop is not None
@@ -207,7 +221,10 @@ class ToolServers:
             from mcp.client.streamable_http import streamable_http_client
             from mcp.shared._httpx_utils import create_mcp_http_client
 
-            headers = {k: os.environ.get(v, "") for k, v in config.headers_env.items()}
+            missing = [v for v in config.headers_env.values() if not os.environ.get(v)]
+            if missing:
+                raise ToolServerError(f"the variable {missing[0]} (headers_env) is not set")
+            headers = {k: os.environ[v] for k, v in config.headers_env.items()}
             client = create_mcp_http_client(headers=headers or None)
             return streamable_http_client(config.url, http_client=client)
         from mcp.client.stdio import StdioServerParameters, stdio_client
@@ -222,7 +239,7 @@ class ToolServers:
 
     def _log(self, name: str) -> TextIO:
         """The server's stderr: appended to its log file, readable by the user only."""
-        self._log_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        ensure_private_dir(self._log_dir)
         path = self._log_dir / f"mcp-{name}.log"
         descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
         log = os.fdopen(descriptor, "a", encoding="utf-8")

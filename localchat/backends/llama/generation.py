@@ -216,7 +216,7 @@ class Generation:
                     stats.stop_reason = "context"
                     break
             yield from _shown(reply.flush(), calls)
-            if calls is not None:
+            if calls is not None and stats.stop_reason != "cancelled":  # stopped: no calls
                 rest, self.tool_calls = calls.finish()
                 if rest:
                     yield TokenDelta(None, rest)

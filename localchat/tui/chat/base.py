@@ -84,6 +84,7 @@ class ChatScreenBase(Screen[None], ReportsWorkerFailures):
         self._sent: tuple[str, list[Attachment], list[int]] = ("", [], [])
         # Tools the user allowed for good, per conversation (by its id).
         self.tool_consents: dict[str, Consent] = {}
+        self.tool_rounds = 0  # rounds of calls since the user's last message
 
     def compose(self) -> ComposeResult:
         yield Header()

@@ -18,10 +18,10 @@ from localchat.backends.compute_thread import run_compute
 from localchat.chat.attachments import with_attachments
 from localchat.chat.template import ChatMessage
 from localchat.chat.tools import ToolCall
-from localchat.conversation.base import ConversationBase
+from localchat.conversation.base import NOT_RUN, ConversationBase
 from localchat.conversation.turn import ConversationTurn
 from localchat.errors import LocalchatError
-from localchat.tools.consent import Consent
+from localchat.tools.consent import MAX_ROUNDS, STOPPED_RESULT, Consent
 from localchat.tools.results import failure
 from localchat.tui.chat.base import ChatScreenBase
 from localchat.tui.messages import ReplyChunk, ReplyFailed, ReplyFinished
@@ -248,18 +248,55 @@ class TurnStreaming(ChatScreenBase):
             await log.mount(Notice("stopped — the partial reply is kept"))
         calls = message.turn.generation.tool_calls
         if calls and conversation is not None and stats.stop_reason != "cancelled":
-            self.run_worker(self._tool_round(conversation, calls), group="tools", exclusive=True)
+            self.tool_rounds += 1
+            self.run_worker(
+                self._tool_round(conversation, calls),
+                group="tools",
+                exclusive=True,
+                exit_on_error=False,
+            )
             return  # still answering: the calls run, then the reply reads their results
+        self.tool_rounds = 0
         self.generating = False
         self.read_ahead_box()  # typed while the reply was written
 
     async def _tool_round(self, conversation: ConversationBase, calls: list[ToolCall]) -> None:
         """Each call shown and run where the user allows it (asked unless allowed for this
-        conversation); a denied call's result tells the model so. Then the reply reads them."""
+        conversation); a denied call's result tells the model so. Then the reply reads them.
+        However the round ends (stopped, failed, the app quitting), the calls it did not
+        answer are answered as not run."""
+        results: list[ChatMessage] = []
+        go_on = False
+        try:
+            if self.tool_rounds > MAX_ROUNDS:
+                results = [ChatMessage("tool", STOPPED_RESULT, tool_call_id=c.id) for c in calls]
+                self.notify(STOPPED_RESULT.removeprefix("error: "), title="Tools")
+                return
+            await self._run_calls(conversation, calls, results)
+            go_on = not (
+                self._cancel.is_set() or self.torn_down() or conversation is not self.conversation
+            )
+        finally:
+            answered = {m.tool_call_id for m in results}
+            results += [
+                ChatMessage("tool", NOT_RUN, tool_call_id=c.id)
+                for c in calls
+                if c.id not in answered
+            ]
+            if go_on:
+                await self.start_results_turn(results)
+            else:
+                self.tool_rounds = 0
+                self.generating = False
+                with contextlib.suppress(Exception):  # quitting: the next send answers them
+                    await asyncio.to_thread(run_compute, conversation.record_results, results)
+
+    async def _run_calls(
+        self, conversation: ConversationBase, calls: list[ToolCall], results: list[ChatMessage]
+    ) -> None:
         session = self.session
         consent = self.tool_consents.setdefault(conversation.record.id, Consent())
         log = self.query_one("#log", VerticalScroll)
-        results = []
         for call in calls:
             view = ToolCallView(call)
             await log.mount(view)
@@ -269,17 +306,14 @@ class TurnStreaming(ChatScreenBase):
                 server = session.tools.server_of(call.name) if session and session.tools else None
                 choice = await self.app.push_screen_wait(ToolConsentScreen(call, server))
                 allowed = consent.answer(call, choice)
-            if allowed and session is not None and not self._cancel.is_set():
+            if self._cancel.is_set():
+                result = failure("the user stopped the reply")
+            elif allowed and session is not None:
                 result = await asyncio.to_thread(session.run_tool, call)
             else:
                 result = failure("the user did not allow this call")
             view.show_result(result.text, result.is_error)
             results.append(ChatMessage("tool", result.text, tool_call_id=call.id))
-        if self._cancel.is_set() or self.torn_down() or conversation is not self.conversation:
-            await asyncio.to_thread(run_compute, conversation.record_results, results)
-            self.generating = False
-            return
-        await self.start_results_turn(results)
 
     async def on_reply_failed(self, message: ReplyFailed) -> None:
         await self._end_stream()

@@ -4,6 +4,7 @@ or deny it (the model is told). The call is shown as text, never as markup."""
 from __future__ import annotations
 
 import json
+import time
 from typing import ClassVar
 
 from rich.text import Text
@@ -18,21 +19,26 @@ from localchat.chat.tools import ToolCall
 from localchat.text import printable
 from localchat.tools.consent import ALWAYS, DENY, RUN_ONCE
 
+# It opens by itself when a reply ends, maybe while the user types: keys pressed this soon
+# after are not an answer.
+ARMED_AFTER_S = 0.6
+
 
 class ToolConsentScreen(ModalScreen[str]):
-    """Enter runs once, A allows the tool for this conversation, Esc or D denies."""
+    """The buttons answer (Tab or the arrows move between them); Esc denies. No letter keys:
+    the dialog opens while the user may be typing."""
 
     BINDINGS: ClassVar[list[BindingType]] = [
         Binding("escape", "answer('deny')", "Deny", id="consent-deny"),
-        Binding("d", "answer('deny')", "Deny", show=False, id="consent-deny-key"),
-        Binding("a", "answer('always')", "Always", id="consent-always"),
-        Binding("o", "answer('once')", "Run once", id="consent-once"),
+        Binding("left", "app.focus_previous", show=False, id="consent-previous"),
+        Binding("right", "app.focus_next", show=False, id="consent-next"),
     ]
 
     def __init__(self, call: ToolCall, server: str | None) -> None:
         super().__init__(classes="dialog-screen")
         self.call = call
         self.server = server
+        self._armed_at = float("inf")  # from when it is shown
 
     def compose(self) -> ComposeResult:
         arguments = json.dumps(self.call.arguments, indent=2, ensure_ascii=False)
@@ -51,11 +57,18 @@ class ToolConsentScreen(ModalScreen[str]):
             )
 
     def on_mount(self) -> None:
+        self._armed_at = time.monotonic() + ARMED_AFTER_S
         self.query_one(f"#{RUN_ONCE}", Button).focus()
+
+    @property
+    def armed(self) -> bool:
+        """Whether a button press now is an answer (not a key typed for the message box)."""
+        return time.monotonic() >= self._armed_at
 
     @on(Button.Pressed)
     def pressed(self, event: Button.Pressed) -> None:
-        self.dismiss(event.button.id or DENY)
+        if self.armed:
+            self.dismiss(event.button.id or DENY)
 
     def action_answer(self, choice: str) -> None:
-        self.dismiss(choice)
+        self.dismiss(choice)  # Esc: denying is always safe
