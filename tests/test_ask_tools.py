@@ -220,3 +220,32 @@ def test_calls_left_without_results_are_answered_before_the_next_message(
         conversation.close()
         engine.close()
         store.close()
+
+
+def test_the_loop_over_a_server_sends_tools_and_reads_its_calls(
+    smollm2: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``ask --server`` against ``localchat serve``: the tools go as OpenAI's ``tools``, the
+    server's ``tool_calls`` come back, run here, and their result goes back as a ``tool``
+    message, which the server evaluates alone (the rest is in its cache)."""
+    from tests.test_serve import Served
+
+    served = Served(smollm2, tmp_path / "states")
+    try:
+        server = f"{served.root}/v1"
+        code, out, err = _ask(
+            capsys, "What is 2 plus 3?", "--server", server, "--tool-choice", "add", "--yes",
+            "--conversation", "wire", "--json",
+        )  # fmt: skip
+        assert code == 0, err
+        payload = json.loads(out)
+        first = payload["tool_calls"][0]
+        assert first["name"] == "add" and not first["is_error"]
+        assert first["result"] == str(float(first["arguments"]["a"] + first["arguments"]["b"]))
+        stats = payload["stats"]  # the last request: results and the cue, the rest cached
+        assert stats["prompt_tokens_evaluated"] < stats["prompt_tokens"] / 4
+        messages = _export(capsys, "wire")
+        assert [m["role"] for m in messages[:3]] == ["user", "assistant", "tool"]
+        assert messages[1]["tool_calls"][0]["id"] == messages[2]["tool_call_id"]
+    finally:
+        served.close()

@@ -56,6 +56,8 @@ def served(smollm2: Path, tmp_path: Path) -> Iterator[Served]:
 
 def test_a_required_call_then_its_result_continue_from_the_cache(served: Served) -> None:
     client = _client(served.root)
+    logged: list = []
+    served.runner.on_turn = logged.append  # what the request log writes
     cities = {"type": "string", "enum": ["Oslo", "Rome", "Paris"]}  # not left to the build
     weather = {"type": "function", "function": {**WEATHER["function"], "parameters": {  # type: ignore[dict-item]
         "type": "object", "properties": {"city": cities}, "required": ["city"]}}}  # fmt: skip
@@ -66,6 +68,7 @@ def test_a_required_call_then_its_result_continue_from_the_cache(served: Served)
     )  # fmt: skip
     choice = first.choices[0]
     assert choice.finish_reason == "tool_calls" and not choice.message.content
+    assert logged[-1].finish == "tool_calls"
     assert choice.message.tool_calls is not None
     call = choice.message.tool_calls[0]
     assert call.function.name == "get_weather"  # type: ignore[union-attr]

@@ -59,7 +59,7 @@ class TurnRecord:
     """One answered request, as the log shows it."""
 
     endpoint: str  # "chat" or "completions"
-    finish: str  # "stop", "length", "cancelled"
+    finish: str  # "stop", "length", "tool_calls", "cancelled"
     prompt_tokens: int
     cached_tokens: int  # not evaluated: held in memory or restored from disk
     restored_tokens: int  # of those, restored from a state on disk
@@ -204,7 +204,11 @@ class ModelRunner:
         stats = job.stats
         return TurnRecord(
             "chat" if job.request.messages is not None else "completions",
-            "cancelled" if stats.stop_reason == "cancelled" else finish_reason(stats),
+            "cancelled"
+            if stats.stop_reason == "cancelled"
+            else "tool_calls"
+            if job.made_calls
+            else finish_reason(stats),
             stats.prompt_tokens,
             stats.prompt_tokens - stats.prompt_tokens_evaluated,
             job.restored,

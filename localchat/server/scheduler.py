@@ -30,6 +30,7 @@ from localchat.backends.llama.generation import ReplyText
 from localchat.backends.llama.grammar import GrammarError
 from localchat.chat.prompt import common_prefix
 from localchat.chat.stops import StopFilter
+from localchat.chat.tools import parse_tool_calls
 from localchat.server.api import ApiError, GenerationRequest
 from localchat.server.prompt_cache import BLOCK, CacheHit, PromptCache
 
@@ -56,6 +57,7 @@ class Job:
     started: bool = False  # it held a sequence (else it left the queue unanswered)
     spelled: frozenset[int] = frozenset()  # control tokens its text keeps (tool calls)
     grammar: str | None = None  # GBNF the reply must follow (a required tool call)
+    made_calls: bool = False  # the reply called tools (its log line says so)
     error: BaseException | None = None
 
 
@@ -394,6 +396,10 @@ class Scheduler:
                     except Exception:
                         job.cancel.set()
             reply.close()
+            use = job.request.tool_use
+            if use.reads_calls:
+                family = self.engine.template.tool_family
+                job.made_calls = bool(parse_tool_calls(reply.text, family, use.names)[1])
             stats = job.stats
             stats.stop_reason = reason
             held = len(self.batch.tokens[running.seq])
