@@ -203,7 +203,7 @@ class Generation:
                     stats.gen_tps = (reply.generated - 1) / (now - first_at)
                 if reply.stopped:  # said before the last deltas: a reader may stop at them
                     stats.stop_reason = "stop"
-                yield from _shown(deltas, calls)
+                yield from deltas if calls is None else _shown(deltas, calls)
                 if reply.stopped:
                     break
                 if self._cancel is not None and self._cancel.is_set():
