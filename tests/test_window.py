@@ -159,6 +159,15 @@ def test_plan_keeps_pairs_together_and_drops_a_share() -> None:
     assert not fits.moved
 
 
+def test_a_turn_that_reads_tool_results_keeps_their_question_and_calls() -> None:
+    policy = WindowPolicy(reply_reserve_share=0.25, drop_share=0.25)
+    messages = [("user", 40), ("assistant", 40), ("user", 40), ("assistant", 60), ("tool", 80)]
+    plan = plan_window(20, messages, 0, 256, 64, policy)
+    # The old exchange goes; the question, its calls and their results stay (cut if need be).
+    assert plan.first == 2 and plan.dropped_messages == 2
+    assert plan_window(20, messages, 0, 200, 64, policy).first == 2
+
+
 def test_context_too_small_for_the_system_prompt_names_the_minimum() -> None:
     with pytest.raises(UsageError, match=r"use --ctx 316 or more"):
         plan_window(300, [("user", 5)], 0, 256, 0, WindowPolicy())

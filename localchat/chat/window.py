@@ -92,8 +92,12 @@ def plan_window(
     if total <= budget:
         return WindowPlan(first, 0, 0)
     must_drop = max(total - budget, int(n_ctx * policy.drop_share))
+    # Never past the last user message: a turn that reads tool results keeps the question,
+    # the calls and their results together (what is still too long is cut, as it says).
+    users = [i for i in range(first, newest + 1) if messages[i][0] == "user"]
+    last = users[-1] if users else newest
     start, dropped, left = first, 0, 0
-    while start < newest and (dropped < must_drop or messages[start][0] != "user"):
+    while start < last and (dropped < must_drop or messages[start][0] != "user"):
         if not (start < len(pinned) and pinned[start]):
             dropped += messages[start][1]
             left += 1
