@@ -54,6 +54,7 @@ def test_a_call_without_consent_stops_the_ask_with_exit_2(
         "mistral-nemo.jinja",
         "phi-4-mini.jinja",
         "lfm2.jinja",
+        "deepseek-r1-distill-qwen.jinja",
     ],
 )
 def test_an_allowed_call_runs_and_the_reply_reads_only_its_result(

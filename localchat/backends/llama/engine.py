@@ -40,6 +40,7 @@ from localchat.chat.formats import (
     format_from_override,
 )
 from localchat.chat.prompt import PromptBuilder
+from localchat.chat.reasoning import CLOSE, opens_reasoning
 from localchat.chat.template import ChatMessage, ChatTemplate
 from localchat.chat.tools import ToolSpec, ToolUse
 from localchat.cpu import physical_cores
@@ -498,6 +499,11 @@ class Engine(KVCache):
         tokens = list(prompt_tokens)
         if not tokens:
             raise UsageError("empty prompt")
+        forced = tool_use is not None and tool_use.forced
+        if forced and opens_reasoning(self.detokenize(tokens[-8:], special=True)):
+            # A call is required now: the reasoning block the template opened is closed
+            # first (as llama.cpp's server does), so the call is the answer, and read.
+            tokens += self.tokenize(CLOSE + "\n\n", special=True)
         if len(tokens) >= self.n_ctx:
             raise UsageError(
                 f"the prompt is {len(tokens)} tokens but the context holds {self.n_ctx};"
