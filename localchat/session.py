@@ -232,12 +232,12 @@ class Session:
         if self.conversation is not None:
             run_compute(self.conversation.offer_tools, self.tool_use())
 
-    def run_tool(self, call: ToolCall) -> ToolResult:
+    def run_tool(self, call: ToolCall, cancel: threading.Event | None = None) -> ToolResult:
         """Run a call the user allowed; its result as the model reads it (an error result
-        where the server is down)."""
+        where the server is down, or ``cancel`` was set while it ran)."""
         if self.tools is None:
             return failure(f"no MCP server has a tool named {call.name!r}")
-        return self.tools.call(call)
+        return self.tools.call(call, cancel)
 
     # -- which model answers ----------------------------------------------------------------
     def startup_model(

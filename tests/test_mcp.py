@@ -9,6 +9,7 @@ import socket
 import stat
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -214,3 +215,13 @@ def test_a_server_over_streamable_http(tmp_path: Path) -> None:
     finally:
         process.terminate()
         process.wait(30)
+
+
+def test_a_call_the_user_stops_returns_at_once(servers: ToolServers) -> None:
+    stop = threading.Event()
+    threading.Timer(0.3, stop.set).start()
+    started = time.monotonic()
+    result = servers.call(ToolCall("slow", {"seconds": 60}), stop)
+    assert result.is_error and "the user stopped the call" in result.text
+    assert time.monotonic() - started < 30  # not the tool's minute
+    assert servers.call(ToolCall("ping", {})).text == "pong"  # the server goes on

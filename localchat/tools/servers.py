@@ -31,6 +31,10 @@ if TYPE_CHECKING:
     from mcp import Client
 
 
+class CallCancelled(Exception):
+    """The user stopped a call while it ran."""
+
+
 class ToolServerError(LocalchatError):
     """A server that cannot be reached as configured (the message says why)."""
 
@@ -38,6 +42,7 @@ class ToolServerError(LocalchatError):
 T = TypeVar("T")
 START_TIMEOUT_S = 30.0  # a server that has not listed its tools by then is reported down
 STOP_TIMEOUT_S = 5.0
+CANCEL_POLL_S = 0.1  # how often a call's wait looks at its cancel flag
 
 
 @dataclass
@@ -148,8 +153,9 @@ class ToolServers:
         link = self._link_of(tool)
         return None if link is None else link.status.name
 
-    def call(self, call: ToolCall) -> ToolResult:
-        """Run ``call`` on its server and wait for the result (cut to the size limit)."""
+    def call(self, call: ToolCall, cancel: threading.Event | None = None) -> ToolResult:
+        """Run ``call`` on its server and wait for the result (cut to the size limit);
+        ``cancel`` set while it runs stops the wait (the model is told so)."""
         link = self._link_of(call.name)
         if link is None:
             return failure(f"no MCP server has a tool named {call.name!r}")
@@ -158,9 +164,11 @@ class ToolServers:
             return failure(f"the MCP server {link.status.name!r} {link.status.state}")
         timeout = link.config.timeout_s
         try:
-            result = self._submit(client.call_tool(call.name, call.arguments), timeout)
+            result = self._submit(client.call_tool(call.name, call.arguments), timeout, cancel)
         except TimeoutError:
             return failure(f"{call.name} gave no result within {timeout:.0f} s")
+        except CallCancelled:
+            return failure("the user stopped the call")
         except Exception as exc:  # the server died or broke the protocol: it is down
             link.status.state = f"stopped: {_reason(exc)}"
             if self._loop is not None and link.stop is not None:
@@ -179,12 +187,29 @@ class ToolServers:
         having = (each for each in self._links if any(t.name == tool for t in each.status.tools))
         return next(having, None)
 
-    def _submit(self, coroutine: Coroutine[Any, Any, T], timeout_s: float) -> T:
+    def _submit(
+        self,
+        coroutine: Coroutine[Any, Any, T],
+        timeout_s: float,
+        cancel: threading.Event | None = None,
+    ) -> T:
+        """Run ``coroutine`` on the loop and wait for it: ``TimeoutError`` past ``timeout_s``,
+        ``CallCancelled`` once ``cancel`` is set (it is then cancelled there)."""
         assert self._loop is not None
         future = asyncio.run_coroutine_threadsafe(coroutine, self._loop)
+        deadline = time.monotonic() + timeout_s
         try:
-            return future.result(timeout_s)
-        except TimeoutError:
+            while True:
+                if cancel is not None and cancel.is_set():
+                    raise CallCancelled
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError
+                try:
+                    return future.result(min(left, CANCEL_POLL_S))
+                except TimeoutError:
+                    continue
+        except (TimeoutError, CallCancelled):
             future.cancel()
             raise
 

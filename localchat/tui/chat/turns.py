@@ -309,7 +309,7 @@ class TurnStreaming(ChatScreenBase):
             if self._cancel.is_set():
                 result = failure("the user stopped the reply")
             elif allowed and session is not None:
-                result = await asyncio.to_thread(session.run_tool, call)
+                result = await asyncio.to_thread(session.run_tool, call, self._cancel)
             else:
                 result = failure("the user did not allow this call")
             view.show_result(result.text, result.is_error)
