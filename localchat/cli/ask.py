@@ -205,6 +205,7 @@ def _stream(
     safe = out.isatty()
     dim = sys.stderr.isatty()
     stream = iter(deltas)
+    wrote = False  # a reply that only calls tools writes no line of its own
     try:
         for delta in stream:
             if args.json:
@@ -214,13 +215,15 @@ def _stream(
                 sys.stderr.write(f"\x1b[2m{text}\x1b[0m" if dim else text)
                 sys.stderr.flush()
                 continue
-            out.write(printable(delta.text) if safe else delta.text)
-            out.flush()
+            if delta.text:
+                out.write(printable(delta.text) if safe else delta.text)
+                out.flush()
+                wrote = True
     except KeyboardInterrupt:
         cancel.set()
         _close_after_interrupt(stream)
         return True
-    if not args.json:
+    if wrote:
         out.write("\n")
     return False
 
