@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from datetime import datetime
 from typing import Any
@@ -45,21 +46,24 @@ class ChatMessage:
     def as_template_message(self) -> dict[str, Any]:
         """The message as templates index it (OpenAI's shape; keys only where set: some
         templates test ``'tool_calls' in message``)."""
+        return self._as_dict(ToolCall.as_message)
+
+    def as_openai(self) -> dict[str, Any]:
+        """The message as OpenAI's API takes it (a call's arguments as JSON text)."""
+        return self._as_dict(ToolCall.as_openai)
+
+    def _as_dict(self, call_form: Callable[[ToolCall], dict[str, Any]]) -> dict[str, Any]:
         message: dict[str, Any] = {"role": self.role, "content": self.content}
         if self.tool_calls:
-            message["tool_calls"] = [call.as_message() for call in self.tool_calls]
+            message["tool_calls"] = [call_form(call) for call in self.tool_calls]
         if self.tool_call_id:
             message["tool_call_id"] = self.tool_call_id
         return message
 
-    def as_openai(self) -> dict[str, Any]:
-        """The message as OpenAI's API takes it (a call's arguments as JSON text)."""
-        message: dict[str, Any] = {"role": self.role, "content": self.content}
-        if self.tool_calls:
-            message["tool_calls"] = [call.as_openai() for call in self.tool_calls]
-        if self.tool_call_id:
-            message["tool_call_id"] = self.tool_call_id
-        return message
+
+def results_saying(calls: Sequence[ToolCall], text: str) -> list[ChatMessage]:
+    """A ``tool`` message for each of ``calls``, all saying ``text`` (calls that never ran)."""
+    return [ChatMessage("tool", text, tool_call_id=call.id) for call in calls]
 
 
 @dataclass(frozen=True)

@@ -71,11 +71,9 @@ class ToolCall:
 
     def as_openai(self) -> dict[str, Any]:
         """The call as OpenAI's API sends it: arguments as JSON text."""
-        return {
-            "id": self.id,
-            "type": "function",
-            "function": {"name": self.name, "arguments": json.dumps(self.arguments)},
-        }
+        message = self.as_message()
+        message["function"]["arguments"] = json.dumps(self.arguments)
+        return message
 
 
 TOOL_CHOICES = ("auto", "none", "required")

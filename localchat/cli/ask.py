@@ -35,11 +35,11 @@ LOCAL_ONLY_FLAGS = ("model_path", "template", "kv_type", "threads", "speculative
 
 def cmd_ask(args: argparse.Namespace, out: TextIO) -> int:
     from localchat.backends.base import Sampling
-    from localchat.chat.template import ChatMessage
+    from localchat.chat.template import ChatMessage, results_saying
     from localchat.cli.tool_loop import AskTools
     from localchat.session import Session
     from localchat.settings import load_settings
-    from localchat.tools.consent import MAX_ROUNDS, STOPPED_RESULT, Consent
+    from localchat.tools.consent import DENIED_RESULT, MAX_ROUNDS, STOPPED, STOPPED_RESULT, Consent
 
     if args.fresh and not args.conversation:
         raise UsageError("--fresh needs --conversation NAME (a one-off ask has no saved state)")
@@ -81,7 +81,7 @@ def cmd_ask(args: argparse.Namespace, out: TextIO) -> int:
             results = tools.run(calls)
             if results is None:  # not allowed: the ask stops here
                 if conversation is not None:
-                    conversation.record_results(tools.not_run(calls))
+                    conversation.record_results(results_saying(calls, DENIED_RESULT))
                 break
             if conversation is not None:  # a forced choice is relaxed there, as here
                 turn = conversation.send_results(results, sampling, max_tokens, cancel)
@@ -94,10 +94,10 @@ def cmd_ask(args: argparse.Namespace, out: TextIO) -> int:
             interrupted = _stream(turn, args, cancel, out)
         else:
             if turn.generation.tool_calls:
-                print(f"localchat: tool: {STOPPED_RESULT.removeprefix('error: ')}", file=sys.stderr)
+                print(f"localchat: tool: {STOPPED}", file=sys.stderr)
                 if conversation is not None:
                     conversation.record_results(
-                        tools.not_run(turn.generation.tool_calls, STOPPED_RESULT)
+                        results_saying(turn.generation.tool_calls, STOPPED_RESULT)
                     )
         notices = list(turn.notices)
         save_error = conversation.wait_saved() if conversation is not None else None

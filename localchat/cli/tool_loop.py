@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 from localchat.chat.template import ChatMessage
 from localchat.chat.tools import ToolCall
 from localchat.text import shown
-from localchat.tools.consent import DENIED_RESULT, Consent
+from localchat.tools.consent import Consent
 from localchat.tools.results import ToolResult
 
 if TYPE_CHECKING:
@@ -69,16 +69,10 @@ class AskTools:
             self._say(f"running {_spelled(call)}")
             result = self.session.run_tool(call)
             self.records.append(CallRecord(call, result))
-            self._say(
-                f"{call.name} {'failed' if result.is_error else 'returned'}: {shown(result.text, 200)}"
-            )
+            outcome = "failed" if result.is_error else "returned"
+            self._say(f"{shown(call.name)} {outcome}: {shown(result.text, 200)}")
             results.append(ChatMessage("tool", result.text, tool_call_id=call.id))
         return results
-
-    @staticmethod
-    def not_run(calls: list[ToolCall], why: str = DENIED_RESULT) -> list[ChatMessage]:
-        """What the transcript keeps for calls that did not run."""
-        return [ChatMessage("tool", why, tool_call_id=call.id) for call in calls]
 
     def _say(self, line: str) -> None:
         print(f"localchat: tool: {line}", file=self.err or sys.stderr)

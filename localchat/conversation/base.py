@@ -16,7 +16,7 @@ from typing import Any, Concatenate, ParamSpec, TypeVar
 
 from localchat.backends.base import Backend, Reply, Sampling
 from localchat.backends.compute_thread import run_compute
-from localchat.chat.template import ChatMessage
+from localchat.chat.template import ChatMessage, results_saying
 from localchat.chat.tools import ToolUse
 from localchat.chat.window import WindowPolicy
 from localchat.conversation.turn import (
@@ -313,7 +313,7 @@ class ConversationBase:
         answered before the next message."""
         calls = self.exchanges[-1].record.tool_calls if self.exchanges else ()
         if calls:
-            self._commit([ChatMessage("tool", NOT_RUN, tool_call_id=c.id) for c in calls])
+            self._commit(results_saying(calls, NOT_RUN))
 
     def _check_answers(self, results: list[ChatMessage]) -> None:
         calls = self.exchanges[-1].record.tool_calls if self.exchanges else ()

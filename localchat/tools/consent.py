@@ -9,9 +9,11 @@ from localchat.chat.tools import ToolCall
 # What the user may answer when a call waits for consent.
 RUN_ONCE, ALWAYS, DENY = "once", "always", "deny"
 DENIED_RESULT = "error: the user did not allow this call"
-# Rounds of calls one message leads to at most: a model that keeps calling stops there.
+# Rounds of calls one message leads to at most: a model that keeps calling stops there
+# (``STOPPED`` said to the user, ``STOPPED_RESULT`` what the calls left get).
 MAX_ROUNDS = 8
-STOPPED_RESULT = f"error: localchat stops after {MAX_ROUNDS} rounds of tool calls"
+STOPPED = f"localchat stops after {MAX_ROUNDS} rounds of tool calls"
+STOPPED_RESULT = f"error: {STOPPED}"
 
 
 @dataclass

@@ -16,13 +16,13 @@ from textual.widgets import Markdown
 from localchat.backends.base import Sampling, TurnStats
 from localchat.backends.compute_thread import run_compute
 from localchat.chat.attachments import with_attachments
-from localchat.chat.template import ChatMessage
+from localchat.chat.template import ChatMessage, results_saying
 from localchat.chat.tools import ToolCall
 from localchat.conversation.base import NOT_RUN, ConversationBase
 from localchat.conversation.turn import ConversationTurn
 from localchat.errors import LocalchatError
-from localchat.tools.consent import MAX_ROUNDS, STOPPED_RESULT, Consent
-from localchat.tools.results import failure
+from localchat.tools.consent import DENIED_RESULT, MAX_ROUNDS, STOPPED, STOPPED_RESULT, Consent
+from localchat.tools.results import ToolResult, failure
 from localchat.tui.chat.base import ChatScreenBase
 from localchat.tui.messages import ReplyChunk, ReplyFailed, ReplyFinished
 from localchat.tui.pacing import MIN_INTERVAL_S, FramePacer
@@ -269,8 +269,8 @@ class TurnStreaming(ChatScreenBase):
         go_on = False
         try:
             if self.tool_rounds > MAX_ROUNDS:
-                results = [ChatMessage("tool", STOPPED_RESULT, tool_call_id=c.id) for c in calls]
-                self.notify(STOPPED_RESULT.removeprefix("error: "), title="Tools")
+                results = results_saying(calls, STOPPED_RESULT)
+                self.notify(STOPPED, title="Tools")
                 return
             await self._run_calls(conversation, calls, results)
             go_on = not (
@@ -278,11 +278,7 @@ class TurnStreaming(ChatScreenBase):
             )
         finally:
             answered = {m.tool_call_id for m in results}
-            results += [
-                ChatMessage("tool", NOT_RUN, tool_call_id=c.id)
-                for c in calls
-                if c.id not in answered
-            ]
+            results += results_saying([c for c in calls if c.id not in answered], NOT_RUN)
             if go_on:
                 await self.start_results_turn(results)
             else:
@@ -311,7 +307,7 @@ class TurnStreaming(ChatScreenBase):
             elif allowed and session is not None:
                 result = await asyncio.to_thread(session.run_tool, call, self._cancel)
             else:
-                result = failure("the user did not allow this call")
+                result = ToolResult(DENIED_RESULT, is_error=True)
             view.show_result(result.text, result.is_error)
             results.append(ChatMessage("tool", result.text, tool_call_id=call.id))
 
