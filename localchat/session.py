@@ -27,6 +27,7 @@ from localchat.conversation.prefix_states import (
 from localchat.conversation.records import fork_conversation
 from localchat.conversation.turn import RestoreReport, turn_stats_dict
 from localchat.errors import LocalchatError, UsageError
+from localchat.gguf.info import read_gguf
 from localchat.models.calibrate import speed_model_or_none
 from localchat.models.catalog import catalog_draft, catalog_template
 from localchat.models.demo import app_demo_path
@@ -382,7 +383,7 @@ class Session:
             # The flag's draft model must draft; the setting's or the catalog's is left out,
             # said in one line, for a model of another family.
             draft_required=draft_model is not None,
-            step_extra_cost=speed.batch_extra if speed else None,
+            step_costs=speed.step_costs(token_work(read_gguf(path))) if speed else None,
             draft_step_cost=draft.step_cost if draft else None,
             own_cells=own_cells,
         )

@@ -25,7 +25,7 @@ from localchat.models.catalog import CatalogError, catalog_draft, load_catalog
 from localchat.models.draft_plan import plan_draft, predicted_gain
 from localchat.models.hardware import Hardware
 from localchat.models.library import Library
-from localchat.models.speed import SpeedModel, SpeedPrediction, machine_name
+from localchat.models.speed import STEP_SIZES, SpeedModel, SpeedPrediction, machine_name
 from localchat.paths import app_paths
 from localchat.session import Session
 from localchat.settings import Settings
@@ -191,13 +191,24 @@ def test_the_draft_cache_follows_the_conversation_and_a_resume_rebuilds_it_cheap
     assert reopened <= REBUILD_TOKENS + 2 * 60 < held_then
 
 
+def _linear(extra: float) -> dict[int, float]:
+    return {n: 1.0 + extra * (n - 1) for n in (1, 2, 3, 5, 9)}
+
+
 def test_the_gain_is_predicted_from_the_step_cost_curve() -> None:
-    big, draft = SpeedPrediction(5.0, 20.0), SpeedPrediction(60.0, 300.0)
+    draft = SpeedPrediction(60.0, 300.0)
     # A GPU: verifying 8 tokens costs about one step; a draft 12x faster pays well.
-    length, gain = predicted_gain(big, draft, batch_extra=0.02)
+    length, gain = predicted_gain(SpeedPrediction(5.0, 20.0, _linear(0.02)), draft)
     assert gain > 1.6 and length >= 4
     # Two CPU cores: each extra token ~0.6 steps; a draft only 2x faster never pays.
-    assert predicted_gain(big, SpeedPrediction(10.0, 40.0), batch_extra=0.6) == (0, 1.0)
+    steep = SpeedPrediction(5.0, 20.0, _linear(0.6))
+    assert predicted_gain(steep, SpeedPrediction(10.0, 40.0)) == (0, 1.0)
+    # A curve flat for a few tokens, then steep (a memory-bound type): drafts stay short.
+    knee = SpeedPrediction(5.0, 20.0, {1: 1.0, 2: 1.0, 3: 1.05, 5: 2.5, 9: 5.0})
+    length, gain = predicted_gain(knee, draft)
+    assert 2 <= length <= 3 and gain > 1.4
+    # No curve (no calibration of it): the policy's default, ~0.6 steps a token.
+    assert predicted_gain(SpeedPrediction(5.0, 20.0), SpeedPrediction(10.0, 40.0)) == (0, 1.0)
 
 
 def test_the_plan_counts_the_draft_memory_and_its_gain(
@@ -318,8 +329,15 @@ def test_hw_plans_name_the_catalog_draft_where_it_would_pay() -> None:
     roomy = Hardware(64 * GIB, 64 * GIB, 8)
     costs = {t: 1e-10 for t in ("F16", "Q8_0", "Q6_K", "Q5_K", "Q4_K", "Q3_K", "Q2_K")}
 
-    def drafts(batch_extra: float) -> dict[str, str | None]:
-        speed = SpeedModel(costs, 1e-4, costs, 1e-5, machine_name(), 8, batch_extra=batch_extra)
+    def drafts(extra: float) -> dict[str, str | None]:
+        # Every step size costs its fixed part plus per byte, a share ``extra`` of a single
+        # step's per extra token.
+        steps = {t: [c * (1 + extra * (n - 1)) for n in STEP_SIZES] for t, c in costs.items()}
+        fixed = [1e-4 * (1 + extra * (n - 1)) for n in STEP_SIZES]
+        speed = SpeedModel(
+            costs, 1e-4, costs, 1e-5, machine_name(), 8, step_s_per_byte=steps,
+            step_overhead_s=fixed,
+        )  # fmt: skip
         plans = with_catalog_drafts(
             catalog, plan_catalog(catalog, roomy, 8192, speed), roomy, speed
         )

@@ -16,6 +16,7 @@ from localchat.backends.base import Sampling
 from localchat.backends.llama.draft_policy import (
     DEEP,
     DEEP_MATCH,
+    PRIOR_EXTRA_TOKEN_COST,
     SHALLOW,
     Draft,
     DraftPolicy,
@@ -114,6 +115,15 @@ def test_the_policy_drafts_only_where_the_expected_gain_beats_a_plain_step() -> 
         gpu.record_step(n_tokens, 0.010 + 0.0005 * n_tokens)  # nearly flat
     gpu.acceptance[SHALLOW] = 0.5
     assert gpu.draft_length(Draft(list(range(8)), depth=3)) >= 2
+    # Before steps are timed, the calibration's curve for the model: between its sizes
+    # linear, past the last at its mean slope; once a single step is timed, the curve
+    # still answers for sizes not timed past the largest timed.
+    calibrated = DraftPolicy(prior_costs={1: 1.0, 2: 1.0, 3: 1.1, 5: 2.0, 9: 3.0})
+    assert calibrated.cost(2) == 1.0 and calibrated.cost(4) == pytest.approx(1.55)
+    assert calibrated.cost(11) == pytest.approx(3.0 + 2 * 0.25)
+    calibrated.record_step(1, 0.01)
+    assert calibrated.cost(3) == pytest.approx(1.1)
+    assert DraftPolicy().cost(5) == pytest.approx(1 + 4 * PRIOR_EXTRA_TOKEN_COST)
     # Verifications teach each kind of match its acceptance; idle steps bring it back.
     policy = DraftPolicy()
     for _ in range(10):

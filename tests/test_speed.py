@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,7 @@ from localchat.models.hardware import GPU_NVIDIA, Hardware
 from localchat.models.planner import plan_catalog, plan_file, plan_model, sized_candidates
 from localchat.models.speed import (
     ROW_COST_WEIGHTS,
+    STEP_SIZES,
     SpeedModel,
     load_speed_model,
     machine_name,
@@ -70,6 +72,41 @@ def test_a_real_calibration_predicts_every_catalog_plan(
     # Bigger models of one family read more bytes per token: they are predicted slower.
     qwen = {p.model: p.predicted_gen_tps or 0.0 for p in plans if p.model.startswith("qwen")}
     assert qwen["qwen2.5-0.5b-instruct"] > qwen["qwen2.5-3b-instruct"] > 0
+    # The steps that verify drafts were timed per type (less the tiny model's fixed part):
+    # every plan on the CPU has a curve that starts at one step and never falls.
+    assert len(speed_calibration.step_overhead_s) == len(STEP_SIZES)
+    assert set(speed_calibration.step_s_per_byte) == {"F16", "Q8_0"}
+    for plan in plans:
+        curve = plan.predicted_step_costs
+        assert curve is not None and list(curve) == list(STEP_SIZES) and curve[1] == 1.0
+        costs = list(curve.values())
+        assert costs == sorted(costs)
+
+
+def test_a_models_step_curve_is_its_weight_types_and_fixed_part() -> None:
+    # Per byte, by step size (1, 2, 3, 5, 9 tokens): a memory-bound type costs the same
+    # for 3 tokens as for one, then rises; a compute-bound one rises from the start.
+    flat = [1e-9, 1e-9, 1e-9, 2e-9, 4e-9]
+    steep = [1e-9, 1.5e-9, 2e-9, 3e-9, 5e-9]
+    fixed = [1e-3, 1.2e-3, 1.4e-3, 1.8e-3, 2.6e-3]
+    speed = replace(TWO_CORES, step_s_per_byte={"Q4_0": flat, "Q4_K": steep}, step_overhead_s=fixed)
+    big_flat = speed.step_costs({"Q4_0": 10**8})  # 0.1 s a step: the fixed part is nothing
+    assert big_flat is not None
+    assert big_flat[3] == pytest.approx(1.0, abs=0.01) and big_flat[9] == pytest.approx(4.0, 0.01)
+    mixed = speed.step_costs({"Q4_0": 10**8, "Q4_K": 10**8})
+    assert mixed is not None and mixed[3] == pytest.approx(1.5, 0.01)
+    # A model small enough that the fixed part matters follows the fixed part's curve more.
+    small = speed.step_costs({"Q4_K": 10**6})  # 1 ms of weights, 1 ms fixed
+    assert small is not None and small[2] == pytest.approx((1.2e-3 + 1.5e-3) / 2e-3, 0.01)
+    # A type not measured is priced like a similar one (Q4_1 like Q4_0), else the slowest
+    # at the largest step; a faster batch kernel never makes a step cheaper than a smaller one.
+    assert speed.step_costs({"Q4_1": 10**8}) == big_flat
+    assert speed.step_costs({"Q3_K": 10**8}) == speed.step_costs({"Q4_K": 10**8})
+    dip = replace(speed, step_s_per_byte={"Q5_0": [1e-9, 0.8e-9, 0.9e-9, 1.5e-9, 2e-9]})
+    curve = dip.step_costs({"Q5_0": 10**8})
+    assert curve is not None and curve[2] == curve[3] == 1.0
+    # Without those figures (a calibration saved before them) there is no curve.
+    assert TWO_CORES.step_costs({"Q4_0": 10**8}) is None
 
 
 def test_calibration_files_read_past_a_processor_cache_and_price_prompts(

@@ -30,7 +30,7 @@ from localchat.models.calibrate import (
     calibration_files,
     keep_calibration,
 )
-from localchat.models.speed import SpeedModel, machine_name, token_work
+from localchat.models.speed import STEP_SIZES, SpeedModel, machine_name, token_work
 from localchat.paths import app_paths
 
 HOGS = 2
@@ -77,8 +77,7 @@ def bench_calibrate(model_path: Path, progress: Callable[[str], None] | None) ->
         keep_calibration(app_paths(), first)  # the plan part predicts from it
         calm = _predicted(first, files)
         result["calibration_idle_gen_tps"] = {q: round(v, 1) for q, v in calm.items()}
-        # What each token past the first in a step of a few costs (a draft's verification).
-        result["calibration_batch_extra"] = first.batch_extra
+        result.update(_step_curve_figures(first, model_path))
         if isinstance(busy, str):
             result["calibration_busy_ok"] = 1
             return result
@@ -88,6 +87,29 @@ def bench_calibrate(model_path: Path, progress: Callable[[str], None] | None) ->
         result["calibration_busy_error"] = round(error, 3)
         result["calibration_busy_ok"] = int(error <= BUSY_LIMIT)
         return result
+
+
+def _step_curve_figures(speed: SpeedModel, model_path: Path) -> dict[str, Any]:
+    """What a step of several tokens (a draft's verification) costs the bench's real model
+    in single steps, predicted from the calibration and timed: the predicted curve's largest
+    miss (``calibration_step_cost_error``)."""
+    from localchat.backends.llama.tools import step_times
+
+    predicted = speed.step_costs(token_work(read_gguf(model_path)))
+    seconds = step_times(model_path, speed.threads, STEP_SIZES)
+    timed = {n: s / seconds[0] for n, s in zip(STEP_SIZES, seconds, strict=True)}
+    if predicted is None:
+        return {"calibration_step_costs_timed": _rounded(timed)}
+    error = max(abs(predicted[n] - timed[n]) / timed[n] for n in STEP_SIZES)
+    return {
+        "calibration_step_costs_predicted": _rounded(predicted),
+        "calibration_step_costs_timed": _rounded(timed),
+        "calibration_step_cost_error": round(error, 3),
+    }
+
+
+def _rounded(curve: dict[int, float]) -> dict[str, float]:
+    return {str(n): round(cost, 2) for n, cost in curve.items()}
 
 
 def _settled(models: Path, rounds: int | None = None) -> SpeedModel | str:

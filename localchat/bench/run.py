@@ -78,6 +78,7 @@ TARGETS: dict[str, tuple[str, float]] = {
     "edit_extra_tokens": ("<=", 0),
     "calibration_first_s": ("<=", 20.0),
     "calibration_busy_ok": (">=", 1),
+    "calibration_step_cost_error": ("<=", 0.25),
     "spec_copy_speedup": (">=", 1.15),
     "spec_copy_of_ceiling": (">=", 0.8),
     "spec_prose_ratio": (">=", 0.95),

@@ -23,7 +23,7 @@ import itertools
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
@@ -31,7 +31,13 @@ import psutil
 from localchat.cpu import physical_cores
 from localchat.errors import LocalchatError, WorldError
 from localchat.gguf.info import read_gguf
-from localchat.models.speed import SpeedModel, load_speed_model, machine_name, token_work
+from localchat.models.speed import (
+    STEP_SIZES,
+    SpeedModel,
+    load_speed_model,
+    machine_name,
+    token_work,
+)
 from localchat.paths import AppPaths
 from localchat.progress import Countdown, StepCallback, StepProgress
 
@@ -75,6 +81,7 @@ class Reading:
     prompt_s: float
     cpu_share: float
     others_share: float = 0.0  # what other programs used of all CPUs meanwhile
+    step_s: tuple[float, ...] = ()  # steps of ``STEP_SIZES`` tokens (a draft's verification)
 
 
 def round_order(names: list[str], round_index: int) -> list[str]:
@@ -117,8 +124,14 @@ def settle(rounds: list[list[Reading]], names: list[str]) -> dict[str, Reading] 
         if gen is None or prompt is None:
             return None
         share = next(x.cpu_share for x in readings if x.gen_s == gen)
-        settled[name] = Reading(name, gen, prompt, share)
+        settled[name] = Reading(name, gen, prompt, share, step_s=_fastest_steps(readings))
     return settled
+
+
+def _fastest_steps(readings: list[Reading]) -> tuple[float, ...]:
+    """Each step size's fastest timing over ``readings`` (every one of them clean)."""
+    timed = [x.step_s for x in readings if x.step_s]
+    return tuple(min(sizes) for sizes in zip(*timed, strict=True)) if timed else ()
 
 
 def confirmed(seconds: list[float], tolerance: float) -> float | None:
@@ -139,7 +152,9 @@ def best_readings(rounds: list[list[Reading]], names: list[str]) -> dict[str, Re
         readings = [x for r in rounds for x in r if x.name == name]
         if readings:
             gen = min(readings, key=lambda x: x.gen_s)
-            best[name] = Reading(name, gen.gen_s, min(x.prompt_s for x in readings), gen.cpu_share)
+            prompt_s = min(x.prompt_s for x in readings)
+            steps = _fastest_steps(readings)
+            best[name] = Reading(name, gen.gen_s, prompt_s, gen.cpu_share, step_s=steps)
     return best
 
 
@@ -197,7 +212,7 @@ def _read(path: Path, name: str, threads: int) -> Reading:
     from localchat.backends.llama.tools import bare_generation_benchmark
 
     wall, busy, ours = time.monotonic(), _busy_cpu_s(), time.process_time()
-    result = bare_generation_benchmark(path, 256, PROMPT_TOKENS, GEN_TOKENS, threads)
+    result = bare_generation_benchmark(path, 256, PROMPT_TOKENS, GEN_TOKENS, threads, STEP_SIZES)
     wall, busy = time.monotonic() - wall, _busy_cpu_s() - busy
     others = max(0.0, busy - (time.process_time() - ours))
     return Reading(
@@ -206,6 +221,7 @@ def _read(path: Path, name: str, threads: int) -> Reading:
         1.0 / result["bare_prompt_tps"],
         result["cpu_share"],
         others / max(1e-9, wall * (psutil.cpu_count() or 1)),
+        tuple(result["step_s"]),
     )
 
 
@@ -298,13 +314,9 @@ def calibrate(
             f"this machine's speed could not be measured ({_why_unsettled(taken)}): plans go"
             " by memory for now; `localchat hw --calibrate` measures again"
         )
-    report("what verifying drafts costs")
-    from localchat.backends.llama.tools import batch_extra_cost
-
-    batch_extra = batch_extra_cost(files[REFERENCE], threads) if REFERENCE in files else None
     done = countdown.total
     report("done")
-    return replace(_fit(best, types, files, machine, threads), batch_extra=batch_extra)
+    return _fit(best, types, files, machine, threads)
 
 
 def _why_unsettled(rounds: list[list[Reading]]) -> str:
@@ -338,6 +350,14 @@ def _fit(
     overhead = best[OVERHEAD]
     infos = {t: read_gguf(files[t]) for t in types}
     gen = [(token_work(infos[t]), best[t].gen_s) for t in types]
+    # A step of several tokens: each type's file's, less the tiny model's (its fixed part).
+    steps = {
+        t: [
+            max(0.0, s - o) / token_work(infos[t])[t]
+            for s, o in zip(best[t].step_s, overhead.step_s, strict=True)
+        ]
+        for t in types
+    }
     prompt = [(token_work(infos[t], prompt=True), best[t].prompt_s) for t in types]
     return SpeedModel(
         solve_costs(gen, overhead.gen_s),
@@ -353,6 +373,8 @@ def _fit(
             }
             for t in types
         },
+        step_s_per_byte=steps,
+        step_overhead_s=list(overhead.step_s),
     )
 
 

@@ -3,8 +3,8 @@
 A draft model (a smaller one of the same family) writes a few tokens ahead and the big one
 verifies them in one step. What that gains is arithmetic over this machine's calibration:
 the big model's and the draft's generation speeds (the draft's steps cost time), what each
-extra token in a step costs (``SpeedModel.batch_extra``, measured; flat on GPUs, steep on
-2 CPU cores) and how often a same-family draft is right (a prior: the engine measures the
+step of several tokens costs the big model (``SpeedModel.step_costs``, measured per weight
+type; flat on GPUs, steep on 2 CPU cores for most types) and how often a same-family draft is right (a prior: the engine measures the
 real rate as it goes and stops drafting where it does not pay). Memory: the draft's weights,
 its own cache (``DRAFT_CTX`` at most) and compute buffer come on top of the big model's plan.
 """
@@ -18,7 +18,6 @@ from localchat.backends.llama.draft_policy import (
     DRAFT_CTX,
     MAX_DRAFT,
     MODEL,
-    PRIOR_EXTRA_TOKEN_COST,
     DraftPolicy,
 )
 from localchat.gguf.estimate import LayerWeights, ModelDims, estimate_memory, kv_bytes_per_token
@@ -52,15 +51,13 @@ class DraftPlan:
         return self.fits and self.gain is not None and self.gain >= MIN_PREDICTED_GAIN
 
 
-def predicted_gain(
-    target: SpeedPrediction, draft: SpeedPrediction, batch_extra: float | None
-) -> tuple[int, float]:
+def predicted_gain(target: SpeedPrediction, draft: SpeedPrediction) -> tuple[int, float]:
     """(draft length, tokens/s with drafts over without) for a draft model whose tokens the
-    big model keeps at the policy's prior rate."""
-    extra = PRIOR_EXTRA_TOKEN_COST if batch_extra is None else batch_extra
+    big model keeps at the policy's prior rate, its steps costing what the target's
+    prediction says (the policy's default where it says nothing)."""
     policy = DraftPolicy()
-    # Step costs in single steps, linear in the tokens a step verifies.
-    policy.step_s = {n: 1.0 + (n - 1) * extra for n in (1, 2, MAX_DRAFT + 1)}
+    if target.step_costs is not None:
+        policy.prior_costs = dict(target.step_costs)
     length, gain = policy.best_length(MODEL, MAX_DRAFT, target.gen_tps / draft.gen_tps)
     return (length, gain) if length else (0, 1.0)
 
@@ -84,7 +81,7 @@ def plan_draft(
     if speed is None:
         return DraftPlan(draft_path, fits, None, 0, needs, f"{room}; no speed calibration")
     ours, theirs = _predict(speed, target, kv_type), _predict(speed, draft, "f16")
-    length, gain = predicted_gain(ours, theirs, speed.batch_extra)
+    length, gain = predicted_gain(ours, theirs)
     verdict = f"~x{gain:.2f} predicted, drafts of {length}" if length else "predicted no gain"
     step_cost = ours.gen_tps / theirs.gen_tps
     return DraftPlan(draft_path, fits, gain, length, needs, f"{verdict}; {room}", step_cost)
@@ -119,9 +116,11 @@ def with_catalog_drafts(
         if plan.predicted_gen_tps is None or draft.predicted_gen_tps is None:
             out.append(plan)
             continue
-        ours = SpeedPrediction(plan.predicted_gen_tps, plan.predicted_prompt_tps or 0.0)
+        ours = SpeedPrediction(
+            plan.predicted_gen_tps, plan.predicted_prompt_tps or 0.0, plan.predicted_step_costs
+        )
         theirs = SpeedPrediction(draft.predicted_gen_tps, draft.predicted_prompt_tps or 0.0)
-        _length, gain = predicted_gain(ours, theirs, speed.batch_extra)
+        _length, gain = predicted_gain(ours, theirs)
         both = (plan.estimate.ram_required if plan.estimate else 0) + (
             draft.estimate.ram_required if draft.estimate else 0
         )

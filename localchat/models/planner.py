@@ -91,6 +91,7 @@ class Plan:
     n_ubatch: int = N_UBATCH
     draft: str | None = None  # the catalog's draft model, where it would pay here
     draft_gain: float | None = None  # the speed-up the calibration predicts with it
+    predicted_step_costs: dict[int, float] | None = None  # SpeedPrediction.step_costs
 
     def as_json(self) -> dict[str, object]:
         return {
@@ -381,6 +382,7 @@ def _plan(
         prediction.prompt_tps if prediction else None,
         flash_attn,
         attention.n_ubatch,
+        predicted_step_costs=prediction.step_costs if prediction else None,
     )
 
 

@@ -31,7 +31,11 @@ from localchat.gguf.quants import MAIN_WEIGHT_TYPE, parse_tag
 
 # 2: measured in interleaved rounds that contention cannot poison (older figures may be).
 # 3: files past the processor's cache, of a 1.5B model's row lengths, bytes weighted by rows.
-SPEED_FILE_VERSION = 3
+# 4: what a step of several tokens costs, per weight type (one figure for all before).
+SPEED_FILE_VERSION = 4
+# Tokens in the steps the calibration times with every position's logits (a draft's
+# verification: the token before the draft plus the drafted ones, up to 8).
+STEP_SIZES = (1, 2, 3, 5, 9)
 # A row's dot product costs this many weights' worth of time besides its bytes (the
 # activations' block sums, the horizontal add, the store). Measured on llama.cpp's CPU
 # kernels (2-core Xeon, files of 1024- and 4096-wide rows): ~250 weights for Q2_K, ~450 for
@@ -82,6 +86,9 @@ FILE_TYPE_MIX: dict[str, dict[str, float]] = {
 class SpeedPrediction:
     gen_tps: float
     prompt_tps: float
+    # A step of n tokens (a draft's verification) in single steps, by n (``step_costs``);
+    # None: not calibrated, or part of the model is on a GPU (its curve is not measured).
+    step_costs: dict[int, float] | None = None
 
 
 @dataclass(frozen=True)
@@ -97,20 +104,24 @@ class SpeedModel:
     threads: int
     measured: dict[str, dict[str, float]] = field(default_factory=dict)  # file -> tok/s seen
     version: int = SPEED_FILE_VERSION
-    # Each token past the first in a step of a few (a draft's verification) costs this
-    # many single-token steps here; None: not measured (a calibration saved before it was).
-    batch_extra: float | None = None
+    # Seconds a step of each of ``STEP_SIZES`` tokens costs, per byte of each weight type
+    # (of ``token_work``) and its fixed part: the curve differs by type more than by size
+    # (measured on 2 cores: Q4_0 and Q5_0 cost almost nothing more for 4 tokens than for
+    # one, being memory-bound, where Q4_K costs 2x and SmolLM2 (Q4_1, priced as Q4_0) 2.4x
+    # for 5: the engine times its own steps and corrects the curve within a few).
+    step_s_per_byte: dict[str, list[float]] = field(default_factory=dict)
+    step_overhead_s: list[float] = field(default_factory=list)
 
     @staticmethod
-    def cost_key(table: Mapping[str, float], weight_type: str) -> str:
+    def cost_key(table: Mapping[str, float] | Mapping[str, list[float]], weight_type: str) -> str:
         """The measured type a weight type is priced as: itself, a similar one, or (unknown)
-        the slowest measured."""
+        the slowest measured (of a step curve: at its largest step)."""
         if weight_type in table:
             return weight_type
         similar = SIMILAR_TYPE.get(weight_type, "")
         if similar in table:
             return similar
-        return max(table, key=lambda t: table[t])
+        return max(table, key=lambda t: _largest(table[t]))
 
     def _cost(self, table: Mapping[str, float], weight_type: str) -> float:
         return table[self.cost_key(table, weight_type)]
@@ -137,7 +148,24 @@ class SpeedModel:
         prompt = self.prompt_overhead_s + gpu_s / 8  # a GPU batch reads its weights once
         prompt_work = work_by_type if prompt_work is None else prompt_work
         prompt += sum(n * self._cost(self.prompt_s_per_byte, t) for t, n in prompt_work.items())
-        return SpeedPrediction(1.0 / gen, 1.0 / prompt)
+        steps = None if gpu_bytes else self.step_costs(work_by_type)
+        return SpeedPrediction(1.0 / gen, 1.0 / prompt, steps)
+
+    def step_costs(self, work_by_type: Mapping[str, int]) -> dict[int, float] | None:
+        """What a step of each of ``STEP_SIZES`` tokens costs in single-token steps, for a
+        model whose token costs ``work_by_type`` on the CPU: never less than a smaller
+        step's (a faster batch kernel measures as a flat stretch). None: not measured."""
+        if not self.step_overhead_s or not self.step_s_per_byte:
+            return None
+        seconds = list(self.step_overhead_s)
+        for weight_type, n_bytes in work_by_type.items():
+            per_byte = self.step_s_per_byte[self.cost_key(self.step_s_per_byte, weight_type)]
+            seconds = [s + n_bytes * b for s, b in zip(seconds, per_byte, strict=True)]
+        costs, floor = {}, 1.0
+        for size, step_s in zip(STEP_SIZES, seconds, strict=True):
+            floor = max(floor, step_s / seconds[0])
+            costs[size] = floor
+        return costs
 
     def save(self, path: Path) -> None:
         write_atomic(path, json.dumps(asdict(self), indent=2).encode())
@@ -212,6 +240,10 @@ def work_of_size(quant: str, read_bytes: int) -> TokenWork:
     mix = FILE_TYPE_MIX.get(base) or {MAIN_WEIGHT_TYPE.get(base, "Q4_K"): 1.0}
     by_type = {weight_type: round(work * share) for weight_type, share in mix.items()}
     return TokenWork(by_type, by_type)
+
+
+def _largest(cost: float | list[float]) -> float:
+    return cost[-1] if isinstance(cost, list) else cost
 
 
 def machine_name() -> str:

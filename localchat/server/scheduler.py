@@ -244,10 +244,10 @@ class Scheduler:
     def _sequence_policy(self) -> DraftPolicy:
         """A sequence's draft policy: its own acceptance, the scheduler's step costs."""
         costs = self._step_costs
-        prior = self.engine.options.step_extra_cost  # the calibration's, where it measured
+        prior = self.engine.options.step_costs  # the calibration's, where it measured
         policy = DraftPolicy(step_s=costs.step_s, max_step=costs.max_step)
         if prior is not None:
-            policy.prior_extra = prior
+            policy.prior_costs = dict(prior)
         return policy
 
     def _step(self) -> None:

@@ -22,9 +22,11 @@ ACCEPTANCE_WEIGHT = 0.3  # of the newest verification in the running acceptance
 # a turn whose drafts failed tries again now and then (a reply turns from prose to a copy).
 RECOVERY = 0.05
 COST_WEIGHT = 0.3  # of the newest timing in each step size's running cost
-# A step of n tokens, before it is measured, costs this many single steps per extra token
-# (2 CPU cores: 1.75x for 2 tokens, 2.2x for 3, 3.2x for 5; a GPU is nearly flat).
+# A step of n tokens, before it is measured or calibrated, costs this many single steps per
+# extra token (2 CPU cores, SmolLM2: 1.75x for 2 tokens, 2.2x for 3, 3.2x for 5; a GPU is
+# nearly flat).
 PRIOR_EXTRA_TOKEN_COST = 0.6
+PRIOR_STEP_COSTS = {1: 1.0, 2: 1.0 + PRIOR_EXTRA_TOKEN_COST}  # linear past the last size
 # A draft model's step in big-model steps, before both are measured (a 0.5B for a 7B).
 PRIOR_MODEL_STEP_COST = 0.15
 MIN_GAIN = 1.05  # expected tokens per unit of a single step's cost, to be worth a draft
@@ -55,6 +57,21 @@ class Draft:
         return DEEP if self.deep else SHALLOW
 
 
+def _on_curve(costs: dict[int, float], n_tokens: int, min_slope: float = 0.0) -> float:
+    """``costs`` (step sizes to cost, 1 among them) at ``n_tokens``: itself, linear between
+    the sizes around it, or past the largest at its mean slope from one token (at least
+    ``min_slope``)."""
+    if n_tokens in costs:
+        return costs[n_tokens]
+    below = max(n for n in costs if n < n_tokens)
+    above = [n for n in sorted(costs) if n > n_tokens]
+    if above:
+        share = (n_tokens - below) / (above[0] - below)
+        return costs[below] + share * (costs[above[0]] - costs[below])
+    slope = (costs[below] - costs[1]) / (below - 1) if below > 1 else 0.0
+    return costs[below] + max(slope, min_slope) * (n_tokens - below)
+
+
 def expected_tokens(acceptance: float, drafted: int) -> float:
     """Tokens a step yields on average with ``drafted`` drafts, each accepted with this
     chance while the ones before it were: the accepted run plus the model's own token."""
@@ -73,10 +90,10 @@ class DraftPolicy:
     acceptance: dict[str, float] = field(default_factory=lambda: dict(PRIOR_ACCEPTANCE))
     step_s: dict[int, float] = field(default_factory=dict)  # tokens in a step -> seconds
     steps_since_single: int = 0
-    # Until steps are timed: each extra token's cost in a step (the calibration measures
-    # it: ``SpeedModel.batch_extra``), and a draft model's step in big-model steps (the
-    # calibration's predicted speeds of both).
-    prior_extra: float = PRIOR_EXTRA_TOKEN_COST
+    # Until steps are timed: a step's cost in single steps by its tokens (the calibration's
+    # curve for this model: ``SpeedModel.step_costs``), and a draft model's step in
+    # big-model steps (the calibration's predicted speeds of both).
+    prior_costs: dict[int, float] = field(default_factory=lambda: dict(PRIOR_STEP_COSTS))
     prior_model_step: float = PRIOR_MODEL_STEP_COST
     # The largest step timed: a server's steps carry every sequence's tokens.
     max_step: int = MAX_DRAFT + 1
@@ -118,23 +135,23 @@ class DraftPolicy:
 
     def cost(self, n_tokens: int) -> float:
         """A step of ``n_tokens`` in units of a single-token step: measured, else
-        interpolated between measured sizes, else the prior's slope from one token."""
+        interpolated between measured sizes, else the calibration's curve (``prior_costs``)."""
         single = self.step_s.get(1)
         if single is None or n_tokens == 1:
-            return 1.0 + self.prior_extra * (n_tokens - 1)
-        if n_tokens in self.step_s:
-            return self.step_s[n_tokens] / single
-        known = sorted(self.step_s)
-        below = max(n for n in known if n < n_tokens)
-        above = [n for n in known if n > n_tokens]
-        low = self.step_s[below] / single
-        if above:
-            high = self.step_s[above[0]] / single
-            share = (n_tokens - below) / (above[0] - below)
-            return low + share * (high - low)
+            return self.prior_cost(n_tokens)
+        measured = {n: step_s / single for n, step_s in self.step_s.items()}
+        if n_tokens in measured:
+            return measured[n_tokens]
+        below = max(n for n in measured if n < n_tokens)
+        if below == 1 and not any(n > n_tokens for n in measured):
+            return self.prior_cost(n_tokens)
         # Past the largest measured: its slope per token, never below half the prior's.
-        slope = (low - 1.0) / (below - 1) if below > 1 else self.prior_extra
-        return low + max(slope, self.prior_extra / 2) * (n_tokens - below)
+        floor = (self.prior_cost(n_tokens) - self.prior_cost(below)) / (2 * (n_tokens - below))
+        return _on_curve(measured, n_tokens, floor)
+
+    def prior_cost(self, n_tokens: int) -> float:
+        """The calibration's (or the default) cost of a step of ``n_tokens``."""
+        return _on_curve(self.prior_costs, n_tokens)
 
     def draft_length(self, draft: Draft) -> int:
         """How many of the draft's tokens to verify (0: a plain step pays more)."""

@@ -88,10 +88,11 @@ class LoadOptions:
     # False: a draft model that cannot draft for this one (another vocabulary, a file
     # llama.cpp refuses) is left out with the reason in ``draft_model_unused``, not an error.
     draft_required: bool = True
-    # This machine's calibration, where there is one: what each extra token in a step costs
-    # (in single steps) and a draft model's step against the model's; the drafting policy
-    # starts from these until it has timed steps of its own.
-    step_extra_cost: float | None = None
+    # This machine's calibration, where there is one: what a step of n tokens costs this
+    # model (in single steps, by n: ``SpeedModel.step_costs``) and a draft model's step
+    # against the model's; the drafting policy starts from these until it has timed steps
+    # of its own.
+    step_costs: dict[int, float] | None = None
     draft_step_cost: float | None = None
     # Where another context on these weights does the work (serve's sequences): the cells
     # of the engine's own, which then only warms the model up. The plan (flash attention,
@@ -154,8 +155,8 @@ class Engine(KVCache):
             )
         self.drafting = mode in ("ngram", "draft") or (mode == "auto" and self.batch_invariant)
         self._draft_policy = DraftPolicy()
-        if self.options.step_extra_cost is not None:
-            self._draft_policy.prior_extra = self.options.step_extra_cost
+        if self.options.step_costs is not None:
+            self._draft_policy.prior_costs = dict(self.options.step_costs)
         if self.options.draft_step_cost is not None:
             self._draft_policy.prior_model_step = self.options.draft_step_cost
         self.draft_model: DraftModel | None = None

@@ -51,9 +51,17 @@ def supports_gpu_offload() -> bool:
 
 
 def bare_generation_benchmark(
-    model_path: Path, n_ctx: int, prompt_tokens: int, gen_tokens: int, threads: int
+    model_path: Path,
+    n_ctx: int,
+    prompt_tokens: int,
+    gen_tokens: int,
+    threads: int,
+    step_sizes: tuple[int, ...] = (),
 ) -> dict[str, Any]:
-    """A bare llama-cpp-python loop, no localchat code in it: the yardstick for the engine."""
+    """A bare llama-cpp-python loop, no localchat code in it: the yardstick for the engine.
+    ``step_sizes``: then also the time of a step of each of these many tokens with every
+    position's logits (``step_times``), after the generated ones (the calibration keeps
+    the best over its rounds)."""
     prepare()
     llm = llama_cpp.Llama(
         model_path=str(model_path),
@@ -77,9 +85,11 @@ def bare_generation_benchmark(
             if generated >= gen_tokens:
                 break
         cpu_s = time.process_time() - cpu_start
+        steps = _time_steps(llm, prompt, step_sizes, 1) if step_sizes else []
     finally:
         llm.close()
     return {
+        "step_s": steps,
         "bare_prompt_tps": prompt_tokens / (first_at - start),
         "bare_gen_tps": (generated - 1) / (last_at - first_at),
         # The CPU its threads got against what they could have had: low when another
@@ -88,10 +98,12 @@ def bare_generation_benchmark(
     }
 
 
-def batch_extra_cost(model_path: Path, threads: int, size: int = 4, repeats: int = 6) -> float:
-    """What each token past the first costs in a step of ``size`` tokens with every
-    position's logits (a draft's verification), in single-token steps: the best of
-    ``repeats`` of each, taken in turns after a short prompt so both see the same cache."""
+def step_times(
+    model_path: Path, threads: int, sizes: tuple[int, ...], repeats: int = 6
+) -> list[float]:
+    """Seconds a step of each of ``sizes`` tokens takes with every position's logits (a
+    draft's verification): the best of ``repeats``, the sizes taken in turns after a short
+    prompt so every size sees the same cache and the same spell of the machine."""
     prepare()
     llm = llama_cpp.Llama(
         model_path=str(model_path),
@@ -102,19 +114,29 @@ def batch_extra_cost(model_path: Path, threads: int, size: int = 4, repeats: int
         verbose=False,
     )
     try:
-        prompt = synthetic_prompt(llm.token_bos(), int(llm.n_vocab()), 64 + size)
-        llm.eval(prompt[:64])
-        best = {1: float("inf"), size: float("inf")}
-        for _ in range(repeats):
-            for n_tokens in best:
-                llm._ctx.kv_cache_seq_rm(-1, 64, -1)
-                llm._batch.set_batch(batch=prompt[64 : 64 + n_tokens], n_past=64, logits_all=True)
-                started = time.perf_counter()
-                llm._ctx.decode(llm._batch)
-                best[n_tokens] = min(best[n_tokens], time.perf_counter() - started)
+        prompt = synthetic_prompt(llm.token_bos(), int(llm.n_vocab()), 64)
+        llm.eval(prompt)
+        return _time_steps(llm, prompt, sizes, repeats)
     finally:
         llm.close()
-    return max(0.0, (best[size] / best[1] - 1.0) / (size - 1))
+
+
+def _time_steps(
+    llm: llama_cpp.Llama, tokens: list[int], sizes: tuple[int, ...], repeats: int
+) -> list[float]:
+    """The best of ``repeats`` timings of a step of each of ``sizes`` of ``tokens`` at the
+    end of what ``llm`` holds, taken in turns (each size sees the same cache and spell)."""
+    n_past = llm.n_tokens
+    best = [float("inf")] * len(sizes)
+    for _ in range(repeats):
+        for index, n_tokens in enumerate(sizes):
+            llm._ctx.kv_cache_seq_rm(-1, n_past, -1)
+            llm._batch.set_batch(batch=tokens[1 : 1 + n_tokens], n_past=n_past, logits_all=True)
+            started = time.perf_counter()
+            llm._ctx.decode(llm._batch)
+            best[index] = min(best[index], time.perf_counter() - started)
+    llm._ctx.kv_cache_seq_rm(-1, n_past, -1)
+    return best
 
 
 def synthetic_prompt(bos: int, n_vocab: int, length: int) -> list[int]:
