@@ -1,5 +1,5 @@
 """Tools through the model's own template: real templates (Qwen3, Llama 3.2, Mistral Nemo,
-Phi-4-mini, LFM2) render a tools list, an assistant's calls and the tools' results, and each
+Phi-4-mini, LFM2, DeepSeek-R1-Distill) render a tools list, an assistant's calls and the tools' results, and each
 family's calls are found again in a reply — the format the template itself writes."""
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ FAMILIES = {
     "mistral-nemo": "mistral",
     "phi-4-mini": "phi4",
     "lfm2": "lfm2",
+    "deepseek-r1-distill-qwen": "deepseek",
 }
 # What each family's model writes when it calls the tool (as their templates teach it).
 REPLIES = {
@@ -32,6 +33,10 @@ REPLIES = {
     "mistral": '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Oslo"}, "id": "a1b2c3d4e"}]',
     "phi4": '<|tool_call|>{"name": "get_weather", "arguments": {"city": "Oslo"}}<|/tool_call|>',
     "lfm2": '<|tool_call_start|>[{"name": "get_weather", "arguments": {"city": "Oslo"}}]<|tool_call_end|>',
+    "deepseek": (
+        "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n"
+        '```json\n{"city": "Oslo"}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>'
+    ),
     "generic": 'Let me look.\n```json\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n```',
 }
 
@@ -64,7 +69,8 @@ def test_a_call_the_template_writes_is_parsed_back_and_a_result_renders(name: st
     text = template.render(exchange, tools=[WEATHER])
     assert '{"temperature": 21}' in text or '\\"temperature\\": 21' in text
     # The call as the template wrote it is what the parser finds in a reply.
-    cue = template.render(exchange[:1])
+    # (DeepSeek's cue opens a reasoning block its template leaves out of calls.)
+    cue = template.render(exchange[:1]).removesuffix("<think>\n")
     written = template.render(exchange[:2], add_generation_prompt=False)
     assert written.startswith(cue)
     reply = written[len(cue) :]
@@ -182,3 +188,34 @@ def test_a_grammar_takes_definitions_and_refuses_what_it_cannot_follow() -> None
     broken = ToolSpec("odd", "", {"type": "object", "properties": {"x": {"$ref": "#/nowhere"}}})
     with pytest.raises(GrammarError, match="cannot be turned into a grammar"):
         tool_call_grammar("hermes", [broken])
+    # DeepSeek's name stands outside the JSON: one alternative per tool, each its own
+    # arguments' rules (a $ref resolved within its tool), or the one named.
+    deepseek = tool_call_grammar("deepseek", [WEATHER, pydantic_style])
+    root = deepseek.splitlines()[0]
+    assert root.count(" | ") == 1 and "tool0-arguments" in root and "tool1-arguments" in root
+    assert 'get_weather\\n```json\\n" tool0-arguments "\\n```<｜tool▁call▁end｜>' in root
+    named = tool_call_grammar("deepseek", [WEATHER, pydantic_style], "book").splitlines()[0]
+    assert " | " not in named and "<｜tool▁sep｜>book" in named
+    with pytest.raises(GrammarError, match="cannot be turned into a grammar"):
+        tool_call_grammar("deepseek", [broken])
+
+
+def test_deepseeks_template_gets_the_tools_described_with_its_own_call_format() -> None:
+    template = _template("deepseek-r1-distill-qwen")
+    # It adds a call's arguments to strings: they go in as JSON text.
+    assert template.caps.arguments_as_text
+    text = template.render([ChatMessage("user", "Weather?")], tools=[WEATHER])
+    assert text.startswith("<s>You can call these functions. To call one, reply with")
+    assert "<｜tool▁sep｜><function name>\n```json\n<an object of its arguments>" in text
+    # Several calls in one block, and a block the model never closed.
+    two = REPLIES["deepseek"].replace(
+        "<｜tool▁calls▁end｜>",
+        "\n<｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n"
+        '{"city": "Rome"}\n```<｜tool▁call▁end｜>',
+    )
+    _, calls = parse_tool_calls(two, "deepseek", {"get_weather"})
+    assert [c.arguments["city"] for c in calls] == ["Oslo", "Rome"]
+    # A call with broken JSON, or of an unknown tool, leaves the whole block as text.
+    broken = REPLIES["deepseek"].replace('{"city": "Oslo"}', '{"city": ')
+    assert parse_tool_calls(broken, "deepseek", {"get_weather"}) == (broken, [])
+    assert parse_tool_calls(REPLIES["deepseek"], "deepseek", {"other"})[1] == []

@@ -43,10 +43,11 @@ class ChatMessage:
     tool_calls: tuple[ToolCall, ...] = ()  # an assistant's calls
     tool_call_id: str = ""  # a tool result: the call it answers
 
-    def as_template_message(self) -> dict[str, Any]:
+    def as_template_message(self, arguments_as_text: bool = False) -> dict[str, Any]:
         """The message as templates index it (OpenAI's shape; keys only where set: some
-        templates test ``'tool_calls' in message``)."""
-        return self._as_dict(ToolCall.as_message)
+        templates test ``'tool_calls' in message``); a call's arguments as JSON text for a
+        template that concatenates them (``TemplateCaps.arguments_as_text``)."""
+        return self._as_dict(ToolCall.as_openai if arguments_as_text else ToolCall.as_message)
 
     def as_openai(self) -> dict[str, Any]:
         """The message as OpenAI's API takes it (a call's arguments as JSON text)."""
@@ -72,6 +73,9 @@ class TemplateCaps:
 
     supports_system_role: bool = True
     requires_alternation: bool = False
+    # A call's arguments go in as JSON text: the template adds them to strings (DeepSeek's),
+    # which an object would fail.
+    arguments_as_text: bool = False
 
 
 _SYSTEM_NEEDLE = "<System Needle 7f3a>"
@@ -121,10 +125,15 @@ class ChatTemplate:
         add_generation_prompt: bool,
         now: datetime,
         tools: list[ToolSpec] | None = None,
+        arguments_as_text: bool | None = None,
     ) -> str:
+        """The template's text for ``messages`` (calls' arguments as text or objects as the
+        probes found, unless told)."""
         if self._ran_away is None:
+            if arguments_as_text is None:
+                arguments_as_text = self.caps.arguments_as_text
             context: dict[str, Any] = {
-                "messages": [m.as_template_message() for m in messages],
+                "messages": [m.as_template_message(arguments_as_text) for m in messages],
                 "add_generation_prompt": add_generation_prompt,
                 "bos_token": self.bos_token,
                 "eos_token": self.eos_token,
@@ -149,9 +158,11 @@ class ChatTemplate:
             f" broken); choose another with --template {', '.join(BUILTIN)} or a .jinja file"
         )
 
-    def _renders(self, messages: list[ChatMessage], needle: str | None = None) -> bool:
+    def _renders(
+        self, messages: list[ChatMessage], needle: str | None = None, as_text: bool = False
+    ) -> bool:
         try:
-            text = self._raw(messages, False, datetime.now())
+            text = self._raw(messages, False, datetime.now(), arguments_as_text=as_text)
         except TemplateRunaway:
             raise  # past its bounds: hostile or broken, not "unsupported"
         except Exception:  # a probe: any other failure means "not supported"
@@ -161,9 +172,13 @@ class ChatTemplate:
     def _probe(self) -> TemplateCaps:
         system = ChatMessage("system", _SYSTEM_NEEDLE)
         user = ChatMessage("user", "Hey")
+        call = ToolCall("probe", {"needle": 7}, "probe0001")
+        calling = [user, ChatMessage("assistant", "", tool_calls=(call,))]
         return TemplateCaps(
             supports_system_role=self._renders([system, user], _SYSTEM_NEEDLE),
             requires_alternation=not self._renders([user, user]),
+            arguments_as_text=not self._renders(calling)
+            and self._renders(calling, '"needle"', as_text=True),
         )
 
     def adapt(self, messages: list[ChatMessage]) -> list[ChatMessage]:
@@ -191,6 +206,8 @@ class ChatTemplate:
             if tools:
                 messages = _with_tools_described(messages, tools)
             tools = None
+        elif self.tool_family == "deepseek" and tools:  # calls, but no tools rendered
+            messages, tools = _with_tools_described(messages, tools, "deepseek"), None
         elif self.tool_family == "mistral":
             messages = _nine_character_ids(messages)
         messages = self.adapt(messages)  # after: the polyfill's messages are adapted too
@@ -265,9 +282,12 @@ def _calls_as_text(messages: list[ChatMessage]) -> list[ChatMessage]:
     return out
 
 
-def _with_tools_described(messages: list[ChatMessage], tools: list[ToolSpec]) -> list[ChatMessage]:
-    """The tools described in the system prompt (made where there is none)."""
-    described = describe_tools(tools)
+def _with_tools_described(
+    messages: list[ChatMessage], tools: list[ToolSpec], family: str = "generic"
+) -> list[ChatMessage]:
+    """The tools described in the system prompt (made where there is none), with how
+    ``family`` calls one."""
+    described = describe_tools(tools, family)
     if messages and messages[0].role == "system":
         first = messages[0]
         return [ChatMessage("system", f"{first.content}\n\n{described}"), *messages[1:]]

@@ -11,6 +11,10 @@ server parses the same formats); the family is read off the template's source:
 - ``mistral``: ``[TOOL_CALLS][{"name": …, "arguments": {…}}, …]``
 - ``phi4`` (Phi-4-mini): ``<|tool_call|>{"name": …, "arguments": {…}}<|/tool_call|>``
 - ``lfm2``: ``<|tool_call_start|>[{"name": …, "arguments": {…}}, …]<|tool_call_end|>``
+- ``deepseek`` (DeepSeek-R1 and its distills): the name outside the JSON, each call
+  ``<｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME`` and a fenced JSON block, between
+  ``<｜tool▁calls▁begin｜>`` and ``<｜tool▁calls▁end｜>``; its templates render no ``tools``
+  (they are described in the system prompt, with that format)
 - ``generic``: a template that knows no tools; a JSON object ``{"name", "arguments"}``
   anywhere in the reply (the tools are described in the system prompt).
 
@@ -28,7 +32,7 @@ import string
 from dataclasses import dataclass, field
 from typing import Any
 
-FAMILIES = ("hermes", "llama3", "mistral", "phi4", "lfm2", "generic")
+FAMILIES = ("hermes", "llama3", "mistral", "phi4", "lfm2", "deepseek", "generic")
 ID_ALPHABET = string.ascii_letters + string.digits
 ID_LENGTH = 9  # Mistral's templates take ids of exactly nine letters and digits
 
@@ -72,7 +76,7 @@ class ToolCall:
     def as_openai(self) -> dict[str, Any]:
         """The call as OpenAI's API sends it: arguments as JSON text."""
         message = self.as_message()
-        message["function"]["arguments"] = json.dumps(self.arguments)
+        message["function"]["arguments"] = json.dumps(self.arguments, ensure_ascii=False)
         return message
 
 
@@ -108,18 +112,29 @@ class ToolUse:
         return {tool.name for tool in self.tools}
 
 
+# DeepSeek's markers (control tokens in its vocabulary).
+DEEPSEEK_CALLS = ("<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>")
+DEEPSEEK_CALL = ("<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>")
+DEEPSEEK_SEP = "<｜tool▁sep｜>"
+_DEEPSEEK_CALL = re.compile(
+    re.escape(DEEPSEEK_CALL[0]) + r"\s*(\w+)\s*" + re.escape(DEEPSEEK_SEP)
+    + r"\s*([^\n]+?)\s*\n```(?:json)?\s*(.*?)\s*```\s*" + re.escape(DEEPSEEK_CALL[1]),
+    re.DOTALL,
+)  # fmt: skip
+
 # Where a family's calls start, and where each ends (None: at the end of the reply).
 _MARKERS: dict[str, tuple[str, str | None]] = {
     "hermes": ("<tool_call>", "</tool_call>"),
     "mistral": ("[TOOL_CALLS]", None),
     "phi4": ("<|tool_call|>", "<|/tool_call|>"),
     "lfm2": ("<|tool_call_start|>", "<|tool_call_end|>"),
+    "deepseek": DEEPSEEK_CALLS,
 }
 
 
 def tool_family(template_source: str) -> str:
     """The call format a chat template teaches its model (``generic`` where none)."""
-    for family in ("lfm2", "phi4", "mistral", "hermes"):
+    for family in ("deepseek", "lfm2", "phi4", "mistral", "hermes"):
         if _MARKERS[family][0] in template_source:
             return family
     if "ipython" in template_source and '"parameters"' in template_source:
@@ -132,7 +147,8 @@ def markers(family: str) -> tuple[str, ...]:
     pair = _MARKERS.get(family)
     if pair is None:
         return ()
-    return tuple(m for m in pair if m is not None)
+    inner = (*DEEPSEEK_CALL, DEEPSEEK_SEP) if family == "deepseek" else ()
+    return tuple(m for m in pair if m is not None) + inner
 
 
 def call_start(family: str) -> str | None:
@@ -167,12 +183,24 @@ def _parse_marked(text: str, family: str, known: set[str] | None) -> tuple[str, 
             body, rest = _json_prefix(after)
         else:
             body, rest = after, ""
-        found = _calls_in(body, known)
+        found = _deepseek_calls(body, known) if family == "deepseek" else _calls_in(body, known)
         if not found:  # not a call after all: the text stays as it was written
             kept.append(start + body + (end or "") if end and end in after else start + body)
         calls += found
     kept.append(rest)
     return "".join(kept).strip(), calls
+
+
+def _deepseek_calls(body: str, known: set[str] | None) -> list[ToolCall]:
+    """DeepSeek's calls: each a name after its separator and the arguments in a fenced JSON
+    block (all of them well formed, or none is a call)."""
+    calls = []
+    for match in _DEEPSEEK_CALL.finditer(body):
+        call = _call_of({"name": match.group(2), "arguments": match.group(3)}, known)
+        if call is None:
+            return []
+        calls.append(call)
+    return calls
 
 
 def _json_prefix(text: str) -> tuple[str, str]:
@@ -292,14 +320,18 @@ def _parse_pythonic(body: str, known: set[str] | None) -> list[ToolCall]:
     return calls
 
 
-def describe_tools(tools: list[ToolSpec]) -> str:
-    """A system prompt's description of the tools and the generic call format, for a
-    template that renders no tools itself."""
-    lines = [
-        "You can call these functions. To call one, reply with only a JSON object:"
-        ' {"name": <function name>, "arguments": <an object of its arguments>}.',
-        "",
-    ]
+def describe_tools(tools: list[ToolSpec], family: str = "generic") -> str:
+    """A system prompt's description of the tools and how to call one in ``family``'s
+    format (the generic one: a JSON object), for a template that renders no tools itself."""
+    if family == "deepseek":
+        before, after = named_call_frame("deepseek", "<function name>") or ("", "")
+        how = f"reply with {before}<an object of its arguments>{after}"
+    else:
+        how = (
+            'reply with only a JSON object: {"name": <function name>, "arguments": <an object'
+            " of its arguments>}"
+        )
+    lines = [f"You can call these functions. To call one, {how}.", ""]
     lines += [json.dumps(tool.schema()["function"], ensure_ascii=False) for tool in tools]
     return "\n".join(lines)
 
@@ -317,6 +349,15 @@ _FRAMES: dict[str, tuple[str, str]] = {
 def call_frame(family: str) -> tuple[str, str]:
     """The text before and after one call's JSON object in ``family``'s format."""
     return _FRAMES.get(family, ("", ""))
+
+
+def named_call_frame(family: str, name: str) -> tuple[str, str] | None:
+    """For a family that writes the tool's name outside the JSON (DeepSeek): the text
+    before and after the arguments' object of one call to ``name``; None for the others."""
+    if family != "deepseek":
+        return None
+    before = f"{DEEPSEEK_CALLS[0]}{DEEPSEEK_CALL[0]}function{DEEPSEEK_SEP}{name}\n```json\n"
+    return before, f"\n```{DEEPSEEK_CALL[1]}{DEEPSEEK_CALLS[1]}"
 
 
 def call_schema(family: str, tools: list[ToolSpec], name: str | None = None) -> dict[str, Any]:

@@ -4,14 +4,17 @@ sampler) — so even a small model writes a well-formed call when one is require
 
 from __future__ import annotations
 
+import copy
 import json
 import re
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import llama_cpp
-from llama_cpp.llama_grammar import json_schema_to_gbnf
+from llama_cpp.llama_grammar import SchemaConverter, json_schema_to_gbnf
 
 from localchat.backends.llama.runtime import last_error_line
-from localchat.chat.tools import ToolSpec, call_frame, call_schema
+from localchat.chat.tools import ToolSpec, call_frame, call_schema, named_call_frame
 
 
 def _literal(text: str) -> str:
@@ -35,16 +38,25 @@ def _as_templates_write_json(rules: str) -> str:
     return re.sub(r"^space ::= .*$", 'space ::= ""', rules, count=1, flags=re.MULTILINE)
 
 
-def tool_call_grammar(family: str, tools: list[ToolSpec], name: str | None = None) -> str:
-    """GBNF for one call to one of ``tools`` (or the one ``name``d), framed as ``family``
-    writes calls; after it, only the end of the reply."""
+@contextmanager
+def _schema_errors() -> Iterator[None]:
+    """The converter's failures as a ``GrammarError`` that says what to do."""
     try:
-        rules = json_schema_to_gbnf(json.dumps(call_schema(family, tools, name)))
+        yield
     except Exception as exc:  # the converter asserts on what it cannot follow
         raise GrammarError(
             f"the tools' parameter schemas cannot be turned into a grammar ({type(exc).__name__}:"
             f" {exc}); simplify them or use tool_choice auto"
         ) from None
+
+
+def tool_call_grammar(family: str, tools: list[ToolSpec], name: str | None = None) -> str:
+    """GBNF for one call to one of ``tools`` (or the one ``name``d), framed as ``family``
+    writes calls; after it, only the end of the reply."""
+    if named_call_frame(family, "") is not None:
+        return _named_call_grammar(family, [t for t in tools if name in (None, t.name)])
+    with _schema_errors():
+        rules = json_schema_to_gbnf(json.dumps(call_schema(family, tools, name)))
     rules = re.sub(r"^root\s*::=", "call ::=", rules, count=1, flags=re.MULTILINE)
     rules = _as_templates_write_json(rules)
     before, after = call_frame(family)
@@ -53,6 +65,22 @@ def tool_call_grammar(family: str, tools: list[ToolSpec], name: str | None = Non
     if after:
         parts.append(_literal(after))
     return f"root ::= {' '.join(parts)}\n{rules}"
+
+
+def _named_call_grammar(family: str, tools: list[ToolSpec]) -> str:
+    """One call in a format that writes the tool's name outside its JSON (DeepSeek's): an
+    alternative per tool, its name in the frame around its arguments' object."""
+    converter = SchemaConverter(prop_order={}, allow_fetch=False, dotall=False, raw_pattern=False)
+    options = []
+    for index, tool in enumerate(tools):
+        parameters = copy.deepcopy(tool.parameters)  # the converter rewrites its refs
+        with _schema_errors():
+            schema = converter.resolve_refs(parameters, f"tool{index}")
+            rule = converter.visit(schema, f"tool{index}-arguments")
+        before, after = named_call_frame(family, tool.name) or ("", "")
+        options.append(f"{_literal(before)} {rule} {_literal(after)}")
+    rules = _as_templates_write_json(converter.format_grammar())
+    return f"root ::= {' | '.join(options)}\n{rules}"
 
 
 def checked_grammar(vocab: object, rules: str) -> None:
