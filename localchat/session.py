@@ -198,19 +198,31 @@ class Session:
             self.states = StateStore(paths.states_dir, settings.state_budget_bytes)
 
     # -- tools -----------------------------------------------------------------------------------
-    def start_tools(self) -> list[str]:
+    def start_tools(self, on_late: Callable[[str], object] | None = None) -> list[str]:
         """Start the MCP servers settings.toml configures (none: nothing is imported); a
-        line for each that could not start (the chat goes on without it)."""
+        line for each that could not start (the chat goes on without it). One that answers
+        later is offered from then on, and ``on_late`` gets a line saying so."""
         if self.tools is not None or not self.settings.mcp:
             return []
+
+        def late(name: str) -> None:  # on the servers' loop, which must not wait on a turn
+            line = f"MCP server {name!r} answered late: its tools are offered from now on"
+            threading.Thread(target=self._offer_tools, args=(line, on_late), daemon=True).start()
+
         self.tools = ToolServers(
-            self.settings.mcp, self.paths.logs_dir, self.settings.tool_result_chars
+            self.settings.mcp, self.paths.logs_dir, self.settings.tool_result_chars, late
         )
         problems = self.tools.start()
-        with self._io:  # a conversation opened meanwhile is offered them now
+        self._offer_tools()  # a conversation opened meanwhile is offered them now
+        return problems
+
+    def _offer_tools(self, line: str = "", say: Callable[[str], object] | None = None) -> None:
+        """Offer the open conversation the tools as they are now (then ``say`` ``line``)."""
+        with self._io:
             if self.conversation is not None:
                 run_compute(self.conversation.offer_tools, self.tool_use())
-        return problems
+        if say is not None:
+            say(line)
 
     def tool_use(self, choice: str = "auto") -> ToolUse | None:
         """The tools the servers offer, with ``choice`` ("auto", "none", "required" or a

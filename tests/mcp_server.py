@@ -3,7 +3,8 @@
 Its tools: ``ping`` (no arguments: a forced call to it is short even from a random-weight
 model), ``add`` (two numbers), ``echo`` (text back), ``big`` (a result of ``size``
 characters), ``crash`` (the process dies mid-call), ``fail`` (a tool error), ``slow``
-(answers after ``seconds``). It says something on stderr at start, as real servers do. Given a port, it serves
+(answers after ``seconds``). It says something on stderr at start, as real servers do, and
+waits ``$LOCALCHAT_TEST_MCP_DELAY`` seconds before it answers (a slow start). Given a port, it serves
 streamable HTTP on loopback instead of stdio.
 """
 
@@ -63,6 +64,7 @@ def slow(seconds: float) -> str:
 
 if __name__ == "__main__":
     print("localchat-test MCP server starting", file=sys.stderr, flush=True)
+    time.sleep(float(os.environ.get("LOCALCHAT_TEST_MCP_DELAY", "0")))  # a slow start
     if len(sys.argv) > 1:  # streamable HTTP on this port, loopback
         server.run("streamable-http", host="127.0.0.1", port=int(sys.argv[1]))
     else:

@@ -119,6 +119,20 @@ def test_a_server_that_cannot_start_is_one_line_and_the_others_run(tmp_path: Pat
         hub.close()
 
 
+def test_a_server_that_answers_late_runs_from_then_on(tmp_path: Path) -> None:
+    slow = McpServerConfig("slow", TEST_SERVER.command, env={"LOCALCHAT_TEST_MCP_DELAY": "2"})
+    answered = threading.Event()
+    hub = ToolServers((slow,), tmp_path / "logs", on_late=lambda name: answered.set())
+    try:
+        assert hub.start(timeout_s=0.5) == ["MCP server 'slow' failed: no answer within 0 s"]
+        assert hub.tools() == [] and hub.call(ToolCall("ping", {})).is_error
+        assert answered.wait(60)
+        assert hub.statuses[0].running and hub.server_of("ping") == "slow"
+        assert hub.call(ToolCall("ping", {})).text == "pong"
+    finally:
+        hub.close()
+
+
 @pytest.mark.parametrize(
     ("block", "message"),
     [

@@ -6,8 +6,11 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
+import sys
 from pathlib import Path
 
+import pytest
 from textual.widgets import SelectionList
 
 from localchat.backends.compute_thread import run_compute
@@ -16,7 +19,7 @@ from localchat.tui.messages import ReplyFinished
 from localchat.tui.screens.tool_consent import ToolConsentScreen
 from localchat.tui.screens.tools import ToolsScreen
 from localchat.tui.widgets.chat_message import ToolCallView
-from tests.test_mcp import mcp_settings, write_settings
+from tests.test_mcp import SERVER, mcp_settings, write_settings
 from tests.tui_helpers import ChatUI, chat_app
 
 
@@ -30,6 +33,26 @@ async def _tools_offered(ui: ChatUI) -> ConversationBase:
     await ui.until(offered, "the tools to be offered")
     assert ui.app.conversation is not None
     return ui.app.conversation
+
+
+async def test_a_server_that_answers_late_is_offered_from_then_on(
+    tiny_model: Path, isolated_home: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("localchat.tools.servers.START_TIMEOUT_S", 0.5)
+    command = json.dumps([sys.executable, str(SERVER)])
+    slow = (
+        f'[[mcp]]\nname = "slow"\ncommand = {command}\nenv = {{ LOCALCHAT_TEST_MCP_DELAY = "2" }}\n'
+    )
+    write_settings(isolated_home, slow)
+    async with chat_app(tiny_model) as ui:
+        await ui.until(
+            lambda: "MCP server 'slow' failed: no answer within 0 s" in ui.notices(),
+            "the start to give up on it",
+        )
+        conversation = await _tools_offered(ui)
+        assert conversation.tool_use is not None and "ping" in conversation.tool_use.names
+        late = "MCP server 'slow' answered late: its tools are offered from now on"
+        await ui.until(lambda: late in ui.notices(), "the notice that it answered")
 
 
 async def _require(conversation: ConversationBase, name: str) -> None:

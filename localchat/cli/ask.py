@@ -69,7 +69,8 @@ def cmd_ask(args: argparse.Namespace, out: TextIO) -> int:
                 args.conversation, args.system, args.wait, args.window
             )
             assert conversation is not None  # a backend and a database: it opens or raises
-            conversation.offer_tools(tool_use)
+            if tool_use != conversation.tool_use:  # it was offered the default choice
+                conversation.offer_tools(tool_use)
             turn = conversation.send(args.message, sampling, max_tokens, cancel, fresh=args.fresh)
         else:
             turn = session.ask_once(messages, sampling, max_tokens, cancel, tool_use)

@@ -15,7 +15,7 @@ import contextlib
 import os
 import threading
 import time
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -67,20 +67,26 @@ class _Link:
     ready: threading.Event = field(default_factory=threading.Event)
     client: Client | None = None
     stop: asyncio.Event | None = None
+    late: bool = False  # ``start`` stopped waiting for it: its tools come later, if at all
 
 
 class ToolServers:
     """Starts the servers, lists their tools (a name two servers share is taken by the first),
     and runs calls: a server that fails to start, dies or times out is a line in its status
-    and an error result for the model, never an exception for the chat."""
+    and an error result for the model, never an exception for the chat. A server that
+    answers after ``start`` gave up on it runs from then on: ``on_late`` is told its name
+    (from the servers' thread), so its tools can be offered."""
 
     def __init__(
         self,
         configs: tuple[McpServerConfig, ...],
         log_dir: Path,
         result_chars: int = DEFAULT_RESULT_CHARS,
+        on_late: Callable[[str], object] | None = None,
     ) -> None:
         self.result_chars = result_chars
+        self._on_late = on_late
+        self._lock = threading.Lock()  # ``start`` giving up on a server, and it answering
         self._log_dir = log_dir
         self._links = [_Link(c, ServerStatus(c.name, c.where)) for c in configs]
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -89,11 +95,12 @@ class ToolServers:
         self._tasks: list[Future[None]] = []
 
     # -- the lifecycle --------------------------------------------------------------------
-    def start(self, timeout_s: float = START_TIMEOUT_S) -> list[str]:
-        """Start every server and wait (at most ``timeout_s``) for each to list its tools;
-        one line for each that did not."""
+    def start(self, timeout_s: float | None = None) -> list[str]:
+        """Start every server and wait (at most ``timeout_s``, else ``START_TIMEOUT_S``)
+        for each to list its tools; one line for each that did not."""
         if not self._links or self._loop is not None:
             return []
+        timeout_s = START_TIMEOUT_S if timeout_s is None else timeout_s
         loop = self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=loop.run_forever, name="mcp-servers", daemon=True)
         self._thread.start()
@@ -102,8 +109,12 @@ class ToolServers:
         ]
         deadline = time.monotonic() + timeout_s  # one wait for all: they start side by side
         for link in self._links:
-            if not link.ready.wait(max(0.0, deadline - time.monotonic())):
-                link.status.state = f"failed: no answer within {timeout_s:.0f} s"
+            if link.ready.wait(max(0.0, deadline - time.monotonic())):
+                continue
+            with self._lock:
+                if not link.status.running:
+                    link.late = True
+                    link.status.state = f"failed: no answer within {timeout_s:.0f} s"
         return [
             f"MCP server {link.status.name!r} {link.status.state}"
             for link in self._links
@@ -225,15 +236,17 @@ class ToolServers:
             from mcp import Client
 
             async with Client(self._transport(link.config)) as client:
-                status.tools = await _listed_tools(client)
-                link.client = client
-                status.state = "running"
+                tools = await _listed_tools(client)
+                with self._lock:
+                    status.tools, link.client, status.state = tools, client, "running"
                 link.ready.set()
+                if link.late and self._on_late is not None:
+                    self._on_late(status.name)
                 await link.stop.wait()
             if status.running:
                 status.state = "stopped"
         except BaseException as exc:
-            if status.running or status.state == "starting":
+            if status.running or status.state == "starting" or link.late:
                 reason = _reason(exc)
                 status.state = f"stopped: {reason}" if status.running else f"failed: {reason}"
         finally:

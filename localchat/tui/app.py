@@ -182,8 +182,13 @@ class LocalChatApp(ReportsWorkerFailures, App[int]):
 
     @work(thread=True, exit_on_error=False, group="tools")
     def start_tools(self, session: Session) -> None:
-        """The MCP servers start beside the model; one that cannot is a notice."""
-        for problem in session.start_tools():
+        """The MCP servers start beside the model; one that cannot is a notice (and one
+        that answers late, another)."""
+
+        def late(line: str) -> None:
+            self.notify(line, title="Tools", timeout=15)
+
+        for problem in session.start_tools(late):
             self.notify(problem, title="Tools", severity="warning", timeout=15)
 
     def action_tools(self) -> None:
