@@ -12,7 +12,7 @@ from localchat.cli.main import main
 from localchat.gguf.info import read_gguf
 from localchat.models.calibrate import calibration_files, solve_costs
 from localchat.models.catalog import find_model, load_catalog
-from localchat.models.demo import CALIBRATION_MIN_BYTES, make_demo_model
+from localchat.models.demo import make_demo_model
 from localchat.models.hardware import GPU_NVIDIA, Hardware
 from localchat.models.planner import plan_catalog, plan_file, plan_model, sized_candidates
 from localchat.models.speed import (
@@ -23,6 +23,7 @@ from localchat.models.speed import (
     machine_name,
     token_work,
 )
+from localchat.models.timing_models import CALIBRATION_MIN_BYTES
 from localchat.paths import app_paths
 
 GIB = 1024**3

@@ -1,6 +1,8 @@
 """``bench --only estimate``: the memory estimate (made from the file's header, before a
 load) against the measured growth of a fresh process's resident memory over one turn that
-fills a 2,048-token context, on generated models of three shapes at three quants."""
+fills a 2,048-token context, on generated models of three shapes at three quants (each
+tensor in the type llama.cpp's quantizer gives it, its blocks random: the same bytes, made
+in seconds; ``models/timing_models.py``)."""
 
 from __future__ import annotations
 
@@ -24,14 +26,14 @@ def bench_estimate(model_path: Path, progress: Progress = None) -> dict[str, Any
     """The memory estimate against measured RSS growth on generated models (3 shapes x 3 quants)."""
     from localchat.gguf.estimate import LayerWeights, ModelDims, estimate_memory
     from localchat.gguf.info import read_gguf
-    from localchat.models.demo import ensure_demo_model
     from localchat.models.hardware import repacked_weight_types
+    from localchat.models.timing_models import ensure_mix_model
     from localchat.paths import app_paths
 
     rows: list[dict[str, Any]] = []
     errors: list[float] = []
     for shape, quant in ESTIMATE_MODELS:
-        path = ensure_demo_model(app_paths().demo_models_dir, shape, quant)
+        path = ensure_mix_model(app_paths().demo_models_dir, shape, quant)
         info = read_gguf(path)
         weights = LayerWeights.from_gguf(info, repacked_weight_types())
         estimate = estimate_memory(ModelDims.from_gguf(info), weights, ESTIMATE_CTX)

@@ -10,6 +10,8 @@ flash attention on a CPU (``FLASH_ATTN_CPU_MIN_CTX``): 8k, 16 times the sliding-
 shape's window (its window layers' cache must stay window-sized). What grows with the
 context (the KV cache, flash attention's work buffers, llama-cpp-python's arrays) is sized
 by ``n_ctx`` and shows at 8k as it would at 32k; both rows take ~2 minutes together here.
+The models are the quantizer's type mix in random blocks (``models/timing_models.py``): memory
+depends on the bytes, not the values.
 """
 
 from __future__ import annotations
@@ -33,14 +35,14 @@ def bench_memory(model_path: Path, progress: Progress = None) -> dict[str, Any]:
     the interpreter's baseline, and the estimate against the growth (each in a new process)."""
     from localchat.gguf.estimate import LayerWeights, ModelDims, estimate_memory
     from localchat.gguf.info import read_gguf
-    from localchat.models.demo import ensure_demo_model
     from localchat.models.hardware import repacked_weight_types
+    from localchat.models.timing_models import ensure_mix_model
     from localchat.paths import app_paths
 
     rows: dict[str, dict[str, Any]] = {}
     for shape, quant, n_ctx in MEMORY_MODELS:
         _say(progress, f"memory: {shape} {quant}, a full context of {n_ctx} tokens")
-        path = ensure_demo_model(app_paths().demo_models_dir, shape, quant)
+        path = ensure_mix_model(app_paths().demo_models_dir, shape, quant)
         info = read_gguf(path)
         weights = LayerWeights.from_gguf(info, repacked_weight_types())
         estimate = estimate_memory(ModelDims.from_gguf(info), weights, n_ctx)

@@ -1,5 +1,11 @@
 """``bench --only plan``: the planner's predicted tokens/s (from this machine's calibration)
-against real turns through the engine, two shapes at five quants."""
+against real turns through the engine, two shapes at five quants.
+
+The models have each tensor in the type llama.cpp's quantizer gives that quant, their blocks
+random (``models/timing_models.py``): the same bytes by type as the quantizer's files, made in
+seconds where quantizing the ten took three minutes. Speed barely depends on the values:
+``mix_speed_ratio`` reports it each run, the 0.5b Q4_K_M mix against the quantizer's file (the
+bench's main model), in the same rounds."""
 
 from __future__ import annotations
 
@@ -24,17 +30,16 @@ PLAN_GEN_TOKENS = 32  # 31 gaps of 30-110 ms: timer noise is nothing to them
 PLAN_MIN_ROUNDS = 2
 PLAN_MAX_ROUNDS = 3
 PLAN_AGREE = 0.05
+MIX_PAIRS = 5  # interleaved turns of the mix and the quantizer's file: 25 s
 
 
 def bench_plan(model_path: Path, progress: Progress = None) -> dict[str, Any]:
     """Predicted tokens/s (the planner's, from this machine's calibration) against what a
     real turn through the engine measures, for each demo shape and quant."""
-    from localchat.backends.llama.engine import Engine, LoadOptions
-    from localchat.backends.llama.tools import synthetic_prompt
     from localchat.models.calibrate import speed_model
-    from localchat.models.demo import ensure_demo_model
     from localchat.models.hardware import detect_hardware
     from localchat.models.planner import plan_file
+    from localchat.models.timing_models import ensure_mix_model
     from localchat.paths import app_paths
 
     paths = app_paths()
@@ -44,21 +49,9 @@ def bench_plan(model_path: Path, progress: Progress = None) -> dict[str, Any]:
     rows: dict[str, dict[str, float]] = {}
     for shape, quant in PLAN_MODELS:
         _say(progress, f"plan: {shape} {quant}")
-        path = ensure_demo_model(paths.demo_models_dir, shape, quant)
+        path = ensure_mix_model(paths.demo_models_dir, shape, quant)
         plan = plan_file(path, hardware, PLAN_CTX, speed)
-        engine = Engine(path, LoadOptions(n_ctx=PLAN_CTX, n_threads=physical_cores()))
-        gen: list[float] = []
-        prompt_tps: list[float] = []
-        try:
-            prompt = synthetic_prompt(engine.bos_token, engine.n_vocab, PLAN_PROMPT_TOKENS)
-            while len(gen) < PLAN_MIN_ROUNDS or (
-                len(gen) < PLAN_MAX_ROUNDS and not settled(gen, PLAN_AGREE)
-            ):
-                stats = cold_greedy_turn(engine, prompt, PLAN_GEN_TOKENS)
-                gen.append(stats.gen_tps)
-                prompt_tps.append(stats.prompt_tps)
-        finally:
-            engine.close()
+        gen, prompt_tps = _timed_turns(path)
         measured = statistics.median(gen)
         predicted = plan.predicted_gen_tps or 0.0
         rows[f"{shape} {quant}"] = {
@@ -75,9 +68,57 @@ def bench_plan(model_path: Path, progress: Progress = None) -> dict[str, Any]:
         abs(r["predicted_prompt_tps"] - r["measured_prompt_tps"]) / r["measured_prompt_tps"]
         for r in rows.values()
     ]
+    _say(progress, "plan: the 0.5b Q4_K_M mix against the quantizer's file")
+    mix_speed_ratio = _mix_speed_ratio(paths.demo_models_dir)
     return {
+        "mix_speed_ratio": mix_speed_ratio,
         "speed_calibration": speed.machine,
         "speed_predictions": rows,
         "speed_prediction_max_error": max(r["gen_error"] for r in rows.values()),
         "prompt_prediction_max_error": round(max(prompt_errors), 3),
     }
+
+
+def _timed_turns(path: Path) -> tuple[list[float], list[float]]:
+    """Generation and prompt tokens/s of cold greedy turns on ``path``, as many as it takes
+    to settle (two, or three when two disagree)."""
+    from localchat.backends.llama.engine import Engine, LoadOptions
+    from localchat.backends.llama.tools import synthetic_prompt
+
+    engine = Engine(path, LoadOptions(n_ctx=PLAN_CTX, n_threads=physical_cores()))
+    gen: list[float] = []
+    prompt_tps: list[float] = []
+    try:
+        prompt = synthetic_prompt(engine.bos_token, engine.n_vocab, PLAN_PROMPT_TOKENS)
+        while len(gen) < PLAN_MIN_ROUNDS or (
+            len(gen) < PLAN_MAX_ROUNDS and not settled(gen, PLAN_AGREE)
+        ):
+            stats = cold_greedy_turn(engine, prompt, PLAN_GEN_TOKENS)
+            gen.append(stats.gen_tps)
+            prompt_tps.append(stats.prompt_tps)
+    finally:
+        engine.close()
+    return gen, prompt_tps
+
+
+def _mix_speed_ratio(models_dir: Path, pairs: int = MIX_PAIRS) -> float:
+    """Generation tokens/s of the 0.5b Q4_K_M mix over the quantizer's own file: both loaded,
+    their turns interleaved, the median of ``pairs`` ratios."""
+    from localchat.backends.llama.engine import Engine, LoadOptions
+    from localchat.backends.llama.tools import synthetic_prompt
+    from localchat.models.demo import ensure_demo_model
+    from localchat.models.timing_models import ensure_mix_model
+
+    paths = (ensure_mix_model(models_dir, "0.5b", "Q4_K_M"), ensure_demo_model(models_dir, "0.5b"))
+    options = LoadOptions(n_ctx=PLAN_CTX, n_threads=physical_cores())
+    mix, real = engines = [Engine(path, options) for path in paths]
+    try:
+        prompt = synthetic_prompt(real.bos_token, real.n_vocab, PLAN_PROMPT_TOKENS)
+        ratios = []
+        for _ in range(pairs):
+            mix_tps = cold_greedy_turn(mix, prompt, PLAN_GEN_TOKENS).gen_tps
+            ratios.append(mix_tps / cold_greedy_turn(real, prompt, PLAN_GEN_TOKENS).gen_tps)
+    finally:
+        for engine in engines:
+            engine.close()
+    return round(statistics.median(ratios), 3)

@@ -227,7 +227,8 @@ def _read(path: Path, name: str, threads: int) -> Reading:
 
 def calibration_files(models_dir: Path, types: tuple[str, ...]) -> dict[str, Path]:
     """Where each calibration model lives (the tiny one under ``OVERHEAD``)."""
-    from localchat.models.demo import demo_model_path, speed_model_path
+    from localchat.models.demo import demo_model_path
+    from localchat.models.timing_models import speed_model_path
 
     files = {OVERHEAD: demo_model_path(models_dir, "tiny", "F16")}
     files.update({t: speed_model_path(models_dir, t) for t in types})
@@ -251,7 +252,8 @@ def calibrate(
     :class:`CalibrationUnsettled` (``strict=False``: the best readings are fitted anyway, for
     tests that need real figures on a machine they keep busy). ``step`` is (this step, of
     how many) for the progress."""
-    from localchat.models.demo import ensure_demo_model, make_speed_model
+    from localchat.models.demo import ensure_demo_model
+    from localchat.models.timing_models import make_speed_model
 
     types = types or CALIBRATION_TYPES
     max_rounds = max(MIN_ROUNDS, rounds or MAX_ROUNDS)

@@ -15,8 +15,8 @@ from __future__ import annotations
 import math
 import string
 import tempfile
-from collections.abc import Iterator
-from dataclasses import dataclass, replace
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -317,6 +317,9 @@ _SCALE_OFFSETS: dict[str, tuple[int, ...]] = {
     "Q6_K": (208,), "Q3_K": (108,), "Q2_K": (80, 82),
 }  # fmt: skip
 SPEED_TYPES: tuple[str, ...] = ("F16", *_SCALE_OFFSETS)
+# What a file's matrices hold: None, normal F16 weights (a model that runs); a type name,
+# random blocks of that type in every matrix; a mapping, each tensor's type by its name.
+WeightTypes = str | Mapping[str, str] | None
 
 
 def _random_blocks(rng: np.random.Generator, rows: int, cols: int, weight_type: str) -> np.ndarray:
@@ -334,63 +337,17 @@ def _random_blocks(rng: np.random.Generator, rows: int, cols: int, weight_type: 
     return blocks.reshape(rows, cols // block_weights * block_bytes)
 
 
-# The speed calibration's shape (not offered as a demo): Qwen2.5-1.5B's row lengths (a row's
-# fixed cost makes a byte's cost depend on them, models/speed.py; 1.5B is the middle of what
-# laptops run), its layers set per weight type by calibration_shape().
-CALIBRATION_SHAPE = ModelShape("calib", 1, 1536, 12, 2, 8960, 8192, 8192, 10000.0)
-# What each calibration file reads per token, at least. Smaller files run partly from a
-# large processor cache and time fast by luck: measured on a 2-core Xeon with a 480 MiB L3,
-# a 43 MB Q2_K file read 175-250 tok/s where 88 MB and larger ones all cost the same per
-# byte (the 0.5b and 1b demo models' Q2_K then predicted 1.4-1.6x too fast).
-CALIBRATION_MIN_BYTES = 100_000_000
-
-
-def calibration_shape(weight_type: str) -> ModelShape:
-    """The calibration shape with enough layers that a ``weight_type`` file reads at least
-    ``CALIBRATION_MIN_BYTES`` per token (more layers cost reading time, so no more), and at
-    least two: a prompt skips the last layer's feed-forward (speed.token_work), so one layer
-    would leave a prompt reading too little work to price."""
-    shape = CALIBRATION_SHAPE
-    block_weights, block_bytes = _block_size(weight_type)
-    hd = shape.head_dim
-    layer_weights = shape.n_embd * (2 * shape.n_head * hd + 2 * shape.n_head_kv * hd)
-    layer_weights += 3 * shape.n_embd * shape.n_ff
-    output = shape.n_vocab * shape.n_embd * block_bytes // block_weights
-    layer = layer_weights * block_bytes // block_weights
-    layers = max(2, -(-(CALIBRATION_MIN_BYTES - output) // layer))
-    return replace(shape, n_layer=layers)
-
-
-def _block_size(weight_type: str) -> tuple[int, int]:
-    """(weights, bytes) of one block of ``weight_type``."""
-    if weight_type == "F16":
-        return 1, 2
-    return GGML_QUANT_SIZES[GGMLQuantizationType[weight_type]]
-
-
-def speed_model_path(directory: Path, weight_type: str) -> Path:
-    """Where the speed model of one weight type is kept (the name changes with its shape, so
-    files of an older shape are never read as this one)."""
-    shape = CALIBRATION_SHAPE
-    return directory / f"speed-{shape.n_embd}x{shape.n_ff}-{weight_type}.gguf"
-
-
-def make_speed_model(out: Path, weight_type: str, seed: int = 0) -> Path:
-    """A model whose every matrix is of one weight type, its blocks random: the calibration
-    times one type per file, and such a file is written in a blink (no quantizer)."""
-    if weight_type not in SPEED_TYPES:
-        raise UsageError(f"no speed model of {weight_type!r}; one of {', '.join(SPEED_TYPES)}")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    _write_staged(out, calibration_shape(weight_type), seed, weight_type=weight_type)
-    return out
-
-
-def _write_staged(
-    out: Path, shape: ModelShape, seed: int, tokenizer: str = "spm", weight_type: str | None = None
+def write_staged(
+    out: Path,
+    shape: ModelShape,
+    seed: int,
+    tokenizer: str = "spm",
+    weight_types: WeightTypes = None,
+    file_type: LlamaFileType | None = LlamaFileType.MOSTLY_F16,
 ) -> None:
     """``_write_model`` into a hidden file beside ``out``, renamed in once whole."""
     tmp = out.with_name(f".{out.name}.tmp")
-    _write_model(shape, seed, tmp, tokenizer, weight_type)
+    _write_model(shape, seed, tmp, tokenizer, weight_types, file_type)
     tmp.replace(out)
 
 
@@ -399,16 +356,17 @@ def _write_model(
     seed: int,
     out: Path,
     tokenizer: str = "spm",
-    weight_type: str | None = None,
+    weight_types: WeightTypes = None,
+    file_type: LlamaFileType | None = LlamaFileType.MOSTLY_F16,
 ) -> None:
-    """Seeded random weights: normal F16 matrices (a model that runs), or with ``weight_type``
-    random blocks of that type in every matrix (a model that is only timed)."""
+    """Seeded random weights: normal F16 matrices (a model that runs), or with
+    ``weight_types`` random blocks of those types (a model that is only timed or measured)."""
     rng = np.random.default_rng(seed)
     writer = GGUFWriter(str(out), shape.architecture)
     suffix = "" if tokenizer == "spm" else f"-{tokenizer}"
     writer.add_name(f"localchat-demo-{shape.name}{suffix}")
-    if weight_type in (None, "F16"):  # one type throughout has no llama.cpp file type name
-        writer.add_file_type(LlamaFileType.MOSTLY_F16)
+    if file_type is not None:  # one quantized type throughout has no llama.cpp file type name
+        writer.add_file_type(file_type)
     writer.add_context_length(shape.context_length)
     writer.add_embedding_length(shape.n_embd)
     writer.add_block_count(shape.n_layer)
@@ -430,7 +388,12 @@ def _write_model(
         _add_spm_tokenizer(writer, shape.n_vocab, space_prefix=tokenizer == "spm-space")
     writer.add_chat_template(CHATML_TEMPLATE)
 
-    def matrix(rows: int, cols: int) -> np.ndarray:
+    def type_of(name: str) -> str | None:
+        if isinstance(weight_types, str) or weight_types is None:
+            return weight_types
+        return weight_types[name]
+
+    def matrix(rows: int, cols: int, weight_type: str | None) -> np.ndarray:
         if weight_type is not None:
             return _random_blocks(rng, rows, cols, weight_type)
         # Scaled by fan-in so every layer moves the residual stream and replies vary with
@@ -444,7 +407,8 @@ def _write_model(
     hd = shape.head_dim
 
     def add_matrix(name: str, rows: int, cols: int) -> None:
-        data = matrix(rows, cols)
+        weight_type = type_of(name)
+        data = matrix(rows, cols, weight_type)
         if weight_type in (None, "F16"):
             writer.add_tensor(name, data)
         else:
@@ -494,16 +458,16 @@ def make_demo_model(
     out.parent.mkdir(parents=True, exist_ok=True)
     model_shape = SHAPES[shape]
     if quant == "F16":
-        _write_staged(out, model_shape, seed, tokenizer)
+        write_staged(out, model_shape, seed, tokenizer)
         return out
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp_dir:
         f16 = Path(tmp_dir) / "f16.gguf"
         _write_model(model_shape, seed, f16, tokenizer)
-        _quantize_into(f16, out, quant)
+        quantize_into(f16, out, quant)
     return out
 
 
-def _quantize_into(f16: Path, out: Path, quant: str) -> None:
+def quantize_into(f16: Path, out: Path, quant: str) -> None:
     """llama.cpp's quantizer from ``f16`` to ``out``, staged beside it and renamed in."""
     # Imported here: the quantizer lives in the engine, the one module that touches llama_cpp.
     from localchat.backends.llama.tools import quantize_model
@@ -543,7 +507,7 @@ def ensure_demo_model(
         return path
     f16 = demo_model_path(directory, shape, "F16", seed, tokenizer=tokenizer)
     if quant != "F16" and f16.exists() and quant in QUANTS:
-        _quantize_into(f16, path, quant)  # the same weights, written once already
+        quantize_into(f16, path, quant)  # the same weights, written once already
         return path
     make_demo_model(path, shape, quant, seed, tokenizer=tokenizer)
     return path

@@ -1,0 +1,149 @@
+"""Models that are only timed or measured: random blocks in the tensor types of a real file.
+
+How fast llama.cpp reads a matrix, and how much memory it takes, depend on its type and shape,
+never on its values, so these files are written in a blink where a quantizer takes minutes:
+- the speed calibration's files, one weight type throughout (``make_speed_model``);
+- a demo shape at the exact type mix llama.cpp's quantizer gives a quant (``ensure_mix_model``:
+  Q4_K_M is Q4_K with Q6_K in half the value and down projections, say, and falls back to
+  Q5_0 where rows do not divide into k-quant blocks). The mix is read off a narrow twin of
+  the shape — the same layers, heads and tensor names, rows that divide into the same blocks —
+  quantized by llama.cpp in a second, so it is what llama.cpp chooses, not a copy of its rules.
+"""
+
+from __future__ import annotations
+
+import math
+import tempfile
+from dataclasses import replace
+from pathlib import Path
+
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, LlamaFileType
+
+from localchat.errors import UsageError
+from localchat.models.demo import (
+    QUANTS,
+    SHAPES,
+    SPEED_TYPES,
+    ModelShape,
+    quantize_into,
+    write_staged,
+)
+
+# The speed calibration's shape (not offered as a demo): Qwen2.5-1.5B's row lengths (a row's
+# fixed cost makes a byte's cost depend on them, models/speed.py; 1.5B is the middle of what
+# laptops run), its layers set per weight type by calibration_shape().
+CALIBRATION_SHAPE = ModelShape("calib", 1, 1536, 12, 2, 8960, 8192, 8192, 10000.0)
+# What each calibration file reads per token, at least. Smaller files run partly from a
+# large processor cache and time fast by luck: measured on a 2-core Xeon with a 480 MiB L3,
+# a 43 MB Q2_K file read 175-250 tok/s where 88 MB and larger ones all cost the same per
+# byte (the 0.5b and 1b demo models' Q2_K then predicted 1.4-1.6x too fast).
+CALIBRATION_MIN_BYTES = 100_000_000
+
+
+def calibration_shape(weight_type: str) -> ModelShape:
+    """The calibration shape with enough layers that a ``weight_type`` file reads at least
+    ``CALIBRATION_MIN_BYTES`` per token (more layers cost reading time, so no more), and at
+    least two: a prompt skips the last layer's feed-forward (speed.token_work), so one layer
+    would leave a prompt reading too little work to price."""
+    shape = CALIBRATION_SHAPE
+    block_weights, block_bytes = _block_size(weight_type)
+    hd = shape.head_dim
+    layer_weights = shape.n_embd * (2 * shape.n_head * hd + 2 * shape.n_head_kv * hd)
+    layer_weights += 3 * shape.n_embd * shape.n_ff
+    output = shape.n_vocab * shape.n_embd * block_bytes // block_weights
+    layer = layer_weights * block_bytes // block_weights
+    layers = max(2, -(-(CALIBRATION_MIN_BYTES - output) // layer))
+    return replace(shape, n_layer=layers)
+
+
+def _block_size(weight_type: str) -> tuple[int, int]:
+    """(weights, bytes) of one block of ``weight_type``."""
+    if weight_type == "F16":
+        return 1, 2
+    return GGML_QUANT_SIZES[GGMLQuantizationType[weight_type]]
+
+
+def speed_model_path(directory: Path, weight_type: str) -> Path:
+    """Where the speed model of one weight type is kept (the name changes with its shape, so
+    files of an older shape are never read as this one)."""
+    shape = CALIBRATION_SHAPE
+    return directory / f"speed-{shape.n_embd}x{shape.n_ff}-{weight_type}.gguf"
+
+
+def make_speed_model(out: Path, weight_type: str, seed: int = 0) -> Path:
+    """A model whose every matrix is of one weight type, its blocks random: the calibration
+    times one type per file, and such a file is written in a blink (no quantizer)."""
+    if weight_type not in SPEED_TYPES:
+        raise UsageError(f"no speed model of {weight_type!r}; one of {', '.join(SPEED_TYPES)}")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    file_type = LlamaFileType.MOSTLY_F16 if weight_type == "F16" else None
+    write_staged(out, calibration_shape(weight_type), seed, weight_types=weight_type,
+                 file_type=file_type)  # fmt: skip
+    return out
+
+
+# A k-quant block's weights, and the legacy quants' (Q8_0, Q5_0, Q4_0): a row that does not
+# divide into the first falls back to the second kind (llama.cpp's quantizer decides which).
+K_BLOCK = 256
+LEGACY_BLOCK = 32
+
+
+def _twin_length(length: int, multiple: int) -> int:
+    """The shortest row length, a multiple of ``multiple`` and of the legacy block, that
+    divides into k-quant blocks exactly when ``length`` does."""
+    if length % LEGACY_BLOCK:
+        raise UsageError(f"rows of {length} weights do not divide into blocks of {LEGACY_BLOCK}")
+    step = math.lcm(multiple, LEGACY_BLOCK)
+    twin = step
+    while (twin % K_BLOCK == 0) != (length % K_BLOCK == 0):
+        twin += step
+    return twin
+
+
+def narrow_twin(shape: ModelShape) -> ModelShape:
+    """``shape`` with its rows as short as they can be while the quantizer treats every tensor
+    as it treats the full one: the same layers, heads and names; rows of the same blocks."""
+    n_ff = _twin_length(shape.n_ff, 1)
+    if shape.head_dim_set:  # the attention width is its own row length (Gemma 3)
+        width = _twin_length(shape.n_head * shape.head_dim, 2 * shape.n_head)
+        n_embd = _twin_length(shape.n_embd, 1)
+        return replace(shape, n_embd=n_embd, n_ff=n_ff, head_dim_set=width // shape.n_head)
+    return replace(shape, n_embd=_twin_length(shape.n_embd, 2 * shape.n_head), n_ff=n_ff)
+
+
+def quant_mix(shape: ModelShape, quant: str) -> dict[str, str]:
+    """Each tensor's type, by name, in a ``quant`` file of ``shape`` as llama.cpp's quantizer
+    makes it (read off its narrow twin, quantized for real)."""
+    if quant not in QUANTS:
+        raise UsageError(f"unknown quant {quant!r}; choose one of {', '.join(QUANTS)}")
+    if quant == "F16":
+        return {}
+    with tempfile.TemporaryDirectory(prefix="localchat-mix-") as tmp:
+        f16, quantized = Path(tmp) / "twin-F16.gguf", Path(tmp) / f"twin-{quant}.gguf"
+        write_staged(f16, narrow_twin(shape), seed=0)
+        quantize_into(f16, quantized, quant)
+        mix = {t.name: t.tensor_type.name for t in GGUFReader(quantized).tensors}
+    unwritable = sorted({t for t in mix.values() if t not in (*SPEED_TYPES, "F32")})
+    if unwritable:
+        raise UsageError(f"{quant} holds {', '.join(unwritable)}: no random blocks of it here")
+    return mix
+
+
+def mix_model_path(directory: Path, shape: str, quant: str, seed: int = 0) -> Path:
+    """Where the random-block model of a demo shape at a quant's mix is kept."""
+    return directory / f"mix-{shape}-{quant}-s{seed}.gguf"
+
+
+def ensure_mix_model(directory: Path, shape: str, quant: str, seed: int = 0) -> Path:
+    """A demo shape with each tensor of the type a ``quant`` file has, its blocks random
+    (made on first use): the same bytes by type, so the same speed and memory as the real
+    quantized model, written in seconds where quantizing takes half a minute."""
+    if shape not in SHAPES:
+        raise UsageError(f"unknown shape {shape!r}; choose one of {', '.join(SHAPES)}")
+    path = mix_model_path(directory, shape, quant, seed)
+    if not path.exists():
+        mix = quant_mix(SHAPES[shape], quant)
+        file_type = LlamaFileType[f"MOSTLY_{quant}"]
+        directory.mkdir(parents=True, exist_ok=True)
+        write_staged(path, SHAPES[shape], seed, weight_types=mix or "F16", file_type=file_type)
+    return path
