@@ -30,7 +30,7 @@ PLAN_GEN_TOKENS = 32  # 31 gaps of 30-110 ms: timer noise is nothing to them
 PLAN_MIN_ROUNDS = 2
 PLAN_MAX_ROUNDS = 3
 PLAN_AGREE = 0.05
-MIX_PAIRS = 5  # interleaved turns of the mix and the quantizer's file: 25 s
+MIX_PAIRS = 3  # interleaved turns of the mix and the quantizer's file: 15 s
 
 
 def bench_plan(model_path: Path, progress: Progress = None) -> dict[str, Any]:
