@@ -35,8 +35,9 @@ from localchat.paths import app_paths
 
 HOGS = 2
 # The busy calibration's rounds: two hogs on two cores keep most rounds from counting, and a
-# calibration that has not settled in three will not (the app's own gives up at 40 s).
-BUSY_ROUNDS = 3
+# calibration whose first two rounds disagree is unsettled (the app's own gives up at 40 s):
+# a third round only stretched this part, never changed its verdict.
+BUSY_ROUNDS = 2
 BUSY_LIMIT = 0.35
 
 

@@ -70,6 +70,17 @@ def cold_greedy_turn(engine: Engine, prompt: list[int], max_tokens: int) -> Turn
     return generation.stats
 
 
+def warm_greedy_turn(engine: Engine, prompt: list[int], max_tokens: int) -> TurnStats:
+    """One greedy generation after ``prompt`` is cached (the last turn's reply is cut off):
+    the same fill and positions as a cold turn, without reading the prompt again."""
+    from localchat.backends.base import Sampling
+
+    generation = engine.generate(prompt, Sampling(temperature=0.0), max_tokens)
+    for _ in generation:
+        pass
+    return generation.stats
+
+
 def filler_text(turn: int, words: int) -> str:
     """Deterministic prose-like text of about ``words`` tokens for long user messages."""
     vocabulary = (

@@ -168,10 +168,11 @@ def bench_spec(model_path: Path, progress: Progress = None) -> dict[str, Any]:
 def _draft_model_figures(progress: Progress) -> dict[str, Any]:
     """A draft model whose drafts fail: generation with it over without, same text."""
     from localchat.backends.llama.engine import Engine, LoadOptions
-    from localchat.models.demo import ensure_demo_model
+    from localchat.models.timing_models import ensure_mix_model
     from localchat.paths import app_paths
 
-    big, small = (ensure_demo_model(app_paths().demo_models_dir, s, "Q4_K_M") for s in DRAFT_SHAPES)
+    # Random blocks (made in seconds; the plan part's): drafts that fail as random weights do.
+    big, small = (ensure_mix_model(app_paths().demo_models_dir, s, "Q4_K_M") for s in DRAFT_SHAPES)
     _say(progress, f"spec: {big.name} with {small.name} drafting (random weights)")
 
     def load(draft: Path | None) -> Engine:

@@ -234,14 +234,16 @@ TYPING_CHARS_PER_S = 20.0
 
 
 async def _type_at_speed(pilot: Any, text: str, chars_per_s: float) -> None:
-    """Type ``text`` key by key on a fixed schedule (each key at its time, whatever the last
-    one cost), as a person types."""
+    """Type ``text`` key by key on a fixed schedule, as a person types: each key arrives at
+    its time whatever the app is doing (``pilot.press`` would wait until the app is idle
+    after each key, and a slow frame would slow the typist down)."""
     began = time.perf_counter()
     for index, char in enumerate(text):
-        await pilot.press("space" if char == " " else char)
+        pilot.app.post_message(events.Key("space" if char == " " else char, char))
         delay = began + (index + 1) / chars_per_s - time.perf_counter()
         if delay > 0:
             await asyncio.sleep(delay)
+    await pilot.pause()  # the last keys are in before Enter
 
 
 async def _type_ahead_turns(
