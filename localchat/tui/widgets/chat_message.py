@@ -308,6 +308,7 @@ class AssistantMessage(ChatEntry):
         self.raw += text
         return printable(text)
 
+
 class Notice(Static):
     """A system notice inside the conversation (window moved, state restored…)."""
 
