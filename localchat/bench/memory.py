@@ -9,9 +9,9 @@ is full, long next to the 2,048 tokens of ``estimate`` and long enough that llam
 flash attention on a CPU (``FLASH_ATTN_CPU_MIN_CTX``): 8k, 16 times the sliding-window
 shape's window (its window layers' cache must stay window-sized). What grows with the
 context (the KV cache, flash attention's work buffers, llama-cpp-python's arrays) is sized
-by ``n_ctx`` and shows at 8k as it would at 32k. The plain row is now the small shape (half a
-minute for both rows). The models are the quantizer's type mix in random blocks
-(``models/timing_models.py``): memory depends on the bytes, not the values.
+by ``n_ctx`` and shows at 8k as it would at 32k; both rows take ~2 minutes together here.
+The models are the quantizer's type mix in random blocks (``models/timing_models.py``): memory
+depends on the bytes, not the values.
 """
 
 from __future__ import annotations
@@ -23,11 +23,8 @@ from localchat.bench.common import Progress, _say
 from localchat.bench.rss import measure_in_fresh_process
 
 # (shape, quant, context): a plain shape and a sliding-window one, each context filled.
-# The plain row was the 0.5b shape: its fill took 75 s of a 15-minute bench, and what this
-# part checks (what grows with the context, and nothing unaccounted) does not need its size;
-# ``estimate`` measures the 0.5b shape at three quants.
 MEMORY_MODELS: tuple[tuple[str, str, int], ...] = (
-    ("small", "Q4_K_M", 8192),
+    ("0.5b", "Q4_K_M", 8192),
     ("gemma3", "Q8_0", 8192),
 )
 MEMORY_GEN_TOKENS = 16

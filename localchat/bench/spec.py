@@ -36,7 +36,7 @@ PROSE_TOKENS = 160
 COPY_ROUNDS = 3
 PROSE_ROUNDS = 5
 DRAFT_TOKENS = 64
-DRAFT_ROUNDS = 3
+DRAFT_ROUNDS = 2  # the failing draft model: the policy declines it, the ratio sits at 1.0
 DRAFT_SHAPES = ("1b", "0.5b")  # the model, its draft (the same generated vocabulary)
 SOURCE = '''import csv
 from pathlib import Path

@@ -20,10 +20,10 @@ ZEROWAIT_ROUNDS = 3  # the app opening a long conversation: a ratio within 5% of
 PREFIX_ROUNDS = 2  # a prefix read cold (9 s) against restored (0.25 s): 35x, target 20x
 ZEROWAIT_MESSAGE = "Given that guide, how should I name a function?"
 # The type-ahead figure: messages of this many words typed in the app, this many times. At a
-# typist's 20 characters a second the typing is the cost (the machine idles meanwhile): 80
-# words (~80 tokens, half a second to read cold on the 0.5b shape, against a tenth of that
-# for one word) is a long message still, typed in under half a minute.
-TYPEAHEAD_WORDS = 80
+# typist's 20 characters a second the typing is the cost (the machine idles meanwhile): 48
+# words (~75 tokens, half a second to read cold on the 0.5b shape, twice a one-word
+# message's wait) is a long message still, typed in a quarter of a minute.
+TYPEAHEAD_WORDS = 48
 TYPEAHEAD_ROUNDS = 2
 
 
