@@ -25,7 +25,14 @@ def _tensors(path: Path) -> dict[str, tuple[str, tuple[int, ...], int]]:
 
 @pytest.mark.parametrize(
     ("shape", "quant"),
-    [("tiny", "Q4_K_M"), ("small", "Q2_K"), ("small", "Q6_K"), ("swa-tiny", "Q4_K_M")],
+    [
+        ("tiny", "Q4_K_M"),
+        ("small", "Q2_K"),
+        ("small", "Q6_K"),
+        ("small", "Q5_K_M"),
+        ("tiny", "IQ4_XS"),
+        ("swa-tiny", "Q4_K_M"),
+    ],
 )
 def test_a_mix_model_holds_what_the_quantizer_writes(
     shape: str, quant: str, tmp_path: Path

@@ -58,23 +58,14 @@ def env_with_home(home: Path) -> dict[str, str]:
     return {**os.environ, HOME_ENV: str(home)}
 
 
-def cold_greedy_turn(engine: Engine, prompt: list[int], max_tokens: int) -> TurnStats:
-    """One greedy generation from an empty cache, run to its end; its stats (the same
-    starting point every round, so rounds compare)."""
+def greedy_turn(engine: Engine, prompt: list[int], max_tokens: int, cold: bool = True) -> TurnStats:
+    """One greedy generation run to its end; its stats. ``cold``: from an empty cache (the
+    same starting point every round, so rounds compare); else after ``prompt``, cached by
+    the last turn (its reply cut off): the same fill and positions, the prompt not read again."""
     from localchat.backends.base import Sampling
 
-    engine.reset()
-    generation = engine.generate(prompt, Sampling(temperature=0.0), max_tokens)
-    for _ in generation:
-        pass
-    return generation.stats
-
-
-def warm_greedy_turn(engine: Engine, prompt: list[int], max_tokens: int) -> TurnStats:
-    """One greedy generation after ``prompt`` is cached (the last turn's reply is cut off):
-    the same fill and positions as a cold turn, without reading the prompt again."""
-    from localchat.backends.base import Sampling
-
+    if cold:
+        engine.reset()
     generation = engine.generate(prompt, Sampling(temperature=0.0), max_tokens)
     for _ in generation:
         pass

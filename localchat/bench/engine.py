@@ -7,7 +7,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from localchat.bench.common import Progress, _say, cold_greedy_turn, settled
+from localchat.bench.common import Progress, _say, greedy_turn, settled
 from localchat.cpu import physical_cores
 
 ENGINE_CTX = 2048
@@ -35,7 +35,7 @@ def bench_engine(model_path: Path, progress: Progress = None) -> dict[str, Any]:
     ratios: list[float] = []
 
     def engine_round() -> None:
-        stats = cold_greedy_turn(engine, prompt, ENGINE_GEN_TOKENS)
+        stats = greedy_turn(engine, prompt, ENGINE_GEN_TOKENS)
         engine_prompt.append(stats.prompt_tps)
         engine_gen.append(stats.gen_tps)
 

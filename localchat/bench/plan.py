@@ -16,9 +16,8 @@ from typing import Any
 from localchat.bench.common import (
     Progress,
     _say,
-    cold_greedy_turn,
+    greedy_turn,
     settled,
-    warm_greedy_turn,
 )
 from localchat.cpu import physical_cores
 
@@ -31,8 +30,8 @@ PLAN_CTX = 2048
 PLAN_PROMPT_TOKENS = 448  # with the reply, about the fill predictions are made for
 PLAN_GEN_TOKENS = 32  # 31 gaps of 30-110 ms: timer noise is nothing to them
 # Rounds sized by noise: two, and a third only when those two disagree by more than
-# PLAN_AGREE (the median of three then drops the odd one). Most models settle in two, and
-# the 1b rows (a quarter of a minute a round) were most of this part's time.
+# PLAN_AGREE (the median of three then drops the odd one). Most models settle in two; the
+# prompt is read in the first only (``_timed_turns``).
 PLAN_MIN_ROUNDS = 2
 PLAN_MAX_ROUNDS = 3
 PLAN_AGREE = 0.05
@@ -96,12 +95,12 @@ def _timed_turns(path: Path) -> tuple[list[float], float]:
     engine = Engine(path, LoadOptions(n_ctx=PLAN_CTX, n_threads=physical_cores()))
     try:
         prompt = synthetic_prompt(engine.bos_token, engine.n_vocab, PLAN_PROMPT_TOKENS)
-        first = cold_greedy_turn(engine, prompt, PLAN_GEN_TOKENS)
+        first = greedy_turn(engine, prompt, PLAN_GEN_TOKENS)
         gen = [first.gen_tps]
         while len(gen) < PLAN_MIN_ROUNDS or (
             len(gen) < PLAN_MAX_ROUNDS and not settled(gen, PLAN_AGREE)
         ):
-            gen.append(warm_greedy_turn(engine, prompt, PLAN_GEN_TOKENS).gen_tps)
+            gen.append(greedy_turn(engine, prompt, PLAN_GEN_TOKENS, cold=False).gen_tps)
     finally:
         engine.close()
     return gen, first.prompt_tps
@@ -121,11 +120,11 @@ def _mix_speed_ratio(models_dir: Path, pairs: int = MIX_PAIRS) -> float:
     try:
         prompt = synthetic_prompt(real.bos_token, real.n_vocab, PLAN_PROMPT_TOKENS)
         for engine in engines:  # each reads the prompt once; the turns generate from it
-            cold_greedy_turn(engine, prompt, 1)
+            greedy_turn(engine, prompt, 1)
         ratios = []
         for _ in range(pairs):
-            mix_tps = warm_greedy_turn(mix, prompt, PLAN_GEN_TOKENS).gen_tps
-            ratios.append(mix_tps / warm_greedy_turn(real, prompt, PLAN_GEN_TOKENS).gen_tps)
+            mix_tps = greedy_turn(mix, prompt, PLAN_GEN_TOKENS, cold=False).gen_tps
+            ratios.append(mix_tps / greedy_turn(real, prompt, PLAN_GEN_TOKENS, cold=False).gen_tps)
     finally:
         for engine in engines:
             engine.close()

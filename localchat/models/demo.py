@@ -315,6 +315,9 @@ def _add_bpe_tokenizer(writer: GGUFWriter, n_vocab: int, tokenizer: str) -> None
 _SCALE_OFFSETS: dict[str, tuple[int, ...]] = {
     "Q8_0": (0,), "Q4_0": (0,), "Q5_0": (0,), "Q4_K": (0, 2), "Q5_K": (0, 2),
     "Q6_K": (208,), "Q3_K": (108,), "Q2_K": (80, 82),
+    # What llama.cpp's quantizer falls back to where rows do not divide into k-quant blocks
+    # (Q5_K_M's Q5_1, older versions' IQ4_NL) and IQ4_XS: a mix model may hold them.
+    "Q4_1": (0, 2), "Q5_1": (0, 2), "IQ4_NL": (0,), "IQ4_XS": (0,),
 }  # fmt: skip
 SPEED_TYPES: tuple[str, ...] = ("F16", *_SCALE_OFFSETS)
 # What a file's matrices hold: None, normal F16 weights (a model that runs); a type name,

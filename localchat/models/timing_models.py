@@ -130,8 +130,10 @@ def quant_mix(shape: ModelShape, quant: str) -> dict[str, str]:
 
 
 def mix_model_path(directory: Path, shape: str, quant: str, seed: int = 0) -> Path:
-    """Where the random-block model of a demo shape at a quant's mix is kept."""
-    return directory / f"mix-{shape}-{quant}-s{seed}.gguf"
+    """Where the random-block model of a demo shape at a quant's mix is kept (the name
+    changes with the shape's rows, so a file of an older shape is never read as this one)."""
+    dims = SHAPES[shape]
+    return directory / f"mix-{shape}-{dims.n_embd}x{dims.n_ff}-{quant}-s{seed}.gguf"
 
 
 def ensure_mix_model(directory: Path, shape: str, quant: str, seed: int = 0) -> Path:

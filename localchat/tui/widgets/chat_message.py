@@ -257,6 +257,7 @@ class AssistantMessage(ChatEntry):
         self.raw = text  # the answer as the model wrote it
         self.reasoning = reasoning  # a reasoning model's thinking, dimmed and collapsible
         self._code_pick = 0  # the code block copied last, counted from the end
+        self._reasoning_text: Static | None = None  # the thinking's text, once there is some
 
     @property
     def copy_text(self) -> str:
@@ -283,8 +284,12 @@ class AssistantMessage(ChatEntry):
     def _reasoning_block(self, collapsed: bool) -> Collapsible:
         """The thinking, dimmed and collapsible: made only for a reply that has some (four
         widgets that every streamed reply mounted, styled and laid out, empty, for nothing)."""
-        text = Static(Text(printable(self.reasoning.strip())), classes="reasoning-text")
-        return Collapsible(text, title="reasoning", collapsed=collapsed, classes="reasoning")
+        self._reasoning_text = Static(
+            Text(printable(self.reasoning.strip())), classes="reasoning-text"
+        )
+        return Collapsible(
+            self._reasoning_text, title="reasoning", collapsed=collapsed, classes="reasoning"
+        )
 
     @property
     def markdown(self) -> Markdown:
@@ -293,9 +298,8 @@ class AssistantMessage(ChatEntry):
     def append_reasoning(self, text: str) -> None:
         """Show more of the thinking (as text: never markup)."""
         self.reasoning += text
-        shown = self.query(".reasoning-text")
-        if shown:
-            shown.first(Static).update(Text(printable(self.reasoning.strip())))
+        if self._reasoning_text is not None:  # made (maybe still mounting: kept, not queried)
+            self._reasoning_text.update(Text(printable(self.reasoning.strip())))
         elif self.reasoning.strip():
             self.mount(self._reasoning_block(collapsed=False), before=self.markdown)
 
