@@ -146,18 +146,6 @@ async def test_the_app_shows_reasoning_dimmed_and_collapsible(
         assert not live.query_one(Collapsible).collapsed  # nothing else to read yet
 
 
-async def test_a_reply_without_reasoning_has_no_reasoning_block(
-    tiny_model: Path, isolated_home: Path
-) -> None:
-    # The block is made only for thinking: every streamed reply mounted, styled and laid out
-    # four empty widgets before.
-    async with chat_app(tiny_model, n_ctx=512, max_tokens=12) as ui:
-        await ui.say("hello")
-        reply = ui.app.query(AssistantMessage).last()
-        assert reply.raw and not reply.reasoning
-        assert not reply.query(Collapsible)
-
-
 @pytest.mark.parametrize("flag", [[], ["--reasoning"]])
 def test_export_command_takes_reasoning(tmp_path: Path, isolated_home: Path, capsys, flag) -> None:
     from localchat.paths import app_paths

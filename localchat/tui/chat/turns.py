@@ -223,12 +223,6 @@ class TurnStreaming(ChatScreenBase):
         if self.torn_down():  # quitting: the turn committed the reply; nothing to draw
             self.generating = False
             return
-        # The last text, the stats and the notices are drawn in one frame (one layout of the
-        # chat, not one per change).
-        with self.app.batch_update():
-            await self._finish_reply(message)
-
-    async def _finish_reply(self, message: ReplyFinished) -> None:
         await self._draw_reply()
         await self._end_stream()
         conversation = self.conversation

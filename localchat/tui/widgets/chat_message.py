@@ -100,7 +100,6 @@ class ChatEntry(Vertical, can_focus=True):
     def __init__(self, classes: str, message_id: int | None) -> None:
         super().__init__(classes=classes)
         self.message_id = message_id
-        self._role_shown: str | None = None  # the role line's text as drawn
 
     @property
     def copy_text(self) -> str:
@@ -119,20 +118,8 @@ class ChatEntry(Vertical, can_focus=True):
         """Mark it pinned, and dim it once the model no longer sees it."""
         self.set_class(pinned, "pinned")
         self.set_class(not seen, "out-of-window")
-        self.show_role()
-
-    def role_label(self) -> Label:
-        """The line above the message, as composed (its text: ``role_text``)."""
-        self._role_shown = self.role_text()
-        return Label(self._role_shown, classes="role")
-
-    def show_role(self) -> None:
-        """Redraw the role line where its text changed: a label update lays the whole chat
-        out again, and a moved window asks every message in view."""
-        text = self.role_text()
-        if self.is_mounted and text != self._role_shown:
-            self._role_shown = text
-            self.query_one(".role", Label).update(text)
+        if self.is_mounted:
+            self.query_one(".role", Label).update(self.role_text())
 
     def action_pin(self) -> None:
         if self.message_id is not None:
@@ -185,13 +172,14 @@ class UserMessage(ChatEntry):
         return f"{text}  ◀ {which}/{count} ▶" if count > 1 else text
 
     def compose(self) -> ComposeResult:
-        yield self.role_label()
+        yield Label(self.role_text(), classes="role")
         # A Text object: the user's words are never parsed as Rich markup.
         yield Static(Text(self.text), classes="body")
 
     def show_branch(self, branch: tuple[int, int]) -> None:
         self.branch = branch
-        self.show_role()
+        if self.is_mounted:
+            self.query_one(".role", Label).update(self.role_text())
 
     def action_edit(self) -> None:
         if self.message_id is not None:
@@ -257,7 +245,6 @@ class AssistantMessage(ChatEntry):
         self.raw = text  # the answer as the model wrote it
         self.reasoning = reasoning  # a reasoning model's thinking, dimmed and collapsible
         self._code_pick = 0  # the code block copied last, counted from the end
-        self._reasoning_text: Static | None = None  # the thinking's text, once there is some
 
     @property
     def copy_text(self) -> str:
@@ -276,20 +263,11 @@ class AssistantMessage(ChatEntry):
         self.app.notify(f"Copied code block {self._code_pick + 1} of {len(blocks)}{kind}.")
 
     def compose(self) -> ComposeResult:
-        yield self.role_label()
-        if self.reasoning.strip():  # a stored reply's thinking starts folded
-            yield self._reasoning_block(collapsed=bool(self.raw.strip()))
+        yield Label(self.role_text(), classes="role")
+        # A stored reply's thinking starts folded: its answer is what is read.
+        with Collapsible(title="reasoning", collapsed=bool(self.raw.strip()), classes="reasoning"):
+            yield Static(Text(printable(self.reasoning.strip())), classes="reasoning-text")
         yield ReplyMarkdown(printable(self.raw), classes="body", parser_factory=markdown_parser)
-
-    def _reasoning_block(self, collapsed: bool) -> Collapsible:
-        """The thinking, dimmed and collapsible: made only for a reply that has some (four
-        widgets that every streamed reply mounted, styled and laid out, empty, for nothing)."""
-        self._reasoning_text = Static(
-            Text(printable(self.reasoning.strip())), classes="reasoning-text"
-        )
-        return Collapsible(
-            self._reasoning_text, title="reasoning", collapsed=collapsed, classes="reasoning"
-        )
 
     @property
     def markdown(self) -> Markdown:
@@ -298,14 +276,14 @@ class AssistantMessage(ChatEntry):
     def append_reasoning(self, text: str) -> None:
         """Show more of the thinking (as text: never markup)."""
         self.reasoning += text
-        if self._reasoning_text is not None:  # made (maybe still mounting: kept, not queried)
-            self._reasoning_text.update(Text(printable(self.reasoning.strip())))
-        elif self.reasoning.strip():
-            self.mount(self._reasoning_block(collapsed=False), before=self.markdown)
+        self.query_one(".reasoning-text", Static).update(Text(printable(self.reasoning.strip())))
+        self.query_one(Collapsible).display = bool(self.reasoning.strip())
 
     def collapse_reasoning(self) -> None:
-        for block in self.query(Collapsible):  # the answer is what is read now
-            block.collapsed = True
+        self.query_one(Collapsible).collapsed = True
+
+    def on_mount(self) -> None:
+        self.query_one(Collapsible).display = bool(self.reasoning.strip())
 
     def append(self, text: str) -> str:
         """Record ``text`` and return its safe form for the Markdown stream."""
