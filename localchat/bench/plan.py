@@ -3,9 +3,10 @@ against real turns through the engine, two shapes at five quants.
 
 The models have each tensor in the type llama.cpp's quantizer gives that quant, their blocks
 random (``models/timing_models.py``): the same bytes by type as the quantizer's files, made in
-seconds where quantizing the ten took three minutes. Speed barely depends on the values:
-``mix_speed_ratio`` reports it each run, the 0.5b Q4_K_M mix against the quantizer's file (the
-bench's main model), in the same rounds."""
+seconds where quantizing the ten took three minutes. Speed depends little on the values:
+``mix_speed_ratio`` reports how little each run, the 0.5b Q4_K_M mix against the quantizer's
+file (the bench's main model) in interleaved turns (0.945-0.983 here: the mix a few percent
+slower)."""
 
 from __future__ import annotations
 
