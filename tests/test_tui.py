@@ -43,6 +43,8 @@ async def test_send_a_message_and_see_the_streamed_reply(tiny_model: Path) -> No
         # Live stats reflect the turn.
         tokens = finished.kv_tokens
         assert f"{tokens:,} / 512 tokens" == ui.text("#ctx-tokens")
+        fill = str(app.screen.query_one("#ctx-fill").render())
+        assert fill.endswith(f" {tokens / 512:4.0%}") and "━" in fill
         assert "tok/s" in ui.text("#speed")
         assert "KiB" in ui.text("#kv-memory")
         assert f"evaluated {finished.stats.prompt_tokens_evaluated}" in ui.text("#turn-start")

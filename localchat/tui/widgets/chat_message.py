@@ -280,7 +280,10 @@ class AssistantMessage(ChatEntry):
         self.query_one(Collapsible).display = bool(self.reasoning.strip())
 
     def collapse_reasoning(self) -> None:
-        self.query_one(Collapsible).collapsed = True
+        """Fold the thinking (the answer is what is read now). A reply without any keeps its
+        hidden block as it is: folding it would restyle and lay out the chat for nothing."""
+        if self.reasoning.strip():
+            self.query_one(Collapsible).collapsed = True
 
     def on_mount(self) -> None:
         self.query_one(Collapsible).display = bool(self.reasoning.strip())

@@ -2,14 +2,50 @@
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import psutil
 from rich.text import Text
 from textual.app import ComposeResult
 from textual.containers import Vertical
-from textual.widgets import Label, ProgressBar, Sparkline, Static
+from textual.widget import Widget
+from textual.widgets import Label, Sparkline, Static
 
 from localchat.backends.base import BackendView, CacheView, TurnStats
 from localchat.units import format_bytes
+
+
+class FillBar(Widget):
+    """How full the context is: one line of bar cells and a percentage, repainted in place
+    when a cell changes. (Textual's ProgressBar re-renders a styled bar and handles an idle
+    prompt each time; in a reply's first frame it cost more than the reply's text did.)"""
+
+    COMPONENT_CLASSES: ClassVar[set[str]] = {"fill-bar--filled", "fill-bar--empty"}
+    DEFAULT_CSS = """
+    FillBar { height: 1; }
+    FillBar > .fill-bar--filled { color: $accent; }
+    FillBar > .fill-bar--empty { color: $panel; }
+    """
+
+    def __init__(self, id: str | None = None) -> None:
+        super().__init__(id=id)
+        self.fraction = 0.0
+
+    def show(self, fraction: float) -> None:
+        fraction = min(max(fraction, 0.0), 1.0)
+        if fraction != self.fraction:
+            self.fraction = fraction
+            self.refresh()
+
+    def render(self) -> Text:
+        percent = f" {self.fraction:4.0%}"
+        cells = max(self.size.width - len(percent), 0)
+        filled = round(cells * self.fraction)
+        return Text.assemble(
+            ("━" * filled, self.get_component_rich_style("fill-bar--filled")),
+            ("━" * (cells - filled), self.get_component_rich_style("fill-bar--empty")),
+            percent,
+        )
 
 
 class StatsPanel(Vertical):
@@ -25,7 +61,7 @@ class StatsPanel(Vertical):
         yield Static("loading…", id="model-info")
         yield Label("KV cache", classes="heading")
         yield Static("", id="kv-memory")
-        yield ProgressBar(total=1, show_eta=False, id="ctx-fill")
+        yield FillBar(id="ctx-fill")
         yield Static("", id="ctx-tokens")
         yield Label("Speed", classes="heading")
         yield Static(Text("no reply yet"), id="speed")
@@ -58,8 +94,7 @@ class StatsPanel(Vertical):
         else:
             memory = f"server-side, {100 * view.server_usage:.0f}% in use"
         self._set("kv-memory", memory)
-        bar = self.query_one("#ctx-fill", ProgressBar)
-        bar.update(total=view.n_ctx or 1, progress=view.tokens if view.n_ctx else 0)
+        self.query_one(FillBar).show(view.tokens / view.n_ctx if view.n_ctx else 0.0)
         about = "" if view.counted else "≈"
         limit = f" / {view.n_ctx:,}" if view.n_ctx else ""
         self._set("ctx-tokens", f"{about}{view.tokens:,}{limit} tokens")
