@@ -15,7 +15,7 @@ import pytest
 import localchat.bench
 from localchat.bench import rss
 from localchat.bench.common import settled
-from localchat.bench.run import BENCHES, PARTS, TARGETS
+from localchat.bench.run import BENCHES, PARTS, TARGETS, format_report, judge
 from localchat.cli.main import build_parser
 
 BENCH_DIR = Path(localchat.bench.__file__).parent
@@ -45,6 +45,20 @@ def test_the_cli_help_names_every_part() -> None:
 def test_targets_are_comparisons() -> None:
     assert all(op in (">=", "<=") for op, _ in TARGETS.values())
     assert {"memory_overhead_ratio", "memory_estimate_max_error"} <= set(TARGETS)
+
+
+def test_a_drafting_speedup_out_of_the_machines_reach_is_not_judged() -> None:
+    """Steps of k tokens that cost k single steps leave drafting nothing to gain: the speedup
+    target is then reported with the bound, neither met nor missed; with room it is judged."""
+    out_of_reach = judge({"spec_copy_speedup": 1.01, "spec_copy_possible": 1.13, "gen_ratio": 0.9})
+    assert out_of_reach["spec_copy_speedup"]["met"] is None
+    assert "at most x1.13" in out_of_reach["spec_copy_speedup"]["why"]
+    assert out_of_reach["gen_ratio"]["met"] is False  # other targets as ever
+    report = format_report({"targets": out_of_reach})
+    assert "target spec_copy_speedup >= 1.15: 1.01 (not judged: drafting could give" in report
+    in_reach = judge({"serve_spec_copy_speedup": 1.03, "serve_spec_copy_possible": 2.0})
+    assert in_reach["serve_spec_copy_speedup"]["met"] is False
+    assert judge({"spec_copy_speedup": 1.2})["spec_copy_speedup"]["met"] is True  # no bound
 
 
 def test_an_unknown_part_fails_in_one_line(tmp_path: Path) -> None:

@@ -15,6 +15,8 @@ as clients meet it, read by a plain HTTP client (httpx, the SSE lines parsed, no
 - ``serve_spec_copy_speedup``: the bench's file returned renamed (``spec``'s copy prompt),
   tokens/s from a server that drafts by prompt lookup (q8_0 cache, flash attention: exact)
   over one that does not, the same greedy text (``serve_spec_identical``); median of rounds.
+  Beside it ``serve_spec_copy_possible``, the most any drafting could give on the model now
+  (``spec.possible_speedup``).
 """
 
 from __future__ import annotations
@@ -135,12 +137,12 @@ def _gen_and_join(model: Path, home: Path, progress: Progress) -> dict[str, Any]
 
 def _drafting(model: Path, home: Path, progress: Progress) -> dict[str, Any]:
     """Copy replies from a drafting server and a plain one, in alternating rounds."""
-    from localchat.bench.spec import COPY_PROMPT
+    from localchat.bench.spec import COPY_PROMPT, possible_speedup
 
     messages = [{"role": "user", "content": COPY_PROMPT}]
     speeds: dict[str, list[float]] = {"auto": [], "off": []}
     texts: dict[str, set[str]] = {"auto": set(), "off": set()}
-    drafted = accepted = 0
+    drafted = accepted = context = 0
     with (
         _ServeProcess(model, home / "on", 1, ("--kv-type", SPEC_KV, "--speculative", "auto")) as on,
         _ServeProcess(
@@ -155,10 +157,14 @@ def _drafting(model: Path, home: Path, progress: Progress) -> dict[str, Any]:
                 texts[mode].add(str(reply["text"]))
                 if mode == "auto":
                     drafted, accepted = int(reply["draft_n"]), int(reply["draft_n_accepted"])
+                    context = int(reply["prompt_tokens"]) + SPEC_TOKENS // 2
         ratio = statistics.median(speeds["auto"]) / statistics.median(speeds["off"])
     _say(progress, f"serve: a copy reply drafting {ratio:.2f}x, {accepted} of {drafted} accepted")
+    possible = possible_speedup(model, context, SERVE_CTX)
+    _say(progress, f"serve: drafting could give at most {possible:.2f}x on this model now")
     return {
         "serve_spec_copy_speedup": round(ratio, 3),
+        "serve_spec_copy_possible": round(possible, 3),
         "serve_spec_acceptance": round(accepted / max(1, drafted), 3),
         "serve_spec_identical": int(len(texts["auto"] | texts["off"]) == 1),
     }

@@ -8,7 +8,10 @@ logits single steps would, so ``auto`` drafts and the replies are exactly the sa
 F16 cache a single token past 512 cells takes another kernel path, and ``auto`` does not
 draft). The ceiling is what the measured acceptance and step costs allow: the reply's tokens
 over what its steps cost in single steps (plain steps, and verifications at the measured
-cost of a step of the mean draft length plus one).
+cost of a step of the mean draft length plus one). ``spec_copy_possible`` bounds any drafting:
+steps of 1-9 tokens timed bare on the model right after, on a cache like the part's (its
+size and type, the copy's mean fill), the best k over what k single steps cost. Where it is too low for the speedup target (the model computes from the CPU's cache
+and a step of k costs about k), the target is reported but not judged (``bench/run.py``).
 
 Draft models: a generated 1B-shaped model with its 0.5B-shaped sibling as the draft (the same
 vocabulary, random weights: drafts that fail or are never sure), tokens/s over the same
@@ -146,6 +149,10 @@ def bench_spec(model_path: Path, progress: Progress = None) -> dict[str, Any]:
     finally:
         plain.close()
         drafting.close()
+    possible = possible_speedup(
+        starter.path, copy_stats.prompt_tokens + copy_stats.generated_tokens // 2
+    )
+    _say(progress, f"spec: drafting could give at most {possible:.2f}x on this model now")
     speedup = statistics.median(copy)
     ceiling, mean_draft = _ceiling(copy_stats, costs)
     return _draft_model_figures(progress) | {
@@ -154,6 +161,7 @@ def bench_spec(model_path: Path, progress: Progress = None) -> dict[str, Any]:
         "spec_copy_speedup": round(speedup, 3),
         "spec_copy_ceiling": round(ceiling, 3),
         "spec_copy_of_ceiling": round(speedup / ceiling, 3),
+        "spec_copy_possible": round(possible, 3),
         "spec_copy_acceptance": round(
             copy_stats.accepted_tokens / max(1, copy_stats.drafted_tokens), 3
         ),
@@ -198,6 +206,31 @@ def _draft_model_figures(progress: Progress) -> dict[str, Any]:
         "spec_draft_failing_drafted": stats.drafted_tokens,
         "spec_draft_failing_identical": same,
     }
+
+
+# Steps of 1 to 9 tokens: drafts of up to 8, as the policy makes them.
+POSSIBLE_STEP_SIZES = tuple(range(1, 10))
+
+
+def possible_speedup(model_path: Path, context_tokens: int, n_ctx: int = SPEC_CTX) -> float:
+    """The most drafting could give on this model here and now: a step of k tokens that gives
+    all k (every draft accepted) over k single steps, the best k. The steps are timed bare
+    (llama.cpp alone, not the engine's own cost model) on a cache like the part's: its size
+    (``n_ctx``) and type, flash attention, ``context_tokens`` in it (the copy reply's mean)."""
+    from localchat.backends.llama.engine import KV_TYPES
+    from localchat.backends.llama.tools import step_times
+
+    sizes = POSSIBLE_STEP_SIZES
+    times = step_times(
+        model_path,
+        physical_cores(),
+        sizes,
+        n_ctx=n_ctx,
+        context_tokens=context_tokens,
+        kv_type=KV_TYPES[SPEC_KV],
+        flash_attn=True,
+    )
+    return max(size * times[0] / took for size, took in zip(sizes, times, strict=True))
 
 
 def _ceiling(stats: TurnStats, costs: dict[int, float]) -> tuple[float, float]:

@@ -99,22 +99,35 @@ def bare_generation_benchmark(
 
 
 def step_times(
-    model_path: Path, threads: int, sizes: tuple[int, ...], repeats: int = 6
+    model_path: Path,
+    threads: int,
+    sizes: tuple[int, ...],
+    repeats: int = 6,
+    *,
+    n_ctx: int = 256,
+    context_tokens: int = 64,
+    kv_type: int = llama_cpp.GGML_TYPE_F16,
+    flash_attn: bool = False,
 ) -> list[float]:
     """Seconds a step of each of ``sizes`` tokens takes with every position's logits (a
-    draft's verification): the best of ``repeats``, the sizes taken in turns after a short
-    prompt so every size sees the same cache and the same spell of the machine."""
+    draft's verification): the best of ``repeats``, the sizes taken in turns after a prompt
+    of ``context_tokens`` so every size sees the same cache and the same spell of the machine.
+    (A step's attention grows with the context and does not share its work between a
+    batch's tokens as the weights do: the cache's size, type and fill change the curve.)"""
     prepare()
     llm = llama_cpp.Llama(
         model_path=str(model_path),
-        n_ctx=256,
-        n_batch=256,
+        n_ctx=n_ctx,
+        n_batch=min(512, n_ctx),
         n_threads=threads,
         n_threads_batch=threads,
+        type_k=kv_type,
+        type_v=kv_type,
+        flash_attn=flash_attn,
         verbose=False,
     )
     try:
-        prompt = synthetic_prompt(llm.token_bos(), int(llm.n_vocab()), 64)
+        prompt = synthetic_prompt(llm.token_bos(), int(llm.n_vocab()), context_tokens)
         llm.eval(prompt)
         return _time_steps(llm, prompt, sizes, repeats)
     finally:
