@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from textual.widgets import Static
+from textual.widgets import Collapsible, Static
 
 import localchat.models.demo as demo_module
 import localchat.session as session_module
@@ -44,7 +44,9 @@ async def test_send_a_message_and_see_the_streamed_reply(tiny_model: Path) -> No
         tokens = finished.kv_tokens
         assert f"{tokens:,} / 512 tokens" == ui.text("#ctx-tokens")
         fill = str(app.screen.query_one("#ctx-fill").render())
-        assert fill.endswith(f" {tokens / 512:4.0%}") and "━" in fill
+        assert fill.endswith(f" {tokens * 100 // 512:3d}%") and "━" in fill
+        # No thinking in this reply: no block for it (nothing to fold or lay out).
+        assert not reply.reasoning.strip() and not reply.query(Collapsible)
         assert "tok/s" in ui.text("#speed")
         assert "KiB" in ui.text("#kv-memory")
         assert f"evaluated {finished.stats.prompt_tokens_evaluated}" in ui.text("#turn-start")

@@ -9,9 +9,12 @@ F16 cache a single token past 512 cells takes another kernel path, and ``auto`` 
 draft). The ceiling is what the measured acceptance and step costs allow: the reply's tokens
 over what its steps cost in single steps (plain steps, and verifications at the measured
 cost of a step of the mean draft length plus one). ``spec_copy_possible`` bounds any drafting:
+the best k over what a step of k tokens costs in single steps, the larger of two readings -
 steps of 1-9 tokens timed bare on the model right after, on a cache like the part's (its
-size and type, the copy's mean fill), the best k over what k single steps cost. Where it is too low for the speedup target (the model computes from the CPU's cache
-and a step of k costs about k), the target is reported but not judged (``bench/run.py``).
+size and type, the copy's mean fill), and the drafting engine's own step costs from the
+turns. Where even that is too low for the speedup target (the model computes from the CPU's
+cache and a step of k costs about k), the target is reported but not judged
+(``bench/run.py``).
 
 Draft models: a generated 1B-shaped model with its 0.5B-shaped sibling as the draft (the same
 vocabulary, random weights: drafts that fail or are never sure), tokens/s over the same
@@ -149,9 +152,11 @@ def bench_spec(model_path: Path, progress: Progress = None) -> dict[str, Any]:
     finally:
         plain.close()
         drafting.close()
-    possible = possible_speedup(
+    bare = possible_speedup(
         starter.path, copy_stats.prompt_tokens + copy_stats.generated_tokens // 2
     )
+    in_engine = max(n / cost for n, cost in costs.items())
+    possible = max(bare, in_engine)
     _say(progress, f"spec: drafting could give at most {possible:.2f}x on this model now")
     speedup = statistics.median(copy)
     ceiling, mean_draft = _ceiling(copy_stats, costs)
@@ -162,6 +167,8 @@ def bench_spec(model_path: Path, progress: Progress = None) -> dict[str, Any]:
         "spec_copy_ceiling": round(ceiling, 3),
         "spec_copy_of_ceiling": round(speedup / ceiling, 3),
         "spec_copy_possible": round(possible, 3),
+        "spec_copy_possible_bare": round(bare, 3),
+        "spec_copy_possible_engine": round(in_engine, 3),
         "spec_copy_acceptance": round(
             copy_stats.accepted_tokens / max(1, copy_stats.drafted_tokens), 3
         ),

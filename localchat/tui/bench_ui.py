@@ -115,10 +115,10 @@ async def _app_cpu(model_path: Path, max_tokens: int) -> tuple[float, float, int
     app = LocalChatApp(
         model_path, n_ctx=UI_CTX, max_tokens=max_tokens, sampling=Sampling(temperature=0.0)
     )
-    events = _AppEvents()
-    done, finished = events.done, events.finished
-    async with app.run_test(size=(120, 36), message_hook=events.hook) as pilot:
-        await _wait(events.loaded, "the model to load")
+    watch = _AppEvents()
+    done, finished = watch.done, watch.finished
+    async with app.run_test(size=(120, 36), message_hook=watch.hook) as pilot:
+        await _wait(watch.loaded, "the model to load")
         # Both sides evaluate the whole prompt in the turn: nothing is read ahead of Enter.
         app.settings = replace(app.settings, type_ahead=False)
         await pilot.pause(SETTLE_S)  # the conversation opens, the screen settles
@@ -200,10 +200,10 @@ async def _first_turns_after_open(
         sampling=Sampling(temperature=0.0),
         conversation_name=name,
     )
-    events = _AppEvents()
-    done, finished = events.done, events.finished
-    async with app.run_test(size=(120, 36), message_hook=events.hook) as pilot:
-        await _wait(events.restored, "the conversation restored")
+    watch = _AppEvents()
+    done, finished = watch.done, watch.finished
+    async with app.run_test(size=(120, 36), message_hook=watch.hook) as pilot:
+        await _wait(watch.restored, "the conversation restored")
         # The restore alone is measured: nothing is read ahead of Enter (typeahead_* is that).
         app.settings = replace(app.settings, type_ahead=False)
         for text in messages:
@@ -260,8 +260,8 @@ async def _type_ahead_turns(
     message typed at ``TYPING_CHARS_PER_S`` (read ahead while typed), and the same long
     message with reading ahead off (typed or pasted is then the same: it is put in at once)."""
     app = LocalChatApp(model_path, n_ctx=n_ctx, max_tokens=8, sampling=Sampling(temperature=0.0))
-    events = _AppEvents()
-    done, finished = events.done, events.finished
+    watch = _AppEvents()
+    done, finished = watch.done, watch.finished
     times: dict[str, list[float]] = {"one_word": [], "typed": [], "cold": [], "read_ahead": []}
 
     async def turn(kind: str, text: str) -> None:
@@ -281,8 +281,8 @@ async def _type_ahead_turns(
             times["read_ahead"].append(stats["read_ahead_tokens"])
         await pilot.pause(SETTLE_S)
 
-    async with app.run_test(size=(120, 36), message_hook=events.hook) as pilot:
-        await _wait(events.loaded, "the model to load")
+    async with app.run_test(size=(120, 36), message_hook=watch.hook) as pilot:
+        await _wait(watch.loaded, "the model to load")
         await pilot.pause(SETTLE_S)
         await turn("one_word", "Hello.")  # the conversation is warm from here on
         for long_message in long_messages:

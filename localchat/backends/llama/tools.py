@@ -114,6 +114,12 @@ def step_times(
     of ``context_tokens`` so every size sees the same cache and the same spell of the machine.
     (A step's attention grows with the context and does not share its work between a
     batch's tokens as the weights do: the cache's size, type and fill change the curve.)"""
+    # Each step reuses the prompt's tokens after the first, and the steps go after it.
+    if not max(sizes) < context_tokens <= n_ctx - max(sizes):
+        raise ValueError(
+            f"steps of up to {max(sizes)} tokens need a context of {max(sizes) + 1}"
+            f"-{n_ctx - max(sizes)} tokens in a cache of {n_ctx}; got {context_tokens}"
+        )
     prepare()
     llm = llama_cpp.Llama(
         model_path=str(model_path),

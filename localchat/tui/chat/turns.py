@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
@@ -84,9 +85,7 @@ class TurnStreaming(ChatScreenBase):
         self._cancel.clear()
         self.turn_idle.clear()
         self.generating = True
-        # The message is drawn first, then the model starts: that frame does not compete
-        # with generation for the cores.
-        self.call_after_refresh(self._begin_generation, self.conversation, text, entered_at)
+        self._after_layout(self._begin_generation, self.conversation, text, entered_at)
 
     async def start_results_turn(self, results: list[ChatMessage]) -> None:
         """The reply that reads the results of the last reply's calls (the cache holds the
@@ -101,9 +100,15 @@ class TurnStreaming(ChatScreenBase):
         self._undrawn = ""
         self.turn_idle.clear()
         self.generating = True
-        self.call_after_refresh(
+        self._after_layout(
             self._begin_generation, self.conversation, "", time.perf_counter(), results
         )
+
+    def _after_layout(self, callback: Callable[..., None], *args: object) -> None:
+        """Run ``callback`` once the new messages are drawn: their first layout sizes them
+        and the sizes ask for a second, so it waits for two refreshes. (Those frames do not
+        then compete with generation for the cores.)"""
+        self.call_after_refresh(self.call_after_refresh, callback, *args)
 
     def _begin_generation(
         self,

@@ -245,6 +245,7 @@ class AssistantMessage(ChatEntry):
         self.raw = text  # the answer as the model wrote it
         self.reasoning = reasoning  # a reasoning model's thinking, dimmed and collapsible
         self._code_pick = 0  # the code block copied last, counted from the end
+        self._reasoning_text: Static | None = None  # in its block, once there is thinking
 
     @property
     def copy_text(self) -> str:
@@ -264,29 +265,40 @@ class AssistantMessage(ChatEntry):
 
     def compose(self) -> ComposeResult:
         yield Label(self.role_text(), classes="role")
-        # A stored reply's thinking starts folded: its answer is what is read.
-        with Collapsible(title="reasoning", collapsed=bool(self.raw.strip()), classes="reasoning"):
-            yield Static(Text(printable(self.reasoning.strip())), classes="reasoning-text")
+        if self.reasoning.strip():  # a stored reply's thinking starts folded
+            yield self._reasoning_block(collapsed=bool(self.raw.strip()))
         yield ReplyMarkdown(printable(self.raw), classes="body", parser_factory=markdown_parser)
+
+    def _reasoning_block(self, collapsed: bool) -> Collapsible:
+        """The thinking, dimmed and foldable. Only a reply with thinking has one: four
+        widgets fewer to mount and lay out for every other message."""
+        self._reasoning_text = Static(
+            Text(printable(self.reasoning.strip())), classes="reasoning-text"
+        )
+        return Collapsible(
+            self._reasoning_text, title="reasoning", collapsed=collapsed, classes="reasoning"
+        )
 
     @property
     def markdown(self) -> Markdown:
         return self.query_one(Markdown)
 
     def append_reasoning(self, text: str) -> None:
-        """Show more of the thinking (as text: never markup)."""
+        """Show more of the thinking (as text: never markup); its block appears with the
+        first of it."""
         self.reasoning += text
-        self.query_one(".reasoning-text", Static).update(Text(printable(self.reasoning.strip())))
-        self.query_one(Collapsible).display = bool(self.reasoning.strip())
+        if not self.reasoning.strip():
+            return
+        if self._reasoning_text is not None:  # mounted, or on its way (chunks come fast)
+            self._reasoning_text.update(Text(printable(self.reasoning.strip())))
+        else:
+            self.mount(self._reasoning_block(collapsed=False), before=self.markdown)
 
     def collapse_reasoning(self) -> None:
-        """Fold the thinking (the answer is what is read now). A reply without any keeps its
-        hidden block as it is: folding it would restyle and lay out the chat for nothing."""
-        if self.reasoning.strip():
-            self.query_one(Collapsible).collapsed = True
-
-    def on_mount(self) -> None:
-        self.query_one(Collapsible).display = bool(self.reasoning.strip())
+        """Fold the thinking (the answer is what is read now); a reply without any has
+        nothing to fold."""
+        for block in self.query(Collapsible):
+            block.collapsed = True
 
     def append(self, text: str) -> str:
         """Record ``text`` and return its safe form for the Markdown stream."""

@@ -21,26 +21,23 @@ class FillBar(Widget):
     prompt each time; in a reply's first frame it cost more than the reply's text did.)"""
 
     COMPONENT_CLASSES: ClassVar[set[str]] = {"fill-bar--filled", "fill-bar--empty"}
-    DEFAULT_CSS = """
-    FillBar { height: 1; }
-    FillBar > .fill-bar--filled { color: $accent; }
-    FillBar > .fill-bar--empty { color: $panel; }
-    """
 
     def __init__(self, id: str | None = None) -> None:
         super().__init__(id=id)
         self.fraction = 0.0
 
     def show(self, fraction: float) -> None:
+        """Repaint only when the fraction changed (a frame's stats mostly repeat it)."""
         fraction = min(max(fraction, 0.0), 1.0)
         if fraction != self.fraction:
             self.fraction = fraction
             self.refresh()
 
     def render(self) -> Text:
-        percent = f" {self.fraction:4.0%}"
+        """The cells and the percentage, both rounded down: full shows only when it is."""
+        percent = f" {int(self.fraction * 100):3d}%"
         cells = max(self.size.width - len(percent), 0)
-        filled = round(cells * self.fraction)
+        filled = int(cells * self.fraction)
         return Text.assemble(
             ("━" * filled, self.get_component_rich_style("fill-bar--filled")),
             ("━" * (cells - filled), self.get_component_rich_style("fill-bar--empty")),
