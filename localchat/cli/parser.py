@@ -9,7 +9,7 @@ from typing import Any
 from localchat import __version__
 from localchat.backends.base import SPECULATIVE_MODES
 from localchat.errors import UsageError
-from localchat.models.demo import QUANTS, SHAPES, TOKENIZERS
+from localchat.models.demo_shapes import QUANTS, SHAPES, TOKENIZERS
 
 EXIT_USAGE = 2  # the user's mistake: a bad flag, an unknown name, an unusable file
 EXIT_WORLD = 1  # the world failed: network, server, disk

@@ -139,6 +139,10 @@ class LocalChatApp(ReportsWorkerFailures, App[int]):
 
     def on_mount(self) -> None:
         self.sub_title = "starting…"
+
+    def on_ready(self) -> None:
+        """The first screen is up: now the runtime's imports and the model (in workers,
+        which would otherwise hold the interpreter while that screen is being drawn)."""
         self.open_session()
         self.warm_up()
 

@@ -23,7 +23,6 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-import psutil
 from textual import events
 
 from localchat.backends.base import Sampling
@@ -51,30 +50,11 @@ SETTLE_S = 0.5
 WAIT_LIMIT_S = 120.0
 
 
-class _StartupProbe(LocalChatApp):
-    """Exits as soon as the first screen is up, writing how long that took to ``report``."""
-
-    def __init__(self, model_path: Path, report: Path) -> None:
-        super().__init__(model_path)
-        self.report = report
-
-    def on_ready(self, _event: events.Ready) -> None:
-        started = psutil.Process().create_time()
-        self.report.write_text(json.dumps({"startup_s": time.time() - started}))
-        self.exit(0)
-
-
 def _startup_once(model_path: Path) -> float:
     with tempfile.TemporaryDirectory(prefix="localchat-bench-ui-") as tmp:
         report = Path(tmp) / "startup.json"
-        command = [
-            sys.executable,
-            "-m",
-            "localchat.tui.bench_ui",
-            "startup",
-            str(model_path),
-            str(report),
-        ]
+        command = [sys.executable, "-m", "localchat.tui.startup_probe", str(model_path)]
+        command.append(str(report))
         result = subprocess.run(command, capture_output=True, text=True, timeout=120, check=False)
         if not report.exists():
             raise RuntimeError(f"startup probe failed: {result.stderr.strip()[-500:]}")
@@ -383,9 +363,7 @@ def bench_ui(tiny_model: Path, main_model: Path | None = None) -> dict[str, Any]
 
 
 if __name__ == "__main__":  # the fresh processes that the measurements run in
-    if len(sys.argv) == 4 and sys.argv[1] == "startup":
-        _StartupProbe(Path(sys.argv[2]), Path(sys.argv[3])).run(headless=True)
-    elif len(sys.argv) == 6 and sys.argv[1] == "turn":
+    if len(sys.argv) == 6 and sys.argv[1] == "turn":
         side, model, tokens, report = sys.argv[2:]
         figures = measure_turn(side, Path(model), int(tokens))
         Path(report).write_text(json.dumps(figures))

@@ -1,0 +1,35 @@
+"""``bench --only ui``'s ``startup_s``: the app started as the ``localchat`` command starts
+it, exiting as soon as its first screen is up (``python -m localchat.tui.startup_probe MODEL
+REPORT``). A module of its own so that its process imports what the command's does and no
+more: ``bench_ui`` loads the engine and the stores for its other figures, 0.1-0.2 s of
+imports the app itself leaves to a worker after the first screen."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import psutil
+from textual import events
+
+import localchat.cli.main  # noqa: F401  (what the command has imported when the app starts)
+from localchat.tui.app import LocalChatApp
+
+
+class StartupProbe(LocalChatApp):
+    """Exits as soon as the first screen is up, writing how long that took to ``report``."""
+
+    def __init__(self, model_path: Path, report: Path) -> None:
+        super().__init__(model_path)
+        self.report = report
+
+    def on_ready(self, _event: events.Ready) -> None:
+        started = psutil.Process().create_time()
+        self.report.write_text(json.dumps({"startup_s": time.time() - started}))
+        self.exit(0)
+
+
+if __name__ == "__main__":
+    StartupProbe(Path(sys.argv[1]), Path(sys.argv[2])).run(headless=True)
