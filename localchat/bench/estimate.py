@@ -1,6 +1,7 @@
 """``bench --only estimate``: the memory estimate (made from the file's header, before a
 load) against the measured growth of a fresh process's resident memory over one turn that
-fills a 2,048-token context, on generated models of three shapes at three quants (each
+fills a 1,024-token context (2,048 took a 2-core host a minute and a half, most of it reading
+the 0.5b rows' prompts; what the context adds, ``memory`` fills at 8k), on generated models of three shapes at three quants (each
 tensor in the type llama.cpp's quantizer gives it, its blocks random: the same bytes, made
 in seconds; ``models/timing_models.py``)."""
 
@@ -12,7 +13,7 @@ from typing import Any
 from localchat.bench.common import Progress, _say
 from localchat.bench.rss import measure_in_fresh_process
 
-ESTIMATE_CTX = 2048
+ESTIMATE_CTX = 1024
 # Three shapes x three quants, as the planning issue asks: a small plain one (fixed costs
 # weigh most), Qwen2.5-0.5B's (weights and repacking) and Gemma 3's (sliding window). The
 # 1b shape was a fourth: it added nothing the 0.5b one does not test (both plain, weights

@@ -279,15 +279,23 @@ def _random_blocks(rng: np.random.Generator, rows: int, cols: int, weight_type: 
     """``rows`` x ``cols`` weights of ``weight_type`` as random block bytes: what llama.cpp
     reads and how fast does not depend on the values, so no quantizer needs to run."""
     if weight_type == "F16":  # random halves, the top exponent bit cleared: finite, under 2
-        bits = rng.integers(0, 1 << 16, size=(rows, cols), dtype=np.uint16) & np.uint16(0xBFFF)
-        return bits.view(np.float16)
+        bits = _random_bytes(rng, rows * cols * 2).view(np.uint16) & np.uint16(0xBFFF)
+        return bits.view(np.float16).reshape(rows, cols)
     kind = GGMLQuantizationType[weight_type]
     block_weights, block_bytes = GGML_QUANT_SIZES[kind]
-    blocks = rng.integers(0, 256, size=(rows * cols // block_weights, block_bytes), dtype=np.uint8)
+    n_blocks = rows * cols // block_weights
+    blocks = _random_bytes(rng, n_blocks * block_bytes).reshape(n_blocks, block_bytes)
     scale = np.frombuffer(np.float16(0.001).tobytes(), dtype=np.uint8)
     for offset in _SCALE_OFFSETS[weight_type]:
         blocks[:, offset : offset + 2] = scale
     return blocks.reshape(rows, cols // block_weights * block_bytes)
+
+
+def _random_bytes(rng: np.random.Generator, n: int) -> np.ndarray:
+    """``n`` random bytes, straight from the generator's 64-bit words (twice as fast as
+    drawing bytes one by one: a 1B-shaped file's gigabyte is made in a second less)."""
+    words = rng.bit_generator.random_raw(-(-n // 8))
+    return np.asarray(words, dtype=np.uint64).view(np.uint8)[:n]
 
 
 def write_staged(
