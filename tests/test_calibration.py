@@ -147,3 +147,20 @@ def test_an_unsettled_calibration_names_the_types_whose_readings_disagreed() -> 
     rounds = [round_of(0.010), round_of(0.015)]  # clean rounds; Q2_K half again as slow
     assert settle(rounds, [REFERENCE, "Q2_K", OVERHEAD]) is None
     assert cal._why_unsettled(rounds) == "repeated readings of Q2_K differed by more than 15%"
+
+
+def test_a_contended_reading_ends_its_round_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A round is kept only if all its readings were fair: after an unfair one the rest of
+    the round would be read for nothing, so a machine kept busy gives up in a few readings."""
+    read: list[str] = []
+
+    def contended(_path: object, name: str, _threads: int) -> Reading:
+        read.append(name)
+        return Reading(name, 0.01, 0.001, 0.3)  # a third of the CPU: another program had it
+
+    monkeypatch.setattr(cal, "_read", contended)
+    with pytest.raises(cal.CalibrationUnsettled, match="as little as 30% of the CPU"):
+        cal.calibrate(
+            app_paths().demo_models_dir, machine_name(), types=("Q8_0", REFERENCE), rounds=2
+        )
+    assert read == [REFERENCE, REFERENCE]  # each round stopped at its first reading

@@ -4,17 +4,17 @@ unaccounted for: ``memory_overhead_ratio``), and the estimate against the growth
 
 The rows were a 0.5b and a Gemma 3 shape at 32k, which took most of a 47-minute bench:
 filling a context costs time quadratic in its length (attention over every cached token),
-32k tokens of the 0.5b shape over 15 minutes on two cores. The figures need a context that
-is full, long next to the 2,048 tokens of ``estimate`` and long enough that llama.cpp picks
-flash attention on a CPU (``FLASH_ATTN_CPU_MIN_CTX``): 8k, 16 times the sliding-window
-shape's window (its window layers' cache must stay window-sized). What grows with the
-context (the KV cache, flash attention's work buffers, llama-cpp-python's arrays) is sized
-by ``n_ctx`` and shows at 8k as it would at 32k. The plain row is the small shape (4
-layers, 512 wide): filling 8k tokens of the 0.5b shape took 150 s of a 2-core host's bench,
-the small shape's take seconds, and it is the stricter test (the fixed costs, which the
-estimate must count too, weigh most against its small buffers; ``estimate`` covers the 0.5b
-shape at 1k). The models are the quantizer's type mix in random blocks
-(``models/timing_models.py``): memory depends on the bytes, not the values.
+32k tokens of the 0.5b shape over 15 minutes on two cores. The figures need a full context,
+long next to the 1,024 tokens of ``estimate``, with flash attention's buffers in it: the
+Gemma 3 shape at 8k with an F16 cache (llama.cpp's flash attention on a CPU from
+``FLASH_ATTN_CPU_MIN_CTX``; 16 times its window, whose layers' cache must stay window-sized),
+and the 0.5b shape at 4k with a q8_0 cache (a quantized cache always runs flash attention:
+filling 8k of the 0.5b took a 2-core host 150 s, 4k a third of that). What grows with the
+context (the KV cache, flash attention's work buffers, llama-cpp-python's arrays) is sized by
+``n_ctx`` and shows here as it would at 32k. (A smaller plain shape fills in seconds, but its
+buffers are so small that the runtime's fixed ~10 MiB - library code paged in, the
+vocabulary - read as 9% unaccounted.) The models are the quantizer's type mix in random
+blocks (``models/timing_models.py``): memory depends on the bytes, not the values.
 """
 
 from __future__ import annotations
@@ -25,10 +25,11 @@ from typing import Any
 from localchat.bench.common import Progress, _say
 from localchat.bench.rss import measure_in_fresh_process
 
-# (shape, quant, context): a plain shape and a sliding-window one, each context filled.
-MEMORY_MODELS: tuple[tuple[str, str, int], ...] = (
-    ("small", "Q4_K_M", 8192),
-    ("gemma3", "Q8_0", 8192),
+# (shape, quant, context, KV cache type): a plain shape and a sliding-window one, each
+# context filled.
+MEMORY_MODELS: tuple[tuple[str, str, int, str], ...] = (
+    ("0.5b", "Q4_K_M", 4096, "q8_0"),
+    ("gemma3", "Q8_0", 8192, "f16"),
 )
 MEMORY_GEN_TOKENS = 16
 
@@ -43,19 +44,19 @@ def bench_memory(model_path: Path, progress: Progress = None) -> dict[str, Any]:
     from localchat.paths import app_paths
 
     rows: dict[str, dict[str, Any]] = {}
-    for shape, quant, n_ctx in MEMORY_MODELS:
-        _say(progress, f"memory: {shape} {quant}, a full context of {n_ctx} tokens")
+    for shape, quant, n_ctx, kv_type in MEMORY_MODELS:
+        _say(progress, f"memory: {shape} {quant}, a full context of {n_ctx} tokens ({kv_type})")
         path = ensure_mix_model(app_paths().demo_models_dir, shape, quant)
         info = read_gguf(path)
         weights = LayerWeights.from_gguf(info, repacked_weight_types())
-        estimate = estimate_memory(ModelDims.from_gguf(info), weights, n_ctx)
-        measured = measure_in_fresh_process(path, n_ctx, MEMORY_GEN_TOKENS)
+        estimate = estimate_memory(ModelDims.from_gguf(info), weights, n_ctx, kv_type)
+        measured = measure_in_fresh_process(path, n_ctx, MEMORY_GEN_TOKENS, kv_type)
         reported = sum(
             measured[k] for k in ("weights_bytes", "kv_bytes", "compute_bytes", "output_bytes")
         )
         ratio = measured["rss_peak"] / (measured["rss_before"] + reported)
         error = (estimate.total - measured["rss_growth"]) / measured["rss_growth"]
-        rows[f"{shape} {quant} ctx {n_ctx}"] = {
+        rows[f"{shape} {quant} ctx {n_ctx} kv {kv_type}"] = {
             **measured,
             "llama_cpp_reported_bytes": reported,
             "overhead_ratio": round(ratio, 4),

@@ -50,7 +50,9 @@ def peak_rss() -> tuple[int, str]:
     return maxrss * (1 if sys.platform == "darwin" else 1024), "ru_maxrss"
 
 
-def measure_rss_growth(model_path: Path, n_ctx: int, gen_tokens: int = 1) -> dict[str, Any]:
+def measure_rss_growth(
+    model_path: Path, n_ctx: int, gen_tokens: int = 1, kv_type: str = "f16"
+) -> dict[str, Any]:
     """One full-context turn in this process (run it in a fresh one: it is what the estimate
     predicts): RSS before load, growth to after the turn, the peak, llama.cpp's own buffers,
     and how much of llama-cpp-python's logits array became resident."""
@@ -62,7 +64,8 @@ def measure_rss_growth(model_path: Path, n_ctx: int, gen_tokens: int = 1) -> dic
 
     process = psutil.Process()
     before = process.memory_info().rss
-    engine = Engine(model_path, LoadOptions(n_ctx=n_ctx, n_threads=physical_cores()))
+    options = LoadOptions(n_ctx=n_ctx, n_threads=physical_cores(), kv_type=kv_type)
+    engine = Engine(model_path, options)
     prompt = synthetic_prompt(engine.bos_token, engine.n_vocab, n_ctx - gen_tokens - 1)
     for _ in engine.generate(prompt, Sampling(temperature=0.0), gen_tokens):
         pass
@@ -104,11 +107,13 @@ def resident_bytes(address: int, size: int) -> int:
     return resident
 
 
-def measure_in_fresh_process(path: Path, n_ctx: int, gen_tokens: int = 1) -> dict[str, Any]:
+def measure_in_fresh_process(
+    path: Path, n_ctx: int, gen_tokens: int = 1, kv_type: str = "f16"
+) -> dict[str, Any]:
     """``measure_rss_growth`` in a new interpreter: nothing measured before weighs on it."""
     command = [sys.executable, "-m", "localchat.bench.rss", "measure", str(path), str(n_ctx)]
     result = subprocess.run(
-        [*command, str(gen_tokens)], capture_output=True, text=True, check=False
+        [*command, str(gen_tokens), kv_type], capture_output=True, text=True, check=False
     )
     if result.returncode != 0:
         raise RuntimeError(f"memory measurement failed: {result.stderr.strip()[-500:]}")
@@ -117,5 +122,6 @@ def measure_in_fresh_process(path: Path, n_ctx: int, gen_tokens: int = 1) -> dic
 
 
 if __name__ == "__main__":  # the fresh process that estimate and memory measure in
-    if len(sys.argv) == 5 and sys.argv[1] == "measure":
-        print(json.dumps(measure_rss_growth(Path(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]))))
+    if len(sys.argv) == 6 and sys.argv[1] == "measure":
+        model, n_ctx, tokens, kv = sys.argv[2:]
+        print(json.dumps(measure_rss_growth(Path(model), int(n_ctx), int(tokens), kv)))

@@ -26,7 +26,7 @@ ZEROWAIT_MESSAGE = "Given that guide, how should I name a function?"
 # words (~75 tokens, half a second to read cold on the 0.5b shape, twice a one-word
 # message's wait) is a long message still, typed in a quarter of a minute.
 TYPEAHEAD_WORDS = 48
-TYPEAHEAD_ROUNDS = 2
+TYPEAHEAD_ROUNDS = 1  # 0.4-0.6x a one-word message against a 1.5x target: one is enough
 
 
 def _app_resume(engine: Engine, progress: Progress) -> dict[str, Any]:

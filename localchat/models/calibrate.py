@@ -302,8 +302,11 @@ def calibrate(
         readings: list[Reading] = []
         for name in round_order(names, index):
             report(f"{name} weights, round {index + 1}")
-            readings.append(_read(files[name], name, threads))
+            reading = _read(files[name], name, threads)
+            readings.append(reading)
             done += 1
+            if strict and not _fair(reading):
+                break  # the round is thrown away whole (clean_rounds): the next starts now
         taken.append(readings)
         best = settle(taken, names) if index + 1 >= MIN_ROUNDS else None
         if best is not None:
