@@ -16,7 +16,9 @@ WINDOW_TURN_WORDS = 80
 # next turn comes, so its length only decides how many turns fill the context (16 instead of
 # 48 tokens: more turns measured, in half the time).
 WINDOW_REPLY_TOKENS = 16
-WINDOW_OVERFLOWS = 1.5  # drive the conversation past this many contexts' worth of tokens (8 turns after)
+WINDOW_OVERFLOWS = (
+    1.5  # drive the conversation past this many contexts' worth of tokens (8 turns after)
+)
 
 
 def bench_window(model_path: Path, progress: Progress = None) -> dict[str, Any]:
