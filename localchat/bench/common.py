@@ -38,6 +38,16 @@ def settled(values: list[float], agree: float, last: int = 2) -> bool:
     return max(tail) - min(tail) <= agree * max(tail)
 
 
+def best_ratio(ours: list[float], theirs: list[float]) -> float:
+    """Our best round over theirs, each side's rounds interleaved with the other's (tokens/s:
+    the fastest; for costs pass the negated or inverted figures). A shared host's neighbours
+    only ever slow a round, in bursts that land on one side of a pair or the other: each
+    side's best is its speed on a quiet machine. The median of the pairs' ratios swung
+    between runs on a 2-core host (0.96 and 1.12 for the same engine) and flipped targets;
+    the best over the best did not. (Parts report the median beside it.)"""
+    return max(ours) / max(theirs)
+
+
 def _say(progress: Progress, line: str) -> None:
     """One progress line, if anyone listens."""
     if progress is not None:

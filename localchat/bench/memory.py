@@ -4,16 +4,16 @@ unaccounted for: ``memory_overhead_ratio``), and the estimate against the growth
 
 The rows were a 0.5b and a Gemma 3 shape at 32k, which took most of a 47-minute bench:
 filling a context costs time quadratic in its length (attention over every cached token),
-32k tokens of the 0.5b shape over 15 minutes on two cores. The figures need a full context,
-long next to the 1,024 tokens of ``estimate``, with flash attention's buffers in it: the
-Gemma 3 shape at 8k with an F16 cache (llama.cpp's flash attention on a CPU from
-``FLASH_ATTN_CPU_MIN_CTX``; 16 times its window, whose layers' cache must stay window-sized),
-and the 0.5b shape at 4k with a q8_0 cache (a quantized cache always runs flash attention:
-filling 8k of the 0.5b took a 2-core host 150 s, 4k a third of that). What grows with the
-context (the KV cache, flash attention's work buffers, llama-cpp-python's arrays) is sized by
-``n_ctx`` and shows here as it would at 32k. (A smaller plain shape fills in seconds, but its
-buffers are so small that the runtime's fixed ~10 MiB - library code paged in, the
-vocabulary - read as 9% unaccounted.) The models are the quantizer's type mix in random
+32k tokens of the 0.5b shape over 15 minutes on two cores. The figures need a full context with
+flash attention's buffers in it and a plain shape's: the Gemma 3 shape at 8k with an F16
+cache (llama.cpp's flash attention on a CPU from ``FLASH_ATTN_CPU_MIN_CTX``; 16 times its
+window, whose layers' cache must stay window-sized), and the 0.5b shape at 2k (twice
+``estimate``'s context; filling 8k of it took a 2-core host 150 s, 4k over a q8_0 cache, which
+always runs flash attention, 100 s). What grows with the context (the KV cache, flash
+attention's work buffers, llama-cpp-python's arrays) is sized by ``n_ctx`` and shows here as
+it would at 32k. (A smaller plain shape fills in seconds, but its buffers are so small that
+the runtime's fixed ~10 MiB - library code paged in, the vocabulary - read as 9%
+unaccounted.) The models are the quantizer's type mix in random
 blocks (``models/timing_models.py``): memory depends on the bytes, not the values.
 """
 
@@ -28,7 +28,7 @@ from localchat.bench.rss import measure_in_fresh_process
 # (shape, quant, context, KV cache type): a plain shape and a sliding-window one, each
 # context filled.
 MEMORY_MODELS: tuple[tuple[str, str, int, str], ...] = (
-    ("0.5b", "Q4_K_M", 4096, "q8_0"),
+    ("0.5b", "Q4_K_M", 2048, "f16"),
     ("gemma3", "Q8_0", 8192, "f16"),
 )
 MEMORY_GEN_TOKENS = 16

@@ -109,12 +109,23 @@ def settle(rounds: list[list[Reading]], names: list[str]) -> dict[str, Reading] 
     """Each file's fastest confirmed reading (``confirmed``), once every file has one
     (generation within ``AGREE``, prompt within ``PROMPT_AGREE``; the tiny model's
     milliseconds need only be clean: its fastest); None while one has not."""
+    settled = _settled_readings(rounds, names)
+    return settled if len(settled) == len(names) else None
+
+
+def unsettled(rounds: list[list[Reading]], names: list[str]) -> list[str]:
+    """The files without a settled reading yet: what a further round needs to read."""
+    settled = _settled_readings(rounds, names)
+    return [name for name in names if name not in settled]
+
+
+def _settled_readings(rounds: list[list[Reading]], names: list[str]) -> dict[str, Reading]:
     kept = clean_rounds(rounds)
     best = best_readings(kept, names)
     settled: dict[str, Reading] = {}
     for name in names:
         if name not in best:
-            return None
+            continue
         if name == OVERHEAD:
             settled[name] = best[name]
             continue
@@ -122,7 +133,7 @@ def settle(rounds: list[list[Reading]], names: list[str]) -> dict[str, Reading] 
         gen = confirmed([x.gen_s for x in readings], AGREE)
         prompt = confirmed([x.prompt_s for x in readings], PROMPT_AGREE)
         if gen is None or prompt is None:
-            return None
+            continue
         share = next(x.cpu_share for x in readings if x.gen_s == gen)
         settled[name] = Reading(name, gen, prompt, share, step_s=_fastest_steps(readings))
     return settled
@@ -300,7 +311,11 @@ def calibrate(
         if index >= MIN_ROUNDS and time.monotonic() - started > BUDGET_S:
             break
         readings: list[Reading] = []
-        for name in round_order(names, index):
+        order = round_order(names, index)
+        if index >= MIN_ROUNDS:  # the files that settled are not read again (the reference
+            pending = set(unsettled(taken, names))  # is: it tells a round that drifted)
+            order = [n for n in order if n in pending or n == REFERENCE]
+        for name in order:
             report(f"{name} weights, round {index + 1}")
             reading = _read(files[name], name, threads)
             readings.append(reading)
@@ -311,7 +326,8 @@ def calibrate(
         best = settle(taken, names) if index + 1 >= MIN_ROUNDS else None
         if best is not None:
             break
-        countdown.total = max(countdown.total, done + len(names))  # one more round
+        more = len(unsettled(taken, names)) + 1 if index + 1 >= MIN_ROUNDS else len(names)
+        countdown.total = max(countdown.total, done + more)  # one more round
     if best is None and not strict:
         best = best_readings(taken, names)
     if best is None:
