@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import contextlib
 import os
+import statistics
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from localchat.models.calibrate import confirmed
 from localchat.paths import HOME_ENV
 
 if TYPE_CHECKING:
@@ -38,14 +40,30 @@ def settled(values: list[float], agree: float, last: int = 2) -> bool:
     return max(tail) - min(tail) <= agree * max(tail)
 
 
+# How close another round must come to a side's best for that best to count (``steady_*``).
+STEADY = 0.05
+
+
+def steady_least(values: list[float], tolerance: float = STEADY) -> float:
+    """A side's least time or CPU over its rounds, where another round confirms it within
+    ``tolerance`` (the calibration's rule, ``models.calibrate.confirmed``); the median where
+    no two agree. A shared host's neighbours mostly add to a round, in bursts that land on
+    one side of a pair or the other, so each side's best is what it costs on a quiet
+    machine; a lone best (a moment of boost) is not repeated and does not count. The
+    medians of pairs swung between runs on a 2-core host (gen_ratio 0.96 and 1.12 for the
+    same engine) and flipped targets. (Parts report the median beside it.)"""
+    found = confirmed(values, tolerance)
+    return found if found is not None else statistics.median(values)
+
+
+def steady_best(speeds: list[float], tolerance: float = STEADY) -> float:
+    """``steady_least`` for speeds (tokens/s): the fastest round another confirms."""
+    return 1.0 / steady_least([1.0 / speed for speed in speeds], tolerance)
+
+
 def best_ratio(ours: list[float], theirs: list[float]) -> float:
-    """Our best round over theirs, each side's rounds interleaved with the other's (tokens/s:
-    the fastest; for costs pass the negated or inverted figures). A shared host's neighbours
-    only ever slow a round, in bursts that land on one side of a pair or the other: each
-    side's best is its speed on a quiet machine. The median of the pairs' ratios swung
-    between runs on a 2-core host (0.96 and 1.12 for the same engine) and flipped targets;
-    the best over the best did not. (Parts report the median beside it.)"""
-    return max(ours) / max(theirs)
+    """Our steady best speed over theirs, each side's rounds interleaved with the other's."""
+    return steady_best(ours) / steady_best(theirs)
 
 
 def _say(progress: Progress, line: str) -> None:

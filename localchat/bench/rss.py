@@ -51,7 +51,11 @@ def peak_rss() -> tuple[int, str]:
 
 
 def measure_rss_growth(
-    model_path: Path, n_ctx: int, gen_tokens: int = 1, kv_type: str = "f16"
+    model_path: Path,
+    n_ctx: int,
+    gen_tokens: int = 1,
+    kv_type: str = "f16",
+    flash_attn: bool | None = None,
 ) -> dict[str, Any]:
     """One full-context turn in this process (run it in a fresh one: it is what the estimate
     predicts): RSS before load, growth to after the turn, the peak, llama.cpp's own buffers,
@@ -64,7 +68,9 @@ def measure_rss_growth(
 
     process = psutil.Process()
     before = process.memory_info().rss
-    options = LoadOptions(n_ctx=n_ctx, n_threads=physical_cores(), kv_type=kv_type)
+    options = LoadOptions(
+        n_ctx=n_ctx, n_threads=physical_cores(), kv_type=kv_type, flash_attn=flash_attn
+    )
     engine = Engine(model_path, options)
     prompt = synthetic_prompt(engine.bos_token, engine.n_vocab, n_ctx - gen_tokens - 1)
     for _ in engine.generate(prompt, Sampling(temperature=0.0), gen_tokens):
@@ -108,20 +114,27 @@ def resident_bytes(address: int, size: int) -> int:
 
 
 def measure_in_fresh_process(
-    path: Path, n_ctx: int, gen_tokens: int = 1, kv_type: str = "f16"
+    path: Path,
+    n_ctx: int,
+    gen_tokens: int = 1,
+    kv_type: str = "f16",
+    flash_attn: bool | None = None,
 ) -> dict[str, Any]:
     """``measure_rss_growth`` in a new interpreter: nothing measured before weighs on it."""
     command = [sys.executable, "-m", "localchat.bench.rss", "measure", str(path), str(n_ctx)]
-    result = subprocess.run(
-        [*command, str(gen_tokens), kv_type], capture_output=True, text=True, check=False
-    )
+    command += [str(gen_tokens), kv_type, _FLASH_ARGS[flash_attn]]
+    result = subprocess.run(command, capture_output=True, text=True, check=False)
     if result.returncode != 0:
         raise RuntimeError(f"memory measurement failed: {result.stderr.strip()[-500:]}")
     measured: dict[str, Any] = json.loads(result.stdout)
     return measured
 
 
+_FLASH_ARGS: dict[bool | None, str] = {None: "auto", True: "on", False: "off"}
+
 if __name__ == "__main__":  # the fresh process that estimate and memory measure in
-    if len(sys.argv) == 6 and sys.argv[1] == "measure":
-        model, n_ctx, tokens, kv = sys.argv[2:]
-        print(json.dumps(measure_rss_growth(Path(model), int(n_ctx), int(tokens), kv)))
+    if len(sys.argv) == 7 and sys.argv[1] == "measure":
+        model, n_ctx, tokens, kv, flash = sys.argv[2:]
+        flash_attn = {arg: value for value, arg in _FLASH_ARGS.items()}[flash]
+        figures = measure_rss_growth(Path(model), int(n_ctx), int(tokens), kv, flash_attn)
+        print(json.dumps(figures))

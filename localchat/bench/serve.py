@@ -9,10 +9,11 @@ as clients meet it, read by a plain HTTP client (httpx, the SSE lines parsed, no
   (one that answered the request before it: the same new tokens to evaluate); with
   ``serve_reread_ttft_s``, what re-reading the conversation costs.
 - ``serve_join_ttft_ratio``: a short request that arrives while another streams a 300-token
-  reply, its first-token time over its time alone (it joins the running steps; the median
-  of rounds); beside it
+  reply, its first-token time over its time alone (it joins the running steps; each side's
+  steady least, ``common.steady_least``); beside it
   ``serve_join_queued_ttft_s``, the same on a server of one sequence, which answers in turn.
-- ``serve_parallel_throughput``: four concurrent streams' tokens/s over one stream's.
+- ``serve_parallel_throughput``: four concurrent streams' tokens/s over one stream's (each
+  side's best round).
 - ``serve_spec_copy_speedup``: the bench's file returned renamed (``spec``'s copy prompt),
   tokens/s from a server that drafts by prompt lookup (q8_0 cache, flash attention: exact)
   over one that does not, the same greedy text (``serve_spec_identical``); median of rounds.
@@ -40,6 +41,7 @@ from localchat.bench.common import (
     env_with_home,
     filler_text,
     scratch_dir,
+    steady_least,
 )
 from localchat.cpu import physical_cores
 
@@ -208,12 +210,12 @@ def _join_and_parallel(
     for _ in range(JOIN_ROUNDS):
         alones.append(_stream(root, SHORT, 8)["ttft_s"])
         joins.append(_join(root, messages))
-    alone, joined = statistics.median(alones), statistics.median(joins)
-    ratio = statistics.median(j / a for j, a in zip(joins, alones, strict=True))
+    alone, joined = steady_least(alones), steady_least(joins)
+    ratio = joined / alone
     _say(progress, f"serve: a short request alone {alone:.2f} s, beside a stream {joined:.2f} s")
-    gains = []
+    ones, together = [], []
     for _ in range(JOIN_ROUNDS):
-        one = _stream(root, messages, PARALLEL_TOKENS)["tps"]
+        ones.append(_stream(root, messages, PARALLEL_TOKENS)["tps"])
         began = time.perf_counter()
         streams = [
             threading.Thread(target=_stream, args=(root, messages, PARALLEL_TOKENS))
@@ -223,16 +225,14 @@ def _join_and_parallel(
             stream.start()
         for stream in streams:
             stream.join()
-        gains.append(PARALLEL * PARALLEL_TOKENS / (time.perf_counter() - began) / one)
-    _say(
-        progress,
-        f"serve: {PARALLEL} streams at once: {statistics.median(gains):.2f}× one's tokens/s",
-    )
+        together.append(PARALLEL * PARALLEL_TOKENS / (time.perf_counter() - began))
+    gain = best_ratio(together, ones)
+    _say(progress, f"serve: {PARALLEL} streams at once: {gain:.2f}× one's tokens/s")
     return {
         "serve_join_alone_ttft_s": round(alone, 3),
         "serve_join_ttft_s": round(joined, 3),
         "serve_join_ttft_ratio": round(ratio, 2),
-        "serve_parallel_throughput": round(statistics.median(gains), 3),
+        "serve_parallel_throughput": round(gain, 3),
     }
 
 

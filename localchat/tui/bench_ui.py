@@ -1,10 +1,11 @@
 """The app's figures for ``localchat bench --only ui``: startup time and streaming overhead.
 
 - ``startup_s``: from the process's start to the first screen on display (the model loads
-  afterwards, in a worker, and is not counted), measured in fresh processes: the quickest.
+  afterwards, in a worker, and is not counted), measured in fresh processes: the steady
+  least (``bench.common.steady_least``).
 - ``ui_cpu_overhead``: the extra CPU time of streaming a reply through the app (headless
   Textual, real widgets) over generating the same tokens without it, as a fraction: each
-  side's least CPU of its interleaved rounds (``_overhead``).
+  side's steady least CPU of its interleaved rounds (``_overhead``).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from textual import events
 from localchat.backends.base import Sampling
 from localchat.backends.compute_thread import run_compute
 from localchat.backends.llama.engine import Engine, LoadOptions
+from localchat.bench.common import best_ratio, steady_best, steady_least
 from localchat.conversation.local import Conversation
 from localchat.paths import HOME_ENV
 from localchat.state.kvstate import StateStore
@@ -200,8 +202,9 @@ async def _first_turns_after_open(
 def app_resume_vs_warm(
     model_path: Path, home: Path, name: str, messages: tuple[str, str], n_ctx: int, rounds: int
 ) -> dict[str, Any]:
-    """The first turn after the app opens a long conversation vs a warm turn, as a ratio of
-    medians; ``home`` holds the conversation and its saved state (copied for every round, so
+    """The first turn after the app opens a long conversation vs a warm turn: each side's
+    steady least (``bench.common.steady_least``; the ratio of medians swung from 1.02 to
+    1.12 between runs on a 2-core host); ``home`` holds the conversation and its saved state (copied for every round, so
     each round opens the same one)."""
     firsts, seconds = [], []
     for _ in range(rounds):
@@ -209,11 +212,14 @@ def app_resume_vs_warm(
             first, second = asyncio.run(_first_turns_after_open(model_path, name, messages, n_ctx))
         firsts.append(first)
         seconds.append(second)
-    first, warm = statistics.median(firsts), statistics.median(seconds)
+    first, warm = steady_least(firsts), steady_least(seconds)
     return {
         "app_first_turn_ttft_s": round(first, 4),
         "app_warm_turn_ttft_s": round(warm, 4),
         "app_resume_vs_warm": round(first / warm, 3),
+        "app_resume_vs_warm_medians": round(
+            statistics.median(firsts) / statistics.median(seconds), 3
+        ),
     }
 
 
@@ -316,11 +322,10 @@ def _turn_in_fresh_process(side: str, model_path: Path, max_tokens: int) -> dict
 
 def _overhead(model_path: Path, max_tokens: int, rounds: int) -> tuple[float, float, int, float]:
     """(overhead, headless tokens/s, tokens, app/headless tokens/s) over ``rounds`` pairs,
-    the order alternating. Each side's least CPU and best speed of its rounds: a shared
-    host's neighbours only add to a turn's CPU (llama.cpp's threads spin at their barrier
-    while one of them waits for a core) and take from its speed, in bursts that land on one
-    side of a pair or the other (``bench.common.best_ratio``); the median of the pairs'
-    overheads swung from 0.05 to 0.18 between runs on a 2-core host."""
+    the order alternating. Each side's steady least CPU and best speed of its rounds
+    (``bench.common.steady_least``): a shared host's neighbours mostly add to a turn's CPU
+    (llama.cpp's threads spin at their barrier while one of them waits for a core); the
+    median of the pairs' overheads swung from 0.05 to 0.18 between runs on a 2-core host."""
     cpu: dict[str, list[float]] = {"headless": [], "app": []}
     speed: dict[str, list[float]] = {"headless": [], "app": []}
     tokens = 0
@@ -336,9 +341,13 @@ def _overhead(model_path: Path, max_tokens: int, rounds: int) -> tuple[float, fl
         for side, run in runs.items():
             cpu[side].append(run["cpu_s"])
             speed[side].append(run["gen_tps"])
-    overhead = min(cpu["app"]) / min(cpu["headless"]) - 1
-    ratio = max(speed["app"]) / max(speed["headless"])
-    return overhead, max(speed["headless"]), tokens, ratio
+    overhead = steady_least(cpu["app"]) / steady_least(cpu["headless"]) - 1
+    return (
+        overhead,
+        steady_best(speed["headless"]),
+        tokens,
+        best_ratio(speed["app"], speed["headless"]),
+    )
 
 
 def bench_ui(tiny_model: Path, main_model: Path | None = None) -> dict[str, Any]:
@@ -351,7 +360,7 @@ def bench_ui(tiny_model: Path, main_model: Path | None = None) -> dict[str, Any]
         "ui_tokens": tokens,
         "ui_gen_tps": round(rate, 1),
         "ui_cpu_overhead": round(overhead, 4),
-        "startup_s": round(min(startup), 3),  # the quickest: neighbours only slow it
+        "startup_s": round(steady_least(startup), 3),
     }
     if main_model is not None:
         main_overhead, main_rate, main_tokens, main_ratio = _overhead(

@@ -177,6 +177,9 @@ class UserMessage(ChatEntry):
         yield Static(Text(self.text), classes="body")
 
     def show_branch(self, branch: tuple[int, int]) -> None:
+        """Redraw the role line with ``branch`` (an unchanged one costs no relayout)."""
+        if branch == self.branch:
+            return
         self.branch = branch
         if self.is_mounted:
             self.query_one(".role", Label).update(self.role_text())
