@@ -14,7 +14,7 @@ import pytest
 
 import localchat.bench
 from localchat.bench import rss
-from localchat.bench.common import best_ratio, settled, steady_best, steady_least
+from localchat.bench.common import settled, steady_best, steady_least
 from localchat.bench.run import BENCHES, PARTS, TARGETS, format_report, judge
 from localchat.cli.main import build_parser
 
@@ -132,4 +132,3 @@ def test_each_side_counts_its_steady_best_round() -> None:
     assert steady_least([0.5, 1.0, 1.02, 1.4]) == 1.0  # nor the lone fast one
     assert steady_least([1.0, 2.0, 3.0]) == 2.0  # no two agree: the median
     assert steady_best([40.0, 50.0, 49.5]) == pytest.approx(50.0)
-    assert best_ratio([50.0, 49.0, 30.0], [25.0, 24.8, 40.0]) == pytest.approx(2.0)

@@ -45,13 +45,13 @@ STEADY = 0.05
 
 
 def steady_least(values: list[float], tolerance: float = STEADY) -> float:
-    """A side's least time or CPU over its rounds, where another round confirms it within
+    """The least of one side's times over its rounds that another round confirms within
     ``tolerance`` (the calibration's rule, ``models.calibrate.confirmed``); the median where
-    no two agree. A shared host's neighbours mostly add to a round, in bursts that land on
-    one side of a pair or the other, so each side's best is what it costs on a quiet
-    machine; a lone best (a moment of boost) is not repeated and does not count. The
-    medians of pairs swung between runs on a 2-core host (gen_ratio 0.96 and 1.12 for the
-    same engine) and flipped targets. (Parts report the median beside it.)"""
+    no two agree. For a figure of one side (startup, a model's speed against its
+    prediction): a shared host's neighbours mostly add to a round, so the best that repeats
+    is what it costs on a quiet machine, and a lone best (a moment of boost) does not count.
+    Two sides measured in adjacent pairs are compared by the median of the pairs' ratios
+    instead: drift cancels within a pair."""
     found = confirmed(values, tolerance)
     return found if found is not None else statistics.median(values)
 
@@ -59,11 +59,6 @@ def steady_least(values: list[float], tolerance: float = STEADY) -> float:
 def steady_best(speeds: list[float], tolerance: float = STEADY) -> float:
     """``steady_least`` for speeds (tokens/s): the fastest round another confirms."""
     return 1.0 / steady_least([1.0 / speed for speed in speeds], tolerance)
-
-
-def best_ratio(ours: list[float], theirs: list[float]) -> float:
-    """Our steady best speed over theirs, each side's rounds interleaved with the other's."""
-    return steady_best(ours) / steady_best(theirs)
 
 
 def _say(progress: Progress, line: str) -> None:

@@ -2,18 +2,16 @@
 as clients meet it, read by a plain HTTP client (httpx, the SSE lines parsed, nothing else).
 
 - ``serve_gen_ratio``: one stream's tokens/s as the client reads it over the engine's own
-  for the same greedy reply in this process (the order alternating; the best round over
-  the best, ``common.best_ratio``).
+  for the same greedy reply in this process (median of rounds, the order alternating).
 - ``serve_restart_ttft_ratio``: a 2,000-token conversation's next request right after the
   server restarted (its state restored from disk) over the same request on a warm server
   (one that answered the request before it: the same new tokens to evaluate); with
   ``serve_reread_ttft_s``, what re-reading the conversation costs.
 - ``serve_join_ttft_ratio``: a short request that arrives while another streams a 300-token
-  reply, its first-token time over its time alone (it joins the running steps; each side's
-  steady least, ``common.steady_least``); beside it
+  reply, its first-token time over its time alone (it joins the running steps; the median
+  of rounds); beside it
   ``serve_join_queued_ttft_s``, the same on a server of one sequence, which answers in turn.
-- ``serve_parallel_throughput``: four concurrent streams' tokens/s over one stream's (each
-  side's best round).
+- ``serve_parallel_throughput``: four concurrent streams' tokens/s over one stream's.
 - ``serve_spec_copy_speedup``: the bench's file returned renamed (``spec``'s copy prompt),
   tokens/s from a server that drafts by prompt lookup (q8_0 cache, flash attention: exact)
   over one that does not, the same greedy text (``serve_spec_identical``); median of rounds.
@@ -34,15 +32,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from localchat.bench.common import (
-    Progress,
-    _say,
-    best_ratio,
-    env_with_home,
-    filler_text,
-    scratch_dir,
-    steady_least,
-)
+from localchat.bench.common import Progress, _say, env_with_home, filler_text, scratch_dir
 from localchat.cpu import physical_cores
 
 SERVE_CTX = 4096
@@ -128,7 +118,6 @@ def _gen_and_join(model: Path, home: Path, progress: Progress) -> dict[str, Any]
         with _ServeProcess(model, home, PARALLEL) as root:
             messages = [{"role": "user", "content": QUESTION}]
             ratios = []
-            speeds: dict[str, list[float]] = {"engine": [], "server": []}
             for index in range(GEN_ROUNDS):
                 order = ("engine", "server") if index % 2 == 0 else ("server", "engine")
                 tps: dict[str, float] = {}
@@ -138,14 +127,9 @@ def _gen_and_join(model: Path, home: Path, progress: Progress) -> dict[str, Any]
                     else:  # the server keeps the prompt from the round before: same work
                         tps[side] = _stream(root, messages, GEN_TOKENS)["tps"]
                 ratios.append(tps["server"] / tps["engine"])
-                for side, value in tps.items():
-                    speeds[side].append(value)
                 _say(progress, f"serve: round {index + 1}: {tps['server']:.1f} tok/s read over"
                      f" HTTP, {tps['engine']:.1f} in process")  # fmt: skip
-            results = {
-                "serve_gen_ratio": round(best_ratio(speeds["server"], speeds["engine"]), 3),
-                "serve_gen_ratio_pairs_median": round(statistics.median(ratios), 3),
-            }
+            results = {"serve_gen_ratio": round(statistics.median(ratios), 3)}
             results |= _join_and_parallel(root, messages, progress)
         with _ServeProcess(model, home, 1) as root:  # one sequence: requests wait their turn
             queued = _join(root, messages)
@@ -210,12 +194,12 @@ def _join_and_parallel(
     for _ in range(JOIN_ROUNDS):
         alones.append(_stream(root, SHORT, 8)["ttft_s"])
         joins.append(_join(root, messages))
-    alone, joined = steady_least(alones), steady_least(joins)
-    ratio = joined / alone
+    alone, joined = statistics.median(alones), statistics.median(joins)
+    ratio = statistics.median(j / a for j, a in zip(joins, alones, strict=True))
     _say(progress, f"serve: a short request alone {alone:.2f} s, beside a stream {joined:.2f} s")
-    ones, together = [], []
+    gains = []
     for _ in range(JOIN_ROUNDS):
-        ones.append(_stream(root, messages, PARALLEL_TOKENS)["tps"])
+        one = _stream(root, messages, PARALLEL_TOKENS)["tps"]
         began = time.perf_counter()
         streams = [
             threading.Thread(target=_stream, args=(root, messages, PARALLEL_TOKENS))
@@ -225,14 +209,16 @@ def _join_and_parallel(
             stream.start()
         for stream in streams:
             stream.join()
-        together.append(PARALLEL * PARALLEL_TOKENS / (time.perf_counter() - began))
-    gain = best_ratio(together, ones)
-    _say(progress, f"serve: {PARALLEL} streams at once: {gain:.2f}× one's tokens/s")
+        gains.append(PARALLEL * PARALLEL_TOKENS / (time.perf_counter() - began) / one)
+    _say(
+        progress,
+        f"serve: {PARALLEL} streams at once: {statistics.median(gains):.2f}× one's tokens/s",
+    )
     return {
         "serve_join_alone_ttft_s": round(alone, 3),
         "serve_join_ttft_s": round(joined, 3),
         "serve_join_ttft_ratio": round(ratio, 2),
-        "serve_parallel_throughput": round(gain, 3),
+        "serve_parallel_throughput": round(statistics.median(gains), 3),
     }
 
 

@@ -2,10 +2,9 @@
 
 - ``startup_s``: from the process's start to the first screen on display (the model loads
   afterwards, in a worker, and is not counted), measured in fresh processes: the steady
-  least (``bench.common.steady_least``).
+  least of them (``bench.common.steady_least``: a shared host's neighbours only add to it).
 - ``ui_cpu_overhead``: the extra CPU time of streaming a reply through the app (headless
-  Textual, real widgets) over generating the same tokens without it, as a fraction: each
-  side's steady least CPU of its interleaved rounds (``_overhead``).
+  Textual, real widgets) over generating the same tokens without it, as a fraction.
 """
 
 from __future__ import annotations
@@ -30,7 +29,7 @@ from textual import events
 from localchat.backends.base import Sampling
 from localchat.backends.compute_thread import run_compute
 from localchat.backends.llama.engine import Engine, LoadOptions
-from localchat.bench.common import best_ratio, steady_best, steady_least
+from localchat.bench.common import steady_least
 from localchat.conversation.local import Conversation
 from localchat.paths import HOME_ENV
 from localchat.state.kvstate import StateStore
@@ -202,9 +201,8 @@ async def _first_turns_after_open(
 def app_resume_vs_warm(
     model_path: Path, home: Path, name: str, messages: tuple[str, str], n_ctx: int, rounds: int
 ) -> dict[str, Any]:
-    """The first turn after the app opens a long conversation vs a warm turn: each side's
-    steady least (``bench.common.steady_least``; the ratio of medians swung from 1.02 to
-    1.12 between runs on a 2-core host); ``home`` holds the conversation and its saved state (copied for every round, so
+    """The first turn after the app opens a long conversation vs a warm turn, as a ratio of
+    medians; ``home`` holds the conversation and its saved state (copied for every round, so
     each round opens the same one)."""
     firsts, seconds = [], []
     for _ in range(rounds):
@@ -212,14 +210,11 @@ def app_resume_vs_warm(
             first, second = asyncio.run(_first_turns_after_open(model_path, name, messages, n_ctx))
         firsts.append(first)
         seconds.append(second)
-    first, warm = steady_least(firsts), steady_least(seconds)
+    first, warm = statistics.median(firsts), statistics.median(seconds)
     return {
         "app_first_turn_ttft_s": round(first, 4),
         "app_warm_turn_ttft_s": round(warm, 4),
         "app_resume_vs_warm": round(first / warm, 3),
-        "app_resume_vs_warm_medians": round(
-            statistics.median(firsts) / statistics.median(seconds), 3
-        ),
     }
 
 
@@ -321,33 +316,24 @@ def _turn_in_fresh_process(side: str, model_path: Path, max_tokens: int) -> dict
 
 
 def _overhead(model_path: Path, max_tokens: int, rounds: int) -> tuple[float, float, int, float]:
-    """(overhead, headless tokens/s, tokens, app/headless tokens/s) over ``rounds`` pairs,
-    the order alternating. Each side's steady least CPU and best speed of its rounds
-    (``bench.common.steady_least``): a shared host's neighbours mostly add to a turn's CPU
-    (llama.cpp's threads spin at their barrier while one of them waits for a core); the
-    median of the pairs' overheads swung from 0.05 to 0.18 between runs on a 2-core host."""
-    cpu: dict[str, list[float]] = {"headless": [], "app": []}
-    speed: dict[str, list[float]] = {"headless": [], "app": []}
+    """(median overhead, median headless tokens/s, tokens, median app/headless tokens/s) over
+    ``rounds`` pairs, the order alternating so that drift in the machine's speed does not
+    favour one side."""
+    overheads, rates, ratios = [], [], []
     tokens = 0
     for round_index in range(rounds):
         sides = ("headless", "app") if round_index % 2 == 0 else ("app", "headless")
         runs = {side: _turn_in_fresh_process(side, model_path, max_tokens) for side in sides}
-        tokens = runs["headless"]["tokens"]
-        if runs["app"]["tokens"] != tokens:
+        headless, app = runs["headless"], runs["app"]
+        tokens = headless["tokens"]
+        if app["tokens"] != tokens:
             raise RuntimeError(
-                f"the app's reply had {runs['app']['tokens']} tokens, headless {tokens}:"
-                " not comparable"
+                f"the app's reply had {app['tokens']} tokens, headless {tokens}: not comparable"
             )
-        for side, run in runs.items():
-            cpu[side].append(run["cpu_s"])
-            speed[side].append(run["gen_tps"])
-    overhead = steady_least(cpu["app"]) / steady_least(cpu["headless"]) - 1
-    return (
-        overhead,
-        steady_best(speed["headless"]),
-        tokens,
-        best_ratio(speed["app"], speed["headless"]),
-    )
+        overheads.append((app["cpu_s"] - headless["cpu_s"]) / headless["cpu_s"])
+        rates.append(headless["gen_tps"])
+        ratios.append(app["gen_tps"] / headless["gen_tps"])
+    return statistics.median(overheads), statistics.median(rates), tokens, statistics.median(ratios)
 
 
 def bench_ui(tiny_model: Path, main_model: Path | None = None) -> dict[str, Any]:
