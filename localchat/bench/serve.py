@@ -5,13 +5,16 @@ as clients meet it, read by a plain HTTP client (httpx, the SSE lines parsed, no
   for the same greedy reply in this process (median of rounds, the order alternating).
 - ``serve_restart_ttft_ratio``: a 2,000-token conversation's next request right after the
   server restarted (its state restored from disk) over the same request on a warm server
-  (one that answered the request before it: the same new tokens to evaluate); with
+  (one that answered the request before it: the same new tokens to evaluate), medians of
+  three each; with
   ``serve_reread_ttft_s``, what re-reading the conversation costs.
 - ``serve_join_ttft_ratio``: a short request that arrives while another streams a 300-token
   reply, its first-token time over its time alone (it joins the running steps; the median
   of rounds); beside it
   ``serve_join_queued_ttft_s``, the same on a server of one sequence, which answers in turn.
-- ``serve_parallel_throughput``: four concurrent streams' tokens/s over one stream's.
+- ``serve_parallel_throughput``: four concurrent streams' tokens/s over one stream's, each
+  as its client sees it (tokens over the time from sending to the last token: the prompt's
+  turn counts on both sides), the order alternating; the median of rounds.
 - ``serve_spec_copy_speedup``: the bench's file returned renamed (``spec``'s copy prompt),
   tokens/s from a server that drafts by prompt lookup (q8_0 cache, flash attention: exact)
   over one that does not, the same greedy text (``serve_spec_identical``); median of rounds.
@@ -22,6 +25,7 @@ as clients meet it, read by a plain HTTP client (httpx, the SSE lines parsed, no
 from __future__ import annotations
 
 import json
+import shutil
 import signal
 import socket
 import statistics
@@ -39,10 +43,13 @@ SERVE_CTX = 4096
 GEN_TOKENS = 200
 GEN_ROUNDS = 5
 JOIN_TOKENS = 300
-JOIN_ROUNDS = 3
+# The join's ratio is of two first-token times of 50-100 ms: a pair swings by a third.
+JOIN_ROUNDS = 5
 HISTORY_WORDS = 1900  # with the template: about 2,000 tokens
 PARALLEL = 4
 PARALLEL_TOKENS = 64
+PARALLEL_ROUNDS = 5  # one stream and four, the order alternating
+RESTART_ROUNDS = 3  # restarts (the disk copied back each time) and warm requests: medians
 QUESTION = "Write a long essay about memory."
 SHORT = [{"role": "user", "content": "Say hi."}]
 START_LIMIT_S = 120.0
@@ -52,9 +59,9 @@ SPEC_ROUNDS = 3  # drafting against plain, interleaved
 
 
 def _stream(root: str, messages: list[dict[str, str]], max_tokens: int) -> dict[str, Any]:
-    """One streamed greedy reply read with httpx: when it was sent, its first and last
-    content chunk, the chunks read, its token counts (the usage chunk's), its text and its
-    draft counts."""
+    """One streamed greedy reply read with httpx: its first-token time, its wall time (sent
+    to the last content chunk), its tokens/s between the first and the last, the chunks
+    read, its token counts (the usage chunk's), its text and its draft counts."""
     import httpx
 
     body = {"messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
@@ -82,6 +89,7 @@ def _stream(root: str, messages: list[dict[str, str]], max_tokens: int) -> dict[
                 chunks += 1
     return {
         "ttft_s": first - sent,
+        "wall_s": last - sent,
         "chunks": chunks,
         "tps": (chunks - 1) / max(1e-9, last - first),
         "prompt_tokens": prompt_tokens,
@@ -197,19 +205,7 @@ def _join_and_parallel(
     alone, joined = statistics.median(alones), statistics.median(joins)
     ratio = statistics.median(j / a for j, a in zip(joins, alones, strict=True))
     _say(progress, f"serve: a short request alone {alone:.2f} s, beside a stream {joined:.2f} s")
-    gains = []
-    for _ in range(JOIN_ROUNDS):
-        one = _stream(root, messages, PARALLEL_TOKENS)["tps"]
-        began = time.perf_counter()
-        streams = [
-            threading.Thread(target=_stream, args=(root, messages, PARALLEL_TOKENS))
-            for _ in range(PARALLEL)
-        ]
-        for stream in streams:
-            stream.start()
-        for stream in streams:
-            stream.join()
-        gains.append(PARALLEL * PARALLEL_TOKENS / (time.perf_counter() - began) / one)
+    gains = [_parallel_gain(root, messages, index % 2 == 1) for index in range(PARALLEL_ROUNDS)]
     _say(
         progress,
         f"serve: {PARALLEL} streams at once: {statistics.median(gains):.2f}× one's tokens/s",
@@ -220,6 +216,42 @@ def _join_and_parallel(
         "serve_join_ttft_ratio": round(ratio, 2),
         "serve_parallel_throughput": round(statistics.median(gains), 3),
     }
+
+
+def _tokens(reply: dict[str, Any]) -> int:
+    """The reply's tokens: the usage chunk's count, else one a content chunk."""
+    return int(reply["completion_tokens"]) or int(reply["chunks"])
+
+
+def _parallel_gain(root: str, messages: list[dict[str, str]], four_first: bool) -> float:
+    """Four concurrent streams' tokens over their wall time, over one stream's alone."""
+
+    def one() -> float:
+        reply = _stream(root, messages, PARALLEL_TOKENS)
+        return _tokens(reply) / reply["wall_s"]
+
+    def four() -> float:
+        replies: list[dict[str, Any]] = []
+        streams = [
+            threading.Thread(
+                target=lambda: replies.append(_stream(root, messages, PARALLEL_TOKENS))
+            )
+            for _ in range(PARALLEL)
+        ]
+        began = time.perf_counter()
+        for stream in streams:
+            stream.start()
+        for stream in streams:
+            stream.join()
+        if len(replies) != PARALLEL:
+            raise RuntimeError("a concurrent stream failed")
+        return sum(_tokens(r) for r in replies) / (time.perf_counter() - began)
+
+    if four_first:
+        together = four()
+        return together / one()
+    alone = one()
+    return four() / alone
 
 
 def _restart(model: Path, home: Path, progress: Progress) -> dict[str, Any]:
@@ -237,12 +269,23 @@ def _restart(model: Path, home: Path, progress: Progress) -> dict[str, Any]:
     ]
     with _ServeProcess(model, home) as root:
         assert _stream(root, history, 16)["chunks"] > 0
-    with _ServeProcess(model, home) as root:  # a new process: only the disk remembers
-        after_restart = _stream(root, following, 8)
+    saved = home.with_name(f"{home.name}-saved")
+    shutil.copytree(home, saved)
+    restored_ttfts = []
+    for index in range(RESTART_ROUNDS):
+        if index:  # the disk as the first server left it: the same tokens to evaluate
+            shutil.rmtree(home)
+            shutil.copytree(saved, home)
+        with _ServeProcess(model, home) as root:  # a new process: only the disk remembers
+            after_restart = _stream(root, following, 8)
+            restored_ttfts.append(after_restart["ttft_s"])
     with scratch_dir("serve-cold") as empty, _ServeProcess(model, empty) as root:
         reread = _stream(root, history, 16)["ttft_s"]
-        warm = _stream(root, following, 8)["ttft_s"]
-    restored = after_restart["ttft_s"]
+        warms = [_stream(root, following, 8)["ttft_s"]]
+        for _ in range(RESTART_ROUNDS - 1):
+            _stream(root, history, 16)  # the sequence holds the history and another reply
+            warms.append(_stream(root, following, 8)["ttft_s"])
+    restored, warm = statistics.median(restored_ttfts), statistics.median(warms)
     _say(progress, f"serve: {after_restart['prompt_tokens']} tokens: {restored:.2f} s after a"
          f" restart, {warm:.2f} s warm, {reread:.2f} s re-read")  # fmt: skip
     return {
