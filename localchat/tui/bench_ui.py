@@ -46,7 +46,7 @@ MAIN_MODEL_TOKENS = 64  # ~2.3 s at the 0.5b shape's speed: the app's fixed cost
 # A single pair on this model swings by ±0.15 (the machine's speed drifts between processes);
 # the median of this many agrees between runs.
 MAIN_MODEL_ROUNDS = 7
-STARTUP_ROUNDS = 3
+STARTUP_ROUNDS = 5  # fresh processes; the steady least of them (0.87-1.24 s over three runs of 3)
 MESSAGE = "Write a long essay about memory."
 SETTLE_S = 0.5
 WAIT_LIMIT_S = 120.0
