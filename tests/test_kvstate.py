@@ -152,9 +152,12 @@ def test_wait_gives_up_after_its_timeout(tmp_path: Path) -> None:
     states.save = lambda conversation_id, state: release.wait(5)  # type: ignore[method-assign,assignment,return-value]
     saver = BackgroundSaver(states)
     saver.save("slow", _state())
+    saver.save("next", _state())
+    assert saver.pending == 2  # the first is being written, the second waits
     started = time.perf_counter()
     assert saver.wait(timeout=0.2) is False
     assert time.perf_counter() - started < 2
     release.set()
     assert saver.wait(timeout=10)
+    assert saver.pending == 0
     saver.close()

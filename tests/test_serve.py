@@ -115,10 +115,12 @@ def test_a_reply_over_the_api_is_asks_and_a_resent_conversation_reuses_the_cache
     assert usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens + 50
     history = [ChatMessage(m["role"], m["content"]) for m in messages]
     assert streamed == _plain_reply(smollm2, history, 30)
+    served.runner.saver.wait()
     metrics = httpx.get(f"{served.root}/metrics").text
     assert (
         "llamacpp:kv_cache_usage_ratio" in metrics
         and "llamacpp:tokens_predicted_total 90" in metrics
+        and "localchat:saves_pending 0" in metrics
     )
 
 

@@ -19,6 +19,7 @@ P = ParamSpec("P")
 T = TypeVar("T")
 
 _LOCAL = threading.local()
+COMPUTE_THREAD_PREFIX = "llama-compute"  # its name (the bench tells its CPU from the app's)
 
 
 def _mark_compute_thread() -> None:
@@ -26,7 +27,7 @@ def _mark_compute_thread() -> None:
 
 
 _EXECUTOR = ThreadPoolExecutor(
-    max_workers=1, thread_name_prefix="llama-compute", initializer=_mark_compute_thread
+    max_workers=1, thread_name_prefix=COMPUTE_THREAD_PREFIX, initializer=_mark_compute_thread
 )
 # Calls submitted and not yet started: background work (reading ahead) yields to them.
 _waiting = 0

@@ -74,10 +74,28 @@ def _client() -> httpx.Client:
     return httpx.Client(timeout=600)
 
 
-def _stream(root: str, messages: list[dict[str, str]], max_tokens: int) -> dict[str, Any]:
+def _idle(root: str) -> None:
+    """Wait until the server runs no request and writes no state: a reply's state is saved
+    in the background after it (megabytes, then fsync), and a request timed meanwhile read
+    the disk's share of two cores (a short request's first token 0.07 s instead of 0.02)."""
+    deadline = time.monotonic() + START_LIMIT_S
+    while time.monotonic() < deadline:
+        metrics = _client().get(f"{root}/metrics").text
+        if "localchat:saves_pending 0\n" in metrics and "requests_processing 0\n" in metrics:
+            return
+        time.sleep(0.02)
+    raise RuntimeError("the server stayed busy")
+
+
+def _stream(
+    root: str, messages: list[dict[str, str]], max_tokens: int, beside: bool = False
+) -> dict[str, Any]:
     """One streamed greedy reply read with httpx: its first-token time, its wall time (sent
     to the last content chunk), its tokens/s between the first and the last, the chunks
-    read, its token counts (the usage chunk's), its text and its draft counts."""
+    read, its token counts (the usage chunk's), its text and its draft counts. It is sent
+    once the server is idle (``_idle``), unless it is meant to run ``beside`` others."""
+    if not beside:
+        _idle(root)
     body = {"messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}}  # fmt: skip
     sent = time.perf_counter()
@@ -145,6 +163,7 @@ def _gen_and_join(model: Path, home: Path, progress: Progress) -> dict[str, Any]
                 tps: dict[str, float] = {}
                 for side in order:
                     if side == "engine":
+                        _idle(root)  # the server's last save does not slow the engine
                         tps[side] = greedy_turn(engine, prompt, GEN_TOKENS).gen_tps
                     else:  # the server keeps the prompt from the round before: same work
                         tps[side] = _stream(root, messages, GEN_TOKENS)["tps"]
@@ -201,10 +220,11 @@ def _drafting(model: Path, home: Path, progress: Progress) -> dict[str, Any]:
 
 def _join(root: str, messages: list[dict[str, str]]) -> float:
     """A short request's first-token time while a long reply streams."""
-    long_reply = threading.Thread(target=_stream, args=(root, messages, JOIN_TOKENS))
+    _idle(root)
+    long_reply = threading.Thread(target=_stream, args=(root, messages, JOIN_TOKENS, True))
     long_reply.start()
     time.sleep(0.5)  # the long reply streams
-    joined = _stream(root, SHORT, 8)["ttft_s"]
+    joined = _stream(root, SHORT, 8, beside=True)["ttft_s"]
     long_reply.join()
     return joined
 
@@ -248,10 +268,11 @@ def _parallel_gain(root: str, messages: list[dict[str, str]], four_first: bool) 
         replies: list[dict[str, Any]] = []
         streams = [
             threading.Thread(
-                target=lambda: replies.append(_stream(root, messages, PARALLEL_TOKENS))
+                target=lambda: replies.append(_stream(root, messages, PARALLEL_TOKENS, beside=True))
             )
             for _ in range(PARALLEL)
         ]
+        _idle(root)
         began = time.perf_counter()
         for stream in streams:
             stream.start()

@@ -255,6 +255,8 @@ class ModelRunner:
                  "prompt tokens restored from a state saved on disk", c.restored_tokens),
                 ("localchat:saved_states", "gauge", "prompt states saved on disk",
                  len(self.cache)),
+                ("localchat:saves_pending", "gauge", "states queued or being written to disk",
+                 self.saver.pending),
             ]  # fmt: skip
         lines = []
         for name, kind, text, value in rows:

@@ -309,6 +309,11 @@ class BackgroundSaver:
         """Queue a save; ``then`` runs on the saver's thread after it (written or failed)."""
         self._queue.put((conversation_id, state, then))
 
+    @property
+    def pending(self) -> int:
+        """Saves queued or being written."""
+        return self._queue.unfinished_tasks
+
     def wait(self, timeout: float | None = 60.0) -> bool:
         """Block until the queued saves are on disk; False if ``timeout`` passed first."""
         done = self._queue.all_tasks_done
