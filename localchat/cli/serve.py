@@ -34,6 +34,7 @@ def _terminated(signum: int, _frame: object) -> None:
 
 
 def cmd_serve(args: argparse.Namespace, out: TextIO) -> int:
+    import anyio
     import uvicorn
 
     from localchat.cli.ask import _model_path
@@ -100,6 +101,9 @@ def cmd_serve(args: argparse.Namespace, out: TextIO) -> int:
     # uvicorn stops on SIGINT and SIGTERM itself, then hands the signal back: Ctrl+C ends as
     # any command's (130), SIGTERM as a service's (143) — both after the saves under way.
     signal.signal(signal.SIGTERM, _terminated)
+    # anyio loads its event-loop backend on first use (~25 ms here): now, not inside the
+    # first request's time (a restarted server's first request is the one that matters).
+    anyio.run(anyio.sleep, 0)
     try:
         server.run()
     finally:

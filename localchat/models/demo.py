@@ -279,7 +279,8 @@ def _random_blocks(rng: np.random.Generator, rows: int, cols: int, weight_type: 
     """``rows`` x ``cols`` weights of ``weight_type`` as random block bytes: what llama.cpp
     reads and how fast does not depend on the values, so no quantizer needs to run."""
     if weight_type == "F16":  # random halves, the top exponent bit cleared: finite, under 2
-        bits = _random_bytes(rng, rows * cols * 2).view(np.uint16) & np.uint16(0xBFFF)
+        bits = _random_bytes(rng, rows * cols * 2).view(np.uint16)
+        bits &= np.uint16(0xBFFF)  # in place: fresh memory costs a fault per page in a VM
         return bits.view(np.float16).reshape(rows, cols)
     kind = GGMLQuantizationType[weight_type]
     block_weights, block_bytes = GGML_QUANT_SIZES[kind]
@@ -354,9 +355,17 @@ def _write_model(
             return weight_types
         return weight_types[name]
 
+    # Random blocks are made once per shape and type and written for every matrix of that
+    # shape: each is still read from its own place in the file (the same bytes cost the
+    # same), and a gigabyte file is not a gigabyte of fresh memory to fault in first.
+    blocks: dict[tuple[int, int, str], np.ndarray] = {}
+
     def matrix(rows: int, cols: int, weight_type: str | None) -> np.ndarray:
         if weight_type is not None:
-            return _random_blocks(rng, rows, cols, weight_type)
+            key = (rows, cols, weight_type)
+            if key not in blocks:
+                blocks[key] = _random_blocks(rng, rows, cols, weight_type)
+            return blocks[key]
         # Scaled by fan-in so every layer moves the residual stream and replies vary with
         # the context (std 0.02 leaves the embedding dominant and the model echoes its input).
         std = np.float32(1.0 / np.sqrt(cols))
