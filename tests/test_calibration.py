@@ -146,7 +146,7 @@ def test_an_unsettled_calibration_names_the_types_whose_readings_disagreed() -> 
 
     rounds = [round_of(0.010), round_of(0.015)]  # clean rounds; Q2_K half again as slow
     assert settle(rounds, [REFERENCE, "Q2_K", OVERHEAD]) is None
-    assert cal._why_unsettled(rounds) == "repeated readings of Q2_K differed by more than 20%"
+    assert cal._why_unsettled(rounds) == "repeated readings of Q2_K differed by more than 15%"
 
 
 def test_a_contended_reading_ends_its_round_at_once(monkeypatch: pytest.MonkeyPatch) -> None:

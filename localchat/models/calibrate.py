@@ -51,10 +51,10 @@ GEN_TOKENS = 25  # 24 timed steps: 16 read too noisy to agree within AGREE at ti
 MIN_CPU_SHARE = 0.8  # of threads x wall time: below it another program had the cores
 MAX_OTHERS_SHARE = 0.15  # of all CPUs' time, used by other programs while a file was read
 DRIFT = 0.2  # a round whose reference reads this much slower than its best is thrown away
-# A reading confirmed by another this close to it: settled. A virtual machine's speed
-# drifts by 10-17% between readings seconds apart when idle: within 15%, an idle
-# calibration here went unsettled at times, or read five rounds where two had said it.
-AGREE = 0.2
+# A reading confirmed by another this close to it: settled. (Within 20% an idle calibration
+# here settled no sooner in the bench's runs, and a fast Q8_0 reading it let through
+# predicted the 0.5b Q8_0 at 55 tok/s where its turns gave 44.)
+AGREE = 0.15
 # Prompt readings (a 64-token batch, tens of milliseconds) swing more between runs of an idle
 # machine (a Q4_K file read 690-866 tok/s); they price prefill only, and contention shows in
 # the generation readings and the CPU shares.
