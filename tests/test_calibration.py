@@ -121,6 +121,30 @@ def test_esc_skips_the_calibration_and_plans_go_by_memory() -> None:
         cal.calibrate(app_paths().demo_models_dir, machine_name(), skip=skip)
 
 
+def test_a_full_disk_leaves_no_half_file_and_plans_go_by_memory(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import errno
+    from pathlib import Path
+
+    from localchat.models import demo
+
+    def full_disk(*args: object) -> None:
+        out = args[2]  # (shape, seed, out, ...): the file half written, then the disk full
+        assert isinstance(out, Path)
+        out.write_bytes(b"GGUF" + bytes(1000))
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(demo, "_write_model", full_disk)
+    monkeypatch.setattr(cal, "CALIBRATION_TYPES", ("Q8_0",))
+    said: list[str] = []
+    assert speed_model_or_none(app_paths(), said.append) is None
+    assert len(said) == 1 and "No space left on device" in said[0]
+    assert str(app_paths().demo_models_dir) in said[0] and "plans go by memory" in said[0]
+    assert not list(app_paths().demo_models_dir.rglob("*.gguf*"))  # nothing half written
+    assert not app_paths().speed_calibration.exists()
+
+
 def test_the_progress_counts_up_with_the_time_left(monkeypatch: pytest.MonkeyPatch) -> None:
     steps: list[StepProgress] = []
     speed = cal.calibrate(

@@ -442,3 +442,11 @@ def speed_model_or_none(
     except ValueError as exc:  # files that do not solve (a llama.cpp that mixes types anew)
         say(f"this machine's speed could not be measured ({exc}): plans go by memory for now")
         return None
+    except OSError as exc:  # its test models could not be written (a full disk)
+        reason = exc.strerror or str(exc)
+        say(
+            f"this machine's speed could not be measured (its test models could not be"
+            f" written in {paths.demo_models_dir}: {reason}): plans go by memory for now;"
+            " `localchat hw --calibrate` measures again"
+        )
+        return None

@@ -309,7 +309,11 @@ def write_staged(
 ) -> None:
     """``_write_model`` into a hidden file beside ``out``, renamed in once whole."""
     tmp = out.with_name(f".{out.name}.tmp")
-    _write_model(shape, seed, tmp, tokenizer, weight_types, file_type)
+    try:
+        _write_model(shape, seed, tmp, tokenizer, weight_types, file_type)
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # a full disk leaves no half file behind
+        raise
     tmp.replace(out)
 
 
