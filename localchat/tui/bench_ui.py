@@ -10,7 +10,9 @@
   run's whole CPU. ``ui_process_cpu_overhead`` beside it counts the whole process, the
   generation threads too: their seconds vary by ±10% between two processes here with the
   host's speed (a pair swung by ±0.15 on the main model), which decides that figure more
-  than the app does (the app's own threads take ~0.1 s of a 3 s turn).
+  than the app does (the app's own threads take ~0.1 s of a 3 s turn). Not counted: the
+  app's worker gathering the text on the compute thread (a string append a token, a post
+  every 0.1 s: microseconds); what its posts cost the app's thread is counted there.
 """
 
 from __future__ import annotations
