@@ -228,6 +228,12 @@ class TurnStreaming(ChatScreenBase):
         if self.torn_down():  # quitting: the turn committed the reply; nothing to draw
             self.generating = False
             return
+        # The last text, the figures and the ids land in one layout of the screen, not one
+        # each (a layout and repaint of the chat costs its thread ~15 ms).
+        with self.app.batch_update():
+            await self._finish_turn(message)
+
+    async def _finish_turn(self, message: ReplyFinished) -> None:
         await self._draw_reply()
         await self._end_stream()
         conversation = self.conversation
