@@ -26,7 +26,7 @@ from localchat.backends.remote import (
     RemoteBackend,
     RemoteError,
     ServerRefused,
-    _metric,
+    metric_value,
 )
 from localchat.chat.template import ChatMessage
 from localchat.cli.main import main
@@ -317,9 +317,9 @@ def test_a_key_a_header_cannot_carry_and_the_variable_named(
 
 def test_metrics_with_labels_and_timestamps() -> None:
     page = '# TYPE x gauge\nvllm:kv_cache_usage_perc{model_name="a b",engine="0"} 0.5 1700000\n'
-    assert _metric(page, KV_USAGE_METRICS) == 0.5
-    assert _metric("llamacpp:kv_cache_usage_ratio 0.125\n", KV_USAGE_METRICS) == 0.125
-    assert _metric("other 1\n", KV_USAGE_METRICS) is None
+    assert metric_value(page, KV_USAGE_METRICS) == 0.5
+    assert metric_value("llamacpp:kv_cache_usage_ratio 0.125\n", KV_USAGE_METRICS) == 0.125
+    assert metric_value("other 1\n", KV_USAGE_METRICS) is None
 
 
 def test_a_reply_the_reader_abandons_is_kept_as_partial(

@@ -142,7 +142,7 @@ def _context_limit(text: str) -> int | None:
     return int(match.group(1)) if match else None
 
 
-def _metric(text: str, names: Sequence[str]) -> float | None:
+def metric_value(text: str, names: Sequence[str]) -> float | None:
     """The first of ``names`` in a Prometheus text exposition (any labels), as a number."""
     for line in text.splitlines():
         if line.startswith("#") or not line.strip():
@@ -377,7 +377,9 @@ class RemoteBackend:
             response = self._client.get(f"{self.root}/metrics", timeout=METRICS_TIMEOUT_S)
         except Exception:  # a closed client, a stalled server: the figure is just not shown
             return None
-        usage = _metric(response.text, KV_USAGE_METRICS) if response.status_code == 200 else None
+        usage = (
+            metric_value(response.text, KV_USAGE_METRICS) if response.status_code == 200 else None
+        )
         self._metrics_seen = usage is not None
         if usage is not None and usage > 1.0:  # some versions report percent
             usage /= 100.0

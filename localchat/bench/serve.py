@@ -61,6 +61,8 @@ RESTART_ROUNDS = 3  # restarts (the disk copied back each time) and warm request
 QUESTION = "Write a long essay about memory."
 SHORT = [{"role": "user", "content": "Say hi."}]
 START_LIMIT_S = 120.0
+# The server is idle when these read 0 (a missing one is not idle: None).
+IDLE_METRICS = ("llamacpp:requests_processing", "localchat:saves_pending")
 SPEC_KV = "q8_0"  # flash attention over a quantized cache: a verified run is exact on a CPU
 SPEC_TOKENS = 200
 SPEC_ROUNDS = 3  # drafting against plain, interleaved
@@ -78,10 +80,12 @@ def _idle(root: str) -> None:
     """Wait until the server runs no request and writes no state: a reply's state is saved
     in the background after it (megabytes, then fsync), and a request timed meanwhile read
     the disk's share of two cores (a short request's first token 0.07 s instead of 0.02)."""
+    from localchat.backends.remote import metric_value  # the client's own Prometheus reader
+
     deadline = time.monotonic() + START_LIMIT_S
     while time.monotonic() < deadline:
         metrics = _client().get(f"{root}/metrics").text
-        if "localchat:saves_pending 0\n" in metrics and "requests_processing 0\n" in metrics:
+        if all(metric_value(metrics, (name,)) == 0 for name in IDLE_METRICS):
             return
         time.sleep(0.02)
     raise RuntimeError("the server stayed busy")
@@ -204,7 +208,7 @@ def _drafting(model: Path, home: Path, progress: Progress) -> dict[str, Any]:
                     drafted, accepted = int(reply["draft_n"]), int(reply["draft_n_accepted"])
                     if not reply["prompt_tokens"]:
                         raise RuntimeError("the server sent no usage with the reply")
-                    generated = int(reply["completion_tokens"]) or int(reply["chunks"])
+                    generated = _tokens(reply)
                     context = int(reply["prompt_tokens"]) + generated // 2
         ratio = statistics.median(speeds["auto"]) / statistics.median(speeds["off"])
     _say(progress, f"serve: a copy reply drafting {ratio:.2f}x, {accepted} of {drafted} accepted")
