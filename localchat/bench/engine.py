@@ -13,20 +13,22 @@ from localchat.cpu import physical_cores
 ENGINE_CTX = 2048
 ENGINE_PROMPT_TOKENS = 256
 ENGINE_GEN_TOKENS = 128
-# Rounds sized by noise: three, then up to five until the last three rounds' ratios agree
-# within ENGINE_AGREE (on a calm machine they do at three: two rounds, ~30 s, saved).
-ENGINE_MIN_ROUNDS = 3
-ENGINE_ROUNDS = 5
+# Rounds sized by noise: five, then up to seven until the last three rounds' ratios agree
+# within ENGINE_AGREE. One round's ratio swings by +-6% here, so the median of three or five
+# landed anywhere in 0.95-1.03 for two loops that run at parity.
+ENGINE_MIN_ROUNDS = 5
+ENGINE_ROUNDS = 7
 ENGINE_AGREE = 0.03
 
 
 def bench_engine(model_path: Path, progress: Progress = None) -> dict[str, Any]:
     """Prompt and generation speed through the engine vs a bare llama-cpp-python loop."""
     from localchat.backends.llama.engine import LLAMA_CPP_VERSION, Engine, LoadOptions
-    from localchat.backends.llama.tools import bare_generation_benchmark, synthetic_prompt
+    from localchat.backends.llama.tools import BareLoop, synthetic_prompt
 
     threads = physical_cores()
     engine = Engine(model_path, LoadOptions(n_ctx=ENGINE_CTX, n_threads=threads))
+    bare = BareLoop(model_path, ENGINE_CTX, threads)  # loaded once, as the engine is
     prompt = synthetic_prompt(engine.bos_token, engine.n_vocab, ENGINE_PROMPT_TOKENS)
     engine_prompt: list[float] = []
     engine_gen: list[float] = []
@@ -40,11 +42,9 @@ def bench_engine(model_path: Path, progress: Progress = None) -> dict[str, Any]:
         engine_gen.append(stats.gen_tps)
 
     def bare_round() -> None:
-        bare = bare_generation_benchmark(
-            model_path, ENGINE_CTX, ENGINE_PROMPT_TOKENS, ENGINE_GEN_TOKENS, threads
-        )
-        bare_prompt.append(bare["bare_prompt_tps"])
-        bare_gen.append(bare["bare_gen_tps"])
+        figures = bare.run(ENGINE_PROMPT_TOKENS, ENGINE_GEN_TOKENS)
+        bare_prompt.append(figures["bare_prompt_tps"])
+        bare_gen.append(figures["bare_gen_tps"])
 
     try:
         for round_no in range(1, ENGINE_ROUNDS + 1):
@@ -62,6 +62,7 @@ def bench_engine(model_path: Path, progress: Progress = None) -> dict[str, Any]:
                 f" (bare {bare_prompt[-1]:.1f})",
             )
     finally:
+        bare.close()
         engine.close()
     return {
         "llama_cpp_python": LLAMA_CPP_VERSION,

@@ -50,28 +50,41 @@ def supports_gpu_offload() -> bool:
     return bool(llama_cpp.llama_supports_gpu_offload())
 
 
-def bare_generation_benchmark(
-    model_path: Path,
-    n_ctx: int,
-    prompt_tokens: int,
-    gen_tokens: int,
-    threads: int,
-    step_sizes: tuple[int, ...] = (),
-) -> dict[str, Any]:
-    """A bare llama-cpp-python loop, no localchat code in it: the yardstick for the engine.
-    ``step_sizes``: then also the time of a step of each of these many tokens with every
-    position's logits (``step_times``), after the generated ones (the calibration keeps
-    the best over its rounds)."""
-    prepare()
-    llm = llama_cpp.Llama(
-        model_path=str(model_path),
-        n_ctx=n_ctx,
-        n_batch=min(512, n_ctx),
-        n_threads=threads,
-        n_threads_batch=threads,
-        verbose=False,
-    )
-    try:
+class BareLoop:
+    """A bare llama-cpp-python model, no localchat code in it: the yardstick for the engine.
+    Kept loaded between rounds as the engine is, so a comparison of the two measures their
+    loops, not one side's load (its page faults and fresh buffers, which this host charges
+    unevenly)."""
+
+    def __init__(self, model_path: Path, n_ctx: int, threads: int) -> None:
+        prepare()
+        self.threads = threads
+        self.llm = llama_cpp.Llama(
+            model_path=str(model_path),
+            n_ctx=n_ctx,
+            n_batch=min(512, n_ctx),
+            n_threads=threads,
+            n_threads_batch=threads,
+            verbose=False,
+        )
+
+    def __enter__(self) -> BareLoop:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self.llm.close()
+
+    def run(
+        self, prompt_tokens: int, gen_tokens: int, step_sizes: tuple[int, ...] = ()
+    ) -> dict[str, Any]:
+        """A prompt of ``prompt_tokens`` read from an empty cache, then ``gen_tokens`` greedy
+        tokens. ``step_sizes``: then also the time of a step of each of these many tokens
+        with every position's logits (``step_s``), after the generated ones."""
+        llm = self.llm
+        llm.reset()  # an empty cache: every round reads the same prompt
         prompt = synthetic_prompt(llm.token_bos(), int(llm.n_vocab()), prompt_tokens)
         generated = 0
         start = time.perf_counter()
@@ -86,16 +99,27 @@ def bare_generation_benchmark(
                 break
         cpu_s = time.process_time() - cpu_start
         steps = _time_steps(llm, prompt, step_sizes, 1) if step_sizes else []
-    finally:
-        llm.close()
-    return {
-        "step_s": steps,
-        "bare_prompt_tps": prompt_tokens / (first_at - start),
-        "bare_gen_tps": (generated - 1) / (last_at - first_at),
-        # The CPU its threads got against what they could have had: low when another
-        # program competed for the cores (calibration throws such readings away).
-        "cpu_share": cpu_s / max(1e-9, (last_at - start) * threads),
-    }
+        return {
+            "step_s": steps,
+            "bare_prompt_tps": prompt_tokens / (first_at - start),
+            "bare_gen_tps": (generated - 1) / (last_at - first_at),
+            # The CPU its threads got against what they could have had: low when another
+            # program competed for the cores (calibration throws such readings away).
+            "cpu_share": cpu_s / max(1e-9, (last_at - start) * self.threads),
+        }
+
+
+def bare_generation_benchmark(
+    model_path: Path,
+    n_ctx: int,
+    prompt_tokens: int,
+    gen_tokens: int,
+    threads: int,
+    step_sizes: tuple[int, ...] = (),
+) -> dict[str, Any]:
+    """One ``BareLoop`` round on a model loaded for it (calibration reads each file once)."""
+    with BareLoop(model_path, n_ctx, threads) as bare:
+        return bare.run(prompt_tokens, gen_tokens, step_sizes)
 
 
 def step_times(
