@@ -3,10 +3,12 @@ context — a reply that returns an attached file with one function renamed (dra
 right), and an open-ended story (drafts mostly absent or wrong) — tokens/s with drafting
 over without, the same greedy text required.
 
-Both engines run flash attention over a q8_0 KV cache: there llama.cpp gives a batch the
-logits single steps would, so ``auto`` drafts and the replies are exactly the same (with an
-F16 cache a single token past 512 cells takes another kernel path, and ``auto`` does not
-draft). The ceiling is what the measured acceptance and step costs allow: the reply's tokens
+One engine runs both sides, drafting switched on and off between turns (``Engine.drafting``):
+the same weights, buffers and CPU caches on both, where two engines' turns had each start
+with the other's weights in the CPU's cache. It runs flash attention over a q8_0 KV cache:
+there llama.cpp gives a batch the logits single steps would, so ``auto`` drafts and the
+replies are exactly the same (with an F16 cache a single token past 512 cells takes another
+kernel path, and ``auto`` does not draft). The ceiling is what the measured acceptance and step costs allow: the reply's tokens
 over what its steps cost in single steps (plain steps, and verifications at the measured
 cost of a step of the mean draft length plus one). ``spec_copy_possible`` bounds any drafting:
 the best k over what a step of k tokens costs in single steps, the larger of two readings -
@@ -38,11 +40,13 @@ if TYPE_CHECKING:
 SPEC_CTX = 8192
 SPEC_KV = "q8_0"
 SPEC_TOKENS = 320  # the copy: the whole file (~230 tokens) and what follows it
-# Prose: a pair of turns swings ±5% here (the same plain engine against itself read
-# 0.91-1.07), so seven shorter pairs rather than five long ones (the same time).
-PROSE_TOKENS = 120
+# Prose: this host's speed moves by 10-15% from one second to the next (a plain turn's
+# median step took 6.5 ms, then 9 ms a second later), so a pair of 1-second turns swung
+# +-15%. Pairs of short turns sit closer in time: 21 pairs of 40 tokens read the plain
+# engine against itself at 0.99-1.00 where 7 pairs of 120 read 0.97-1.01 (the same time).
+PROSE_TOKENS = 40
 COPY_ROUNDS = 3
-PROSE_ROUNDS = 7
+PROSE_ROUNDS = 21
 DRAFT_TOKENS = 64
 DRAFT_ROUNDS = 2  # the failing draft model: the policy declines it, the ratio sits at 1.0
 DRAFT_SHAPES = ("1b", "0.5b")  # the model, its draft (the same generated vocabulary)
@@ -99,27 +103,26 @@ def _turn(engine: Engine, prompt: str, max_tokens: int) -> tuple[str, TurnStats]
 
 
 def _compare(
-    plain: Engine,
-    drafting: Engine,
-    prompt: str,
-    rounds: int,
-    max_tokens: int,
-    label: str,
-    progress: Progress,
+    engine: Engine, prompt: str, rounds: int, max_tokens: int, label: str, progress: Progress
 ) -> tuple[list[float], TurnStats, bool]:
     """Per-round ratios of tokens/s (drafting over plain, the order alternating), the last
     drafted turn's stats, and whether every pair of replies was the same text."""
     ratios: list[float] = []
     same = True
     stats: TurnStats | None = None
-    for index in range(rounds):
-        order = (plain, drafting) if index % 2 == 0 else (drafting, plain)
-        results = {id(engine): _turn(engine, prompt, max_tokens) for engine in order}
-        (plain_text, plain_stats), (text, stats) = results[id(plain)], results[id(drafting)]
-        same = same and text == plain_text
-        ratios.append(stats.gen_tps / plain_stats.gen_tps)
-        _say(progress, f"spec: {label} round {index + 1}: {stats.gen_tps:.1f} tok/s drafting,"
-             f" {plain_stats.gen_tps:.1f} plain")  # fmt: skip
+    try:
+        for index in range(rounds):
+            turns: dict[bool, tuple[str, TurnStats]] = {}
+            for drafting in (False, True) if index % 2 == 0 else (True, False):
+                engine.drafting = drafting
+                turns[drafting] = _turn(engine, prompt, max_tokens)
+            (plain_text, plain_stats), (text, stats) = turns[False], turns[True]
+            same = same and text == plain_text
+            ratios.append(stats.gen_tps / plain_stats.gen_tps)
+            _say(progress, f"spec: {label} round {index + 1}: {stats.gen_tps:.1f} tok/s"
+                 f" drafting, {plain_stats.gen_tps:.1f} plain")  # fmt: skip
+    finally:
+        engine.drafting = True
     assert stats is not None
     return ratios, stats, same
 
@@ -136,24 +139,22 @@ def bench_spec(model_path: Path, progress: Progress = None) -> dict[str, Any]:
         return {"spec_skipped": f"SmolLM2 could not be had: {starter.note}"}
     _say(progress, f"spec: SmolLM2 at {SPEC_CTX} context, KV {SPEC_KV}, with and without drafts")
 
-    def load(speculative: str) -> Engine:
-        options = LoadOptions(
-            n_ctx=SPEC_CTX, n_threads=physical_cores(), kv_type=SPEC_KV, speculative=speculative
-        )
-        return Engine(starter.path, options)
-
-    plain, drafting = load("off"), load("auto")
+    options = LoadOptions(
+        n_ctx=SPEC_CTX, n_threads=physical_cores(), kv_type=SPEC_KV, speculative="auto"
+    )
+    engine = Engine(starter.path, options)
     try:
+        if not engine.drafting:
+            raise RuntimeError(f"SmolLM2 does not draft with a {SPEC_KV} cache here")
         copy, copy_stats, copy_same = _compare(
-            plain, drafting, COPY_PROMPT, COPY_ROUNDS, SPEC_TOKENS, "copy", progress
+            engine, COPY_PROMPT, COPY_ROUNDS, SPEC_TOKENS, "copy", progress
         )
         prose, _prose_stats, prose_same = _compare(
-            plain, drafting, PROSE_PROMPT, PROSE_ROUNDS, PROSE_TOKENS, "prose", progress
+            engine, PROSE_PROMPT, PROSE_ROUNDS, PROSE_TOKENS, "prose", progress
         )
-        costs = drafting.step_costs()
+        costs = engine.step_costs()
     finally:
-        plain.close()
-        drafting.close()
+        engine.close()
     bare = possible_speedup(
         starter.path, copy_stats.prompt_tokens + copy_stats.generated_tokens // 2
     )
@@ -192,24 +193,20 @@ def _draft_model_figures(progress: Progress) -> dict[str, Any]:
     big, small = (ensure_mix_model(app_paths().demo_models_dir, s, "Q4_K_M") for s in DRAFT_SHAPES)
     _say(progress, f"spec: {big.name} with {small.name} drafting (random weights)")
 
-    def load(draft: Path | None) -> Engine:
-        options = LoadOptions(
-            n_ctx=2048,
-            n_threads=physical_cores(),
-            kv_type=SPEC_KV,
-            speculative="draft" if draft else "off",
-            draft_model=draft,
-        )
-        return Engine(big, options)
-
-    plain, drafting = load(None), load(small)
+    options = LoadOptions(
+        n_ctx=2048,
+        n_threads=physical_cores(),
+        kv_type=SPEC_KV,
+        speculative="draft",
+        draft_model=small,
+    )
+    engine = Engine(big, options)
     try:
         ratios, stats, same = _compare(
-            plain, drafting, PROSE_PROMPT, DRAFT_ROUNDS, DRAFT_TOKENS, "draft model", progress
+            engine, PROSE_PROMPT, DRAFT_ROUNDS, DRAFT_TOKENS, "draft model", progress
         )
     finally:
-        plain.close()
-        drafting.close()
+        engine.close()
     return {
         "spec_draft_failing_ratio": round(statistics.median(ratios), 3),
         "spec_draft_failing_drafted": stats.drafted_tokens,

@@ -153,6 +153,8 @@ class Engine(KVCache):
                 "speculative mode 'draft' needs a draft model: give --draft-model NAME|FILE"
                 " (a smaller model of the same family)"
             )
+        # Whether generations draft; switched off between turns, the same engine runs plain
+        # (the bench compares the two that way: the same weights and caches on both sides).
         self.drafting = mode in ("ngram", "draft") or (mode == "auto" and self.batch_invariant)
         self._draft_policy = DraftPolicy()
         if self.options.step_costs is not None:
