@@ -23,6 +23,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
+from localchat.backends.base import TurnStats
 from localchat.chat.tool_stream import ToolCallStream
 from localchat.chat.tools import parse_tool_calls
 from localchat.server.api import (
@@ -218,28 +219,88 @@ async def _request_of(request: Request, names: set[str], chat: bool) -> Generati
     return parsed
 
 
+class _Turn:
+    """One request's work, all of it on one worker thread: the prompt rendered and tokenized,
+    then the reply, without a hand-back to the event loop between the two (beside running
+    replies each hand-over waits for a time slice, and a request joining them paid two before
+    its job was queued). The loop learns from ``prompt_ready`` whether the prompt was taken
+    (a refusal comes before any stream starts); the reply's pieces come as ``events``."""
+
+    def __init__(self, runner: ModelRunner, request: GenerationRequest) -> None:
+        self.runner, self.request = runner, request
+        self.loop = asyncio.get_running_loop()
+        self.cancel = threading.Event()
+        self.prompt_ready: asyncio.Future[None] = self.loop.create_future()
+        self.events: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
+        self.task = asyncio.create_task(self._run())
+
+    def emit(self, kind: str, text: str) -> None:
+        """A piece of the reply (called on the compute thread)."""
+        self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, text))
+
+    async def _run(self) -> None:
+        try:
+            stats = await run_in_threadpool(self._work)
+        except Exception as exc:
+            self.events.put_nowait(("error", exc))
+            return
+        self.events.put_nowait(("done", stats))
+
+    def _work(self) -> TurnStats:
+        try:
+            prompt, max_tokens = self.runner.prompt_of(self.request)
+        except BaseException as exc:
+            self.runner.leave_queue()  # admitted, never queued
+            self.loop.call_soon_threadsafe(_settle, self.prompt_ready, exc)
+            raise
+        self.loop.call_soon_threadsafe(_settle, self.prompt_ready, None)
+        return self.runner.run(self.request, prompt, max_tokens, self.cancel, self.emit)
+
+    def stop(self) -> None:
+        """The client went away: the turn stops at its next token (or is never started);
+        its task ends on its own."""
+        self.cancel.set()
+        _RUNNING.add(self.task)
+        self.task.add_done_callback(_RUNNING.discard)
+
+
+def _settle(future: asyncio.Future[None], outcome: BaseException | None) -> None:
+    if future.done():
+        return
+    if outcome is None:
+        future.set_result(None)
+    else:
+        future.set_exception(outcome)
+
+
 async def _generate(runner: ModelRunner, request: GenerationRequest, http: Request) -> Response:
     """Admit, tokenize (a prompt the context cannot hold is refused before any stream
     starts), then stream the reply or return it whole."""
     runner.admit()
-    try:
-        # Rendered and tokenized beside the running replies (no model compute in it).
-        prompt, max_tokens = await run_in_threadpool(runner.prompt_of, request)
-    except BaseException:
-        runner.leave_queue()
-        raise
     if request.model == "":
         request = replace(request, model=runner.model_name)
-    if request.stream:
-        return EventSourceResponse(_stream(runner, request, prompt, max_tokens), ping=15)
-    pieces: dict[str, list[str]] = {"text": [], "reasoning": []}
-    cancel = threading.Event()
-    watcher = asyncio.create_task(_cancel_when_gone(http, cancel))
+    turn = _Turn(runner, request)
     try:
-        stats = await run_in_threadpool(
-            runner.run, request, prompt, max_tokens, cancel,
-            lambda kind, text: pieces[kind].append(text),
-        )  # fmt: skip
+        await turn.prompt_ready
+    except BaseException:
+        turn.stop()
+        raise
+    if request.stream:
+        return EventSourceResponse(_stream(turn), ping=15)
+    pieces: dict[str, list[str]] = {"text": [], "reasoning": []}
+    watcher = asyncio.create_task(_cancel_when_gone(http, turn.cancel))
+    try:
+        while True:
+            kind, value = await turn.events.get()
+            if kind == "error":
+                raise value
+            if kind == "done":
+                stats = value
+                break
+            pieces[kind].append(value)
+    except BaseException:
+        turn.stop()
+        raise
     finally:
         watcher.cancel()
     text, calls = "".join(pieces["text"]), None
@@ -268,31 +329,15 @@ async def _cancel_when_gone(http: Request, cancel: threading.Event) -> None:
         await asyncio.sleep(DISCONNECT_POLL_S)
 
 
-async def _stream(
-    runner: ModelRunner, request: GenerationRequest, prompt: list[int], max_tokens: int
-) -> AsyncIterator[str]:
+async def _stream(turn: _Turn) -> AsyncIterator[str]:
     """The reply as SSE data lines; a client that goes away stops its sequence at once
     (what was generated stays in the cache)."""
-    loop = asyncio.get_running_loop()
-    queue: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
-    cancel = threading.Event()
-
-    def emit(kind: str, text: str) -> None:
-        loop.call_soon_threadsafe(queue.put_nowait, (kind, text))
-
-    async def work() -> None:
-        try:
-            stats = await run_in_threadpool(runner.run, request, prompt, max_tokens, cancel, emit)
-            queue.put_nowait(("done", stats))
-        except Exception as exc:
-            queue.put_nowait(("error", exc))
-
-    task = asyncio.create_task(work())
-    calls_stream = _tool_calls_stream(runner, request)
+    request = turn.request
+    calls_stream = _tool_calls_stream(turn.runner, request)
     try:
         yield json.dumps(delta_chunk(request, first=True))
         while True:
-            kind, value = await queue.get()
+            kind, value = await turn.events.get()
             if kind == "done":
                 calls = None
                 if calls_stream is not None:  # the text held back, then the calls
@@ -319,9 +364,7 @@ async def _stream(
                     continue
             yield json.dumps(delta_chunk(request, value, reasoning=kind == "reasoning"))
     finally:
-        cancel.set()  # the turn stops at its next token; its task ends on its own
-        _RUNNING.add(task)
-        task.add_done_callback(_RUNNING.discard)
+        turn.stop()  # the turn stops at its next token; its task ends on its own
 
 
 class BackgroundServer:
