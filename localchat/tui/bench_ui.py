@@ -66,7 +66,7 @@ def _startup_once(model_path: Path) -> float:
     with tempfile.TemporaryDirectory(prefix="localchat-bench-ui-") as tmp:
         report = Path(tmp) / "startup.json"
         command = [sys.executable, "-m", "localchat.tui.startup_probe", str(model_path)]
-        command.append(str(report))
+        command += [str(report), repr(time.time())]  # the start: this clock, just before
         result = subprocess.run(command, capture_output=True, text=True, timeout=120, check=False)
         if not report.exists():
             raise RuntimeError(f"startup probe failed: {result.stderr.strip()[-500:]}")
