@@ -44,11 +44,17 @@ class Served:
     """SmolLM2 (q8_0 cache: replies exactly ``ask``'s) behind a real uvicorn server."""
 
     def __init__(
-        self, model: Path, states: Path, api_key: str | None = None, parallel: int = 1
+        self,
+        model: Path,
+        states: Path,
+        api_key: str | None = None,
+        parallel: int = 1,
+        restore: bool = False,
     ) -> None:
         options = LoadOptions(n_ctx=2048, n_threads=2, kv_type="q8_0")
         self.engine = Engine(model, options)
         self.runner = ModelRunner(self.engine, StateStore(states), NAME, parallel=parallel)
+        self.restored = self.runner.restore_newest() if restore else 0  # as `serve` does
         self.server = BackgroundServer(self.runner, api_key)
         self.root = self.server.root
 
@@ -162,6 +168,23 @@ def test_a_restarted_server_restores_a_resent_conversation_from_disk(
         assert len(list((tmp_path / "states").glob("serve-*"))) == 1
     finally:
         again.close()
+    # As `serve` starts: the state saved last is back in a sequence before the first request,
+    # which continues it from memory (nothing read from disk then), with the same text.
+    messages += [
+        {"role": "assistant", "content": answer["choices"][0]["message"]["content"]},
+        {"role": "user", "content": "Shorter."},
+    ]
+    third = Served(smollm2, tmp_path / "states", restore=True)
+    try:
+        assert third.restored == 1
+        body = {"model": NAME, "messages": messages, "temperature": 0, "max_tokens": 20}
+        answer = httpx.post(f"{third.root}/v1/chat/completions", json=body, timeout=120).json()
+        assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] >= 64
+        assert "localchat:prompt_tokens_restored_total 0" in httpx.get(f"{third.root}/metrics").text
+        history = [ChatMessage(m["role"], m["content"]) for m in messages]
+        assert answer["choices"][0]["message"]["content"] == _plain_reply(smollm2, history, 20)
+    finally:
+        third.close()
 
 
 def _error(response: httpx.Response) -> tuple[int, str]:

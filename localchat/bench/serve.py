@@ -7,9 +7,10 @@ stream beside it had the cores.
 - ``serve_gen_ratio``: one stream's tokens/s as the client reads it over the engine's own
   for the same greedy reply in this process (median of rounds, the order alternating).
 - ``serve_restart_ttft_ratio``: a 2,000-token conversation's next request right after the
-  server restarted (its state restored from disk) over the same request on a warm server
-  (one that answered the request before it: the same new tokens to evaluate), medians of
-  three each; with
+  server restarted (its state restored from disk: a restarted server puts its newest states
+  back into its sequences before it answers, so the read is part of its start) over the
+  same request on a warm server (one that answered the request before it: the same new
+  tokens to evaluate), medians of three each; with
   ``serve_reread_ttft_s``, what re-reading the conversation costs.
 - ``serve_join_ttft_ratio``: a short request that arrives while another streams a 300-token
   reply, its first-token time over its time alone (it joins the running steps; the median

@@ -79,6 +79,7 @@ def cmd_serve(args: argparse.Namespace, out: TextIO) -> int:
         parallel = default_parallel(engine, detect_hardware().ram_available_bytes)
     states = StateStore(paths.states_dir, settings.state_budget_bytes)
     runner = ModelRunner(engine, states, name, parallel=parallel)
+    back = runner.restore_newest()  # the conversations answered last continue from memory
     server = uvicorn.Server(
         uvicorn.Config(
             create_app(runner, api_key, loopback=host in LOOPBACK),
@@ -93,7 +94,7 @@ def cmd_serve(args: argparse.Namespace, out: TextIO) -> int:
     print(
         f"localchat: serving {name} (context {runner.batch.n_ctx_seq} × {parallel}"
         f" sequence{'s' if parallel != 1 else ''}) at http://{shown}:{port}/v1"
-        f" · {len(runner.cache)} saved prompt states · Ctrl+C stops",
+        f" · {len(runner.cache)} saved prompt states ({back} back in memory) · Ctrl+C stops",
         file=out,
         flush=True,
     )

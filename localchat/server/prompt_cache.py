@@ -8,7 +8,9 @@ the idea of vLLM's automatic prefix caching: the token ids are cut into blocks o
 names a whole prefix; an index maps those hashes to the states that hold them. A request
 takes the state of its longest matching block, and only where the state's token ids equal
 its own — conversations never mix. The index is rebuilt at start from the files' token
-lists (their payloads are checked when restored), so a restarted server finds them all.
+lists (their payloads are checked when restored), so a restarted server finds them all, and
+the newest go back into its sequences before it serves (``newest``): the conversations it
+answered last continue from memory, as if it had never stopped.
 
 A conversation's next request extends the state its previous one left: the older state,
 wholly a prefix of the new one, is dropped, so the shared part is stored once.
@@ -77,6 +79,7 @@ class PromptCache:
         self._by_block: dict[str, str] = {}  # chained block hash -> state id
         self._blocks: dict[str, list[str]] = {}  # state id -> its block hashes
         self._pending: dict[str, SavedState] = {}  # queued, not yet on disk
+        self._found: list[str] = []  # the states on disk at start, newest first
         self._scan()
 
     def _scan(self) -> None:
@@ -88,8 +91,23 @@ class PromptCache:
                 found.append((path.stat().st_mtime, path, read_state_tokens(path, self.key)))
             except (StateRejected, OSError):  # damaged, another key, or evicted meanwhile
                 continue
-        for _mtime, path, tokens in sorted(found, key=lambda f: f[0]):
+        found.sort(key=lambda f: f[0])
+        for _mtime, path, tokens in found:
             self._add(path.name.split(".", 1)[0], tokens)
+        self._found = [path.name.split(".", 1)[0] for _mtime, path, _tokens in reversed(found)]
+
+    def newest(self, count: int) -> list[tuple[str, SavedState]]:
+        """Up to ``count`` of the states found on disk at start, the most recently used
+        first, read and validated (a damaged or evicted one is forgotten and skipped)."""
+        taken: list[tuple[str, SavedState]] = []
+        for sid in self._found:
+            if len(taken) == count:
+                break
+            try:
+                taken.append((sid, self.states.load(sid, self.key)))
+            except StateRejected:
+                self._forget(sid)
+        return taken
 
     def _add(self, sid: str, tokens: Sequence[int]) -> None:
         blocks = block_hashes(tokens)

@@ -100,6 +100,13 @@ class ModelRunner:
         self.scheduler = Scheduler(self.batch, self.cache, self._started, self._finished)
         self.on_turn: Callable[[TurnRecord], None] | None = None  # each answered request
 
+    def restore_newest(self) -> int:
+        """Put the states saved last back into the sequences before serving: a restarted
+        server continues the conversations it answered last from memory (read on request,
+        a 2,000-token state made the first one wait 0.22-0.25 s where a warm server took
+        0.15-0.18 s). How many were put back."""
+        return run_compute(self.scheduler.hold, self.cache.newest(self.batch.n_seq))
+
     def aliases(self) -> set[str]:
         """Names a request's ``model`` may give: the served name and the file's."""
         path = self.engine.model_path

@@ -33,6 +33,7 @@ from localchat.chat.stops import StopFilter
 from localchat.chat.tools import parse_tool_calls
 from localchat.server.api import ApiError, GenerationRequest
 from localchat.server.prompt_cache import BLOCK, CacheHit, PromptCache
+from localchat.state.kvstate import SavedState
 
 # What a reply emits: ("text" | "reasoning", piece).
 # A prefix another sequence holds is copied where it saves at least this many tokens: the
@@ -126,6 +127,17 @@ class Scheduler:
             error = job.error
             raise RuntimeError(f"{type(error).__name__}: {error}") from error
         return job.stats
+
+    def hold(self, states: list[tuple[str, SavedState]]) -> int:
+        """Put saved states into the idle sequences, one each (on the compute thread, before
+        any job): a request that continues one finds it in memory. How many went in."""
+        assert not self._running and not self._looping
+        held = 0
+        for seq, (sid, state) in enumerate(states[: self.batch.n_seq]):
+            if self.batch.load(seq, state.payload, state.tokens):
+                self._held[seq] = (sid, list(state.tokens))
+                held += 1
+        return held
 
     @property
     def waiting(self) -> int:

@@ -17,6 +17,17 @@ from localchat.chat.prompt import common_prefix
 from localchat.errors import ModelLoadError
 
 
+def state_buffer(data: bytes | memoryview) -> ctypes.Array[ctypes.c_uint8]:
+    """A saved state's bytes as the buffer llama.cpp reads: a writable view (a state file's
+    private mapping, ``state.kvstate.read_state``) handed on without a copy; anything else
+    copied. A copy of a 2,000-token state of SmolLM2 is 45 MB of fresh memory: 30-34 ms here,
+    where the whole restore (mapping, checksum, llama.cpp's own copy) takes ~70 ms."""
+    array_type = ctypes.c_uint8 * len(data)
+    if isinstance(data, memoryview) and not data.readonly:
+        return array_type.from_buffer(data)
+    return array_type.from_buffer_copy(data)
+
+
 class ReplayStopped(Exception):
     """A replay gave way between two batches (``Engine.replay``'s ``stop``); the cache is
     empty."""
@@ -210,10 +221,7 @@ class KVCache:
         view of a bytearray) is handed to llama.cpp without a copy.
         """
         self.reset()
-        array_type = ctypes.c_uint8 * len(data)
-        writable = isinstance(data, memoryview) and not data.readonly
-        buffer = array_type.from_buffer(data) if writable else array_type.from_buffer_copy(data)
-        read = llama_cpp.llama_state_seq_set_data(self._llm.ctx, buffer, len(data), 0)
+        read = llama_cpp.llama_state_seq_set_data(self._llm.ctx, state_buffer(data), len(data), 0)
         if read != len(data) or len(tokens) > self.n_ctx:
             self.reset()
             return False
