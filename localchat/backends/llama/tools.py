@@ -50,6 +50,20 @@ def supports_gpu_offload() -> bool:
     return bool(llama_cpp.llama_supports_gpu_offload())
 
 
+def _bare_llama(model_path: Path, n_ctx: int, threads: int, **options: Any) -> llama_cpp.Llama:
+    """llama-cpp-python's ``Llama`` as a bare loop loads it: no localchat code in its way."""
+    prepare()
+    return llama_cpp.Llama(
+        model_path=str(model_path),
+        n_ctx=n_ctx,
+        n_batch=min(512, n_ctx),
+        n_threads=threads,
+        n_threads_batch=threads,
+        verbose=False,
+        **options,
+    )
+
+
 class BareLoop:
     """A bare llama-cpp-python model, no localchat code in it: the yardstick for the engine.
     Kept loaded between rounds as the engine is, so a comparison of the two measures their
@@ -57,16 +71,8 @@ class BareLoop:
     unevenly)."""
 
     def __init__(self, model_path: Path, n_ctx: int, threads: int) -> None:
-        prepare()
         self.threads = threads
-        self.llm = llama_cpp.Llama(
-            model_path=str(model_path),
-            n_ctx=n_ctx,
-            n_batch=min(512, n_ctx),
-            n_threads=threads,
-            n_threads_batch=threads,
-            verbose=False,
-        )
+        self.llm = _bare_llama(model_path, n_ctx, threads)
 
     def __enter__(self) -> BareLoop:
         return self
@@ -144,17 +150,8 @@ def step_times(
             f"steps of up to {max(sizes)} tokens need a context of {max(sizes) + 1}"
             f"-{n_ctx - max(sizes)} tokens in a cache of {n_ctx}; got {context_tokens}"
         )
-    prepare()
-    llm = llama_cpp.Llama(
-        model_path=str(model_path),
-        n_ctx=n_ctx,
-        n_batch=min(512, n_ctx),
-        n_threads=threads,
-        n_threads_batch=threads,
-        type_k=kv_type,
-        type_v=kv_type,
-        flash_attn=flash_attn,
-        verbose=False,
+    llm = _bare_llama(
+        model_path, n_ctx, threads, type_k=kv_type, type_v=kv_type, flash_attn=flash_attn
     )
     try:
         prompt = synthetic_prompt(llm.token_bos(), int(llm.n_vocab()), context_tokens)
