@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from localchat.backends.base import Sampling
+from localchat.backends.llama.draft_policy import PRIOR_MODEL_STEP_COST, DraftPolicy
 from localchat.models.demo import make_demo_model
 from localchat.models.starter import STARTER, index_cache_path
 from localchat.paths import app_paths
@@ -125,3 +126,16 @@ def starter_cached(smollm2: Path) -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     target.symlink_to(smollm2)
     return target
+
+
+@pytest.fixture
+def cheap_steps(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Steps of several tokens that cost little more than one, as on a GPU (where drafting
+    pays): a step of n tokens costs 1 + 0.1 (n - 1) single steps, a draft model's step the
+    prior's. For the tests that need drafts made and verified: on this host a step of two
+    tokens cost 1.8 single steps in one hour and 2.0-2.9 in another, and there the policy
+    rightly drafts nothing (the copy test found 2 drafted tokens where it wants 20)."""
+    monkeypatch.setattr(DraftPolicy, "cost", lambda _self, n_tokens: 1.0 + 0.1 * (n_tokens - 1))
+    monkeypatch.setattr(
+        DraftPolicy, "model_step_cost", lambda _self, _model_step_s: PRIOR_MODEL_STEP_COST
+    )

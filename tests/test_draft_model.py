@@ -81,6 +81,7 @@ def test_a_draft_as_slow_as_the_model_is_never_worth_a_step(smollm2: Path) -> No
 
 
 @pytest.mark.usefixtures("small_draft_costs")
+@pytest.mark.usefixtures("cheap_steps")
 def test_a_draft_model_never_changes_a_reply(smollm2: Path) -> None:
     # SmolLM2 drafting for itself (its own cache f16, no flash attention: its numbers are
     # not the big one's, so some drafts fail): a stand-in for a 0.5B drafting for a 7B.
@@ -126,6 +127,7 @@ def test_auto_leaves_a_draft_model_unloaded_where_drafts_could_change_replies(
 
 
 @pytest.mark.usefixtures("small_draft_costs")
+@pytest.mark.usefixtures("cheap_steps")
 def test_random_drafts_change_nothing(tiny_model: Path, tiny_model_other_seed: Path) -> None:
     plain = _engine(tiny_model, "off")
     drafted = _engine(tiny_model, "draft", tiny_model_other_seed)
@@ -305,6 +307,7 @@ def test_the_session_takes_the_catalog_draft_once_downloaded_and_where_it_pays(
 
 
 @pytest.mark.usefixtures("small_draft_costs")
+@pytest.mark.usefixtures("cheap_steps")
 def test_ask_drafts_with_a_draft_model_and_refuses_it_for_a_server(
     smollm2: Path, isolated_home: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -63,6 +63,7 @@ def _text(reply: dict) -> str:
     return str(reply["choices"][0]["message"]["content"])
 
 
+@pytest.mark.usefixtures("cheap_steps")
 def test_a_copy_reply_drafts_and_is_the_reply_without_drafts(
     plain: Drafting, drafting: Drafting
 ) -> None:
@@ -77,6 +78,7 @@ def test_a_copy_reply_drafts_and_is_the_reply_without_drafts(
     assert _text(drafting.ask(STORY)) == _text(plain.ask(STORY))
 
 
+@pytest.mark.usefixtures("cheap_steps")
 def test_side_by_side_each_drafting_reply_is_the_reply_alone(
     plain: Drafting, drafting: Drafting
 ) -> None:
@@ -98,6 +100,7 @@ def test_side_by_side_each_drafting_reply_is_the_reply_alone(
     assert replies[0]["timings"]["draft_n_accepted"] > 0
 
 
+@pytest.mark.usefixtures("cheap_steps")
 def test_under_sampling_a_drafted_reply_draws_what_the_plain_one_draws(
     plain: Drafting, drafting: Drafting
 ) -> None:

@@ -155,6 +155,7 @@ def test_auto_drafts_only_with_batch_invariant_kernels(tiny_model: Path) -> None
 @pytest.mark.parametrize(
     "sampling", [GREEDY, Sampling(temperature=0.8, seed=7)], ids=["greedy", "sampled"]
 )
+@pytest.mark.usefixtures("cheap_steps")
 def test_replies_are_token_for_token_those_without_drafts(
     smollm2: Path, sampling: Sampling
 ) -> None:
@@ -169,6 +170,7 @@ def test_replies_are_token_for_token_those_without_drafts(
         on.close()
 
 
+@pytest.mark.usefixtures("cheap_steps")
 def test_a_copy_reply_accepts_most_drafts(smollm2: Path) -> None:
     engine = _engine(smollm2, "auto")
     try:
@@ -221,6 +223,7 @@ def test_a_conversation_resumed_from_its_saved_state_is_the_same_with_drafts(
     _same_with_drafts_and_without(_conversation_turns, smollm2, tmp_path)
 
 
+@pytest.mark.usefixtures("cheap_steps")
 def test_a_stop_string_inside_a_drafted_run_ends_the_reply_where_it_would(
     smollm2: Path,
 ) -> None:
@@ -285,6 +288,7 @@ def _ask_json(capsys: pytest.CaptureFixture[str], *args: str) -> dict:
     return json.loads(capsys.readouterr().out)
 
 
+@pytest.mark.usefixtures("cheap_steps")
 def test_ask_reports_drafts_and_off_turns_them_off(
     smollm2: Path, isolated_home: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -315,6 +319,7 @@ def test_ask_reports_drafts_and_off_turns_them_off(
     )
 
 
+@pytest.mark.usefixtures("cheap_steps")
 async def test_the_panel_shows_how_many_drafts_were_accepted(
     smollm2: Path, isolated_home: Path
 ) -> None:
