@@ -5,6 +5,7 @@ turns, a resume from the saved state and a stop string; and it drafts only where
 from __future__ import annotations
 
 import json
+import random
 from collections.abc import Callable
 from pathlib import Path
 
@@ -95,6 +96,23 @@ def test_a_draft_continues_the_latest_earlier_match_of_the_longest_ngram() -> No
     copied = np.array([*range(10, 30), *range(10, 25)], dtype=np.intc)
     found = lookup_draft(copied, 4)
     assert found.tokens == [25, 26, 27, 28] and found.deep
+
+
+def test_lookup_matches_whole_ids_only() -> None:
+    """The ids are searched as bytes: a match across two ids' bytes is not a match."""
+    rng = random.Random(3)
+    values = [0x01010101, 0x01010100, 0x00010101, 1, 256, 65536, 0]
+    for _ in range(3000):
+        context = [rng.choice(values) for _ in range(rng.randint(2, 30))]
+        expected: list[int] = []
+        for size in (4, 3, 2):
+            starts = [
+                i for i in range(len(context) - size) if context[i : i + size] == context[-size:]
+            ]
+            if len(context) > size and starts:
+                expected = context[starts[-1] + size : starts[-1] + size + 5]
+                break
+        assert lookup_draft(np.array(context, dtype=np.intc), 5).tokens == expected, context
 
 
 def test_the_policy_drafts_only_where_the_expected_gain_beats_a_plain_step() -> None:
