@@ -140,7 +140,11 @@ def bench_spec(model_path: Path, progress: Progress = None) -> dict[str, Any]:
     _say(progress, f"spec: SmolLM2 at {SPEC_CTX} context, KV {SPEC_KV}, with and without drafts")
 
     options = LoadOptions(
-        n_ctx=SPEC_CTX, n_threads=physical_cores(), kv_type=SPEC_KV, speculative="auto"
+        n_ctx=SPEC_CTX,
+        n_threads=physical_cores(),
+        kv_type=SPEC_KV,
+        speculative="auto",
+        step_costs=machine_step_costs(starter.path),
     )
     engine = Engine(starter.path, options)
     try:
@@ -183,6 +187,19 @@ def bench_spec(model_path: Path, progress: Progress = None) -> dict[str, Any]:
     }
 
 
+def machine_step_costs(model: Path) -> dict[int, float] | None:
+    """What this machine's saved calibration predicts a step of n tokens costs on ``model``:
+    the drafting policy's prior, as ``Session.load_model`` gives it (the bench's calibrate
+    part saved one), so drafting is measured as the app and ``serve`` run it. Without it
+    the policy started from a generic curve (a 2-token step at 1.6 single steps)."""
+    from localchat.gguf.info import read_gguf
+    from localchat.models.speed import load_speed_model, token_work
+    from localchat.paths import app_paths
+
+    speed = load_speed_model(app_paths().speed_calibration)
+    return speed.step_costs(token_work(read_gguf(model))) if speed else None
+
+
 def _draft_model_figures(progress: Progress) -> dict[str, Any]:
     """A draft model whose drafts fail: generation with it over without, same text."""
     from localchat.backends.llama.engine import Engine, LoadOptions
@@ -199,6 +216,7 @@ def _draft_model_figures(progress: Progress) -> dict[str, Any]:
         kv_type=SPEC_KV,
         speculative="draft",
         draft_model=small,
+        step_costs=machine_step_costs(big),
     )
     engine = Engine(big, options)
     try:
