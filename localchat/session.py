@@ -27,7 +27,6 @@ from localchat.conversation.prefix_states import (
 from localchat.conversation.records import fork_conversation
 from localchat.conversation.turn import RestoreReport, turn_stats_dict
 from localchat.errors import LocalchatError, UsageError
-from localchat.gguf.info import read_gguf
 from localchat.models.calibrate import speed_model_or_none
 from localchat.models.catalog import catalog_draft, catalog_template
 from localchat.models.demo import app_demo_path
@@ -35,7 +34,7 @@ from localchat.models.draft_plan import DraftPlan
 from localchat.models.hardware import detect_hardware
 from localchat.models.hub import DownloadCancelled, HubError
 from localchat.models.library import Library, ModelRequest
-from localchat.models.speed import load_speed_model, token_work
+from localchat.models.speed import calibrated_step_costs, token_work
 from localchat.models.speed_feedback import TurnSpeed, note_turn
 from localchat.models.starter import STARTER, ensure_starter, starter_on_disk
 from localchat.paths import AppPaths
@@ -378,7 +377,6 @@ class Session:
         kv_type = kv_type or self.settings.kv_type
         speculative = speculative or self.settings.speculative
         say = warn or (lambda _line: None)
-        speed = load_speed_model(self.paths.speed_calibration)
         draft = (
             None
             if lookup_only
@@ -395,7 +393,7 @@ class Session:
             # The flag's draft model must draft; the setting's or the catalog's is left out,
             # said in one line, for a model of another family.
             draft_required=draft_model is not None,
-            step_costs=speed.step_costs(token_work(read_gguf(path))) if speed else None,
+            step_costs=calibrated_step_costs(self.paths.speed_calibration, path),
             draft_step_cost=draft.step_cost if draft else None,
             own_cells=own_cells,
         )

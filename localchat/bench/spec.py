@@ -8,7 +8,9 @@ the same weights, buffers and CPU caches on both, where two engines' turns had e
 with the other's weights in the CPU's cache. It runs flash attention over a q8_0 KV cache:
 there llama.cpp gives a batch the logits single steps would, so ``auto`` drafts and the
 replies are exactly the same (with an F16 cache a single token past 512 cells takes another
-kernel path, and ``auto`` does not draft). The ceiling is what the measured acceptance and step costs allow: the reply's tokens
+kernel path, and ``auto`` does not draft). The engine starts from this machine's calibrated
+step costs, as ``Session.load_model`` gives the app and ``serve`` (the calibrate part saved
+them). The ceiling is what the measured acceptance and step costs allow: the reply's tokens
 over what its steps cost in single steps (plain steps, and verifications at the measured
 cost of a step of the mean draft length plus one). ``spec_copy_possible`` bounds any drafting:
 the best k over what a step of k tokens costs in single steps, the larger of two readings -
@@ -131,6 +133,7 @@ def bench_spec(model_path: Path, progress: Progress = None) -> dict[str, Any]:
     """Copy and prose turns on SmolLM2 with and without drafts (``model_path`` is not used:
     prompt lookup needs a model that copies, not random weights)."""
     from localchat.backends.llama.engine import Engine, LoadOptions
+    from localchat.models.speed import calibrated_step_costs
     from localchat.models.starter import ensure_starter
     from localchat.paths import app_paths
 
@@ -144,7 +147,7 @@ def bench_spec(model_path: Path, progress: Progress = None) -> dict[str, Any]:
         n_threads=physical_cores(),
         kv_type=SPEC_KV,
         speculative="auto",
-        step_costs=machine_step_costs(starter.path),
+        step_costs=calibrated_step_costs(app_paths().speed_calibration, starter.path),
     )
     engine = Engine(starter.path, options)
     try:
@@ -187,22 +190,10 @@ def bench_spec(model_path: Path, progress: Progress = None) -> dict[str, Any]:
     }
 
 
-def machine_step_costs(model: Path) -> dict[int, float] | None:
-    """What this machine's saved calibration predicts a step of n tokens costs on ``model``:
-    the drafting policy's prior, as ``Session.load_model`` gives it (the bench's calibrate
-    part saved one), so drafting is measured as the app and ``serve`` run it. Without it
-    the policy started from a generic curve (a 2-token step at 1.6 single steps)."""
-    from localchat.gguf.info import read_gguf
-    from localchat.models.speed import load_speed_model, token_work
-    from localchat.paths import app_paths
-
-    speed = load_speed_model(app_paths().speed_calibration)
-    return speed.step_costs(token_work(read_gguf(model))) if speed else None
-
-
 def _draft_model_figures(progress: Progress) -> dict[str, Any]:
     """A draft model whose drafts fail: generation with it over without, same text."""
     from localchat.backends.llama.engine import Engine, LoadOptions
+    from localchat.models.speed import calibrated_step_costs
     from localchat.models.timing_models import ensure_mix_model
     from localchat.paths import app_paths
 
@@ -216,7 +207,7 @@ def _draft_model_figures(progress: Progress) -> dict[str, Any]:
         kv_type=SPEC_KV,
         speculative="draft",
         draft_model=small,
-        step_costs=machine_step_costs(big),
+        step_costs=calibrated_step_costs(app_paths().speed_calibration, big),
     )
     engine = Engine(big, options)
     try:

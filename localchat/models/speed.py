@@ -26,7 +26,7 @@ from pathlib import Path
 
 from localchat.atomic import write_atomic
 from localchat.cpu import cpu_model, physical_cores
-from localchat.gguf.info import GGUFInfo
+from localchat.gguf.info import GGUFInfo, read_gguf
 from localchat.gguf.quants import MAIN_WEIGHT_TYPE, parse_tag
 
 # 2: measured in interleaved rounds that contention cannot poison (older figures may be).
@@ -258,3 +258,11 @@ def machine_name() -> str:
 def load_speed_model(path: Path) -> SpeedModel | None:
     """This machine's saved calibration, if it has one."""
     return SpeedModel.load(path, machine_name())
+
+
+def calibrated_step_costs(calibration: Path, model: Path) -> dict[int, float] | None:
+    """What this machine's saved calibration predicts a step of n tokens costs on ``model``
+    (a draft's verification, in single steps): the drafting policy's prior. None without a
+    calibration, or where it cannot tell."""
+    speed = load_speed_model(calibration)
+    return speed.step_costs(token_work(read_gguf(model))) if speed else None

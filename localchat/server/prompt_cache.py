@@ -93,8 +93,9 @@ class PromptCache:
                 continue
         found.sort(key=lambda f: f[0])
         for _mtime, path, tokens in found:
-            self._add(path.name.split(".", 1)[0], tokens)
-        self._found = [path.name.split(".", 1)[0] for _mtime, path, _tokens in reversed(found)]
+            sid = path.name.split(".", 1)[0]
+            self._add(sid, tokens)
+            self._found.insert(0, sid)
 
     def newest(self, count: int) -> list[tuple[str, SavedState]]:
         """Up to ``count`` of the states found on disk at start, the most recently used
