@@ -149,9 +149,13 @@ async def test_code_blocks_and_selected_text_are_copied(tiny_model: Path) -> Non
         log = app.query_one("#log")
         entry = AssistantMessage(reply, message_id=None)
         await log.mount(entry)
-        entry.focus()
-        # The keys go to the entry once it has the focus.
-        await ui.until(lambda: app.focused is entry, "the reply to have the focus")
+        # The keys go to the entry once it has the focus. Asked for again while waiting:
+        # with a CPU hog beside the suite, one focus() right after the mount never took
+        # (waited 60 s; the cause is not found yet).
+        await ui.until(
+            lambda: entry.focus() is not None and app.focused is entry,
+            "the reply to have the focus",
+        )
         await ui.pilot.press("k", "k", "k")  # the last block, the one before, round again
         assert copied == ["echo 1\n", "print(1)\n", "echo 1\n"]
         app.chat.action_copy_code()
