@@ -443,3 +443,30 @@ def test_counting_tokens_does_not_wait_for_the_compute_thread(served: Served) ->
                           timeout=20).json()  # fmt: skip
     assert counted["tokens"] == served.engine.tokenize("Hello world", special=True)
     assert text["content"].endswith("Hello world")
+
+
+async def test_a_streams_pieces_go_out_in_batches_and_its_end_at_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The first piece wakes the loop; pieces that come while it paces wait for the next
+    batch, and the end cuts the pacing short (an hour here: the test would hang)."""
+    import asyncio
+
+    from localchat.server import app as server_app
+
+    monkeypatch.setattr(server_app, "STREAM_INTERVAL_S", 3600.0)
+    pieces = server_app._Pieces(asyncio.get_running_loop())
+    threading.Thread(target=pieces.put, args=("text", "a")).start()
+    batches = pieces.batches()
+    first = await asyncio.wait_for(anext(batches), 30)
+
+    def rest() -> None:
+        for piece in ("b", "c"):
+            pieces.put("text", piece)
+        pieces.put("done", None)
+
+    await asyncio.get_running_loop().run_in_executor(None, rest)
+    second = await asyncio.wait_for(anext(batches), 30)
+    assert first == [("text", "a")]
+    assert second == [("text", "b"), ("text", "c"), ("done", None)]
+    assert [batch async for batch in batches] == []
