@@ -33,7 +33,10 @@ PLAN_PROMPT_TOKENS = 448  # with the reply, about the fill predictions are made 
 PLAN_GEN_TOKENS = 32  # 31 gaps of 30-110 ms: timer noise is nothing to them
 # Rounds sized by noise: two, and a third only when those two disagree by more than
 # PLAN_AGREE (the median of three then drops the odd one). Most models settle in two; the
-# prompt is read in the first only (``_timed_turns``).
+# prompt is read in the first only (``_timed_models``). The rounds go through the ten models
+# in turn, a model's next round a pass (~40 s) after its last: a slow spell of the host
+# (~10 s) covered both of one model's back-to-back rounds, and they agreed on a speed 25%
+# below its usual one.
 PLAN_MIN_ROUNDS = 2
 PLAN_MAX_ROUNDS = 3
 PLAN_AGREE = 0.05
@@ -54,16 +57,19 @@ def bench_plan(model_path: Path, progress: Progress = None) -> dict[str, Any]:
     speed = speed_model(paths)
     hardware = detect_hardware()
     rows: dict[str, dict[str, float]] = {}
-    for shape, quant in PLAN_MODELS:
-        _say(progress, f"plan: {shape} {quant}")
-        path = ensure_mix_model(paths.demo_models_dir, shape, quant)
+    files = {
+        f"{shape} {quant}": ensure_mix_model(paths.demo_models_dir, shape, quant)
+        for shape, quant in PLAN_MODELS
+    }
+    timed = _timed_models(files, progress)
+    for name, path in files.items():
         plan = plan_file(path, hardware, PLAN_CTX, speed)
-        gen, prompt_tps = _timed_turns(path)
+        gen, prompt_tps = timed[name]
         # The steady best round, as the calibration keeps each file's fastest confirmed
         # reading: both say what the machine does when its neighbours leave it alone.
         measured = steady_best(gen, PLAN_AGREE)
         predicted = plan.predicted_gen_tps or 0.0
-        rows[f"{shape} {quant}"] = {
+        rows[name] = {
             "predicted_gen_tps": round(predicted, 1),
             "measured_gen_tps": round(measured, 1),
             "measured_gen_tps_median": round(statistics.median(gen), 1),
@@ -72,8 +78,8 @@ def bench_plan(model_path: Path, progress: Progress = None) -> dict[str, Any]:
             "measured_prompt_tps": round(prompt_tps, 1),
             "rounds": len(gen),
         }
-        _say(progress, f"plan: {shape} {quant}: predicted {predicted:.1f}, measured {measured:.1f}"
-             f" ({len(gen)} rounds)")  # fmt: skip
+        _say(progress, f"plan: {name}: predicted {predicted:.1f}, measured {measured:.1f}"
+             f" ({', '.join(f'{tps:.1f}' for tps in gen)})")  # fmt: skip
     prompt_errors = [
         abs(r["predicted_prompt_tps"] - r["measured_prompt_tps"]) / r["measured_prompt_tps"]
         for r in rows.values()
@@ -89,26 +95,39 @@ def bench_plan(model_path: Path, progress: Progress = None) -> dict[str, Any]:
     }
 
 
-def _timed_turns(path: Path) -> tuple[list[float], float]:
-    """Generation tokens/s of greedy turns on ``path``, as many as it takes to settle (two,
-    or three when two disagree), and the prompt's tokens/s. The prompt is read once: later
-    turns generate from the same cached prompt (the same fill, the same positions), which
-    saves a third of this part's time on the 1b rows."""
+def _timed_models(
+    files: dict[str, Path], progress: Progress
+) -> dict[str, tuple[list[float], float]]:
+    """Per model: generation tokens/s of greedy turns, as many as it takes to settle (two,
+    or three when two disagree), and the prompt's tokens/s. The rounds are passes over the
+    models, each model loaded for its turn. The prompt is read in the first pass only: its
+    state is kept in memory, and later turns generate from it restored (the same fill, the
+    same positions), which saves a third of this part's time on the 1b models."""
     from localchat.backends.llama.engine import Engine, LoadOptions
     from localchat.backends.llama.tools import synthetic_prompt
 
-    engine = Engine(path, LoadOptions(n_ctx=PLAN_CTX, n_threads=physical_cores()))
-    try:
-        prompt = synthetic_prompt(engine.bos_token, engine.n_vocab, PLAN_PROMPT_TOKENS)
-        first = greedy_turn(engine, prompt, PLAN_GEN_TOKENS)
-        gen = [first.gen_tps]
-        while len(gen) < PLAN_MIN_ROUNDS or (
-            len(gen) < PLAN_MAX_ROUNDS and not settled(gen, PLAN_AGREE)
-        ):
-            gen.append(greedy_turn(engine, prompt, PLAN_GEN_TOKENS, cold=False).gen_tps)
-    finally:
-        engine.close()
-    return gen, first.prompt_tps
+    gen: dict[str, list[float]] = {name: [] for name in files}
+    prompt_tps: dict[str, float] = {}
+    states: dict[str, tuple[bytes, list[int]]] = {}
+    for index in range(PLAN_MAX_ROUNDS):
+        _say(progress, f"plan: round {index + 1} of the models")
+        for name, path in files.items():
+            speeds = gen[name]
+            if len(speeds) >= PLAN_MIN_ROUNDS and settled(speeds, PLAN_AGREE):
+                continue
+            engine = Engine(path, LoadOptions(n_ctx=PLAN_CTX, n_threads=physical_cores()))
+            try:
+                prompt = synthetic_prompt(engine.bos_token, engine.n_vocab, PLAN_PROMPT_TOKENS)
+                if name in states and engine.load_sequence_state(*states[name]):
+                    speeds.append(greedy_turn(engine, prompt, PLAN_GEN_TOKENS, cold=False).gen_tps)
+                    continue
+                first = greedy_turn(engine, prompt, PLAN_GEN_TOKENS)
+                speeds.append(first.gen_tps)
+                prompt_tps[name] = first.prompt_tps
+                states[name] = (engine.save_sequence_state(), engine.cached_tokens)
+            finally:
+                engine.close()
+    return {name: (gen[name], prompt_tps[name]) for name in files}
 
 
 def _mix_speed_ratio(models_dir: Path, pairs: int = MIX_PAIRS) -> float:
