@@ -101,11 +101,11 @@ TARGETS: dict[str, tuple[str, float]] = {
 # every draft accepted; timed bare in the same part). A real copy is not accepted whole
 # (SmolLM2 keeps ~80% of its drafts), so drafts realize a share of that bound: 0.61-0.63 in
 # the runs that measured it, and ~0.67-0.72 of the bound the engine's own step costs gave in
-# earlier runs. How far the costs go depends on the host: SmolLM2 fits in this machine's
-# 480 MiB L3 when the host's other tenants are quiet; its steps are then computed rather than
-# read, and a step of 9 tokens cost 5.6-6 single steps (bound ~1.6) where two hours before
-# it had cost 4.7 (bound ~1.9). The speedup target is judged where that share of the bound
-# reaches it; elsewhere it is reported with the bound.
+# earlier runs. How far the costs go depends on the host: on 2 cores SmolLM2's single step
+# reads its ~90 MB of weights in about the time it computes a token, so a step of k tokens
+# costs ~0.7k single steps (a step of 9 cost 5.6-6, bound ~1.6; 4.7 two hours before, bound
+# ~1.9). The speedup target is judged where that share of the bound reaches it; elsewhere it
+# is reported with the bound.
 BOUNDED_BY: dict[str, str] = {
     "spec_copy_speedup": "spec_copy_possible",
     "serve_spec_copy_speedup": "serve_spec_copy_possible",

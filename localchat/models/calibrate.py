@@ -8,11 +8,11 @@ byte. The result is saved with the name of the machine it was measured on.
 
 Another program on the cores must not poison the figures for good, so the types are
 measured in rounds, each round in a new order (contention then slows a different type each
-time), and each type keeps its best reading. A round is thrown away when llama.cpp's threads
-got less than their share of the CPU (the process's CPU time against the wall clock), when
+time), and each type keeps its best reading. A reading is thrown away when llama.cpp's threads
+got less than their share of the CPU (the process's CPU time against the wall clock), or when
 other programs kept more than a sliver of the machine's CPUs busy (the system's CPU time
-less ours: it shows contention on machines with more cores than threads), or when the
-reference type, read first in every round, drifts from its best. Each type's figure is its
+less ours: it shows contention on machines with more cores than threads); a whole round is,
+when its reference type, read first, was so read or drifts from its best. Each type's figure is its
 fastest reading that another reading confirms (within ``AGREE``); the figures are kept only
 when every type has one, otherwise nothing is saved and plans go by memory until a later try.
 """
@@ -97,15 +97,18 @@ def round_order(names: list[str], round_index: int) -> list[str]:
 
 
 def clean_rounds(rounds: list[list[Reading]]) -> list[list[Reading]]:
-    """The rounds worth keeping: every reading had its CPU share, and the reference read
-    within ``DRIFT`` of the best clean reference (its fastest confirmed reading)."""
-    # The tiny model's token is too short to load both threads: its share says nothing.
-    fair = [r for r in rounds if r and all(_fair(x) for x in r)]
-    references = [x.gen_s for r in fair for x in r if x.name == REFERENCE]
-    if not references:
-        return fair
-    best = confirmed(references, AGREE) or min(references)  # a lone fast one sets no bar
-    return [r for r in fair if all(x.gen_s <= best * (1 + DRIFT) for x in r if x.name == REFERENCE)]
+    """The readings worth keeping, by round: those that had their CPU share, in the rounds
+    whose reference had its share and read within ``DRIFT`` of the best clean reference (its
+    fastest confirmed reading). A contended reading costs only itself: a round kept its other
+    readings only if none was contended, and a first calibration here that met a few seconds
+    of contention in each round read five rounds and settled none."""
+    usable = [r for r in rounds if r and all(_fair(x) for x in r if x.name == REFERENCE)]
+    references = [x.gen_s for r in usable for x in r if x.name == REFERENCE]
+    if references:
+        best = confirmed(references, AGREE) or min(references)  # a lone fast one sets no bar
+        bar = best * (1 + DRIFT)
+        usable = [r for r in usable if all(x.gen_s <= bar for x in r if x.name == REFERENCE)]
+    return [[x for x in r if _fair(x)] for r in usable]
 
 
 def settle(rounds: list[list[Reading]], names: list[str]) -> dict[str, Reading] | None:
@@ -323,8 +326,8 @@ def calibrate(
             reading = _read(files[name], name, threads)
             readings.append(reading)
             done += 1
-            if strict and not _fair(reading):
-                break  # the round is thrown away whole (clean_rounds): the next starts now
+            if strict and name == REFERENCE and not _fair(reading):
+                break  # the round would be thrown away whole (clean_rounds): the next starts now
         taken.append(readings)
         best = settle(taken, names) if index + 1 >= MIN_ROUNDS else None
         if best is not None:
