@@ -47,7 +47,9 @@ SPEC_TOKENS = 320  # the copy: the whole file (~230 tokens) and what follows it
 # +-15%. Pairs of short turns sit closer in time: 21 pairs of 40 tokens read the plain
 # engine against itself at 0.99-1.00 where 7 pairs of 120 read 0.97-1.01 (the same time).
 PROSE_TOKENS = 40
-COPY_ROUNDS = 3
+# A copy turn (~230 tokens, 2-3 s) swings with the host by up to a fifth against its pair
+# (78 tok/s drafting, 100 plain, then 94 and 95): five pairs, so one such does not decide.
+COPY_ROUNDS = 5
 PROSE_ROUNDS = 21
 DRAFT_TOKENS = 64
 DRAFT_ROUNDS = 2  # the failing draft model: the policy declines it, the ratio sits at 1.0
