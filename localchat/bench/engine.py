@@ -7,18 +7,18 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from localchat.bench.common import Progress, _say, greedy_turn, settled
+from localchat.bench.common import Progress, _say, greedy_turn
 from localchat.cpu import physical_cores
 
 ENGINE_CTX = 2048
 ENGINE_PROMPT_TOKENS = 256
-ENGINE_GEN_TOKENS = 128
-# Rounds sized by noise: five, then up to seven until the last three rounds' ratios agree
-# within ENGINE_AGREE. One round's ratio swings by +-6% here, so the median of three or five
-# landed anywhere in 0.95-1.03 for two loops that run at parity.
-ENGINE_MIN_ROUNDS = 5
-ENGINE_ROUNDS = 7
-ENGINE_AGREE = 0.03
+ENGINE_PROMPT_ROUNDS = 3  # the prompt read from an empty cache: ~2 s a side
+# Generation in many short pairs from the cached prompt, the order alternating: this host's
+# speed moves by 10-15% from one second to the next, so two 128-token turns ~5 s apart (a
+# prompt read between them) swung +-6-10% a pair, and the median of seven missed 0.97 for
+# two loops at parity (0.96 in a noisy hour). Pairs of 40 tokens sit a second apart.
+ENGINE_GEN_TOKENS = 40
+ENGINE_GEN_PAIRS = 21
 
 
 def bench_engine(model_path: Path, progress: Progress = None) -> dict[str, Any]:
@@ -37,30 +37,37 @@ def bench_engine(model_path: Path, progress: Progress = None) -> dict[str, Any]:
     ratios: list[float] = []
 
     def engine_round() -> None:
-        stats = greedy_turn(engine, prompt, ENGINE_GEN_TOKENS)
-        engine_prompt.append(stats.prompt_tps)
-        engine_gen.append(stats.gen_tps)
+        engine_prompt.append(greedy_turn(engine, prompt, 1).prompt_tps)
 
     def bare_round() -> None:
-        figures = bare.run(ENGINE_PROMPT_TOKENS, ENGINE_GEN_TOKENS)
-        bare_prompt.append(figures["bare_prompt_tps"])
-        bare_gen.append(figures["bare_gen_tps"])
+        bare_prompt.append(bare.run(ENGINE_PROMPT_TOKENS, 1)["bare_prompt_tps"])
+
+    def engine_gen_round() -> None:
+        engine_gen.append(greedy_turn(engine, prompt, ENGINE_GEN_TOKENS, cold=False).gen_tps)
+
+    def bare_gen_round() -> None:
+        bare_gen.append(
+            bare.run(ENGINE_PROMPT_TOKENS, ENGINE_GEN_TOKENS, cold=False)["bare_gen_tps"]
+        )
 
     try:
-        for round_no in range(1, ENGINE_ROUNDS + 1):
-            if round_no > ENGINE_MIN_ROUNDS and settled(ratios, ENGINE_AGREE, ENGINE_MIN_ROUNDS):
-                break
-            # Alternate who goes first, and compare within each round, so drift in the
-            # machine's speed during the run cancels out.
+        for round_no in range(ENGINE_PROMPT_ROUNDS):  # the prompt from an empty cache
             for run in (engine_round, bare_round) if round_no % 2 else (bare_round, engine_round):
                 run()
+            _say(progress, f"engine: prompt round {round_no + 1}: {engine_prompt[-1]:.1f} tok/s"
+                 f" (bare {bare_prompt[-1]:.1f})")  # fmt: skip
+        # ...which stays cached: each pair generates after it, so both sides read as long a
+        # context and compute the same positions.
+        for pair in range(ENGINE_GEN_PAIRS):
+            for run in (
+                (engine_gen_round, bare_gen_round)
+                if pair % 2
+                else (bare_gen_round, engine_gen_round)
+            ):
+                run()
             ratios.append(engine_gen[-1] / bare_gen[-1])
-            _say(
-                progress,
-                f"engine round {round_no}/{ENGINE_ROUNDS}: gen {engine_gen[-1]:.1f} tok/s"
-                f" (bare {bare_gen[-1]:.1f}), prompt {engine_prompt[-1]:.1f} tok/s"
-                f" (bare {bare_prompt[-1]:.1f})",
-            )
+        _say(progress, f"engine: generation, {ENGINE_GEN_PAIRS} pairs: the median ratio"
+             f" {statistics.median(ratios):.3f}")  # fmt: skip
     finally:
         bare.close()
         engine.close()
@@ -71,5 +78,5 @@ def bench_engine(model_path: Path, progress: Progress = None) -> dict[str, Any]:
         "bare_prompt_tps": round(statistics.median(bare_prompt), 2),
         "bare_gen_tps": round(statistics.median(bare_gen), 2),
         "gen_ratio": round(statistics.median(ratios), 4),
-        "engine_rounds": len(ratios),
+        "engine_gen_pairs": len(ratios),
     }

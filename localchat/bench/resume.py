@@ -1,5 +1,6 @@
 """``bench --only resume``: the next turn of a 2,000-token conversation, warm in this process
-against resumed in a new one (the saved state restored) and against re-reading it all."""
+against resumed in a new one (the saved state restored; ``resume_vs_warm``: the median ratio
+of pairs taken side by side) and against re-reading it all."""
 
 from __future__ import annotations
 
@@ -23,8 +24,9 @@ from localchat.bench.common import (
 from localchat.cpu import physical_cores
 
 NEXT_MESSAGE = "Given all of that, what should we do next?"
-# One warm turn or one new process swings by ±30% on a busy 2-core machine: medians of this many.
-RESUME_ROUNDS = 3
+# One warm turn or one new process swings by ±30% on a busy 2-core machine, and the host's
+# speed drifts by as much over minutes: pairs of the two, side by side, the median ratio.
+RESUME_ROUNDS = 5
 
 
 def _ask_in_new_process(home: Path, model_path: Path, *extra: str) -> dict[str, Any]:
@@ -66,36 +68,43 @@ def bench_resume(model_path: Path, progress: Progress = None) -> dict[str, Any]:
         backup = home / "backup"
         shutil.copytree(data, backup)
 
-        warm_ttfts = []
+        child_home = home / "child"  # a new process's data: the saved history, each round
+
+        def reset_child() -> None:
+            shutil.rmtree(child_home, ignore_errors=True)
+            shutil.copytree(backup, child_home / "data")
+
         history = list(engine.cached_tokens)
-        for _ in range(RESUME_ROUNDS):  # the same turn again, the cache cut back to the history
-            turn = conversation.send(NEXT_MESSAGE, greedy, REPLY_TOKENS)
-            for _ in turn:
-                pass
-            warm_ttfts.append(turn.resume_ttft_s)
-            warm_reply = turn.generation.text
-            conversation.take_back_last_exchange()
-            engine.hold(history)  # the new message is read again in the next round
-        warm_ttft = statistics.median(warm_ttfts)
+        warm_ttfts: list[float] = []
+        resumed_runs: list[dict[str, Any]] = []
+        for index in range(RESUME_ROUNDS):  # in pairs, the order alternating: drift cancels
+            for side in ("warm", "resumed") if index % 2 == 0 else ("resumed", "warm"):
+                if side == "warm":  # the same turn again, the cache cut back to the history
+                    turn = conversation.send(NEXT_MESSAGE, greedy, REPLY_TOKENS)
+                    for _ in turn:
+                        pass
+                    warm_ttfts.append(turn.resume_ttft_s)
+                    warm_reply = turn.generation.text
+                    conversation.take_back_last_exchange()
+                    engine.hold(history)  # the new message is read again in the next round
+                else:
+                    reset_child()
+                    resumed_runs.append(_ask_in_new_process(child_home, model_path))
         conversation.close()
         store.close()
         engine.close()
-        _say(progress, f"resume: warm turn {warm_ttft:.3f} s")
-
-        def reset_data() -> None:
-            shutil.rmtree(data)
-            shutil.copytree(backup, data)
-
-        resumed_runs = []
-        for _ in range(RESUME_ROUNDS):
-            reset_data()
-            resumed_runs.append(_ask_in_new_process(home, model_path))
+        ratios = [
+            float(run["stats"]["ttft_s"]) / warm
+            for run, warm in zip(resumed_runs, warm_ttfts, strict=True)
+        ]
+        warm_ttft = statistics.median(warm_ttfts)
         resumed = sorted(resumed_runs, key=lambda r: float(r["stats"]["ttft_s"]))[
             RESUME_ROUNDS // 2
         ]
-        _say(progress, f"resume: new process {resumed['stats']['ttft_s']:.3f} s (median)")
-        reset_data()
-        fresh = _ask_in_new_process(home, model_path, "--fresh")
+        _say(progress, f"resume: warm turn {warm_ttft:.3f} s, new process"
+             f" {resumed['stats']['ttft_s']:.3f} s (medians)")  # fmt: skip
+        reset_child()
+        fresh = _ask_in_new_process(child_home, model_path, "--fresh")
         _say(progress, f"resume: --fresh {fresh['stats']['ttft_s']:.3f} s")
 
     resume_ttft = float(resumed["stats"]["ttft_s"])
@@ -106,12 +115,13 @@ def bench_resume(model_path: Path, progress: Progress = None) -> dict[str, Any]:
         "warm_ttft_s": round(warm_ttft, 4),
         "resume_ttft_s": round(resume_ttft, 4),
         "reprefill_ttft_s": round(reprefill_ttft, 4),
-        "resume_vs_warm": round(resume_ttft / warm_ttft, 3),
+        "resume_vs_warm": round(statistics.median(ratios), 3),
         "resume_speedup": round(reprefill_ttft / resume_ttft, 1),
         "resume_restored_from_state": resumed["stats"]["restored_from_state"],
         "restore_s": resumed["stats"]["restore_s"],
         "resume_prompt_tokens_evaluated": resumed["stats"]["prompt_tokens_evaluated"],
-        "replies_identical": warm_reply == resumed["reply"] == fresh["reply"],
+        "replies_identical": all(run["reply"] == warm_reply for run in resumed_runs)
+        and fresh["reply"] == warm_reply,
         "state_bytes": state_bytes,
         "kv_bytes_used": kv_bytes_used,
         # state_bytes / (1.02 x kv_bytes_used + 64 KiB): the target is <= 1.

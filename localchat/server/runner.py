@@ -271,9 +271,11 @@ class ModelRunner:
         return "\n".join(lines) + "\n"
 
     def close(self) -> None:
-        """Finish the saves under way (a stopped server keeps every state it promised), then
-        free the sequences' context (the engine is the caller's). Replies still under way
-        stop at their next step; their states are saved too."""
+        """Finish the saves under way (a stopped server keeps every state it promised, and
+        each sequence's whole state), then free the sequences' context (the engine is the
+        caller's). Replies still under way stop at their next step; their states are saved
+        too."""
         self.scheduler.close()
-        run_compute(self.batch.close)  # after the loop has let go of the compute thread
+        run_compute(self.scheduler.save_unsaved)  # after the loop has let go of the thread
+        run_compute(self.batch.close)
         self.saver.close()

@@ -444,6 +444,25 @@ class Scheduler:
         if sid is not None:
             self._held[seq] = (sid, tokens)
 
+    def save_unsaved(self) -> int:
+        """At the server's stop, on the compute thread once the loop has let go of it: each
+        sequence's tokens past its last saved state (a reply ends saved only a block past
+        it), saved too, so a restarted server continues each conversation from all it held,
+        not from its last whole block. Waits for the disk where it is behind. How many."""
+        saved = 0
+        for seq in range(self.batch.n_seq):
+            tokens = list(self.batch.tokens[seq])
+            held = self._held[seq]
+            if len(tokens) < BLOCK or (held is not None and held[1] == tokens):
+                continue
+            replaces = held[0] if held is not None and tokens[: len(held[1])] == held[1] else None
+            self.cache.saver.wait()  # room among the pending saves: none is skipped
+            sid = self.cache.save(tokens, self.batch.save(seq), replaces)
+            if sid is not None:
+                self._held[seq] = (sid, tokens)
+                saved += 1
+        return saved
+
     def rates(self) -> list[float]:
         """Each generating sequence's tokens/s so far (read from any thread)."""
         return [r.job.stats.gen_tps for r in list(self._running.values()) if r.job.stats.gen_tps]

@@ -84,13 +84,20 @@ class BareLoop:
         self.llm.close()
 
     def run(
-        self, prompt_tokens: int, gen_tokens: int, step_sizes: tuple[int, ...] = ()
+        self,
+        prompt_tokens: int,
+        gen_tokens: int,
+        step_sizes: tuple[int, ...] = (),
+        cold: bool = True,
     ) -> dict[str, Any]:
         """A prompt of ``prompt_tokens`` read from an empty cache, then ``gen_tokens`` greedy
         tokens. ``step_sizes``: then also the time of a step of each of these many tokens
-        with every position's logits (``step_s``), after the generated ones."""
+        with every position's logits (``step_s``), after the generated ones. ``cold=False``:
+        the prompt as the last run left it cached (llama-cpp-python keeps the longest prefix
+        and evaluates the last token again), so only generation is timed afresh."""
         llm = self.llm
-        llm.reset()  # an empty cache: every round reads the same prompt
+        if cold:
+            llm.reset()  # an empty cache: every round reads the same prompt
         prompt = synthetic_prompt(llm.token_bos(), int(llm.n_vocab()), prompt_tokens)
         generated = 0
         start = time.perf_counter()
@@ -108,7 +115,7 @@ class BareLoop:
         return {
             "step_s": steps,
             "bare_prompt_tps": prompt_tokens / (first_at - start),
-            "bare_gen_tps": (generated - 1) / (last_at - first_at),
+            "bare_gen_tps": (generated - 1) / max(1e-9, last_at - first_at),
             # The CPU its threads got against what they could have had: low when another
             # program competed for the cores (calibration throws such readings away).
             "cpu_share": cpu_s / max(1e-9, (last_at - start) * self.threads),
