@@ -178,9 +178,10 @@ def test_an_unsettled_calibration_names_the_types_whose_readings_disagreed() -> 
     assert cal._why_unsettled(rounds) == "repeated readings of Q2_K differed by more than 15%"
 
 
-def test_a_contended_reading_ends_its_round_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A round is kept only if all its readings were fair: after an unfair one the rest of
-    the round would be read for nothing, so a machine kept busy gives up in a few readings."""
+def test_a_contended_reference_ends_its_round_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A round is kept only if its reference reading was fair: after an unfair one the rest
+    of the round would be read for nothing, so a machine kept busy gives up in a few
+    readings."""
     read: list[str] = []
 
     def contended(_path: object, name: str, _threads: int) -> Reading:
@@ -193,3 +194,27 @@ def test_a_contended_reading_ends_its_round_at_once(monkeypatch: pytest.MonkeyPa
             app_paths().demo_models_dir, machine_name(), types=("Q8_0", REFERENCE), rounds=2
         )
     assert read == [REFERENCE, REFERENCE]  # each round stopped at its first reading
+
+
+def test_a_contended_reading_costs_only_itself(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Past a fair reference, a contended reading is dropped alone: the round reads on and
+    its clean readings count, so only that type is read again (when a whole round went, a
+    few seconds of contention in each round kept a first calibration from settling)."""
+    read: list[str] = []
+    seconds = {REFERENCE: 0.007, "Q8_0": 0.009, "Q2_K": 0.006, OVERHEAD: 0.0002}
+
+    def reading(_path: object, name: str, _threads: int) -> Reading:
+        read.append(name)
+        contended = name == "Q8_0" and read.count(name) == 1  # the first round's only
+        return Reading(name, seconds[name], seconds[name] / 8, 0.3 if contended else 0.95)
+
+    monkeypatch.setattr(cal, "_read", reading)
+    speed = cal.calibrate(
+        app_paths().demo_models_dir, machine_name(), types=("Q8_0", "Q2_K", REFERENCE)
+    )
+    assert read == [
+        *(REFERENCE, OVERHEAD, "Q8_0", "Q2_K"),  # read on past the contended Q8_0
+        *(REFERENCE, "Q8_0", "Q2_K", OVERHEAD),
+        *(REFERENCE, "Q8_0"),  # only what had not settled: Q8_0's second clean reading
+    ]
+    assert speed.measured["Q8_0"]["gen_tps"] == pytest.approx(1 / seconds["Q8_0"], rel=0.01)

@@ -87,6 +87,7 @@ def bench_resume(model_path: Path, progress: Progress = None) -> dict[str, Any]:
                     warm_reply = turn.generation.text
                     conversation.take_back_last_exchange()
                     engine.hold(history)  # the new message is read again in the next round
+                    conversation.wait_saved()  # not written while a new process is timed
                 else:
                     reset_child()
                     resumed_runs.append(_ask_in_new_process(child_home, model_path))

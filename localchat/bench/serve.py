@@ -326,6 +326,7 @@ def _restart(model: Path, home: Path, progress: Progress) -> dict[str, Any]:
                     _stream(warm_root, history, 16)  # it holds the history and another reply
                     warms.append(_stream(warm_root, following, 8)["ttft_s"])
                     continue
+                _idle(warm_root)  # its last state written: the disk is the restart's alone
                 shutil.rmtree(home)  # the disk as the first server left it
                 shutil.copytree(saved, home)
                 with _ServeProcess(model, home) as root:  # a new process: only the disk remembers

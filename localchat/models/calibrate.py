@@ -322,6 +322,8 @@ def calibrate(
             pending = set(unsettled(taken, names))  # is: it tells a round that drifted)
             order = [n for n in order if n in pending or n == REFERENCE]
         for name in order:
+            if index >= MIN_ROUNDS and time.monotonic() - started > BUDGET_S:
+                break  # a machine kept busy: the budget ends a round too
             report(f"{name} weights, round {index + 1}")
             reading = _read(files[name], name, threads)
             readings.append(reading)
@@ -347,19 +349,19 @@ def calibrate(
 
 
 def _why_unsettled(rounds: list[list[Reading]]) -> str:
-    """Which rule kept the readings from settling, in words: the one that threw away most
-    rounds, or the disagreement of the rounds that were kept."""
+    """Which rule kept the readings from settling, in words: readings of a type that were
+    clean yet disagreed, else the contention that left types without two clean readings
+    (the rule that threw away most), else drift."""
     readings = [x for r in rounds for x in r if x.name != OVERHEAD]
     kept = clean_rounds(rounds)
-    if len(kept) >= MIN_ROUNDS:
-        names = {x.name for x in readings}
-        apart = [
-            n for n in sorted(names) if not _two_agree([x for r in kept for x in r if x.name == n])
-        ]
-        which = f" of {', '.join(apart)}" if apart else ""
-        return f"repeated readings{which} differed by more than {100 * AGREE:.0f}%"
-    others = max(x.others_share for x in readings)
-    share = min(x.cpu_share for x in readings)
+    clean: dict[str, list[Reading]] = {x.name: [] for x in readings}
+    for reading in (x for r in kept for x in r if x.name != OVERHEAD):
+        clean[reading.name].append(reading)
+    apart = [n for n in sorted(clean) if len(clean[n]) >= 2 and not _two_agree(clean[n])]
+    if apart:
+        return f"repeated readings of {', '.join(apart)} differed by more than {100 * AGREE:.0f}%"
+    others = max((x.others_share for x in readings), default=0.0)
+    share = min((x.cpu_share for x in readings), default=1.0)
     if others > MAX_OTHERS_SHARE:
         return f"other programs kept up to {100 * others:.0f}% of the CPUs busy"
     if share < MIN_CPU_SHARE:

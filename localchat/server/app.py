@@ -277,6 +277,7 @@ class _Pieces:
     every ``STREAM_INTERVAL_S`` (a wake per batch, not per token)."""
 
     ENDS = ("done", "error")
+    WAKE = ("end", *ENDS)  # "end": the reply's text is all out (its state is being saved)
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
@@ -289,7 +290,7 @@ class _Pieces:
         """One piece (any thread)."""
         with self.lock:
             self.pending.append((kind, value))
-            signal = self.waiting or kind in self.ENDS
+            signal = self.waiting or kind in self.WAKE
             self.waiting = False
         if signal:
             self.loop.call_soon_threadsafe(self.wake.set)
@@ -344,7 +345,7 @@ async def _generate(runner: ModelRunner, request: GenerationRequest, http: Reque
                     raise value
                 if kind == "done":
                     stats = value
-                else:
+                elif kind in pieces:
                     pieces[kind].append(value)
     except BaseException:
         turn.stop()
@@ -397,7 +398,8 @@ def _data_of(
     request: GenerationRequest, piece: tuple[str, Any], calls_stream: ToolCallStream | None
 ) -> list[str]:
     """The data lines of one piece of the reply: a delta, or the end (the text held back,
-    the calls, the usage, ``[DONE]``), or the error that ended it."""
+    the calls, the usage, ``[DONE]``), or the error that ended it; none for "end" (it only
+    wakes the loop for the last text)."""
     kind, value = piece
     if kind == "done":
         data, calls = [], None
@@ -416,6 +418,8 @@ def _data_of(
             )
         )
         return [json.dumps(error.body())]
+    if kind == "end":
+        return []  # the usage and [DONE] come with "done"
     if calls_stream is not None and kind == "text":
         value = calls_stream.feed(value)
         if not value:

@@ -170,11 +170,14 @@ class PromptCache:
         if replaces is not None:
             self._forget(replaces)
 
+        fingerprint = self.key.model_fingerprint
+
         def on_disk() -> None:  # saves run in order: the replaced one was written first
             with self._lock:
                 self._pending.pop(sid, None)
-            if replaces is not None:
-                self.states.discard(replaces, self.key.model_fingerprint)
+            written = self.states.path_for(sid, fingerprint).exists()  # not when it failed
+            if replaces is not None and written:
+                self.states.discard(replaces, fingerprint)
 
         self.saver.save(sid, state, on_disk)
         return sid

@@ -276,6 +276,8 @@ class ModelRunner:
         caller's). Replies still under way stop at their next step; their states are saved
         too."""
         self.scheduler.close()
-        run_compute(self.scheduler.save_unsaved)  # after the loop has let go of the thread
-        run_compute(self.batch.close)
-        self.saver.close()
+        try:
+            run_compute(self.scheduler.save_unsaved)  # after the loop has let go of the thread
+        finally:
+            run_compute(self.batch.close)
+            self.saver.close()

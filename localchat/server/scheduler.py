@@ -35,7 +35,8 @@ from localchat.server.api import ApiError, GenerationRequest
 from localchat.server.prompt_cache import BLOCK, CacheHit, PromptCache
 from localchat.state.kvstate import SavedState
 
-# What a reply emits: ("text" | "reasoning", piece).
+# What a reply emits: ("text" | "reasoning", piece), then ("end", "") once its text is all
+# out (before its state is saved: a stream's last piece need not wait for the save).
 # A prefix another sequence holds is copied where it saves at least this many tokens: the
 # copy takes the whole cache of one sequence (memory speed), a token's evaluation far more.
 COPY_MIN_TOKENS = 16
@@ -402,11 +403,12 @@ class Scheduler:
                 for delta in reply.flush():
                     self._emit(running, delta.text, delta.reasoning)
                 tail = running.stops.flush()
-                if tail and not running.request_stopped:
-                    try:
+                try:
+                    if tail and not running.request_stopped:
                         job.emit("text", tail)
-                    except Exception:
-                        job.cancel.set()
+                    job.emit("end", "")
+                except Exception:
+                    job.cancel.set()
             reply.close()
             use = job.request.tool_use
             if use.reads_calls:
@@ -453,8 +455,8 @@ class Scheduler:
         for seq in range(self.batch.n_seq):
             tokens = list(self.batch.tokens[seq])
             held = self._held[seq]
-            if len(tokens) < BLOCK or (held is not None and held[1] == tokens):
-                continue
+            if len(tokens) < BLOCK or (held is not None and held[1][: len(tokens)] == tokens):
+                continue  # short, or all of it in the saved state already
             replaces = held[0] if held is not None and tokens[: len(held[1])] == held[1] else None
             self.cache.saver.wait()  # room among the pending saves: none is skipped
             sid = self.cache.save(tokens, self.batch.save(seq), replaces)

@@ -90,8 +90,8 @@ class BareLoop:
         step_sizes: tuple[int, ...] = (),
         cold: bool = True,
     ) -> dict[str, Any]:
-        """A prompt of ``prompt_tokens`` read from an empty cache, then ``gen_tokens`` greedy
-        tokens. ``step_sizes``: then also the time of a step of each of these many tokens
+        """A prompt of ``prompt_tokens`` (read from an empty cache unless ``cold`` is False),
+        then ``gen_tokens`` greedy tokens. ``step_sizes``: then also the time of a step of each of these many tokens
         with every position's logits (``step_s``), after the generated ones. ``cold=False``:
         the prompt as the last run left it cached (llama-cpp-python keeps the longest prefix
         and evaluates the last token again), so only generation is timed afresh."""
