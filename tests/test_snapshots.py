@@ -133,6 +133,9 @@ def test_models_screen(snap_compare, tiny_model: Path) -> None:
             return not table._new_rows and widths[0] >= len(screen.rows[0].model)
 
         await until(pilot, laid_out, "the table laid out")
-        await pilot.pause()
+        # ...and drawn so: once in a full suite the screenshot still showed the columns at
+        # their first widths ("qwen2" for the model) though the table had measured its rows.
+        model = screen.rows[0].model
+        await until(pilot, lambda: model in app.export_screenshot(), "the table drawn laid out")
 
     assert snap_compare(app, terminal_size=SIZE, run_before=run_before)
