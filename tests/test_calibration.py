@@ -188,7 +188,7 @@ def test_a_contended_reference_ends_its_round_at_once(monkeypatch: pytest.Monkey
         read.append(name)
         return Reading(name, 0.01, 0.001, 0.3)  # a third of the CPU: another program had it
 
-    monkeypatch.setattr(cal, "_read", contended)
+    monkeypatch.setattr(cal, "read_speed", contended)
     with pytest.raises(cal.CalibrationUnsettled, match="as little as 30% of the CPU"):
         cal.calibrate(
             app_paths().demo_models_dir, machine_name(), types=("Q8_0", REFERENCE), rounds=2
@@ -208,7 +208,7 @@ def test_a_contended_reading_costs_only_itself(monkeypatch: pytest.MonkeyPatch) 
         contended = name == "Q8_0" and read.count(name) == 1  # the first round's only
         return Reading(name, seconds[name], seconds[name] / 8, 0.3 if contended else 0.95)
 
-    monkeypatch.setattr(cal, "_read", reading)
+    monkeypatch.setattr(cal, "read_speed", reading)
     speed = cal.calibrate(
         app_paths().demo_models_dir, machine_name(), types=("Q8_0", "Q2_K", REFERENCE)
     )

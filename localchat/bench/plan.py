@@ -129,8 +129,8 @@ def _timed_models(
     starts with a reading of ``reference`` as the calibration takes it: its tokens/s are
     returned beside."""
     from localchat.backends.llama.engine import Engine, LoadOptions
-    from localchat.backends.llama.tools import bare_generation_benchmark, synthetic_prompt
-    from localchat.models.calibrate import GEN_TOKENS, PROMPT_TOKENS
+    from localchat.backends.llama.tools import synthetic_prompt
+    from localchat.models.calibrate import REFERENCE, read_speed
 
     gen: dict[str, list[float]] = {name: [] for name in files}
     prompt_tps: dict[str, float] = {}
@@ -145,11 +145,7 @@ def _timed_models(
         if not due:
             break
         _say(progress, f"plan: round {index + 1} of the models")
-        references.append(
-            bare_generation_benchmark(reference, 256, PROMPT_TOKENS, GEN_TOKENS, physical_cores())[
-                "bare_gen_tps"
-            ]
-        )
+        references.append(1.0 / read_speed(reference, REFERENCE, physical_cores()).gen_s)
         for name in due:
             path, speeds = files[name], gen[name]
             engine = Engine(path, LoadOptions(n_ctx=PLAN_CTX, n_threads=physical_cores()))

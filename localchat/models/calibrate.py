@@ -225,7 +225,9 @@ def _busy_cpu_s() -> float:
     return float(sum(times)) - times.idle - getattr(times, "iowait", 0.0)
 
 
-def _read(path: Path, name: str, threads: int) -> Reading:
+def read_speed(path: Path, name: str, threads: int) -> Reading:
+    """One timed reading of a file, as the calibration takes it (the plan bench reads the
+    reference the same way, to tell the machine's speed now from the calibration's)."""
     from localchat.backends.llama.tools import bare_generation_benchmark
 
     wall, busy, ours = time.monotonic(), _busy_cpu_s(), time.process_time()
@@ -325,7 +327,7 @@ def calibrate(
             if index >= MIN_ROUNDS and time.monotonic() - started > BUDGET_S:
                 break  # a machine kept busy: the budget ends a round too
             report(f"{name} weights, round {index + 1}")
-            reading = _read(files[name], name, threads)
+            reading = read_speed(files[name], name, threads)
             readings.append(reading)
             done += 1
             if strict and name == REFERENCE and not _fair(reading):

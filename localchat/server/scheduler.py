@@ -442,9 +442,15 @@ class Scheduler:
             and len(tokens) < len(held[1]) + BLOCK
         ):
             return  # short, or less than a block past the state it continues: not worth a write
-        sid = self.cache.save(tokens, self.batch.save(seq), running.continues)
+        self._keep(seq, tokens, running.continues)
+
+    def _keep(self, seq: int, tokens: list[int], replaces: str | None) -> bool:
+        """Save what ``seq`` holds (``tokens``) in the background, as the state it now holds
+        (``replaces``: the saved state it extends); False when the save was skipped."""
+        sid = self.cache.save(tokens, self.batch.save(seq), replaces)
         if sid is not None:
             self._held[seq] = (sid, tokens)
+        return sid is not None
 
     def save_unsaved(self) -> int:
         """At the server's stop, on the compute thread once the loop has let go of it: each
@@ -459,10 +465,7 @@ class Scheduler:
                 continue  # short, or all of it in the saved state already
             replaces = held[0] if held is not None and tokens[: len(held[1])] == held[1] else None
             self.cache.saver.wait()  # room among the pending saves: none is skipped
-            sid = self.cache.save(tokens, self.batch.save(seq), replaces)
-            if sid is not None:
-                self._held[seq] = (sid, tokens)
-                saved += 1
+            saved += self._keep(seq, tokens, replaces)
         return saved
 
     def rates(self) -> list[float]:
