@@ -35,3 +35,28 @@ def cpu_flags() -> set[str]:
 def cpu_model() -> str:
     """The processor's name, as a calibration is keyed by it."""
     return cpuinfo("model name") or platform.processor() or "unknown processor"
+
+
+def last_level_cache_bytes() -> int:
+    """The size of the processor's last-level cache as the system reports it (Linux sysfs;
+    on a virtual machine, the host's whole cache, shared with its other tenants), or 0 where
+    it is not told."""
+    levels: dict[int, int] = {}
+    for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
+        try:
+            level = int((index / "level").read_text())
+            size = (index / "size").read_text().strip()
+        except (OSError, ValueError):
+            continue
+        levels[level] = _cache_size_bytes(size)
+    return levels[max(levels)] if levels else 0
+
+
+def _cache_size_bytes(text: str) -> int:
+    """``32768K`` / ``480M`` / ``1G`` (sysfs's spelling) in bytes; 0 if unreadable."""
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    number, unit = (text[:-1], text[-1].upper()) if text[-1:].isalpha() else (text, "")
+    try:
+        return int(number) * units.get(unit, 1)
+    except ValueError:
+        return 0

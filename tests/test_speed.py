@@ -10,6 +10,7 @@ import pytest
 
 from localchat.cli.main import main
 from localchat.gguf.info import read_gguf
+from localchat.models import calibrate, timing_models
 from localchat.models.calibrate import calibration_files, solve_costs
 from localchat.models.catalog import find_model, load_catalog
 from localchat.models.demo import make_demo_model
@@ -23,7 +24,7 @@ from localchat.models.speed import (
     machine_name,
     token_work,
 )
-from localchat.models.timing_models import CALIBRATION_MIN_BYTES
+from localchat.models.timing_models import CALIBRATION_MIN_BYTES, calibration_min_bytes
 from localchat.paths import app_paths
 
 GIB = 1024**3
@@ -114,10 +115,11 @@ def test_calibration_files_read_past_a_processor_cache_and_price_prompts(
     speed_calibration: SpeedModel, models_dir: Path
 ) -> None:
     # The fixture's calibration made these files: each type's read at least 100 MB a token
-    # (smaller ones ran from a 480 MiB cache and timed fast by luck), in at least two layers.
+    # (smaller ones ran from a 480 MiB cache and timed fast by luck), and more on a machine of
+    # a bigger cache, in at least two layers.
     for weight_type in ("F16", "Q8_0"):
         info = read_gguf(calibration_files(models_dir / "calibration", (weight_type,))[weight_type])
-        assert sum(t.n_bytes for t in info.tensors) >= CALIBRATION_MIN_BYTES
+        assert sum(t.n_bytes for t in info.tensors) >= calibration_min_bytes()
         assert info.n_layer >= 2
         # A prompt token skips the output matrix and the last layer's feed-forward.
         skipped = [
@@ -128,6 +130,33 @@ def test_calibration_files_read_past_a_processor_cache_and_price_prompts(
         gen, prompt = token_work(info)[weight_type], token_work(info, prompt=True)[weight_type]
         weighted = sum(t.n_bytes * (t.shape[0] + ROW_COST_WEIGHTS) / t.shape[0] for t in skipped)
         assert gen - prompt == pytest.approx(weighted, rel=1e-6)
+
+
+def test_calibration_files_outgrow_a_big_processor_cache(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    # A 32 MiB cache: files of 100 MB and readings of 64 + 25 tokens, as always.
+    monkeypatch.setattr(timing_models, "last_level_cache_bytes", lambda: 32 << 20)
+    assert calibration_min_bytes() == CALIBRATION_MIN_BYTES
+    small_file = timing_models.speed_model_path(tmp_path, "Q4_0")
+    small_layers = timing_models.calibration_shape("Q4_0").n_layer
+    assert calibrate.reading_tokens() == (calibrate.PROMPT_TOKENS, calibrate.GEN_TOKENS)
+    # A shared 480 MiB one (a cloud Xeon): files of half of it, read in fewer, longer steps,
+    # under another name (a file made for the small cache is never read as one of these).
+    monkeypatch.setattr(timing_models, "last_level_cache_bytes", lambda: 480 << 20)
+    assert calibration_min_bytes() == int(0.5 * (480 << 20))
+    assert timing_models.calibration_shape("Q4_0").n_layer > 2 * small_layers
+    assert timing_models.speed_model_path(tmp_path, "Q4_0") != small_file
+    prompt, gen = calibrate.reading_tokens()
+    assert calibrate.MIN_PROMPT_TOKENS <= prompt < calibrate.PROMPT_TOKENS
+    assert calibrate.MIN_GEN_TOKENS <= gen < calibrate.GEN_TOKENS
+    # The files made for the other cache (or an older shape) are deleted; others stay.
+    stale = [small_file, tmp_path / "speed-1536x8960-Q4_0.gguf"]
+    kept = [timing_models.speed_model_path(tmp_path, "Q4_0"), tmp_path / "mix-0.5b-Q4_0.gguf"]
+    for path in stale + kept:
+        path.write_bytes(b"gguf")
+    timing_models.remove_stale_speed_models(tmp_path)
+    assert [p.exists() for p in stale + kept] == [False, False, True, True]
 
 
 def test_a_byte_of_a_short_row_costs_more_than_one_of_a_long_row(tmp_path: Path) -> None:

@@ -48,6 +48,7 @@ REFERENCE = "Q4_0"  # read first in every round: a drift there marks the round
 MINOR_SHARE = 0.05  # a type under this share of a file's bytes is not solved from that file
 PROMPT_TOKENS = 64
 GEN_TOKENS = 25  # 24 timed steps: 16 read too noisy to agree within AGREE at times
+MIN_PROMPT_TOKENS, MIN_GEN_TOKENS = 16, 8  # files past a big cache: each token takes longer
 MIN_CPU_SHARE = 0.8  # of threads x wall time: below it another program had the cores
 MAX_OTHERS_SHARE = 0.15  # of all CPUs' time, used by other programs while a file was read
 DRIFT = 0.2  # a round whose reference reads this much slower than its best is thrown away
@@ -225,13 +226,25 @@ def _busy_cpu_s() -> float:
     return float(sum(times)) - times.idle - getattr(times, "iowait", 0.0)
 
 
+def reading_tokens() -> tuple[int, int]:
+    """(prompt, generated) tokens a reading takes: fewer where the files are larger than
+    ``CALIBRATION_MIN_BYTES`` (a big cache), so that a reading lasts about as long."""
+    from localchat.models.timing_models import CALIBRATION_MIN_BYTES, calibration_min_bytes
+
+    share = CALIBRATION_MIN_BYTES / calibration_min_bytes()
+    return max(MIN_PROMPT_TOKENS, round(PROMPT_TOKENS * share)), max(
+        MIN_GEN_TOKENS, round(GEN_TOKENS * share)
+    )
+
+
 def read_speed(path: Path, name: str, threads: int) -> Reading:
     """One timed reading of a file, as the calibration takes it (the plan bench reads the
     reference the same way, to tell the machine's speed now from the calibration's)."""
     from localchat.backends.llama.tools import bare_generation_benchmark
 
+    prompt_tokens, gen_tokens = reading_tokens()
     wall, busy, ours = time.monotonic(), _busy_cpu_s(), time.process_time()
-    result = bare_generation_benchmark(path, 256, PROMPT_TOKENS, GEN_TOKENS, threads, STEP_SIZES)
+    result = bare_generation_benchmark(path, 256, prompt_tokens, gen_tokens, threads, STEP_SIZES)
     wall, busy = time.monotonic() - wall, _busy_cpu_s() - busy
     others = max(0.0, busy - (time.process_time() - ours))
     return Reading(
@@ -272,7 +285,7 @@ def calibrate(
     tests that need real figures on a machine they keep busy). ``step`` is (this step, of
     how many) for the progress."""
     from localchat.models.demo import ensure_demo_model
-    from localchat.models.timing_models import make_speed_model
+    from localchat.models.timing_models import make_speed_model, remove_stale_speed_models
 
     types = types or CALIBRATION_TYPES
     max_rounds = max(MIN_ROUNDS, rounds or MAX_ROUNDS)
@@ -305,6 +318,8 @@ def calibrate(
     from localchat.backends.llama.runtime import prepare
 
     prepare()  # llama.cpp's one-time set-up (a child process on AMX CPUs) before any reading
+    if models_dir.is_dir():
+        remove_stale_speed_models(models_dir)
     for name in missing:
         report(f"making the {name} test model")
         if name == OVERHEAD:

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, LlamaFileType
 
+from localchat.cpu import last_level_cache_bytes
 from localchat.errors import UsageError
 from localchat.gguf.info import read_gguf
 from localchat.models.demo import (
@@ -39,11 +40,25 @@ CALIBRATION_SHAPE = ModelShape("calib", 1, 1536, 12, 2, 8960, 8192, 8192, 10000.
 # a 43 MB Q2_K file read 175-250 tok/s where 88 MB and larger ones all cost the same per
 # byte (the 0.5b and 1b demo models' Q2_K then predicted 1.4-1.6x too fast).
 CALIBRATION_MIN_BYTES = 100_000_000
+# ... and at least this share of the last-level cache's reported size. How much of a shared
+# cache a virtual machine gets moves with its neighbours: on that Xeon another day, files of
+# 110-130 MB read 1.1-1.65x faster per byte than files of 500-940 MB of their type (Q4_K
+# 1.12, F16 1.15, Q6_K 1.28, Q8_0 1.36, Q2_K 1.57, Q4_0 1.65), a Q5_0 file of 290 MB cost
+# what one of 570 MB did, and every quantized 0.5b and 1b demo model (235-1,170 MB) predicted
+# 1.4-2x too fast (bench speed_prediction_max_error 0.42 and 1.005). Past half the cache a
+# file reads as a model of a few hundred MB does; on a machine of a 32 MB cache it changes
+# nothing. (Each file made and read costs time in the first calibration: no more than that.)
+CACHE_SHARE = 0.5
+
+
+def calibration_min_bytes() -> int:
+    """What a calibration file reads per token here, at least (``CACHE_SHARE``)."""
+    return max(CALIBRATION_MIN_BYTES, int(CACHE_SHARE * last_level_cache_bytes()))
 
 
 def calibration_shape(weight_type: str) -> ModelShape:
     """The calibration shape with enough layers that a ``weight_type`` file reads at least
-    ``CALIBRATION_MIN_BYTES`` per token (more layers cost reading time, so no more), and at
+    ``calibration_min_bytes`` per token (more layers cost reading time, so no more), and at
     least two: a prompt skips the last layer's feed-forward (speed.token_work), so one layer
     would leave a prompt reading too little work to price."""
     shape = CALIBRATION_SHAPE
@@ -53,7 +68,7 @@ def calibration_shape(weight_type: str) -> ModelShape:
     layer_weights += 3 * shape.n_embd * shape.n_ff
     output = shape.n_vocab * shape.n_embd * block_bytes // block_weights
     layer = layer_weights * block_bytes // block_weights
-    layers = max(2, -(-(CALIBRATION_MIN_BYTES - output) // layer))
+    layers = max(2, -(-(calibration_min_bytes() - output) // layer))
     return replace(shape, n_layer=layers)
 
 
@@ -65,10 +80,19 @@ def _block_size(weight_type: str) -> tuple[int, int]:
 
 
 def speed_model_path(directory: Path, weight_type: str) -> Path:
-    """Where the speed model of one weight type is kept (the name changes with its shape, so
-    files of an older shape are never read as this one)."""
-    shape = CALIBRATION_SHAPE
-    return directory / f"speed-{shape.n_embd}x{shape.n_ff}-{weight_type}.gguf"
+    """Where the speed model of one weight type is kept (the name changes with its shape and
+    layers, so files of an older shape, or sized for another cache, are never read as this)."""
+    shape = calibration_shape(weight_type)
+    return directory / f"speed-{shape.n_embd}x{shape.n_ff}x{shape.n_layer}-{weight_type}.gguf"
+
+
+def remove_stale_speed_models(directory: Path) -> None:
+    """Delete speed models no calibration here reads any more (of an older shape, or sized
+    for another cache): each is 100 MB or more of the user's disk."""
+    current = {speed_model_path(directory, t).name for t in SPEED_TYPES}
+    for path in directory.glob("speed-*.gguf"):
+        if path.name not in current:
+            path.unlink(missing_ok=True)
 
 
 def make_speed_model(out: Path, weight_type: str, seed: int = 0) -> Path:
