@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import platform
 from pathlib import Path
@@ -37,6 +38,7 @@ def cpu_model() -> str:
     return cpuinfo("model name") or platform.processor() or "unknown processor"
 
 
+@functools.cache
 def last_level_cache_bytes() -> int:
     """The size of the processor's last-level cache as the system reports it (Linux sysfs;
     on a virtual machine, the host's whole cache, shared with its other tenants), or 0 where
@@ -57,6 +59,6 @@ def _cache_size_bytes(text: str) -> int:
     units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
     number, unit = (text[:-1], text[-1].upper()) if text[-1:].isalpha() else (text, "")
     try:
-        return int(number) * units.get(unit, 1)
-    except ValueError:
+        return int(number) * units[unit] if unit else int(number)
+    except (KeyError, ValueError):
         return 0

@@ -34,6 +34,15 @@ IDLE = {OVERHEAD: 0.0002, "F16": 0.0150, "Q8_0": 0.0090, "Q4_K_M": 0.0080, "Q2_K
         REFERENCE: 0.0070}  # fmt: skip
 
 
+@pytest.fixture(autouse=True)
+def _files_of_a_small_cache(monkeypatch: pytest.MonkeyPatch) -> None:
+    """These tests check the rules on files of the floor's size (100 MB), whatever cache this
+    machine has (test_speed.py checks the sizing)."""
+    from localchat.models import timing_models
+
+    monkeypatch.setattr(timing_models, "last_level_cache_bytes", lambda: 0)
+
+
 def _reading(name: str, slow: float = 1.0, share: float = 0.95) -> Reading:
     return Reading(name, IDLE[name] * slow, IDLE[name] * slow / 8, share)
 

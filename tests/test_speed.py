@@ -150,6 +150,14 @@ def test_calibration_files_outgrow_a_big_processor_cache(
     prompt, gen = calibrate.reading_tokens()
     assert calibrate.MIN_PROMPT_TOKENS <= prompt < calibrate.PROMPT_TOKENS
     assert calibrate.MIN_GEN_TOKENS <= gen < calibrate.GEN_TOKENS
+    # The tiny model's reading (milliseconds) always takes the full count.
+    assert calibrate.reading_tokens(calibrate.OVERHEAD) == (
+        calibrate.PROMPT_TOKENS,
+        calibrate.GEN_TOKENS,
+    )
+    # A reported cache of gigabytes (a hypervisor's whole host) does not make 9 such files.
+    monkeypatch.setattr(timing_models, "last_level_cache_bytes", lambda: 8 << 30)
+    assert calibration_min_bytes() == timing_models.CALIBRATION_MAX_BYTES
     # The files made for the other cache (or an older shape) are deleted; others stay.
     stale = [small_file, tmp_path / "speed-1536x8960-Q4_0.gguf"]
     kept = [timing_models.speed_model_path(tmp_path, "Q4_0"), tmp_path / "mix-0.5b-Q4_0.gguf"]
@@ -157,6 +165,14 @@ def test_calibration_files_outgrow_a_big_processor_cache(
         path.write_bytes(b"gguf")
     timing_models.remove_stale_speed_models(tmp_path)
     assert [p.exists() for p in stale + kept] == [False, False, True, True]
+
+
+def test_a_prompt_token_costs_what_it_adds_to_a_batch() -> None:
+    # A batch of 21 tokens in 0.21 s past a big cache, of which one weight read (a single
+    # step, 0.04 s): each token adds 8.5 ms, where the batch's mean is 10 ms.
+    assert calibrate.prompt_token_s(0.21, 21, 0.04) == pytest.approx(0.0085)
+    # A step timed slower than the batch (noise) never makes a token free.
+    assert calibrate.prompt_token_s(0.05, 21, 0.2) == pytest.approx(0.025 / 20)
 
 
 def test_a_byte_of_a_short_row_costs_more_than_one_of_a_long_row(tmp_path: Path) -> None:

@@ -47,8 +47,10 @@ OVERHEAD = "tiny"  # the tiny model's reading: the fixed cost of a token
 REFERENCE = "Q4_0"  # read first in every round: a drift there marks the round
 MINOR_SHARE = 0.05  # a type under this share of a file's bytes is not solved from that file
 PROMPT_TOKENS = 64
-GEN_TOKENS = 25  # 24 timed steps: 16 read too noisy to agree within AGREE at times
-MIN_PROMPT_TOKENS, MIN_GEN_TOKENS = 16, 8  # files past a big cache: each token takes longer
+GEN_TOKENS = 25  # 24 timed steps of ~100 MB files: 16 read too noisy to agree at times
+# Files past a big cache take fewer: each of their steps lasts longer (gen 8 of 250 MB files
+# time ~0.3 s, as 24 steps of 100 MB ones did). A prompt batch above the largest step.
+MIN_PROMPT_TOKENS, MIN_GEN_TOKENS = 16, 8
 MIN_CPU_SHARE = 0.8  # of threads x wall time: below it another program had the cores
 MAX_OTHERS_SHARE = 0.15  # of all CPUs' time, used by other programs while a file was read
 DRIFT = 0.2  # a round whose reference reads this much slower than its best is thrown away
@@ -56,7 +58,7 @@ DRIFT = 0.2  # a round whose reference reads this much slower than its best is t
 # here settled no sooner in the bench's runs, and a fast Q8_0 reading it let through
 # predicted the 0.5b Q8_0 at 55 tok/s where its turns gave 44.)
 AGREE = 0.15
-# Prompt readings (a 64-token batch, tens of milliseconds) swing more between runs of an idle
+# Prompt readings (a batch of up to 64 tokens, tens of milliseconds) swing more between runs of an idle
 # machine (a Q4_K file read 690-866 tok/s); they price prefill only, and contention shows in
 # the generation readings and the CPU shares.
 PROMPT_AGREE = 0.25
@@ -226,15 +228,24 @@ def _busy_cpu_s() -> float:
     return float(sum(times)) - times.idle - getattr(times, "iowait", 0.0)
 
 
-def reading_tokens() -> tuple[int, int]:
-    """(prompt, generated) tokens a reading takes: fewer where the files are larger than
-    ``CALIBRATION_MIN_BYTES`` (a big cache), so that a reading lasts about as long."""
+def reading_tokens(name: str = REFERENCE) -> tuple[int, int]:
+    """(prompt, generated) tokens a reading of ``name`` takes: fewer where the files are
+    larger than ``CALIBRATION_MIN_BYTES`` (a big cache), so that a reading lasts about as
+    long (the tiny model's, milliseconds long, always takes the full count)."""
     from localchat.models.timing_models import CALIBRATION_MIN_BYTES, calibration_min_bytes
 
-    share = CALIBRATION_MIN_BYTES / calibration_min_bytes()
-    return max(MIN_PROMPT_TOKENS, round(PROMPT_TOKENS * share)), max(
-        MIN_GEN_TOKENS, round(GEN_TOKENS * share)
-    )
+    share = 1.0 if name == OVERHEAD else CALIBRATION_MIN_BYTES / calibration_min_bytes()
+    prompt = max(MIN_PROMPT_TOKENS, round(PROMPT_TOKENS * share))
+    return prompt, max(MIN_GEN_TOKENS, round(GEN_TOKENS * share))
+
+
+def prompt_token_s(batch_s: float, tokens: int, step_s: float) -> float:
+    """What a prompt token costs, from a batch of ``tokens`` that took ``batch_s``: a batch
+    reads the weights once, as a single step (``step_s``) does, and each further token adds
+    its compute. That addition is what a long prompt's token costs: a batch of 21 tokens
+    past a big cache spent a sixth of its time in that one read, and priced as its mean it
+    predicted the plan's 448-token prompts 30-43% too slow."""
+    return max(batch_s - step_s, batch_s / 2) / max(1, tokens - 1)
 
 
 def read_speed(path: Path, name: str, threads: int) -> Reading:
@@ -242,15 +253,16 @@ def read_speed(path: Path, name: str, threads: int) -> Reading:
     reference the same way, to tell the machine's speed now from the calibration's)."""
     from localchat.backends.llama.tools import bare_generation_benchmark
 
-    prompt_tokens, gen_tokens = reading_tokens()
+    prompt_tokens, gen_tokens = reading_tokens(name)
     wall, busy, ours = time.monotonic(), _busy_cpu_s(), time.process_time()
     result = bare_generation_benchmark(path, 256, prompt_tokens, gen_tokens, threads, STEP_SIZES)
     wall, busy = time.monotonic() - wall, _busy_cpu_s() - busy
     others = max(0.0, busy - (time.process_time() - ours))
+    gen_s = 1.0 / result["bare_gen_tps"]
     return Reading(
         name,
-        1.0 / result["bare_gen_tps"],
-        1.0 / result["bare_prompt_tps"],
+        gen_s,
+        prompt_token_s(prompt_tokens / result["bare_prompt_tps"], prompt_tokens, gen_s),
         result["cpu_share"],
         others / max(1e-9, wall * (psutil.cpu_count() or 1)),
         tuple(result["step_s"]),
@@ -319,7 +331,7 @@ def calibrate(
 
     prepare()  # llama.cpp's one-time set-up (a child process on AMX CPUs) before any reading
     if models_dir.is_dir():
-        remove_stale_speed_models(models_dir)
+        remove_stale_speed_models(models_dir)  # best effort: a file it cannot delete stays
     for name in missing:
         report(f"making the {name} test model")
         if name == OVERHEAD:

@@ -35,10 +35,11 @@ from localchat.models.demo import (
 # fixed cost makes a byte's cost depend on them, models/speed.py; 1.5B is the middle of what
 # laptops run), its layers set per weight type by calibration_shape().
 CALIBRATION_SHAPE = ModelShape("calib", 1, 1536, 12, 2, 8960, 8192, 8192, 10000.0)
-# What each calibration file reads per token, at least. Smaller files run partly from a
-# large processor cache and time fast by luck: measured on a 2-core Xeon with a 480 MiB L3,
-# a 43 MB Q2_K file read 175-250 tok/s where 88 MB and larger ones all cost the same per
-# byte (the 0.5b and 1b demo models' Q2_K then predicted 1.4-1.6x too fast).
+# What each calibration file reads per token, at least (the floor: see CACHE_SHARE). Smaller
+# files run partly from a large processor cache and time fast by luck: measured on a 2-core
+# Xeon with a 480 MiB L3, a 43 MB Q2_K file read 175-250 tok/s where 88 MB and larger ones
+# all cost the same per byte (the 0.5b and 1b demo models' Q2_K then predicted 1.4-1.6x
+# too fast).
 CALIBRATION_MIN_BYTES = 100_000_000
 # ... and at least this share of the last-level cache's reported size. How much of a shared
 # cache a virtual machine gets moves with its neighbours: on that Xeon another day, files of
@@ -49,11 +50,16 @@ CALIBRATION_MIN_BYTES = 100_000_000
 # file reads as a model of a few hundred MB does; on a machine of a 32 MB cache it changes
 # nothing. (Each file made and read costs time in the first calibration: no more than that.)
 CACHE_SHARE = 0.5
+# ... but never more than this: nine files of it are made, a reported cache of gigabytes
+# (a hypervisor's whole host, a future part) would make each of them that large.
+CALIBRATION_MAX_BYTES = 512_000_000
 
 
 def calibration_min_bytes() -> int:
-    """What a calibration file reads per token here, at least (``CACHE_SHARE``)."""
-    return max(CALIBRATION_MIN_BYTES, int(CACHE_SHARE * last_level_cache_bytes()))
+    """What a calibration file reads per token here, at least (``CACHE_SHARE``, within
+    ``CALIBRATION_MIN_BYTES`` and ``CALIBRATION_MAX_BYTES``)."""
+    share = int(CACHE_SHARE * last_level_cache_bytes())
+    return max(CALIBRATION_MIN_BYTES, min(CALIBRATION_MAX_BYTES, share))
 
 
 def calibration_shape(weight_type: str) -> ModelShape:
@@ -92,7 +98,10 @@ def remove_stale_speed_models(directory: Path) -> None:
     current = {speed_model_path(directory, t).name for t in SPEED_TYPES}
     for path in directory.glob("speed-*.gguf"):
         if path.name not in current:
-            path.unlink(missing_ok=True)
+            try:
+                path.unlink(missing_ok=True)
+            except OSError:
+                continue  # a file it cannot delete (read-only) is left; it is never read
 
 
 def make_speed_model(out: Path, weight_type: str, seed: int = 0) -> Path:
