@@ -141,11 +141,11 @@ def test_calibration_files_outgrow_a_big_processor_cache(
     small_file = timing_models.speed_model_path(tmp_path, "Q4_0")
     small_layers = timing_models.calibration_shape("Q4_0").n_layer
     assert calibrate.reading_tokens() == (calibrate.PROMPT_TOKENS, calibrate.GEN_TOKENS)
-    # A shared 480 MiB one (a cloud Xeon): files of half of it, read in fewer, longer steps,
+    # A shared 480 MiB one (a cloud Xeon): files of 40% of it, read in fewer, longer steps,
     # under another name (a file made for the small cache is never read as one of these).
     monkeypatch.setattr(timing_models, "last_level_cache_bytes", lambda: 480 << 20)
-    assert calibration_min_bytes() == int(0.5 * (480 << 20))
-    assert timing_models.calibration_shape("Q4_0").n_layer > 2 * small_layers
+    assert calibration_min_bytes() == int(0.4 * (480 << 20))
+    assert timing_models.calibration_shape("Q4_0").n_layer >= 2 * small_layers
     assert timing_models.speed_model_path(tmp_path, "Q4_0") != small_file
     prompt, gen = calibrate.reading_tokens()
     assert calibrate.MIN_PROMPT_TOKENS <= prompt < calibrate.PROMPT_TOKENS

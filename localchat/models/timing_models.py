@@ -46,10 +46,12 @@ CALIBRATION_MIN_BYTES = 100_000_000
 # 110-130 MB read 1.1-1.65x faster per byte than files of 500-940 MB of their type (Q4_K
 # 1.12, F16 1.15, Q6_K 1.28, Q8_0 1.36, Q2_K 1.57, Q4_0 1.65), a Q5_0 file of 290 MB cost
 # what one of 570 MB did, and every quantized 0.5b and 1b demo model (235-1,170 MB) predicted
-# 1.4-2x too fast (bench speed_prediction_max_error 0.42 and 1.005). Past half the cache a
-# file reads as a model of a few hundred MB does; on a machine of a 32 MB cache it changes
-# nothing. (Each file made and read costs time in the first calibration: no more than that.)
-CACHE_SHARE = 0.5
+# 1.4-2x too fast (bench speed_prediction_max_error 0.42 and 1.005). Past 40% of the cache
+# (192 MB there, half as much again as the files that read fast) a file reads as a model of
+# a few hundred MB does; on a machine of a 32 MB cache it changes nothing. (Each file made
+# and read costs time in the first calibration, 20 s at most: at half the cache, 19.8 s in
+# two full bench runs.)
+CACHE_SHARE = 0.4
 # ... but never more than this: nine files of it are made, a reported cache of gigabytes
 # (a hypervisor's whole host, a future part) would make each of them that large.
 CALIBRATION_MAX_BYTES = 512_000_000
