@@ -1,4 +1,5 @@
-"""This machine's processor: how many threads llama.cpp should run (a leaf module)."""
+"""This machine's processor: its cores (how many threads llama.cpp should run), flags and
+cache (a leaf module)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,9 @@ import platform
 from pathlib import Path
 
 import psutil
+
+from localchat.errors import UsageError
+from localchat.units import parse_size
 
 
 def physical_cores() -> int:
@@ -45,20 +49,8 @@ def last_level_cache_bytes() -> int:
     it is not told."""
     levels: dict[int, int] = {}
     for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
-        try:
-            level = int((index / "level").read_text())
-            size = (index / "size").read_text().strip()
-        except (OSError, ValueError):
+        try:  # sysfs spells sizes as ``32768K``: binary units, as parse_size reads them
+            levels[int((index / "level").read_text())] = parse_size((index / "size").read_text())
+        except (OSError, ValueError, UsageError):
             continue
-        levels[level] = _cache_size_bytes(size)
     return levels[max(levels)] if levels else 0
-
-
-def _cache_size_bytes(text: str) -> int:
-    """``32768K`` / ``480M`` / ``1G`` (sysfs's spelling) in bytes; 0 if unreadable."""
-    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-    number, unit = (text[:-1], text[-1].upper()) if text[-1:].isalpha() else (text, "")
-    try:
-        return int(number) * units[unit] if unit else int(number)
-    except (KeyError, ValueError):
-        return 0

@@ -48,8 +48,8 @@ REFERENCE = "Q4_0"  # read first in every round: a drift there marks the round
 MINOR_SHARE = 0.05  # a type under this share of a file's bytes is not solved from that file
 PROMPT_TOKENS = 64
 GEN_TOKENS = 25  # 24 timed steps of ~100 MB files: 16 read too noisy to agree at times
-# Files past a big cache take fewer: each of their steps lasts longer (gen 8 of 250 MB files
-# time ~0.3 s, as 24 steps of 100 MB ones did). A prompt batch above the largest step.
+# Files past a big cache take fewer (``reading_tokens``): each of their steps lasts longer
+# (12 steps of 192 MB files as long as 24 of 100 MB ones). A prompt above the largest step.
 MIN_PROMPT_TOKENS, MIN_GEN_TOKENS = 16, 8
 MIN_CPU_SHARE = 0.8  # of threads x wall time: below it another program had the cores
 MAX_OTHERS_SHARE = 0.15  # of all CPUs' time, used by other programs while a file was read
@@ -58,9 +58,9 @@ DRIFT = 0.2  # a round whose reference reads this much slower than its best is t
 # here settled no sooner in the bench's runs, and a fast Q8_0 reading it let through
 # predicted the 0.5b Q8_0 at 55 tok/s where its turns gave 44.)
 AGREE = 0.15
-# Prompt readings (a batch of up to 64 tokens, tens of milliseconds) swing more between runs of an idle
-# machine (a Q4_K file read 690-866 tok/s); they price prefill only, and contention shows in
-# the generation readings and the CPU shares.
+# Prompt readings (a batch of up to 64 tokens, tens of milliseconds) swing more between runs
+# of an idle machine (a Q4_K file read 690-866 tok/s); they price prefill only, and
+# contention shows in the generation readings and the CPU shares.
 PROMPT_AGREE = 0.25
 MIN_ROUNDS = 2
 MAX_ROUNDS = 5

@@ -32,7 +32,7 @@ from localchat.gguf.quants import MAIN_WEIGHT_TYPE, parse_tag
 # 2: measured in interleaved rounds that contention cannot poison (older figures may be).
 # 3: files past the processor's cache, of a 1.5B model's row lengths, bytes weighted by rows.
 # 4: what a step of several tokens costs, per weight type (one figure for all before).
-# 5: files past half of a big processor cache (timed 1.4-2x too fast inside it), read in
+# 5: files past 40% of a big processor cache (timed 1.4-2x too fast inside it), read in
 # fewer tokens there; a prompt token priced as what it adds to a batch.
 SPEED_FILE_VERSION = 5
 # Tokens in the steps the calibration times with every position's logits (a draft's
