@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import json
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -16,11 +17,12 @@ import httpx
 import pytest
 
 from localchat.backends.base import Sampling
+from localchat.backends.llama.batch import Chunk, SequenceBatch, StepInterrupted
 from localchat.backends.llama.engine import Engine, LoadOptions
 from localchat.chat.template import ChatMessage
 from localchat.server.app import BackgroundServer
 from localchat.server.runner import ModelRunner
-from localchat.server.scheduler import COPY_MIN_TOKENS
+from localchat.server.scheduler import COPY_MIN_TOKENS, PREPARE_WAIT_S
 from localchat.state.kvstate import StateStore
 from tests.test_serve import NAME, QUESTION, Served, _client, _plain_reply, holding_compute
 
@@ -38,10 +40,14 @@ def served3(smollm2: Path, tmp_path: Path) -> Iterator[Served]:
     server.close()
 
 
-def _ask(root: str, question: str, max_tokens: int, **extra: object) -> dict:
+def _post(root: str, question: str, max_tokens: int, **extra: object) -> httpx.Response:
     body = {"model": NAME, "messages": [{"role": "user", "content": question}],
             "max_tokens": max_tokens, "temperature": 0, **extra}  # fmt: skip
-    response = httpx.post(f"{root}/v1/chat/completions", json=body, timeout=300)
+    return httpx.post(f"{root}/v1/chat/completions", json=body, timeout=300)
+
+
+def _ask(root: str, question: str, max_tokens: int, **extra: object) -> dict:
+    response = _post(root, question, max_tokens, **extra)
     assert response.status_code == 200, response.text
     return dict(response.json())
 
@@ -113,6 +119,85 @@ def test_a_request_that_arrives_while_another_streams_is_answered_before_it_ends
     assert short["choices"][0]["message"]["content"] == plain
     long_reply.join()
     assert len(streamed) > 300
+
+
+def _greedy_side_by_side(batch: SequenceBatch, prompts: list[list[int]], steps: int,
+                         interrupt_at: int | None = None) -> list[list[int]]:  # fmt: skip
+    """Each prompt read in its own sequence, then ``steps`` greedy tokens for all of them
+    in shared steps; the step ``interrupt_at`` is given up midway once, then taken again."""
+    samplers = [batch.sampler(Sampling(temperature=0.0)) for _ in prompts]
+    rows = batch.decode([Chunk(seq, prompt) for seq, prompt in enumerate(prompts)])
+    replies = [[batch.sample(samplers[seq], rows[seq][0])] for seq in range(len(prompts))]
+    for step in range(steps):
+        chunks = [Chunk(seq, [reply[-1]]) for seq, reply in enumerate(replies)]
+        if step == interrupt_at:
+            held = [list(tokens) for tokens in batch.tokens]
+            batch.interrupt()  # before the decode: it stops at its first graph node
+            with pytest.raises(StepInterrupted):
+                batch.decode(chunks)
+            assert batch.tokens == held  # nothing of the step was kept
+            batch.clear_interrupt()
+        rows = batch.decode(chunks)
+        for seq, reply in enumerate(replies):
+            reply.append(batch.sample(samplers[seq], rows[seq][0]))
+    for sampler in samplers:
+        sampler.close()
+    return replies
+
+
+def test_a_step_given_up_midway_keeps_nothing_and_the_replies_go_on_exactly(
+    smollm2: Path,
+) -> None:
+    engine = Engine(smollm2, LoadOptions(n_ctx=2048, n_threads=2, kv_type="q8_0"))
+    try:
+        prompts = [engine.prompt_tokens([ChatMessage("user", q)]) for q in QUESTIONS[:2]]
+        replies = []
+        for interrupt_at in (None, 5):
+            batch = SequenceBatch(engine, 2, 1024)
+            try:
+                replies.append(_greedy_side_by_side(batch, prompts, 12, interrupt_at))
+            finally:
+                batch.close()
+        assert replies[0] == replies[1]
+    finally:
+        engine.close()
+
+
+def test_requests_that_arrive_while_a_reply_streams_leave_it_exact(
+    served3: Served, smollm2: Path
+) -> None:
+    """Each request admitted while the sequences generate stops the step in flight so that
+    it can join the next (here they are refused once their prompt is made: a reply too long
+    for the context); the streaming reply is the one it has alone."""
+    question = "Tell a very long story."
+    body = {"model": NAME, "messages": [{"role": "user", "content": question}],
+            "max_tokens": 300, "temperature": 0, "stream": True}  # fmt: skip
+    pieces: list[str] = []
+
+    def stream_long() -> None:
+        with httpx.stream("POST", f"{served3.root}/v1/chat/completions", json=body,
+                          timeout=300) as response:  # fmt: skip
+            for line in response.iter_lines():
+                if line.startswith("data: {"):
+                    pieces.append(json.loads(line[6:])["choices"][0]["delta"].get("content", ""))
+
+    long_reply = threading.Thread(target=stream_long)
+    long_reply.start()
+    scheduler = served3.runner.scheduler
+    refused = 0
+    while long_reply.is_alive() and scheduler.interrupted_steps < 3:
+        if served3.runner.counters.running:
+            too_long = _post(served3.root, QUESTIONS[1], 100_000)
+            assert too_long.status_code == 400, too_long.text
+            refused += 1
+        time.sleep(PREPARE_WAIT_S)
+    long_reply.join()
+    assert scheduler.interrupted_steps >= 3, f"{refused} requests stopped no step"
+    metrics = httpx.get(f"{served3.root}/metrics").text
+    assert f"localchat:steps_interrupted_total {scheduler.interrupted_steps}" in metrics
+    assert served3.runner.counters.queued == 0
+    plain = _plain_reply(smollm2, [ChatMessage("user", question)], 300)
+    assert "".join(pieces) == plain
 
 
 def test_each_sequence_samples_with_its_own_parameters(served3: Served) -> None:

@@ -128,6 +128,14 @@ def test_bad_tool_requests_are_one_line_errors(served: Served) -> None:
     )
     assert "tools must be a list" in refused(tools={"a": 1})
     assert "tool_choice must be one of" in refused(tools=[WEATHER], tool_choice="always")
+    # A required call whose schema has no grammar: refused before any reply starts, streamed
+    # or not, and the request leaves the queue.
+    odd = {"type": "function", "function": {"name": "odd", "parameters": {
+        "type": "object", "properties": {"x": {"$ref": "#/nowhere"}}}}}  # fmt: skip
+    for stream in (False, True):
+        message = refused(tools=[odd], tool_choice="required", stream=stream)
+        assert "cannot be turned into a grammar" in message and "\n" not in message
+    assert served.runner.counters.queued == 0 and served.runner.counters.running == 0
     assert "required needs tools" in refused(tool_choice="required")
     assert "tool_call_id" in refused(messages=[{"role": "tool", "content": "x"}])
     bad_arguments = [{"role": "assistant", "content": None, "tool_calls": [

@@ -257,13 +257,13 @@ class _Turn:
 
     def _work(self) -> TurnStats:
         try:
-            prompt, max_tokens = self.runner.prompt_of(self.request)
+            job = self.runner.job_of(self.request, self.cancel, self.emit)
         except BaseException as exc:
             self.runner.leave_queue()  # admitted, never queued
             self.loop.call_soon_threadsafe(_settle, self.prompt_ready, exc)
             raise
         self.loop.call_soon_threadsafe(_settle, self.prompt_ready, None)
-        return self.runner.run(self.request, prompt, max_tokens, self.cancel, self.emit)
+        return self.runner.run(job)
 
     def stop(self) -> None:
         """The client went away: the turn stops at its next token (or is never started);

@@ -125,11 +125,13 @@ class ModelRunner:
                 )
             self.counters.queued += 1
             self.counters.requests += 1
+        self.scheduler.expect()
 
     def leave_queue(self) -> None:
         """A request that never reached the scheduler (refused, or its client went away)."""
         with self._lock:
             self.counters.queued -= 1
+        self.scheduler.unexpect()
 
     def _started(self, _job: Job) -> None:
         with self._lock:
@@ -180,18 +182,12 @@ class ModelRunner:
             )
         return prompt, min(request.max_tokens or DEFAULT_MAX_TOKENS, room)
 
-    def run(
-        self,
-        request: GenerationRequest,
-        prompt: list[int],
-        max_tokens: int,
-        cancel: threading.Event,
-        emit: Emit,
-    ) -> TurnStats:
-        """Answer the request (waiting for a sequence, then beside the others), emitting its
-        pieces; its state is saved after it. Blocks the calling worker thread, which also
-        reads a saved state from disk where one holds more of the prompt than memory does
-        (so the running sequences do not wait for the disk)."""
+    def job_of(self, request: GenerationRequest, cancel: threading.Event, emit: Emit) -> Job:
+        """The request made ready to answer, all of it on the calling worker thread: its
+        prompt (``prompt_of``), its grammar where a call is required (``ApiError`` where it
+        cannot be had), and a saved state from disk where one holds more of the prompt than
+        memory does (so the running sequences do not wait for the disk)."""
+        prompt, max_tokens = self.prompt_of(request)
         job = Job(request, prompt, max_tokens, cancel, emit)
         tool_use = request.tool_use
         if tool_use.reads_calls:  # the family's markers stay in the text, to be parsed
@@ -204,6 +200,11 @@ class ModelRunner:
                     raise ApiError(400, str(exc), code="invalid_value") from None
         in_memory = max(common_prefix(tokens, prompt) for tokens in list(self.batch.tokens))
         job.hit = self.cache.lookup(prompt, beyond=in_memory)
+        return job
+
+    def run(self, job: Job) -> TurnStats:
+        """Answer a job of ``job_of`` (waiting for a sequence, then beside the others),
+        emitting its pieces; its state is saved after it. Blocks the calling worker thread."""
         return self.scheduler.answer(job)
 
     @staticmethod
@@ -264,6 +265,9 @@ class ModelRunner:
                  len(self.cache)),
                 ("localchat:saves_pending", "gauge", "states queued or being written to disk",
                  self.saver.pending),
+                ("localchat:steps_interrupted_total", "counter",
+                 "generating steps given up midway for a request that arrived",
+                 self.scheduler.interrupted_steps),
             ]  # fmt: skip
         lines = []
         for name, kind, text, value in rows:

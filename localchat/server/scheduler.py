@@ -8,7 +8,9 @@ instead of waiting for their replies to end. Each sequence has its own sampler; 
 reply among others is the reply alone (per-sequence caches, see ``SequenceBatch``).
 
 The loop runs on the compute thread while it has work and takes new requests between two
-steps; the request's worker thread waits on its job.
+steps; the request's worker thread waits on its job. A request that arrives while the
+sequences generate gives up the step in flight and is waited for (``PREPARE_WAIT_S``), so
+that it joins the next step instead of one after it.
 """
 
 from __future__ import annotations
@@ -23,7 +25,12 @@ import numpy as np
 
 from localchat.backends.base import TurnStats
 from localchat.backends.compute_thread import start_compute
-from localchat.backends.llama.batch import Chunk, SequenceBatch, SequenceSampler
+from localchat.backends.llama.batch import (
+    Chunk,
+    SequenceBatch,
+    SequenceSampler,
+    StepInterrupted,
+)
 from localchat.backends.llama.draft_policy import Draft, DraftPolicy
 from localchat.backends.llama.drafting import lookup_draft
 from localchat.backends.llama.generation import ReplyText
@@ -40,6 +47,13 @@ from localchat.state.kvstate import SavedState
 # A prefix another sequence holds is copied where it saves at least this many tokens: the
 # copy takes the whole cache of one sequence (memory speed), a token's evaluation far more.
 COPY_MIN_TOKENS = 16
+# A request admitted while the sequences generate is made ready (its template rendered, its
+# prompt tokenized) while the loop waits, this long at most, and joins the step after: the
+# generating step in flight is given up for it (``SequenceBatch.interrupt``). Beside a
+# step's llama.cpp threads its preparation took 2-4 times as long on 2 cores, and it then
+# waited for the step in flight: a short request beside a stream had its first token after
+# 35-47 ms, against 20-25 ms alone. The streams lose the step's part done, once a request.
+PREPARE_WAIT_S = 0.05
 Emit = Callable[[str, str], None]
 
 
@@ -99,8 +113,16 @@ class Scheduler:
         self.on_start = on_start
         self.on_finish = on_finish
         self._lock = threading.Lock()
+        self._queued = threading.Condition(self._lock)  # a job came, or a preparation failed
         self._inbox: deque[Job] = deque()
+        self._waiting: deque[Job] = deque()  # taken from the inbox, no sequence free yet
         self._looping = False
+        self._preparing = 0  # admitted requests not yet handed in (``expect``)
+        self._arrivals = 0  # of all time, and those the loop has waited for:
+        self._awaited = 0  # it waits once an arrival, not at every step
+        self._interruptible = False  # a generating step is in flight: it may be given up
+        self._redo = False  # the step was given up once: the next runs whole
+        self.interrupted_steps = 0  # given up for an arrival, since the start (/metrics)
         self._running: dict[int, _Running] = {}
         self._held: list[tuple[str, list[int]] | None] = [None] * batch.n_seq
         self._last_used = [0.0] * batch.n_seq
@@ -108,12 +130,36 @@ class Scheduler:
         # Prompt lookup drafts where the engine drafts (exact where its kernels are): each
         # sequence's acceptance its own, what a step of n tokens costs shared by all.
         # (Not over a window cache: its rejected cells cannot always be cut back exactly.)
-        self.drafting = self.engine.drafting and not self.engine.windowed
+        self.drafting = self.engine.drafting and self.engine.cuts_back
         self._step_costs = DraftPolicy(max_step=batch.capacity)
 
-    def answer(self, job: Job) -> TurnStats:
-        """Queue ``job`` and wait for its reply (on the request's worker thread)."""
+    def expect(self) -> None:
+        """A request is on its way (admitted, its prompt still to make; called on the event
+        loop), to be handed to ``answer`` or given up with ``unexpect``: where a sequence
+        is free for it, the generating step in flight stops and the loop waits for it."""
         with self._lock:
+            self._preparing += 1
+            self._arrivals += 1
+            if self._interruptible and self._has_room():
+                self._interruptible = False
+                self.batch.interrupt()
+
+    def unexpect(self) -> None:
+        """A request of ``expect`` that will not come (refused, or its client left)."""
+        with self._lock:
+            self._preparing -= 1
+            self._queued.notify_all()
+
+    def _has_room(self) -> bool:
+        """Whether a sequence is free for one more job (with the lock held)."""
+        return len(self._running) + len(self._waiting) + len(self._inbox) < self.batch.n_seq
+
+    def answer(self, job: Job) -> TurnStats:
+        """Queue ``job`` (one ``expect`` said would come) and wait for its reply (on the
+        request's worker thread)."""
+        with self._lock:
+            self._preparing -= 1
+            self._queued.notify_all()
             if self._closing:
                 raise ApiError(503, "the server is stopping", "server_busy", "stopping")
             self._inbox.append(job)
@@ -157,10 +203,11 @@ class Scheduler:
 
     # -- the loop, on the compute thread -------------------------------------------------
     def _loop(self) -> None:
-        waiting: deque[Job] = deque()
+        waiting = self._waiting
         try:
             while True:
                 with self._lock:
+                    self._await_arrivals()
                     waiting.extend(self._inbox)
                     self._inbox.clear()
                     if not waiting and not self._running:
@@ -187,6 +234,16 @@ class Scheduler:
             self._running.clear()
             for job in waiting:
                 self._fail(job, exc)
+
+    def _await_arrivals(self) -> None:
+        """With the lock held, before a step of running sequences: where requests came since
+        the last wait and a sequence is free for them, wait (``PREPARE_WAIT_S`` at most)
+        until they are handed in, so that they join this step rather than a later one."""
+        if not self._running or self._arrivals == self._awaited:
+            return
+        self._awaited = self._arrivals
+        if self._has_room():
+            self._queued.wait_for(lambda: not self._preparing or self._inbox, PREPARE_WAIT_S)
 
     def _fail(self, job: Job, exc: BaseException) -> None:
         job.error = exc
@@ -294,7 +351,12 @@ class Scheduler:
             room -= take
             reading = True
         started = time.perf_counter()
-        rows = batch.decode(chunks) if chunks else {}
+        try:
+            rows = self._decode(chunks, interruptible=not reading)
+        except StepInterrupted:  # a request came: the step is taken again with it
+            for running in generating:
+                running.draft = Draft([])
+            return
         now = time.perf_counter()
         if self.drafting and chunks and not reading:  # what a step of this size costs
             self._step_costs.record_step(total, now - started)
@@ -303,6 +365,30 @@ class Scheduler:
                 self._finish(running, "cancelled")
             elif running.seq in rows:
                 self._take(running, rows[running.seq], now)
+
+    def _decode(self, chunks: list[Chunk], interruptible: bool) -> dict[int, list[int]]:
+        """``batch.decode``; an ``interruptible`` step (every sequence generating, none
+        reading its prompt) may be given up for a request that arrives meanwhile (not where
+        the caches cannot be cut back exactly, nor twice in a row)."""
+        if not chunks:
+            return {}
+        interruptible = interruptible and not self._redo and self.engine.cuts_back
+        self._redo = False
+        if not interruptible:
+            return self.batch.decode(chunks)
+        with self._lock:
+            self.batch.clear_interrupt()
+            self._interruptible = True
+        try:
+            return self.batch.decode(chunks)
+        except StepInterrupted:
+            self._redo = True
+            self.interrupted_steps += 1
+            raise
+        finally:
+            with self._lock:
+                self._interruptible = False
+                self.batch.clear_interrupt()
 
     def _draft(self, running: _Running, base: int, spare: int) -> Draft:
         """The tokens that followed the latest earlier occurrence of the sequence's last few

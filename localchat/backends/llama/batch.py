@@ -23,13 +23,22 @@ import llama_cpp
 from localchat.backends.base import Sampling
 from localchat.backends.llama.cache import state_buffer
 from localchat.backends.llama.grammar import GrammarError, checked_grammar
-from localchat.backends.llama.runtime import abort_requested, last_error_line, watch_abort
+from localchat.backends.llama.runtime import (
+    DecodeStop,
+    abort_requested,
+    last_error_line,
+    watch_abort,
+)
 from localchat.errors import ModelLoadError
 
 if TYPE_CHECKING:
     from localchat.backends.llama.engine import Engine
 
 PENALTY_LAST_N = 64  # tokens a repetition penalty looks back over (llama.cpp's default)
+
+
+class StepInterrupted(Exception):
+    """A step stopped midway by ``SequenceBatch.interrupt``: nothing of it was kept."""
 
 
 @dataclass(frozen=True)
@@ -129,7 +138,8 @@ class SequenceBatch:
                 f"{engine.model_path}: llama.cpp could not make a context for {n_seq} sequences"
                 f" of {n_ctx_seq} tokens: {last_error_line()}; try a smaller --parallel or --ctx"
             )
-        watch_abort(self._ctx)
+        self._stop = DecodeStop()
+        watch_abort(self._ctx, self._stop)
         self._memory = llama_cpp.llama_get_memory(self._ctx)
         self._batch = llama_cpp.llama_batch_init(self.capacity, 0, 1)
         self._n_vocab = engine.n_vocab
@@ -164,14 +174,26 @@ class SequenceBatch:
         if status != 0:
             if abort_requested():
                 raise KeyboardInterrupt
-            for chunk in chunks:  # llama.cpp keeps none of a failed step's tokens
-                self.cut(chunk.seq, len(self.tokens[chunk.seq]))
+            for chunk in chunks:  # none of a failed step's tokens stay (an interrupted step
+                self.cut(chunk.seq, len(self.tokens[chunk.seq]))  # keeps its whole ubatches)
+            if status == 2 and self._stop.is_set:
+                raise StepInterrupted("the step was stopped midway (``interrupt``)")
             if status == 1:
                 raise BatchFull("no room in the KV cache for this step")
             raise RuntimeError(f"llama.cpp could not decode a step: {last_error_line()}")
         for chunk in chunks:
             self.tokens[chunk.seq].extend(chunk.tokens)
         return rows
+
+    def clear_interrupt(self) -> None:
+        """Drop an ``interrupt`` that came too late for the decode it was meant for: the
+        caller clears it before and after each decode that may be interrupted."""
+        self._stop.clear()
+
+    def interrupt(self) -> None:
+        """Stop the decode in flight between two graph nodes: it raises ``StepInterrupted``
+        with the sequences' caches as they were before it (any thread)."""
+        self._stop.set()
 
     def sampler(
         self,

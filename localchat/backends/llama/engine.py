@@ -192,7 +192,10 @@ class Engine(KVCache):
             # A recurrent state cannot drop rejected drafts (llama.cpp's partial removal
             # fails there): Mamba, RWKV and hybrids such as LFM2 or Jamba never draft.
             model = self._llm.model
-            if llama_cpp.llama_model_is_recurrent(model) or llama_cpp.llama_model_is_hybrid(model):
+            self.recurrent = bool(
+                llama_cpp.llama_model_is_recurrent(model) or llama_cpp.llama_model_is_hybrid(model)
+            )
+            if self.recurrent:
                 self.drafting = False
         except Exception as exc:  # llama-cpp-python raises ValueError/RuntimeError
             if abort_requested():  # stopped between two tensors: an interrupt, not a failure
@@ -212,6 +215,9 @@ class Engine(KVCache):
         # window cache is in use, so the cache cannot be cut back far (see ``keeps``).
         self.n_swa = int(llama_cpp.llama_model_n_swa(self._llm.model))
         self.windowed = self.n_swa > 0 and self.options.swa_cache == "window"
+        # Whether a step's tokens can leave a sequence's cache exactly (a rejected draft, a
+        # step given up midway): not a recurrent state, nor a window that dropped old cells.
+        self.cuts_back = not self.recurrent and not self.windowed
         # Which conversation the cache holds now (set by the conversation layer), and how
         # many of its tokens that conversation's turns (or a restore, a replay) put there:
         # tokens past ``committed`` were read ahead of a message still being typed, and count

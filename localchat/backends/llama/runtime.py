@@ -13,6 +13,7 @@ import re
 import subprocess
 import sys
 import threading
+import weakref
 from collections import deque
 from typing import Any
 
@@ -56,11 +57,19 @@ def request_abort() -> None:
     """Stop llama.cpp's work in progress and refuse more: an interrupted load or evaluation
     raises ``KeyboardInterrupt`` (safe from any thread)."""
     _ABORT[0] = b"x"
+    with _STOPS_LOCK:
+        stops = list(_STOPS)
+    for stop in stops:
+        stop.byte[0] = b"x"
 
 
 def clear_abort() -> None:
     """Let llama.cpp work again."""
     _ABORT[0] = b"\0"
+    with _STOPS_LOCK:
+        stops = list(_STOPS)
+    for stop in stops:
+        stop.byte[0] = b"\0"
 
 
 def abort_requested() -> bool:
@@ -81,16 +90,51 @@ def _abort_callback() -> Any:
     return llama_cpp.llama_cpp.ggml_abort_callback(address)
 
 
-def _abort_in_python(user_data: ctypes.c_void_p) -> bool:
-    return abort_requested()
+def _abort_in_python(user_data: int | None) -> bool:
+    """The stop byte at ``user_data`` (the global one or a context's ``DecodeStop``)."""
+    if not user_data:
+        return False
+    return ctypes.string_at(user_data, 1) != b"\0"
 
 
 _ABORT_CALLBACK = _abort_callback()
 
 
-def watch_abort(ctx: Any) -> None:
-    """Make ``request_abort`` stop this context's decodes between two graph nodes."""
-    llama_cpp.llama_set_abort_callback(ctx, _ABORT_CALLBACK, ctypes.c_void_p(_ABORT_ADDRESS))
+class DecodeStop:
+    """A context's own stop byte, for stopping its decode in flight and no other work (the
+    server's scheduler: a step given up so that a new request joins the next one at once);
+    ``request_abort`` sets it too, so Ctrl+C stops that context as it stops every other."""
+
+    def __init__(self) -> None:
+        self.byte = ctypes.create_string_buffer(2)  # as ``_ABORT``: b"x" stops
+        with _STOPS_LOCK:
+            _STOPS.add(self)
+        if abort_requested():
+            self.byte[0] = b"x"
+
+    def set(self) -> None:
+        """Stop the context's decode in flight (any thread); ``clear`` before the next."""
+        self.byte[0] = b"x"
+
+    def clear(self) -> None:
+        """Let the context decode again, unless all of llama.cpp's work is to stop."""
+        if not abort_requested():
+            self.byte[0] = b"\0"
+
+    @property
+    def is_set(self) -> bool:
+        return self.byte.raw[0] != 0
+
+
+_STOPS: weakref.WeakSet[DecodeStop] = weakref.WeakSet()
+_STOPS_LOCK = threading.Lock()
+
+
+def watch_abort(ctx: Any, stop: DecodeStop | None = None) -> None:
+    """Make ``request_abort`` stop this context's decodes between two graph nodes (and
+    ``stop``, where given, stop them on its own)."""
+    address = _ABORT_ADDRESS if stop is None else ctypes.addressof(stop.byte)
+    llama_cpp.llama_set_abort_callback(ctx, _ABORT_CALLBACK, ctypes.c_void_p(address))
 
 
 def _load_step(progress: float, user_data: ctypes.c_void_p) -> bool:
