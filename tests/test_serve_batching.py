@@ -14,11 +14,13 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
+import llama_cpp
 import pytest
 
 from localchat.backends.base import Sampling
 from localchat.backends.llama.batch import Chunk, SequenceBatch, StepInterrupted
 from localchat.backends.llama.engine import Engine, LoadOptions
+from localchat.backends.llama.runtime import last_error_line
 from localchat.chat.template import ChatMessage
 from localchat.server.app import BackgroundServer
 from localchat.server.runner import ModelRunner
@@ -163,6 +165,55 @@ def test_a_step_given_up_midway_keeps_nothing_and_the_replies_go_on_exactly(
         engine.close()
 
 
+def test_a_step_stopped_in_a_later_micro_batch_keeps_none_of_it(smollm2: Path) -> None:
+    """Sequences adding unequal runs split a step into micro-batches; stopped in the last,
+    llama.cpp keeps those before it, and the batch cuts them: each cache ends where it was,
+    and the step taken again reads what it reads uninterrupted."""
+    engine = Engine(smollm2, LoadOptions(n_ctx=2048, n_threads=2, kv_type="q8_0", n_ubatch=4))
+    batch = SequenceBatch(engine, 2, 1024)
+    calls, stop_at = [0], [0]
+
+    @llama_cpp.ggml_abort_callback
+    def counting(_data: object) -> bool:  # asked after every graph node
+        calls[0] += 1
+        return bool(stop_at[0]) and calls[0] >= stop_at[0]
+
+    try:
+        prompts = [engine.prompt_tokens([ChatMessage("user", q)]) for q in QUESTIONS[:2]]
+        batch.decode([Chunk(seq, prompt) for seq, prompt in enumerate(prompts)])
+        llama_cpp.llama_set_abort_callback(batch._ctx, counting, None)
+        sampler = batch.sampler(Sampling(temperature=0.0))
+        held = [len(tokens) for tokens in batch.tokens]
+
+        def step(chunks: list[Chunk]) -> tuple[int, list[int]]:
+            calls[0] = 0
+            rows = batch.decode(chunks)
+            picked = [batch.sample(sampler, row) for seq in sorted(rows) for row in rows[seq]]
+            for seq, length in enumerate(held):
+                batch.cut(seq, length)
+            return calls[0], picked
+
+        one_token, _ = step([Chunk(0, [prompts[0][-1]])])
+        unequal = [Chunk(0, [prompts[0][-1]]), Chunk(1, prompts[0][-7:], every=True)]
+        nodes, picked = step(unequal)
+        assert nodes > 1.5 * one_token  # several micro-batches' graphs
+        stop_at[0], calls[0] = nodes - 1, 0  # in the last micro-batch's graph
+        batch.interrupt()  # (its own byte is not asked here: the decode says why it stopped)
+        with pytest.raises(StepInterrupted):
+            batch.decode(unequal)
+        assert "failed" not in last_error_line()  # not a failure a later error would name
+        assert [len(tokens) for tokens in batch.tokens] == held
+        for seq, length in enumerate(held):  # llama.cpp's cache ends there too
+            assert llama_cpp.llama_memory_seq_pos_max(batch._memory, seq) == length - 1
+        batch.clear_interrupt()
+        stop_at[0] = 0
+        assert step(unequal) == (nodes, picked)
+        sampler.close()
+    finally:
+        batch.close()
+        engine.close()
+
+
 def test_requests_that_arrive_while_a_reply_streams_leave_it_exact(
     served3: Served, smollm2: Path
 ) -> None:
@@ -195,7 +246,7 @@ def test_requests_that_arrive_while_a_reply_streams_leave_it_exact(
     assert scheduler.interrupted_steps >= 3, f"{refused} requests stopped no step"
     metrics = httpx.get(f"{served3.root}/metrics").text
     assert f"localchat:steps_interrupted_total {scheduler.interrupted_steps}" in metrics
-    assert served3.runner.counters.queued == 0
+    assert served3.runner.counters.queued == 0 and scheduler.preparing == 0
     plain = _plain_reply(smollm2, [ChatMessage("user", question)], 300)
     assert "".join(pieces) == plain
 

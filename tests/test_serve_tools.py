@@ -135,7 +135,8 @@ def test_bad_tool_requests_are_one_line_errors(served: Served) -> None:
     for stream in (False, True):
         message = refused(tools=[odd], tool_choice="required", stream=stream)
         assert "cannot be turned into a grammar" in message and "\n" not in message
-    assert served.runner.counters.queued == 0 and served.runner.counters.running == 0
+    counters = served.runner.counters
+    assert counters.queued == 0 and counters.running == 0 and served.runner.scheduler.preparing == 0
     assert "required needs tools" in refused(tool_choice="required")
     assert "tool_call_id" in refused(messages=[{"role": "tool", "content": "x"}])
     bad_arguments = [{"role": "assistant", "content": None, "tool_calls": [

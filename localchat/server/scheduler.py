@@ -129,7 +129,8 @@ class Scheduler:
         self._closing = False
         # Prompt lookup drafts where the engine drafts (exact where its kernels are): each
         # sequence's acceptance its own, what a step of n tokens costs shared by all.
-        # (Not over a window cache: its rejected cells cannot always be cut back exactly.)
+        # (Not where a step's cells cannot be cut back exactly: a window cache, a recurrent
+        # state.)
         self.drafting = self.engine.drafting and self.engine.cuts_back
         self._step_costs = DraftPolicy(max_step=batch.capacity)
 
@@ -140,7 +141,7 @@ class Scheduler:
         with self._lock:
             self._preparing += 1
             self._arrivals += 1
-            if self._interruptible and self._has_room():
+            if self._interruptible and self._has_room(self._preparing - 1):
                 self._interruptible = False
                 self.batch.interrupt()
 
@@ -150,9 +151,17 @@ class Scheduler:
             self._preparing -= 1
             self._queued.notify_all()
 
-    def _has_room(self) -> bool:
-        """Whether a sequence is free for one more job (with the lock held)."""
-        return len(self._running) + len(self._waiting) + len(self._inbox) < self.batch.n_seq
+    def _has_room(self, ahead: int = 0) -> bool:
+        """Whether a sequence is free for one more job after ``ahead`` others being made
+        ready (with the lock held)."""
+        taken = len(self._running) + len(self._waiting) + len(self._inbox) + ahead
+        return taken < self.batch.n_seq
+
+    @property
+    def preparing(self) -> int:
+        """Requests admitted whose prompt is still being made (``expect``)."""
+        with self._lock:
+            return self._preparing
 
     def answer(self, job: Job) -> TurnStats:
         """Queue ``job`` (one ``expect`` said would come) and wait for its reply (on the
@@ -197,6 +206,7 @@ class Scheduler:
         still saved); returns once the loop has let go of the compute thread."""
         with self._lock:
             self._closing = True
+            self._queued.notify_all()  # the loop stops waiting for arrivals
             jobs = [*self._inbox, *(r.job for r in list(self._running.values()))]
         for job in jobs:
             job.cancel.set()
@@ -243,7 +253,9 @@ class Scheduler:
             return
         self._awaited = self._arrivals
         if self._has_room():
-            self._queued.wait_for(lambda: not self._preparing or self._inbox, PREPARE_WAIT_S)
+            self._queued.wait_for(
+                lambda: not self._preparing or self._inbox or self._closing, PREPARE_WAIT_S
+            )
 
     def _fail(self, job: Job, exc: BaseException) -> None:
         job.error = exc

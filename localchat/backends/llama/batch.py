@@ -26,7 +26,9 @@ from localchat.backends.llama.grammar import GrammarError, checked_grammar
 from localchat.backends.llama.runtime import (
     DecodeStop,
     abort_requested,
+    forget_log_since,
     last_error_line,
+    log_position,
     watch_abort,
 )
 from localchat.errors import ModelLoadError
@@ -170,13 +172,17 @@ class SequenceBatch:
                 batch.logits[n - 1] = True
                 rows[chunk.seq] = [n - 1]
         batch.n_tokens = n
+        logged = log_position()
         status = llama_cpp.llama_decode(self._ctx, batch)
         if status != 0:
             if abort_requested():
                 raise KeyboardInterrupt
-            for chunk in chunks:  # none of a failed step's tokens stay (an interrupted step
-                self.cut(chunk.seq, len(self.tokens[chunk.seq]))  # keeps its whole ubatches)
+            # None of a failed step's tokens stay: llama.cpp drops the micro-batch that
+            # failed, not those before it (a step splits where sequences add unequal runs).
+            for chunk in chunks:
+                self.cut(chunk.seq, len(self.tokens[chunk.seq]))
             if status == 2 and self._stop.is_set:
+                forget_log_since(logged)  # not a failure
                 raise StepInterrupted("the step was stopped midway (``interrupt``)")
             if status == 1:
                 raise BatchFull("no room in the KV cache for this step")

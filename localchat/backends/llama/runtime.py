@@ -22,6 +22,7 @@ import llama_cpp
 # llama.cpp's log lines, kept (not printed) so a failure can name its cause in one line.
 _LOG_LINES: deque[str] = deque(maxlen=64)
 _LOG_LOCK = threading.Lock()
+_LOGGED = [0]  # lines logged (less those forgotten): a position in the log
 
 
 # Lines where llama.cpp says what it allocated, kept whole from the last load.
@@ -34,6 +35,7 @@ def _log_line(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
         line = text.decode("utf-8", errors="replace")
         with _LOG_LOCK:
             _LOG_LINES.append(line)
+            _LOGGED[0] += 1
             if _BUFFER_LINE_RE.search(line):
                 _BUFFER_LINES.append(line)
     except KeyboardInterrupt:
@@ -57,7 +59,7 @@ def request_abort() -> None:
     """Stop llama.cpp's work in progress and refuse more: an interrupted load or evaluation
     raises ``KeyboardInterrupt`` (safe from any thread)."""
     _ABORT[0] = b"x"
-    with _STOPS_LOCK:
+    with _STOPS_LOCK:  # re-entrant: a second Ctrl+C's handler may run inside the first's
         stops = list(_STOPS)
     for stop in stops:
         stop.byte[0] = b"x"
@@ -117,9 +119,11 @@ class DecodeStop:
         self.byte[0] = b"x"
 
     def clear(self) -> None:
-        """Let the context decode again, unless all of llama.cpp's work is to stop."""
-        if not abort_requested():
-            self.byte[0] = b"\0"
+        """Let the context decode again, unless all of llama.cpp's work is to stop (asked
+        after the write: a ``request_abort`` meanwhile is not lost)."""
+        self.byte[0] = b"\0"
+        if abort_requested():
+            self.byte[0] = b"x"
 
     @property
     def is_set(self) -> bool:
@@ -127,7 +131,7 @@ class DecodeStop:
 
 
 _STOPS: weakref.WeakSet[DecodeStop] = weakref.WeakSet()
-_STOPS_LOCK = threading.Lock()
+_STOPS_LOCK = threading.RLock()
 
 
 def watch_abort(ctx: Any, stop: DecodeStop | None = None) -> None:
@@ -153,6 +157,22 @@ _LOAD_PROGRESS = llama_cpp.llama_cpp.llama_progress_callback(_load_step)
 CALLBACK_CODES = frozenset(
     f.__code__ for f in (_log_line, _load_step, _abort_in_python, abort_requested)
 )
+
+
+def log_position() -> int:
+    """Where llama.cpp's log is now, for ``forget_log_since``."""
+    with _LOG_LOCK:
+        return _LOGGED[0]
+
+
+def forget_log_since(position: int) -> None:
+    """Drop the lines logged since ``position``: what llama.cpp says of a decode stopped on
+    purpose (three "failed" lines, the cells it removed) would otherwise be the cause that
+    ``last_error_line`` names for the next real failure."""
+    with _LOG_LOCK:
+        for _ in range(min(_LOGGED[0] - position, len(_LOG_LINES))):
+            _LOG_LINES.pop()
+        _LOGGED[0] = min(_LOGGED[0], position)
 
 
 def last_error_line() -> str:
