@@ -334,6 +334,17 @@ def test_the_cli_serves_and_stops_on_a_signal_after_its_saves(
         body = {"messages": [{"role": "user", "content": QUESTION}], "max_tokens": 80}
         answer = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=body, timeout=120)
         assert answer.json()["usage"]["completion_tokens"] > 0
+        if stop == signal.SIGINT:  # Ctrl+C under a streaming reply: its client is told why
+            body |= {"max_tokens": 600, "stream": True}
+            with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/chat/completions",
+                              json=body, timeout=120) as reply:  # fmt: skip
+                events = reply.iter_lines()
+                while '"content"' not in next(events):
+                    pass
+                process.send_signal(stop)
+                data = [line for line in events if line.startswith("data: {")]
+            error = json.loads(data[-1][6:])["error"]
+            assert error["message"] == "the server was stopped (Ctrl+C) before the reply ended"
     finally:
         process.send_signal(stop)
         exited = process.wait(timeout=30)

@@ -15,8 +15,8 @@ from localchat.errors import UsageError
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 KEY_ENV = "LOCALCHAT_API_KEY"
-STOP_GRACE_S = 20
-OWN_CELLS = 256  # the engine's own context: it only warms the model up  # replies under way get this long to end when the server is stopped
+STOP_GRACE_S = 20  # replies under way get this long to end when the server is stopped
+OWN_CELLS = 256  # the engine's own context: it only warms the model up
 
 
 def check_exposure(host: str, api_key: str | None, no_auth: bool) -> None:

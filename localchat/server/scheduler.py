@@ -179,6 +179,9 @@ class Scheduler:
         job.done.wait()
         if isinstance(job.error, GrammarError):  # what the request asked for
             raise ApiError(400, str(job.error), code="invalid_value")
+        if isinstance(job.error, KeyboardInterrupt):  # Ctrl+C in the server's terminal
+            raise ApiError(503, "the server was stopped (Ctrl+C) before the reply ended",
+                           "server_busy", "stopping")  # fmt: skip
         if job.error is not None:  # one exception per request, not one shared by all
             error = job.error
             raise RuntimeError(f"{type(error).__name__}: {error}") from error
