@@ -41,3 +41,13 @@ def test_ruff_lint_and_format_are_clean() -> None:
 def test_mypy_on_the_runtime_is_clean() -> None:
     result = subprocess.run([_tool("mypy")], cwd=ROOT, capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_modules_stay_small_and_the_app_composes() -> None:
+    """A module has one job: none past ~600 lines; the app only composes its screens."""
+    sizes = {
+        path.relative_to(ROOT).as_posix(): len(path.read_text().splitlines())
+        for path in (ROOT / "localchat").rglob("*.py")
+    }
+    assert {name: lines for name, lines in sizes.items() if lines > 600} == {}
+    assert sizes["localchat/tui/app.py"] <= 500

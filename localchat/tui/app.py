@@ -8,8 +8,6 @@ only post typed messages; every widget change happens on the app's thread.
 from __future__ import annotations
 
 import asyncio
-import gc
-import signal
 import threading
 import time
 from collections.abc import Iterable
@@ -40,6 +38,7 @@ from localchat.tui.messages import (
     StartupStep,
     StartupWarning,
 )
+from localchat.tui.process import exit_on_signals, freeze_long_lived
 from localchat.tui.screens.chat import ChatScreen
 from localchat.tui.screens.help import HelpScreen
 from localchat.tui.screens.no_model import NoModelScreen
@@ -360,7 +359,7 @@ class LocalChatApp(ReportsWorkerFailures, App[int]):
         panel.show_turn_start(f"{done} in {message.load_s:.2f} s")
         if not self._heap_frozen:
             self._heap_frozen = True
-            _freeze_long_lived()
+            freeze_long_lived()
         await self.chat.open_conversation(name)
 
     def on_model_load_failed(self, message: ModelLoadFailed) -> None:
@@ -459,24 +458,6 @@ class LocalChatApp(ReportsWorkerFailures, App[int]):
             self.session.close(QUIT_WAIT_S, quitting=True)
 
 
-def _freeze_long_lived() -> None:
-    """Move what is alive once the first model is up (modules, the app and its screens, the
-    model's vocabulary) out of the garbage collector's reach. Otherwise every full collection
-    walks all of it: one fell into the last frame of a fast reply and made a 16 ms frame take
-    60, taken from generation on a 2-core machine. Objects frozen now that die later are
-    still freed by their reference counts; only a cycle among them would stay."""
-    gc.collect()
-    gc.freeze()
-
-
-def _exit_on_signals(app: LocalChatApp) -> None:
-    """SIGTERM and SIGHUP (the terminal closed) quit as Ctrl+Q does: the reply is kept."""
-    for name in ("SIGTERM", "SIGHUP"):
-        number = getattr(signal, name, None)
-        if number is not None:
-            signal.signal(number, lambda _signum, _frame: app.exit())
-
-
 def run_app(
     model_path: Path | None = None,
     n_ctx: int | None = None,
@@ -499,6 +480,6 @@ def run_app(
         speculative=speculative,
         draft_model=draft_model,
     )
-    _exit_on_signals(app)
+    exit_on_signals(app.exit)
     app.run()
     return app.return_code or 0
