@@ -118,8 +118,7 @@ class Scheduler:
         self._waiting: deque[Job] = deque()  # taken from the inbox, no sequence free yet
         self._looping = False
         self._preparing = 0  # admitted requests not yet handed in (``expect``)
-        self._arrivals = 0  # of all time, and those the loop has waited for:
-        self._awaited = 0  # it waits once an arrival, not at every step
+        self._arrived = False  # one came since the loop last waited (it waits once for it)
         self._interruptible = False  # a generating step is in flight: it may be given up
         self._redo = False  # the step was given up once: the next runs whole
         self.interrupted_steps = 0  # given up for an arrival, since the start (/metrics)
@@ -140,7 +139,7 @@ class Scheduler:
         is free for it, the generating step in flight stops and the loop waits for it."""
         with self._lock:
             self._preparing += 1
-            self._arrivals += 1
+            self._arrived = True
             if self._interruptible and self._has_room(self._preparing - 1):
                 self._interruptible = False
                 self.batch.interrupt()
@@ -252,9 +251,9 @@ class Scheduler:
         """With the lock held, before a step of running sequences: where requests came since
         the last wait and a sequence is free for them, wait (``PREPARE_WAIT_S`` at most)
         until they are handed in, so that they join this step rather than a later one."""
-        if not self._running or self._arrivals == self._awaited:
+        if not self._running or not self._arrived:
             return
-        self._awaited = self._arrivals
+        self._arrived = False
         if self._has_room():
             self._queued.wait_for(
                 lambda: not self._preparing or self._inbox or self._closing, PREPARE_WAIT_S

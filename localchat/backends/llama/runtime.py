@@ -58,20 +58,21 @@ _ABORT_ADDRESS = ctypes.addressof(_ABORT)
 def request_abort() -> None:
     """Stop llama.cpp's work in progress and refuse more: an interrupted load or evaluation
     raises ``KeyboardInterrupt`` (safe from any thread)."""
-    _ABORT[0] = b"x"
-    with _STOPS_LOCK:  # re-entrant: a second Ctrl+C's handler may run inside the first's
-        stops = list(_STOPS)
-    for stop in stops:
-        stop.byte[0] = b"x"
+    _write_stop_bytes(b"x")
 
 
 def clear_abort() -> None:
     """Let llama.cpp work again."""
-    _ABORT[0] = b"\0"
-    with _STOPS_LOCK:
+    _write_stop_bytes(b"\0")
+
+
+def _write_stop_bytes(value: bytes) -> None:
+    """The global stop byte and every context's own (``DecodeStop``) set to ``value``."""
+    _ABORT[0] = value
+    with _STOPS_LOCK:  # re-entrant: a second Ctrl+C's handler may run inside the first's
         stops = list(_STOPS)
     for stop in stops:
-        stop.byte[0] = b"\0"
+        stop.byte[0] = value
 
 
 def abort_requested() -> bool:
