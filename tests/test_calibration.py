@@ -135,15 +135,19 @@ def test_esc_skips_the_calibration_and_plans_go_by_memory() -> None:
         cal.calibrate(app_paths().demo_models_dir, machine_name(), skip=skip)
 
 
+@pytest.mark.parametrize("full_at", ["the tiny model", "a speed model"])
 def test_a_full_disk_leaves_no_half_file_and_plans_go_by_memory(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, full_at: str
 ) -> None:
     import errno
     from pathlib import Path
 
     from localchat.models import demo
 
-    def full_disk(*args: object) -> None:
+    if full_at == "a speed model":  # the tiny model made: the scratch file fills the disk
+        demo.ensure_demo_model(app_paths().demo_models_dir, "tiny", "F16")
+
+    def full_disk(*args: object, **_kwargs: object) -> None:
         out = args[2]  # (shape, seed, out, ...): the file half written, then the disk full
         assert isinstance(out, Path)
         out.write_bytes(b"GGUF" + bytes(1000))
@@ -155,7 +159,8 @@ def test_a_full_disk_leaves_no_half_file_and_plans_go_by_memory(
     assert speed_model_or_none(app_paths(), said.append) is None
     assert len(said) == 1 and "No space left on device" in said[0]
     assert str(app_paths().demo_models_dir) in said[0] and "plans go by memory" in said[0]
-    assert not list(app_paths().demo_models_dir.rglob("*.gguf*"))  # nothing half written
+    made = [p.name for p in app_paths().demo_models_dir.glob("*")]
+    assert made == (["demo-tiny-F16-s0.gguf"] if full_at == "a speed model" else [])
     assert not app_paths().speed_calibration.exists()
 
 
@@ -170,7 +175,10 @@ def test_the_progress_counts_up_with_the_time_left(monkeypatch: pytest.MonkeyPat
     assert fractions == sorted(fractions) and fractions[-1] == 1.0
     assert all(s.step == 2 and s.steps == 3 and s.skippable for s in steps)
     assert any(s.eta_s is not None for s in steps[1:])
-    assert any("making the Q8_0 test model" in s.detail for s in steps)
+    assert any("making the tiny test model" in s.detail for s in steps)
+    assert any("Q8_0 weights, round 2" in s.detail for s in steps)
+    # Each type's file was written into one scratch file, gone now with the calibration.
+    assert [p.name for p in app_paths().demo_models_dir.iterdir()] == ["demo-tiny-F16-s0.gguf"]
     assert steps[-1].line().startswith("step 2/3 · measuring this machine's speed 100%")
 
 

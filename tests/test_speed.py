@@ -9,9 +9,10 @@ from pathlib import Path
 import pytest
 
 from localchat.cli.main import main
+from localchat.errors import UsageError
 from localchat.gguf.info import read_gguf
 from localchat.models import calibrate, timing_models
-from localchat.models.calibrate import calibration_files, solve_costs
+from localchat.models.calibrate import solve_costs
 from localchat.models.catalog import find_model, load_catalog
 from localchat.models.demo import make_demo_model
 from localchat.models.hardware import GPU_NVIDIA, Hardware
@@ -114,22 +115,48 @@ def test_a_models_step_curve_is_its_weight_types_and_fixed_part() -> None:
 def test_calibration_files_read_past_a_processor_cache_and_price_prompts(
     speed_calibration: SpeedModel, models_dir: Path
 ) -> None:
-    # The fixture's calibration made these files: each type's read at least 100 MB a token
-    # (smaller ones ran from a 480 MiB cache and timed fast by luck), and more on a machine of
-    # a bigger cache, in at least two layers.
-    for weight_type in ("F16", "Q8_0"):
-        info = read_gguf(calibration_files(models_dir / "calibration", (weight_type,))[weight_type])
-        assert sum(t.n_bytes for t in info.tensors) >= calibration_min_bytes()
-        assert info.n_layer >= 2
-        # A prompt token skips the output matrix and the last layer's feed-forward.
-        skipped = [
-            t for t in info.tensors
-            if t.ggml_type == weight_type
-            and (t.name == "output.weight" or t.name.startswith(f"blk.{info.n_layer - 1}.ffn_"))
-        ]  # fmt: skip
-        gen, prompt = token_work(info)[weight_type], token_work(info, prompt=True)[weight_type]
-        weighted = sum(t.n_bytes * (t.shape[0] + ROW_COST_WEIGHTS) / t.shape[0] for t in skipped)
-        assert gen - prompt == pytest.approx(weighted, rel=1e-6)
+    # The fixture's calibration read such files and left none behind: each type's reads at
+    # least 100 MB a token (smaller ones ran from a 480 MiB cache and timed fast by luck),
+    # and more on a machine of a bigger cache, in at least two layers.
+    assert not list((models_dir / "calibration").glob("*speed*"))
+    with timing_models.SpeedScratch(models_dir / "calibration") as scratch:
+        for weight_type in ("F16", "Q8_0"):
+            info = scratch.info(weight_type)
+            assert read_gguf(scratch.path).tensors == info.tensors  # the type it now holds
+            assert sum(t.n_bytes for t in info.tensors) >= calibration_min_bytes()
+            assert info.n_layer >= 2
+            # A prompt token skips the output matrix and the last layer's feed-forward.
+            skipped = [
+                t for t in info.tensors
+                if t.ggml_type == weight_type
+                and (t.name == "output.weight" or t.name.startswith(f"blk.{info.n_layer - 1}.ffn_"))
+            ]  # fmt: skip
+            gen = token_work(info)[weight_type]
+            prompt = token_work(info, prompt=True)[weight_type]
+            weighted = sum(
+                t.n_bytes * (t.shape[0] + ROW_COST_WEIGHTS) / t.shape[0] for t in skipped
+            )
+            assert gen - prompt == pytest.approx(weighted, rel=1e-6)
+
+
+def test_each_calibration_file_is_written_over_the_last_one(tmp_path: Path) -> None:
+    """One scratch file, rewritten in place for each type (its pages reused: fresh memory
+    costs a fault per page in a virtual machine), cut to the length of what it holds, and
+    gone when the calibration ends."""
+    with timing_models.SpeedScratch(tmp_path) as scratch:
+        path = scratch.holding("F16")
+        inode, f16_size = path.stat().st_ino, path.stat().st_size
+        assert scratch.holding("Q4_0") == path and path.stat().st_ino == inode
+        q4_0 = read_gguf(path)
+        assert {t.ggml_type for t in q4_0.tensors if len(t.shape) > 1} == {"Q4_0"}
+        end = q4_0.data_offset + max(t.offset + t.n_bytes for t in q4_0.tensors)
+        assert end <= path.stat().st_size < f16_size  # no F16 bytes left past its end
+        assert path.stat().st_mode & 0o077 == 0
+        assert scratch.info("F16").tensors[0].ggml_type == "F16"  # known without a write
+        assert read_gguf(path).tensors == q4_0.tensors
+    assert not path.exists()
+    with pytest.raises(UsageError, match="no speed model of 'IQ2_XS'"):
+        timing_models.SpeedScratch(tmp_path).holding("IQ2_XS")
 
 
 def test_calibration_files_outgrow_a_big_processor_cache(
@@ -138,15 +165,12 @@ def test_calibration_files_outgrow_a_big_processor_cache(
     # A 32 MiB cache: files of 100 MB and readings of 64 + 25 tokens, as always.
     monkeypatch.setattr(timing_models, "last_level_cache_bytes", lambda: 32 << 20)
     assert calibration_min_bytes() == CALIBRATION_MIN_BYTES
-    small_file = timing_models.speed_model_path(tmp_path, "Q4_0")
     small_layers = timing_models.calibration_shape("Q4_0").n_layer
     assert calibrate.reading_tokens() == (calibrate.PROMPT_TOKENS, calibrate.GEN_TOKENS)
-    # A shared 480 MiB one (a cloud Xeon): files of 40% of it, read in fewer, longer steps,
-    # under another name (a file made for the small cache is never read as one of these).
+    # A shared 480 MiB one (a cloud Xeon): files of 40% of it, read in fewer, longer steps.
     monkeypatch.setattr(timing_models, "last_level_cache_bytes", lambda: 480 << 20)
     assert calibration_min_bytes() == int(0.4 * (480 << 20))
     assert timing_models.calibration_shape("Q4_0").n_layer >= 2 * small_layers
-    assert timing_models.speed_model_path(tmp_path, "Q4_0") != small_file
     prompt, gen = calibrate.reading_tokens()
     assert calibrate.MIN_PROMPT_TOKENS <= prompt < calibrate.PROMPT_TOKENS
     assert calibrate.MIN_GEN_TOKENS <= gen < calibrate.GEN_TOKENS
@@ -155,16 +179,32 @@ def test_calibration_files_outgrow_a_big_processor_cache(
         calibrate.PROMPT_TOKENS,
         calibrate.GEN_TOKENS,
     )
-    # A reported cache of gigabytes (a hypervisor's whole host) does not make 9 such files.
+    # A reported cache of gigabytes (a hypervisor's whole host) does not make such files.
     monkeypatch.setattr(timing_models, "last_level_cache_bytes", lambda: 8 << 30)
     assert calibration_min_bytes() == timing_models.CALIBRATION_MAX_BYTES
-    # The files made for the other cache (or an older shape) are deleted; others stay.
-    stale = [small_file, tmp_path / "speed-1536x8960-Q4_0.gguf"]
-    kept = [timing_models.speed_model_path(tmp_path, "Q4_0"), tmp_path / "mix-0.5b-Q4_0.gguf"]
-    for path in stale + kept:
-        path.write_bytes(b"gguf")
-    timing_models.remove_stale_speed_models(tmp_path)
-    assert [p.exists() for p in stale + kept] == [False, False, True, True]
+
+
+def test_speed_models_left_behind_are_deleted(tmp_path: Path) -> None:
+    # Those earlier versions kept (nine, 100 MB or more each) and the scratch files of
+    # calibrations killed midway go; a running calibration's scratch and other models stay.
+    gone = tmp_path / f"{timing_models.SCRATCH_PREFIX}{_a_pid_not_running()}.gguf"
+    left = [tmp_path / "speed-1536x8960x24-Q4_0.gguf", tmp_path / "speed-1536x8960-F16.gguf", gone]
+    running = timing_models.SpeedScratch(tmp_path).path
+    kept = [
+        running,
+        tmp_path / "mix-0.5b-1024x4096-Q4_0-s0.gguf",
+        tmp_path / "demo-tiny-F16-s0.gguf",
+    ]
+    for path in left + kept:
+        path.write_bytes(b"GGUF")
+    timing_models.remove_left_speed_models(tmp_path)
+    assert [p.exists() for p in left + kept] == [False, False, False, True, True, True]
+
+
+def _a_pid_not_running() -> int:
+    import psutil
+
+    return next(pid for pid in range(10**6, 10**6 + 1000) if not psutil.pid_exists(pid))
 
 
 def test_a_prompt_token_costs_what_it_adds_to_a_batch() -> None:

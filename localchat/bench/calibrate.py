@@ -27,10 +27,10 @@ from localchat.models.calibrate import (
     CALIBRATION_TYPES,
     CalibrationUnsettled,
     calibrate,
-    calibration_files,
     keep_calibration,
 )
 from localchat.models.speed import STEP_SIZES, SpeedModel, machine_name, token_work
+from localchat.models.timing_models import SpeedScratch
 from localchat.paths import app_paths
 
 HOGS = 2
@@ -41,12 +41,18 @@ BUSY_ROUNDS = 2
 BUSY_LIMIT = 0.35
 
 
-def _predicted(speed: SpeedModel, files: dict[str, Path]) -> dict[str, float]:
+def _predicted(speed: SpeedModel, work: dict[str, dict[str, int]]) -> dict[str, float]:
     out: dict[str, float] = {}
     for quant in CALIBRATION_TYPES:
-        prediction = speed.predict(token_work(read_gguf(files[quant])))
+        prediction = speed.predict(work[quant])
         out[quant] = prediction.gen_tps if prediction else 0.0
     return out
+
+
+def _calibration_work(models: Path) -> dict[str, dict[str, int]]:
+    """What a token of each calibration file reads (each written once more for its header)."""
+    with SpeedScratch(models) as scratch:
+        return {quant: token_work(scratch.info(quant)) for quant in CALIBRATION_TYPES}
 
 
 def bench_calibrate(model_path: Path, progress: Callable[[str], None] | None) -> dict[str, Any]:
@@ -67,7 +73,6 @@ def bench_calibrate(model_path: Path, progress: Callable[[str], None] | None) ->
             for hog in hogs:
                 hog.kill()
                 hog.wait()
-        files = calibration_files(models, CALIBRATION_TYPES)
         result: dict[str, Any] = {
             "calibration_first_s": round(first_s, 1),
             "calibration_busy_saved": not isinstance(busy, str),
@@ -76,13 +81,14 @@ def bench_calibrate(model_path: Path, progress: Callable[[str], None] | None) ->
             result["calibration_idle_unsettled"] = first
             return result
         keep_calibration(app_paths(), first)  # the plan part predicts from it
-        calm = _predicted(first, files)
+        work = _calibration_work(models)
+        calm = _predicted(first, work)
         result["calibration_idle_gen_tps"] = {q: round(v, 1) for q, v in calm.items()}
         result.update(_step_curve_figures(first, model_path))
         if isinstance(busy, str):
             result["calibration_busy_ok"] = 1
             return result
-        loaded = _predicted(busy, files)
+        loaded = _predicted(busy, work)
         error = max(abs(loaded[q] - calm[q]) / calm[q] for q in calm)
         result["calibration_busy_gen_tps"] = {q: round(v, 1) for q, v in loaded.items()}
         result["calibration_busy_error"] = round(error, 3)

@@ -57,11 +57,7 @@ def bench_plan(model_path: Path, progress: Progress = None) -> dict[str, Any]:
     from localchat.models.calibrate import REFERENCE, speed_model
     from localchat.models.hardware import detect_hardware
     from localchat.models.planner import plan_file
-    from localchat.models.timing_models import (
-        ensure_mix_model,
-        make_speed_model,
-        speed_model_path,
-    )
+    from localchat.models.timing_models import SpeedScratch, ensure_mix_model
     from localchat.paths import app_paths
 
     paths = app_paths()
@@ -73,10 +69,8 @@ def bench_plan(model_path: Path, progress: Progress = None) -> dict[str, Any]:
         f"{shape} {quant}": ensure_mix_model(paths.demo_models_dir, shape, quant)
         for shape, quant in PLAN_MODELS
     }
-    reference = speed_model_path(paths.demo_models_dir, REFERENCE)
-    if not reference.exists():  # the calibration's files were its own (a scratch folder)
-        make_speed_model(reference, REFERENCE)
-    timed, references = _timed_models(files, reference, progress)
+    with SpeedScratch(paths.demo_models_dir) as scratch:
+        timed, references = _timed_models(files, scratch.holding(REFERENCE), progress)
     calibrated = speed.measured.get(REFERENCE, {}).get("gen_tps")
     host_speed = statistics.median(references) / calibrated if calibrated else 1.0
     _say(progress, f"plan: the reference reads at {host_speed:.2f}x its calibrated speed")

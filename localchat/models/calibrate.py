@@ -1,9 +1,9 @@
 """Measure this machine's speed per weight type, once, and keep it (``hw --calibrate``).
 
 Generated models of one shape, each with every matrix of one weight type (random blocks:
-speed does not depend on the values, so they are written in a blink, no quantizer), are run
-for a short prompt and a few tokens through llama.cpp; a tiny model gives the fixed cost of
-a token. Each file's time, less that fixed cost, over its bytes gives its type's cost per
+speed does not depend on the values, so they are written in a blink, no quantizer, each into
+one scratch file just before it is read), are run for a short prompt and a few tokens through
+llama.cpp; a tiny model gives the fixed cost of a token. Each file's time, less that fixed cost, over its bytes gives its type's cost per
 byte. The result is saved with the name of the machine it was measured on.
 
 Another program on the cores must not poison the figures for good, so the types are
@@ -30,7 +30,7 @@ import psutil
 
 from localchat.cpu import physical_cores
 from localchat.errors import LocalchatError, WorldError
-from localchat.gguf.info import read_gguf
+from localchat.gguf.info import GGUFInfo
 from localchat.models.speed import (
     STEP_SIZES,
     SpeedModel,
@@ -269,16 +269,6 @@ def read_speed(path: Path, name: str, threads: int) -> Reading:
     )
 
 
-def calibration_files(models_dir: Path, types: tuple[str, ...]) -> dict[str, Path]:
-    """Where each calibration model lives (the tiny one under ``OVERHEAD``)."""
-    from localchat.models.demo import demo_model_path
-    from localchat.models.timing_models import speed_model_path
-
-    files = {OVERHEAD: demo_model_path(models_dir, "tiny", "F16")}
-    files.update({t: speed_model_path(models_dir, t) for t in types})
-    return files
-
-
 def calibrate(
     models_dir: Path,
     machine: str,
@@ -296,17 +286,17 @@ def calibrate(
     :class:`CalibrationUnsettled` (``strict=False``: the best readings are fitted anyway, for
     tests that need real figures on a machine they keep busy). ``step`` is (this step, of
     how many) for the progress."""
-    from localchat.models.demo import ensure_demo_model
-    from localchat.models.timing_models import make_speed_model, remove_stale_speed_models
+    from localchat.models.demo import demo_model_path, ensure_demo_model
+    from localchat.models.timing_models import SpeedScratch, remove_left_speed_models
 
     types = types or CALIBRATION_TYPES
     max_rounds = max(MIN_ROUNDS, rounds or MAX_ROUNDS)
     threads = physical_cores()
-    files = calibration_files(models_dir, types)
-    names = list(files)
-    missing = [n for n, p in files.items() if not p.exists()]
-    # Making a model costs about half a reading; the bar counts both in those units.
-    countdown = Countdown(MAKE_COST * len(missing) + MIN_ROUNDS * len(names))
+    names = [OVERHEAD, *types]
+    tiny = demo_model_path(models_dir, "tiny", "F16")
+    # Making the tiny model costs about half a reading; the bar counts both in those units
+    # (a reading's own file is written in a tenth of one).
+    countdown = Countdown(MAKE_COST * (not tiny.exists()) + MIN_ROUNDS * len(names))
     done = 0.0
     shown = 0.0  # the bar never runs back when a round is added
 
@@ -331,50 +321,50 @@ def calibrate(
 
     prepare()  # llama.cpp's one-time set-up (a child process on AMX CPUs) before any reading
     if models_dir.is_dir():
-        remove_stale_speed_models(models_dir)  # best effort: a file it cannot delete stays
-    for name in missing:
-        report(f"making the {name} test model")
-        if name == OVERHEAD:
-            ensure_demo_model(models_dir, "tiny", "F16")
-        else:
-            make_speed_model(files[name], name)
+        remove_left_speed_models(models_dir)  # best effort: a file it cannot delete stays
+    if not tiny.exists():
+        report(f"making the {OVERHEAD} test model")
+        ensure_demo_model(models_dir, "tiny", "F16")
         done += MAKE_COST
-    taken: list[list[Reading]] = []
-    best: dict[str, Reading] | None = None
-    started = time.monotonic()
-    for index in range(max_rounds):
-        if index >= MIN_ROUNDS and time.monotonic() - started > BUDGET_S:
-            break
-        readings: list[Reading] = []
-        order = round_order(names, index)
-        if index >= MIN_ROUNDS:  # the files that settled are not read again (the reference
-            pending = set(unsettled(taken, names))  # is: it tells a round that drifted)
-            order = [n for n in order if n in pending or n == REFERENCE]
-        for name in order:
+    with SpeedScratch(models_dir) as scratch:
+        taken: list[list[Reading]] = []
+        best: dict[str, Reading] | None = None
+        started = time.monotonic()
+        for index in range(max_rounds):
             if index >= MIN_ROUNDS and time.monotonic() - started > BUDGET_S:
-                break  # a machine kept busy: the budget ends a round too
-            report(f"{name} weights, round {index + 1}")
-            reading = read_speed(files[name], name, threads)
-            readings.append(reading)
-            done += 1
-            if strict and name == REFERENCE and not _fair(reading):
-                break  # the round would be thrown away whole (clean_rounds): the next starts now
-        taken.append(readings)
-        best = settle(taken, names) if index + 1 >= MIN_ROUNDS else None
-        if best is not None:
-            break
-        more = len(unsettled(taken, names)) + 1 if index + 1 >= MIN_ROUNDS else len(names)
-        countdown.total = max(countdown.total, done + more)  # one more round
-    if best is None and not strict:
-        best = best_readings(taken, names)
-    if best is None:
-        raise CalibrationUnsettled(
-            f"this machine's speed could not be measured ({_why_unsettled(taken)}): plans go"
-            " by memory for now; `localchat hw --calibrate` measures again"
-        )
+                break
+            readings: list[Reading] = []
+            order = round_order(names, index)
+            if index >= MIN_ROUNDS:  # the files that settled are not read again (the
+                pending = set(unsettled(taken, names))  # reference is: it tells a drift)
+                order = [n for n in order if n in pending or n == REFERENCE]
+            for name in order:
+                if index >= MIN_ROUNDS and time.monotonic() - started > BUDGET_S:
+                    break  # a machine kept busy: the budget ends a round too
+                report(f"{name} weights, round {index + 1}")
+                path = tiny if name == OVERHEAD else scratch.holding(name)
+                reading = read_speed(path, name, threads)
+                readings.append(reading)
+                done += 1
+                if strict and name == REFERENCE and not _fair(reading):
+                    break  # the round would be thrown away whole (clean_rounds): next one now
+            taken.append(readings)
+            best = settle(taken, names) if index + 1 >= MIN_ROUNDS else None
+            if best is not None:
+                break
+            more = len(unsettled(taken, names)) + 1 if index + 1 >= MIN_ROUNDS else len(names)
+            countdown.total = max(countdown.total, done + more)  # one more round
+        if best is None and not strict:
+            best = best_readings(taken, names)
+        if best is None:
+            raise CalibrationUnsettled(
+                f"this machine's speed could not be measured ({_why_unsettled(taken)}):"
+                " plans go by memory for now; `localchat hw --calibrate` measures again"
+            )
+        infos = {t: scratch.info(t) for t in types}  # each read: its header is known
     done = countdown.total
     report("done")
-    return _fit(best, types, files, machine, threads)
+    return _fit(best, infos, machine, threads)
 
 
 def _why_unsettled(rounds: list[list[Reading]]) -> str:
@@ -399,14 +389,10 @@ def _why_unsettled(rounds: list[list[Reading]]) -> str:
 
 
 def _fit(
-    best: dict[str, Reading],
-    types: tuple[str, ...],
-    files: dict[str, Path],
-    machine: str,
-    threads: int,
+    best: dict[str, Reading], infos: dict[str, GGUFInfo], machine: str, threads: int
 ) -> SpeedModel:
     overhead = best[OVERHEAD]
-    infos = {t: read_gguf(files[t]) for t in types}
+    types = tuple(infos)
     gen = [(token_work(infos[t]), best[t].gen_s) for t in types]
     # A step of several tokens: each type's file's, less the tiny model's (its fixed part).
     steps = {

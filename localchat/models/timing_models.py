@@ -2,7 +2,7 @@
 
 How fast llama.cpp reads a matrix, and how much memory it takes, depend on its type and shape,
 never on its values, so these files are written in a blink where a quantizer takes minutes:
-- the speed calibration's files, one weight type throughout (``make_speed_model``);
+- the speed calibration's files, one weight type throughout (``SpeedScratch``);
 - a demo shape at the exact type mix llama.cpp's quantizer gives a quant (``ensure_mix_model``:
   Q4_K_M is Q4_K with Q6_K in half the value and down projections, say, and falls back to
   Q5_0 where rows do not divide into k-quant blocks). The mix is read off a narrow twin of
@@ -13,21 +13,24 @@ never on its values, so these files are written in a blink where a quantizer tak
 from __future__ import annotations
 
 import math
+import os
 import tempfile
 from dataclasses import replace
 from pathlib import Path
 
+import psutil
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, LlamaFileType
 
 from localchat.cpu import last_level_cache_bytes
 from localchat.errors import UsageError
-from localchat.gguf.info import read_gguf
+from localchat.gguf.info import GGUFInfo, read_gguf
 from localchat.models.demo import (
     QUANTS,
     SHAPES,
     SPEED_TYPES,
     ModelShape,
     quantize_into,
+    write_over,
     write_staged,
 )
 
@@ -48,9 +51,8 @@ CALIBRATION_MIN_BYTES = 100_000_000
 # what one of 570 MB did, and every quantized 0.5b and 1b demo model (235-1,170 MB) predicted
 # 1.4-2x too fast (bench speed_prediction_max_error 0.42 and 1.005). Past 40% of the cache
 # (192 MB there, half as much again as the files that read fast) a file reads as a model of
-# a few hundred MB does; on a machine of a 32 MB cache it changes nothing. (Each file made
-# and read costs time in the first calibration, 20 s at most: at half the cache, 19.8 s in
-# two full bench runs.)
+# a few hundred MB does; on a machine of a 32 MB cache it changes nothing. (Each file's
+# bytes cost reading time in the first calibration, 20 s at most: 12.8 s there at 40%.)
 CACHE_SHARE = 0.4
 # ... but never more than this: nine files of it are made, a reported cache of gigabytes
 # (a hypervisor's whole host, a future part) would make each of them that large.
@@ -87,35 +89,65 @@ def _block_size(weight_type: str) -> tuple[int, int]:
     return GGML_QUANT_SIZES[GGMLQuantizationType[weight_type]]
 
 
-def speed_model_path(directory: Path, weight_type: str) -> Path:
-    """Where the speed model of one weight type is kept (the name changes with its shape and
-    layers, so files of an older shape, or sized for another cache, are never read as this)."""
-    shape = calibration_shape(weight_type)
-    return directory / f"speed-{shape.n_embd}x{shape.n_ff}x{shape.n_layer}-{weight_type}.gguf"
+SCRATCH_PREFIX = ".speed-calibration-"  # and the process id: two calibrations never share one
 
 
-def remove_stale_speed_models(directory: Path) -> None:
-    """Delete speed models no calibration here reads any more (of an older shape, or sized
-    for another cache): each is 100 MB or more of the user's disk."""
-    current = {speed_model_path(directory, t).name for t in SPEED_TYPES}
-    for path in directory.glob("speed-*.gguf"):
-        if path.name not in current:
-            try:
-                path.unlink(missing_ok=True)
-            except OSError:
-                continue  # a file it cannot delete (read-only) is left; it is never read
+class SpeedScratch:
+    """The calibration's one file on disk: each weight type's speed model (every matrix of
+    that type, its blocks random: written in a blink, no quantizer) is written into it in
+    turn, over the last one's bytes (``demo.write_over``), just before it is read. Deleted
+    when closed: nine files kept would hold 1-2 GB of the user's disk, and on a virtual
+    machine making nine fresh files took longer than reading them twice."""
+
+    def __init__(self, directory: Path) -> None:
+        self.path = directory / f"{SCRATCH_PREFIX}{os.getpid()}.gguf"
+        self.holds: str | None = None
+        self._infos: dict[str, GGUFInfo] = {}
+
+    def holding(self, weight_type: str) -> Path:
+        """The file, holding ``weight_type``'s speed model (written now unless it does)."""
+        if weight_type not in SPEED_TYPES:
+            raise UsageError(f"no speed model of {weight_type!r}; one of {', '.join(SPEED_TYPES)}")
+        if self.holds != weight_type:
+            self.holds = None  # a write that fails leaves no type named
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            file_type = LlamaFileType.MOSTLY_F16 if weight_type == "F16" else None
+            write_over(self.path, calibration_shape(weight_type), weight_type, file_type)
+            self.holds = weight_type
+            self._infos.setdefault(weight_type, read_gguf(self.path))
+        return self.path
+
+    def info(self, weight_type: str) -> GGUFInfo:
+        """``weight_type``'s speed model's header (written first if it never was)."""
+        if weight_type not in self._infos:
+            self.holding(weight_type)
+        return self._infos[weight_type]
+
+    def close(self) -> None:
+        self.holds = None
+        self.path.unlink(missing_ok=True)
+
+    def __enter__(self) -> SpeedScratch:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
-def make_speed_model(out: Path, weight_type: str, seed: int = 0) -> Path:
-    """A model whose every matrix is of one weight type, its blocks random: the calibration
-    times one type per file, and such a file is written in a blink (no quantizer)."""
-    if weight_type not in SPEED_TYPES:
-        raise UsageError(f"no speed model of {weight_type!r}; one of {', '.join(SPEED_TYPES)}")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    file_type = LlamaFileType.MOSTLY_F16 if weight_type == "F16" else None
-    write_staged(out, calibration_shape(weight_type), seed, weight_types=weight_type,
-                 file_type=file_type)  # fmt: skip
-    return out
+def remove_left_speed_models(directory: Path) -> None:
+    """Delete the speed models left in ``directory``: those earlier versions kept (100 MB or
+    more each, nine of them) and the scratch files of calibrations that were killed (their
+    process is gone)."""
+    left = list(directory.glob("speed-*.gguf"))
+    for path in directory.glob(f"{SCRATCH_PREFIX}*.gguf"):
+        pid = path.name.removeprefix(SCRATCH_PREFIX).removesuffix(".gguf")
+        if not (pid.isdigit() and psutil.pid_exists(int(pid))):
+            left.append(path)
+    for path in left:
+        try:
+            path.unlink(missing_ok=True)
+        except OSError:
+            continue  # a file it cannot delete (read-only) is left; it is never read
 
 
 # A k-quant block's weights, and the legacy quants' (Q8_0, Q5_0, Q4_0): a row that does not
