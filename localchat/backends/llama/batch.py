@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 import llama_cpp
 
 from localchat.backends.base import Sampling
-from localchat.backends.llama.cache import state_buffer
+from localchat.backends.llama.cache import state_pointer
 from localchat.backends.llama.grammar import GrammarError, checked_grammar
 from localchat.backends.llama.runtime import (
     DecodeStop,
@@ -260,7 +260,7 @@ class SequenceBatch:
         self.cut(seq, 0)
         if len(tokens) > self.n_ctx_seq:
             return False
-        read = llama_cpp.llama_state_seq_set_data(self._ctx, state_buffer(data), len(data), seq)
+        read = llama_cpp.llama_state_seq_set_data(self._ctx, state_pointer(data), len(data), seq)
         if read != len(data):
             self.cut(seq, 0)
             return False

@@ -9,23 +9,23 @@ import bisect
 import ctypes
 import itertools
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import llama_cpp
+import numpy as np
 
 from localchat.backends.llama.recording import RecordingLlama
 from localchat.chat.prompt import common_prefix
 from localchat.errors import ModelLoadError
 
 
-def state_buffer(data: bytes | memoryview) -> ctypes.Array[ctypes.c_uint8]:
-    """A saved state's bytes as the buffer llama.cpp reads: a writable view (a state file's
-    private mapping, ``state.kvstate.read_state``) handed on without a copy; anything else
-    copied. A copy of a 2,000-token state of SmolLM2 is 45 MB of fresh memory: 30-34 ms here,
-    where the whole restore (mapping, checksum, llama.cpp's own copy) takes ~70 ms."""
-    array_type = ctypes.c_uint8 * len(data)
-    if isinstance(data, memoryview) and not data.readonly:
-        return array_type.from_buffer(data)
-    return array_type.from_buffer_copy(data)
+def state_pointer(data: bytes | memoryview) -> Any:
+    """A saved state's bytes as the pointer llama.cpp reads them from, without a copy, also
+    of a read-only buffer (a state file's mapping, ``state.kvstate.read_state``): numpy takes
+    any buffer's address, and the pointer keeps the buffer alive. A copy of a 2,000-token
+    state of SmolLM2 is 45 MB of fresh memory: 30-34 ms here, where the whole restore
+    (mapping, checksum, llama.cpp's own copy) takes ~70 ms."""
+    return np.frombuffer(data, dtype=np.uint8).ctypes.data_as(ctypes.POINTER(ctypes.c_uint8))
 
 
 class ReplayStopped(Exception):
@@ -221,7 +221,7 @@ class KVCache:
         view of a bytearray) is handed to llama.cpp without a copy.
         """
         self.reset()
-        read = llama_cpp.llama_state_seq_set_data(self._llm.ctx, state_buffer(data), len(data), 0)
+        read = llama_cpp.llama_state_seq_set_data(self._llm.ctx, state_pointer(data), len(data), 0)
         if read != len(data) or len(tokens) > self.n_ctx:
             self.reset()
             return False
