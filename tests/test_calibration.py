@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import random
 import threading
+from pathlib import Path
 
 import pytest
 
@@ -162,6 +163,21 @@ def test_a_full_disk_leaves_no_half_file_and_plans_go_by_memory(
     made = [p.name for p in app_paths().demo_models_dir.glob("*")]
     assert made == (["demo-tiny-F16-s0.gguf"] if full_at == "a speed model" else [])
     assert not app_paths().speed_calibration.exists()
+
+
+def test_esc_midway_leaves_no_test_model_behind(monkeypatch: pytest.MonkeyPatch) -> None:
+    skip = threading.Event()
+    real_read = cal.read_speed
+
+    def read_then_esc(path: object, name: str, threads: int) -> Reading:
+        skip.set()  # pressed while the scratch file holds a type's model
+        assert isinstance(path, Path) and path.exists()
+        return real_read(path, name, threads)
+
+    monkeypatch.setattr(cal, "read_speed", read_then_esc)
+    with pytest.raises(CalibrationSkipped):
+        cal.calibrate(app_paths().demo_models_dir, machine_name(), types=("Q8_0",), skip=skip)
+    assert [p.name for p in app_paths().demo_models_dir.iterdir()] == ["demo-tiny-F16-s0.gguf"]
 
 
 def test_the_progress_counts_up_with_the_time_left(monkeypatch: pytest.MonkeyPatch) -> None:

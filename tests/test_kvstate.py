@@ -39,6 +39,24 @@ def test_round_trip_and_layout(tmp_path: Path) -> None:
     assert loaded.payload == bytes([7]) * 5000
 
 
+def test_a_restore_hands_llama_cpp_the_mapped_file_without_a_copy(tmp_path: Path) -> None:
+    """The payload is a read-only view of the file's mapping (a private writable one was
+    copied whole when pre-faulted), and llama.cpp gets that memory's own address."""
+    import ctypes
+
+    import numpy as np
+
+    from localchat.backends.llama.cache import state_pointer
+
+    payload = bytes(range(256)) * 4096
+    loaded = read_state(StateStore(tmp_path).save("conv", SavedState(KEY, [1, 2], payload)), KEY)
+    assert isinstance(loaded.payload, memoryview) and loaded.payload.readonly
+    pointer = state_pointer(loaded.payload)
+    address = np.frombuffer(loaded.payload, dtype=np.uint8).__array_interface__["data"][0]
+    assert ctypes.addressof(pointer.contents) == address
+    assert ctypes.string_at(pointer, len(payload)) == payload
+
+
 @pytest.mark.parametrize(
     ("other", "reason"),
     [

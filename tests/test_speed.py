@@ -14,7 +14,7 @@ from localchat.gguf.info import read_gguf
 from localchat.models import calibrate, timing_models
 from localchat.models.calibrate import solve_costs
 from localchat.models.catalog import find_model, load_catalog
-from localchat.models.demo import make_demo_model
+from localchat.models.demo import make_demo_model, write_staged
 from localchat.models.hardware import GPU_NVIDIA, Hardware
 from localchat.models.planner import plan_catalog, plan_file, plan_model, sized_candidates
 from localchat.models.speed import (
@@ -144,7 +144,11 @@ def test_each_calibration_file_is_written_over_the_last_one(tmp_path: Path) -> N
     costs a fault per page in a virtual machine), cut to the length of what it holds, and
     gone when the calibration ends."""
     with timing_models.SpeedScratch(tmp_path) as scratch:
-        path = scratch.holding("F16")
+        path = scratch.holding("Q2_K")
+        path = scratch.holding("F16")  # grown over a smaller one: as if written afresh
+        fresh = tmp_path / "fresh.gguf"
+        write_staged(fresh, timing_models.calibration_shape("F16"), 0, weight_types="F16")
+        assert path.read_bytes() == fresh.read_bytes()
         inode, f16_size = path.stat().st_ino, path.stat().st_size
         assert scratch.holding("Q4_0") == path and path.stat().st_ino == inode
         q4_0 = read_gguf(path)
@@ -186,25 +190,28 @@ def test_calibration_files_outgrow_a_big_processor_cache(
 
 def test_speed_models_left_behind_are_deleted(tmp_path: Path) -> None:
     # Those earlier versions kept (nine, 100 MB or more each) and the scratch files of
-    # calibrations killed midway go; a running calibration's scratch and other models stay.
-    gone = tmp_path / f"{timing_models.SCRATCH_PREFIX}{_a_pid_not_running()}.gguf"
-    left = [tmp_path / "speed-1536x8960x24-Q4_0.gguf", tmp_path / "speed-1536x8960-F16.gguf", gone]
-    running = timing_models.SpeedScratch(tmp_path).path
-    kept = [
-        running,
-        tmp_path / "mix-0.5b-1024x4096-Q4_0-s0.gguf",
-        tmp_path / "demo-tiny-F16-s0.gguf",
-    ]
-    for path in left + kept:
+    # calibrations killed midway (no lock held) go; a running calibration's scratch (locked)
+    # and other models stay.
+    killed = tmp_path / f"{timing_models.SCRATCH_PREFIX}0123456789ab.gguf"
+    left = [tmp_path / "speed-1536x8960x24-Q4_0.gguf", tmp_path / "speed-1536x8960-F16.gguf"]
+    kept = [tmp_path / "mix-0.5b-1024x4096-Q4_0-s0.gguf", tmp_path / "demo-tiny-F16-s0.gguf"]
+    for path in [*left, killed, *kept]:
         path.write_bytes(b"GGUF")
-    timing_models.remove_left_speed_models(tmp_path)
-    assert [p.exists() for p in left + kept] == [False, False, False, True, True, True]
+    with timing_models.SpeedScratch(tmp_path) as running:
+        running.holding("Q2_K")
+        timing_models.remove_left_speed_models(tmp_path)
+        assert running.path.exists() and read_gguf(running.path).tensors
+    assert [p.exists() for p in [*left, killed, *kept]] == [False, False, False, True, True]
 
 
-def _a_pid_not_running() -> int:
-    import psutil
-
-    return next(pid for pid in range(10**6, 10**6 + 1000) if not psutil.pid_exists(pid))
+def test_a_saved_calibration_still_clears_what_earlier_versions_kept() -> None:
+    paths = app_paths()
+    _speed(Q4_K=1.0).save(paths.speed_calibration)
+    paths.demo_models_dir.mkdir(parents=True, exist_ok=True)
+    kept_by_an_older_version = paths.demo_models_dir / "speed-1536x8960x24-Q8_0.gguf"
+    kept_by_an_older_version.write_bytes(b"GGUF")
+    assert calibrate.speed_model(paths).gen_s_per_byte == {"Q4_K": 1.0 * NS}
+    assert not kept_by_an_older_version.exists()
 
 
 def test_a_prompt_token_costs_what_it_adds_to_a_batch() -> None:

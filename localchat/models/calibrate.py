@@ -3,8 +3,9 @@
 Generated models of one shape, each with every matrix of one weight type (random blocks:
 speed does not depend on the values, so they are written in a blink, no quantizer, each into
 one scratch file just before it is read), are run for a short prompt and a few tokens through
-llama.cpp; a tiny model gives the fixed cost of a token. Each file's time, less that fixed cost, over its bytes gives its type's cost per
-byte. The result is saved with the name of the machine it was measured on.
+llama.cpp; a tiny model gives the fixed cost of a token. Each file's time, less that fixed
+cost, over its bytes gives its type's cost per byte. The result is saved with the name of
+the machine it was measured on.
 
 Another program on the cores must not poison the figures for good, so the types are
 measured in rounds, each round in a new order (contention then slows a different type each
@@ -294,9 +295,9 @@ def calibrate(
     threads = physical_cores()
     names = [OVERHEAD, *types]
     tiny = demo_model_path(models_dir, "tiny", "F16")
-    # Making the tiny model costs about half a reading; the bar counts both in those units
-    # (a reading's own file is written in a tenth of one).
-    countdown = Countdown(MAKE_COST * (not tiny.exists()) + MIN_ROUNDS * len(names))
+    # Making the tiny model, or the scratch file's first model (fresh memory: 1.5 s where a
+    # rewrite takes 0.08), costs about half a reading; the bar counts both in those units.
+    countdown = Countdown(MAKE_COST * (1 + (not tiny.exists())) + MIN_ROUNDS * len(names))
     done = 0.0
     shown = 0.0  # the bar never runs back when a round is added
 
@@ -327,6 +328,10 @@ def calibrate(
         ensure_demo_model(models_dir, "tiny", "F16")
         done += MAKE_COST
     with SpeedScratch(models_dir) as scratch:
+        first = next(n for n in round_order(names, 0) if n != OVERHEAD)
+        report(f"making the {first} test model")
+        scratch.holding(first)
+        done += MAKE_COST
         taken: list[list[Reading]] = []
         best: dict[str, Reading] | None = None
         started = time.monotonic()
@@ -431,6 +436,10 @@ def speed_model(
 ) -> SpeedModel:
     """This machine's calibration: the saved one, else (or ``again``) measured now and saved.
     Raises :class:`CalibrationUnsettled` (nothing saved) or :class:`CalibrationSkipped`."""
+    from localchat.models.timing_models import remove_left_speed_models
+
+    if paths.demo_models_dir.is_dir():  # what earlier versions kept: 1-2 GB of disk
+        remove_left_speed_models(paths.demo_models_dir)
     if not again:
         saved = load_speed_model(paths.speed_calibration)
         if saved is not None:

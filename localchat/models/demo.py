@@ -354,8 +354,10 @@ class _InPlaceWriter(GGUFWriter):
 
     def close(self) -> None:
         for fout in self.fout or []:
-            fout.truncate(fout.tell())
-            fout.close()
+            try:
+                fout.truncate(fout.tell())
+            finally:
+                fout.close()
         self.fout = None
 
 
@@ -453,10 +455,12 @@ def _write_model(
             writer.add_tensor(f"blk.{i}.attn_k_norm.weight", norm(hd))
             writer.add_tensor(f"blk.{i}.post_attention_norm.weight", norm())
             writer.add_tensor(f"blk.{i}.post_ffw_norm.weight", norm())
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    try:
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+    finally:  # a full disk does not keep the file open (its space would come back late)
+        writer.close()
 
 
 def make_demo_model(

@@ -12,13 +12,15 @@ never on its values, so these files are written in a blink where a quantizer tak
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import math
 import os
+import secrets
 import tempfile
 from dataclasses import replace
 from pathlib import Path
 
-import psutil
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, LlamaFileType
 
 from localchat.cpu import last_level_cache_bytes
@@ -54,8 +56,8 @@ CALIBRATION_MIN_BYTES = 100_000_000
 # a few hundred MB does; on a machine of a 32 MB cache it changes nothing. (Each file's
 # bytes cost reading time in the first calibration, 20 s at most: 12.8 s there at 40%.)
 CACHE_SHARE = 0.4
-# ... but never more than this: nine files of it are made, a reported cache of gigabytes
-# (a hypervisor's whole host, a future part) would make each of them that large.
+# ... but never more than this: a reported cache of gigabytes (a hypervisor's whole host, a
+# future part) would make each of the nine files read that large.
 CALIBRATION_MAX_BYTES = 512_000_000
 
 
@@ -89,20 +91,22 @@ def _block_size(weight_type: str) -> tuple[int, int]:
     return GGML_QUANT_SIZES[GGMLQuantizationType[weight_type]]
 
 
-SCRATCH_PREFIX = ".speed-calibration-"  # and the process id: two calibrations never share one
+SCRATCH_PREFIX = ".speed-calibration-"  # and a random name: two calibrations never share one
 
 
 class SpeedScratch:
     """The calibration's one file on disk: each weight type's speed model (every matrix of
     that type, its blocks random: written in a blink, no quantizer) is written into it in
-    turn, over the last one's bytes (``demo.write_over``), just before it is read. Deleted
-    when closed: nine files kept would hold 1-2 GB of the user's disk, and on a virtual
-    machine making nine fresh files took longer than reading them twice."""
+    turn, over the last one's bytes (``demo.write_over``), just before it is read. Locked
+    while in use (``remove_left_speed_models`` leaves it alone) and deleted when closed:
+    nine files kept would hold 1-2 GB of the user's disk, and on a virtual machine making
+    nine fresh files took longer than reading them twice."""
 
     def __init__(self, directory: Path) -> None:
-        self.path = directory / f"{SCRATCH_PREFIX}{os.getpid()}.gguf"
+        self.path = directory / f"{SCRATCH_PREFIX}{secrets.token_hex(6)}.gguf"
         self.holds: str | None = None
         self._infos: dict[str, GGUFInfo] = {}
+        self._lock: int | None = None
 
     def holding(self, weight_type: str) -> Path:
         """The file, holding ``weight_type``'s speed model (written now unless it does)."""
@@ -110,7 +114,10 @@ class SpeedScratch:
             raise UsageError(f"no speed model of {weight_type!r}; one of {', '.join(SPEED_TYPES)}")
         if self.holds != weight_type:
             self.holds = None  # a write that fails leaves no type named
-            self.path.parent.mkdir(parents=True, exist_ok=True)
+            if self._lock is None:
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+                self._lock = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+                fcntl.flock(self._lock, fcntl.LOCK_EX)
             file_type = LlamaFileType.MOSTLY_F16 if weight_type == "F16" else None
             write_over(self.path, calibration_shape(weight_type), weight_type, file_type)
             self.holds = weight_type
@@ -126,6 +133,9 @@ class SpeedScratch:
     def close(self) -> None:
         self.holds = None
         self.path.unlink(missing_ok=True)
+        if self._lock is not None:
+            os.close(self._lock)  # the lock goes with it
+            self._lock = None
 
     def __enter__(self) -> SpeedScratch:
         return self
@@ -136,18 +146,23 @@ class SpeedScratch:
 
 def remove_left_speed_models(directory: Path) -> None:
     """Delete the speed models left in ``directory``: those earlier versions kept (100 MB or
-    more each, nine of them) and the scratch files of calibrations that were killed (their
-    process is gone)."""
-    left = list(directory.glob("speed-*.gguf"))
+    more each, nine of them) and the scratch files of calibrations that were killed (no
+    process holds their lock; a lock, unlike a process id, is seen across containers)."""
+    for path in directory.glob("speed-*.gguf"):
+        with contextlib.suppress(OSError):  # one it cannot delete is left; it is never read
+            path.unlink(missing_ok=True)
     for path in directory.glob(f"{SCRATCH_PREFIX}*.gguf"):
-        pid = path.name.removeprefix(SCRATCH_PREFIX).removesuffix(".gguf")
-        if not (pid.isdigit() and psutil.pid_exists(int(pid))):
-            left.append(path)
-    for path in left:
         try:
+            descriptor = os.open(path, os.O_RDONLY)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
             path.unlink(missing_ok=True)
         except OSError:
-            continue  # a file it cannot delete (read-only) is left; it is never read
+            continue  # a calibration running now holds it (or it cannot be deleted)
+        finally:
+            os.close(descriptor)
 
 
 # A k-quant block's weights, and the legacy quants' (Q8_0, Q5_0, Q4_0): a row that does not

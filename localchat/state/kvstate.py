@@ -98,12 +98,7 @@ def read_state(path: Path, expected: StateKey) -> SavedState:
             # private writable one is copied whole when pre-faulted: 26 MB of fresh memory,
             # 10 ms here and 60-90 ms when the virtual machine's host is slow to give it.)
             # State files are replaced by rename, never rewritten: the mapped bytes stay.
-            data = mmap.mmap(
-                handle.fileno(),
-                size,
-                flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
-                prot=mmap.PROT_READ,
-            )
+            data = _map(handle.fileno(), size)
     except FileNotFoundError:
         raise StateRejected("no saved state") from None
     except OSError as exc:
@@ -150,6 +145,16 @@ def read_state(path: Path, expected: StateKey) -> SavedState:
     tokens = array("i")
     tokens.frombytes(tokens_bytes)
     return SavedState(key, tokens.tolist(), payload)
+
+
+def _map(descriptor: int, size: int) -> mmap.mmap:
+    """The file mapped read-only; privately where a file system refuses to share its pages
+    (FUSE in direct I/O mode)."""
+    populate = getattr(mmap, "MAP_POPULATE", 0)
+    try:
+        return mmap.mmap(descriptor, size, flags=mmap.MAP_SHARED | populate, prot=mmap.PROT_READ)
+    except OSError:
+        return mmap.mmap(descriptor, size, flags=mmap.MAP_PRIVATE | populate, prot=mmap.PROT_READ)
 
 
 def read_state_tokens(path: Path, expected: StateKey) -> list[int]:
