@@ -288,7 +288,7 @@ def calibrate(
     tests that need real figures on a machine they keep busy). ``step`` is (this step, of
     how many) for the progress."""
     from localchat.models.demo import demo_model_path, ensure_demo_model
-    from localchat.models.timing_models import SpeedScratch, remove_left_speed_models
+    from localchat.models.timing_models import SpeedScratch
 
     types = types or CALIBRATION_TYPES
     max_rounds = max(MIN_ROUNDS, rounds or MAX_ROUNDS)
@@ -321,8 +321,6 @@ def calibrate(
     from localchat.backends.llama.runtime import prepare
 
     prepare()  # llama.cpp's one-time set-up (a child process on AMX CPUs) before any reading
-    if models_dir.is_dir():
-        remove_left_speed_models(models_dir)  # best effort: a file it cannot delete stays
     if not tiny.exists():
         report(f"making the {OVERHEAD} test model")
         ensure_demo_model(models_dir, "tiny", "F16")
@@ -438,8 +436,9 @@ def speed_model(
     Raises :class:`CalibrationUnsettled` (nothing saved) or :class:`CalibrationSkipped`."""
     from localchat.models.timing_models import remove_left_speed_models
 
-    if paths.demo_models_dir.is_dir():  # what earlier versions kept: 1-2 GB of disk
-        remove_left_speed_models(paths.demo_models_dir)
+    # What earlier versions kept (1-2 GB of disk) and killed calibrations left, whether or
+    # not this measures anew; best effort: a file it cannot delete stays.
+    remove_left_speed_models(paths.demo_models_dir)
     if not again:
         saved = load_speed_model(paths.speed_calibration)
         if saved is not None:

@@ -74,7 +74,7 @@ def calibration_shape(weight_type: str) -> ModelShape:
     least two: a prompt skips the last layer's feed-forward (speed.token_work), so one layer
     would leave a prompt reading too little work to price."""
     shape = CALIBRATION_SHAPE
-    block_weights, block_bytes = _block_size(weight_type)
+    block_weights, block_bytes = GGML_QUANT_SIZES[GGMLQuantizationType[weight_type]]
     hd = shape.head_dim
     layer_weights = shape.n_embd * (2 * shape.n_head * hd + 2 * shape.n_head_kv * hd)
     layer_weights += 3 * shape.n_embd * shape.n_ff
@@ -82,13 +82,6 @@ def calibration_shape(weight_type: str) -> ModelShape:
     layer = layer_weights * block_bytes // block_weights
     layers = max(2, -(-(calibration_min_bytes() - output) // layer))
     return replace(shape, n_layer=layers)
-
-
-def _block_size(weight_type: str) -> tuple[int, int]:
-    """(weights, bytes) of one block of ``weight_type``."""
-    if weight_type == "F16":
-        return 1, 2
-    return GGML_QUANT_SIZES[GGMLQuantizationType[weight_type]]
 
 
 SCRATCH_PREFIX = ".speed-calibration-"  # and a random name: two calibrations never share one
