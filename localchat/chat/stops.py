@@ -14,6 +14,7 @@ class StopFilter:
         self.stops = tuple(s for s in stops if s)
         self.pending = ""
         self.after = ""  # once stopped: the text that followed the stop string
+        self.matched: str | None = None  # once stopped: the stop string that ended it
 
     def feed(self, piece: str) -> tuple[str, bool]:
         text = self.pending + piece
@@ -22,6 +23,7 @@ class StopFilter:
             at, stop = min(hits)
             self.pending = ""
             self.after = text[at + len(stop) :]
+            self.matched = stop
             return text[:at], True
         hold = max((_overlap(text, stop) for stop in self.stops), default=0)
         self.pending = text[len(text) - hold :] if hold else ""

@@ -1,23 +1,19 @@
-"""The HTTP side of ``localchat serve``: an ASGI app (Starlette, served by uvicorn) speaking
-OpenAI's API — chat and text completions, streamed as server-sent events ending with
-``data: [DONE]`` — and llama-server's ``/tokenize``, ``/detokenize``, ``/health`` and
-``/metrics``. Every refusal is an OpenAI-shaped error body with its status, never a
-traceback; the model's work runs on the compute thread (``ModelRunner``)."""
+"""The HTTP side of ``localchat serve``: an ASGI app (Starlette, served by uvicorn) with
+one adapter per wire API over the same runner (``server.adapters``): OpenAI's chat and
+text completions, Anthropic's Messages, and llama-server's ``/tokenize``, ``/detokenize``,
+``/health`` and ``/metrics``. Every refusal is an error body in the shape of the API that
+was asked, with its status, never a traceback; the model's work runs on the compute thread
+(``ModelRunner``)."""
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import hmac
 import json
 import threading
 import time
-from collections.abc import AsyncIterator
-from dataclasses import replace
+from collections.abc import Awaitable, Callable
 from typing import Any
 
-from sse_starlette.event import ServerSentEvent
-from sse_starlette.sse import EventSourceResponse
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
@@ -25,37 +21,28 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
-from localchat.backends.base import TurnStats
-from localchat.chat.tool_stream import ToolCallStream
-from localchat.chat.tools import parse_tool_calls
-from localchat.server.api import (
-    ApiError,
-    GenerationRequest,
-    completion_body,
-    delta_chunk,
-    final_chunks,
-    parse_request,
-)
+from localchat.server.adapters import anthropic, openai_chat
+from localchat.server.requests import ApiError
 from localchat.server.runner import ModelRunner
 
 MAX_BODY_BYTES = 8 * 2**20  # a long conversation with files fits; more is refused
 DRAIN_LIMIT_BYTES = 64 * 2**20
 RETRY_AFTER_S = 2
-DISCONNECT_POLL_S = 0.25
-# A stream's pieces reach the client at most this often, those of the meantime together:
-# each wake of the event loop and of the client preempts a llama.cpp thread on a small
-# machine (per token they cost a stream ~5% of its speed on 2 cores; over a 300-token
-# stream the loop took 0.07-0.09 s of CPU at 25 ms, 0.03-0.05 s at 50 ms, the client 0.03
-# and 0.02 s). 20 updates a second read as smooth (the app redraws at most 10 times a
-# second). The first piece and the end go out at once.
-STREAM_INTERVAL_S = 0.05
 OPEN_PATHS = ("/health",)  # answered without the API key (load balancers, probes)
-_RUNNING: set[asyncio.Task[None]] = set()  # turns whose client left, still ending
+Handler = Callable[[Request], Awaitable[Response]]
+ErrorShape = Callable[[ApiError], dict[str, Any]]
 
 
-def _error(exc: ApiError) -> JSONResponse:
+def _error(exc: ApiError, shape: ErrorShape = openai_chat.error_body) -> JSONResponse:
     headers = {"Retry-After": str(RETRY_AFTER_S)} if exc.status == 503 else None
-    return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
+    return JSONResponse(shape(exc), status_code=exc.status, headers=headers)
+
+
+def _error_shape(path: str) -> ErrorShape:
+    """The error shape of the API a path belongs to (OpenAI's where none other claims it)."""
+    if path.startswith(("/v1/messages", "/messages")):
+        return anthropic.error_body
+    return openai_chat.error_body
 
 
 async def _json_body(request: Request) -> Any:
@@ -103,11 +90,19 @@ def _refuse_browsers(request: Request, loopback: bool) -> None:
                        code="unsupported_media_type")  # fmt: skip
 
 
+def _given_key(request: Request) -> str:
+    """The key a client sent: OpenAI's ``Authorization: Bearer`` or Anthropic's
+    ``x-api-key``."""
+    bearer = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
+    return bearer or request.headers.get("x-api-key", "").strip()
+
+
 def create_app(runner: ModelRunner, api_key: str | None = None, loopback: bool = True) -> Starlette:
     """The server's routes over ``runner``; with ``api_key``, every route but /health asks
-    for ``Authorization: Bearer <key>``; without, browsers' requests are refused (on
-    ``loopback``, also any for another host name)."""
-    names = runner.aliases()
+    for it (``Authorization: Bearer <key>`` or ``x-api-key: <key>``); without, browsers'
+    requests are refused (on ``loopback``, also any for another host name). A request for a
+    model by a name this server does not know is answered by its model, whose name the
+    response gives (clients that hard-code a model's name just work)."""
 
     def check_key(request: Request) -> None:
         if request.url.path in OPEN_PATHS:
@@ -115,18 +110,9 @@ def create_app(runner: ModelRunner, api_key: str | None = None, loopback: bool =
         if api_key is None:
             _refuse_browsers(request, loopback)
             return
-        given = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
-        if not hmac.compare_digest(given.encode(), api_key.encode()):
-            raise ApiError(401, "a valid API key is needed: Authorization: Bearer <key>",
-                           "authentication_error", "invalid_api_key")  # fmt: skip
-
-    async def guarded(request: Request, handler: Any) -> Response:
-        try:
-            check_key(request)
-            response: Response = await handler(request)
-            return response
-        except ApiError as exc:
-            return _error(exc)
+        if not hmac.compare_digest(_given_key(request).encode(), api_key.encode()):
+            raise ApiError(401, "a valid API key is needed: Authorization: Bearer <key>"
+                           " (or x-api-key: <key>)", "authentication_error", "invalid_api_key")  # fmt: skip
 
     async def health(_request: Request) -> Response:
         return JSONResponse({"status": "ok"})
@@ -181,257 +167,63 @@ def create_app(runner: ModelRunner, api_key: str | None = None, loopback: bool =
         return JSONResponse({"content": text})
 
     async def chat(request: Request) -> Response:
-        return await _generate(runner, await _request_of(request, names, True), request)
+        parsed = openai_chat.parse_request(await _json_body(request), chat=True)
+        return await openai_chat.respond(runner, parsed, request)
 
     async def complete(request: Request) -> Response:
-        return await _generate(runner, await _request_of(request, names, False), request)
+        parsed = openai_chat.parse_request(await _json_body(request), chat=False)
+        return await openai_chat.respond(runner, parsed, request)
 
-    def route(path: str, handler: Any, methods: list[str]) -> Route:
+    async def messages(request: Request) -> Response:
+        parsed = anthropic.parse_request(await _json_body(request))
+        return await anthropic.respond(runner, parsed, request)
+
+    async def count_tokens(request: Request) -> Response:
+        parsed = anthropic.parse_count(await _json_body(request))
+        return await anthropic.count_tokens(runner, parsed)
+
+    def route(path: str, handler: Handler, methods: list[str]) -> Route:
+        shape = _error_shape(path)
+
         async def endpoint(request: Request) -> Response:
-            return await guarded(request, handler)
+            try:
+                check_key(request)
+                return await handler(request)
+            except ApiError as exc:
+                return _error(exc, shape)
 
         return Route(path, endpoint, methods=methods)
 
-    async def failed(_request: Request, exc: Exception) -> Response:
-        return _error(
-            ApiError(
-                500, f"the server failed ({type(exc).__name__}); see its terminal", "server_error"
-            )
-        )
+    async def failed(request: Request, exc: Exception) -> Response:
+        error = ApiError(500, f"the server failed ({type(exc).__name__}); see its terminal",
+                         "server_error")  # fmt: skip
+        return _error(error, _error_shape(request.url.path))
 
-    async def http_error(_request: Request, exc: Exception) -> Response:
+    async def http_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, HTTPException)
-        return _error(ApiError(exc.status_code, str(exc.detail), code="not_found"))
+        code = "not_found" if exc.status_code == 404 else "method_not_allowed"
+        error = ApiError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}",
+                         code=code)  # fmt: skip
+        return _error(error, _error_shape(request.url.path))
 
+    routes = [
+        route("/health", health, ["GET"]),
+        route("/metrics", metrics, ["GET"]),
+        route("/tokenize", tokenize, ["POST"]),
+        route("/detokenize", detokenize, ["POST"]),
+    ]
+    for prefix in ("/v1", ""):  # clients given a base URL with or without /v1
+        routes += [
+            route(f"{prefix}/models", models, ["GET"]),
+            route(f"{prefix}/chat/completions", chat, ["POST"]),
+            route(f"{prefix}/completions", complete, ["POST"]),
+            route(f"{prefix}/messages", messages, ["POST"]),
+            route(f"{prefix}/messages/count_tokens", count_tokens, ["POST"]),
+        ]
     return Starlette(
-        routes=[
-            route("/health", health, ["GET"]),
-            route("/v1/models", models, ["GET"]),
-            route("/models", models, ["GET"]),
-            route("/metrics", metrics, ["GET"]),
-            route("/tokenize", tokenize, ["POST"]),
-            route("/detokenize", detokenize, ["POST"]),
-            route("/v1/chat/completions", chat, ["POST"]),
-            route("/chat/completions", chat, ["POST"]),
-            route("/v1/completions", complete, ["POST"]),
-            route("/completions", complete, ["POST"]),
-        ],
+        routes=routes,
         exception_handlers={Exception: failed, HTTPException: http_error},
     )
-
-
-async def _request_of(request: Request, names: set[str], chat: bool) -> GenerationRequest:
-    parsed = parse_request(await _json_body(request), chat)
-    if parsed.model and parsed.model not in names:
-        raise ApiError(404, f"no model {parsed.model!r} here; this server runs {sorted(names)[0]!r}"
-                       " (GET /v1/models)", code="model_not_found")  # fmt: skip
-    return parsed
-
-
-class _Turn:
-    """One request's work, all of it on one worker thread: the prompt rendered and tokenized,
-    then the reply, without a hand-back to the event loop between the two (beside running
-    replies each hand-over waits for a time slice, and a request joining them paid two before
-    its job was queued). The loop learns from ``prompt_ready`` whether the prompt was taken
-    (a refusal comes before any stream starts); the reply's pieces come as ``events``."""
-
-    def __init__(self, runner: ModelRunner, request: GenerationRequest) -> None:
-        self.runner, self.request = runner, request
-        self.loop = asyncio.get_running_loop()
-        self.cancel = threading.Event()
-        self.prompt_ready: asyncio.Future[None] = self.loop.create_future()
-        self.events = _Pieces(self.loop)
-        self.task = asyncio.create_task(self._run())
-
-    def emit(self, kind: str, text: str) -> None:
-        """A piece of the reply (called on the compute thread)."""
-        self.events.put(kind, text)
-
-    async def _run(self) -> None:
-        try:
-            stats = await run_in_threadpool(self._work)
-        except Exception as exc:
-            self.events.put("error", exc)
-            return
-        self.events.put("done", stats)
-
-    def _work(self) -> TurnStats:
-        try:
-            job = self.runner.job_of(self.request, self.cancel, self.emit)
-        except BaseException as exc:
-            self.runner.leave_queue()  # admitted, never queued
-            self.loop.call_soon_threadsafe(_settle, self.prompt_ready, exc)
-            raise
-        self.loop.call_soon_threadsafe(_settle, self.prompt_ready, None)
-        return self.runner.run(job)
-
-    def stop(self) -> None:
-        """The client went away: the turn stops at its next token (or is never started);
-        its task ends on its own."""
-        self.cancel.set()
-        _RUNNING.add(self.task)
-        self.task.add_done_callback(_RUNNING.discard)
-
-
-class _Pieces:
-    """A reply's pieces from the compute thread to the event loop, in batches: the loop is
-    woken when it waits for the first piece or for the end, and otherwise collects what came
-    every ``STREAM_INTERVAL_S`` (a wake per batch, not per token)."""
-
-    ENDS = ("done", "error")
-    WAKE = ("end", *ENDS)  # "end": the reply's text is all out (its state is being saved)
-
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self.loop = loop
-        self.lock = threading.Lock()
-        self.pending: list[tuple[str, Any]] = []
-        self.waiting = True  # the loop found nothing and sleeps until woken
-        self.wake = asyncio.Event()
-
-    def put(self, kind: str, value: Any) -> None:
-        """One piece (any thread)."""
-        with self.lock:
-            self.pending.append((kind, value))
-            signal = self.waiting or kind in self.WAKE
-            self.waiting = False
-        if signal:
-            self.loop.call_soon_threadsafe(self.wake.set)
-
-    async def batches(self) -> AsyncIterator[list[tuple[str, Any]]]:
-        """What came since the last batch, until a batch ends with ``done`` or ``error``."""
-        while True:
-            self.wake.clear()  # a wake from here on is news
-            with self.lock:
-                batch, self.pending = self.pending, []
-                self.waiting = not batch
-            if not batch:
-                await self.wake.wait()
-                continue
-            yield batch
-            if batch[-1][0] in self.ENDS:
-                return
-            with contextlib.suppress(TimeoutError):  # cut short by the end
-                await asyncio.wait_for(self.wake.wait(), STREAM_INTERVAL_S)
-
-
-def _settle(future: asyncio.Future[None], outcome: BaseException | None) -> None:
-    if future.done():
-        return
-    if outcome is None:
-        future.set_result(None)
-    else:
-        future.set_exception(outcome)
-
-
-async def _generate(runner: ModelRunner, request: GenerationRequest, http: Request) -> Response:
-    """Admit, tokenize (a prompt the context cannot hold is refused before any stream
-    starts), then stream the reply or return it whole."""
-    runner.admit()
-    if request.model == "":
-        request = replace(request, model=runner.model_name)
-    turn = _Turn(runner, request)
-    try:
-        await turn.prompt_ready
-    except BaseException:
-        turn.stop()
-        raise
-    if request.stream:
-        return EventSourceResponse(_stream(turn), ping=15)
-    pieces: dict[str, list[str]] = {"text": [], "reasoning": []}
-    watcher = asyncio.create_task(_cancel_when_gone(http, turn.cancel))
-    stats: TurnStats | None = None
-    try:
-        async for batch in turn.events.batches():
-            for kind, value in batch:
-                if kind == "error":
-                    raise value
-                if kind == "done":
-                    stats = value
-                elif kind in pieces:
-                    pieces[kind].append(value)
-    except BaseException:
-        turn.stop()
-        raise
-    finally:
-        watcher.cancel()
-    text, calls = "".join(pieces["text"]), None
-    if request.tool_use.reads_calls:
-        content, calls = parse_tool_calls(
-            text, runner.engine.template.tool_family, request.tool_use.names
-        )
-        text = content if calls else text
-    assert stats is not None  # the batches end with "done" or raise
-    body = completion_body(request, text, "".join(pieces["reasoning"]), stats, calls)
-    return JSONResponse(body)
-
-
-def _tool_calls_stream(runner: ModelRunner, request: GenerationRequest) -> ToolCallStream | None:
-    """Where the reply is read for calls: a stream that holds them back, in the model's format."""
-    if not request.tool_use.reads_calls:
-        return None
-    return ToolCallStream(runner.engine.template.tool_family, request.tool_use.names)
-
-
-async def _cancel_when_gone(http: Request, cancel: threading.Event) -> None:
-    """A whole-body request whose client left (a timeout, an editor's retry) stops its turn."""
-    while not cancel.is_set():
-        if await http.is_disconnected():
-            cancel.set()
-            return
-        await asyncio.sleep(DISCONNECT_POLL_S)
-
-
-async def _stream(turn: _Turn) -> AsyncIterator[bytes]:
-    """The reply as SSE events, those of a batch in one write; a client that goes away stops
-    its sequence at once (what was generated stays in the cache)."""
-    request = turn.request
-    calls_stream = _tool_calls_stream(turn.runner, request)
-    try:
-        yield _events([json.dumps(delta_chunk(request, first=True))])
-        async for batch in turn.events.batches():
-            data = [line for piece in batch for line in _data_of(request, piece, calls_stream)]
-            if data:  # not all of it a call's text, held back
-                yield _events(data)
-    finally:
-        turn.stop()  # the turn stops at its next token; its task ends on its own
-
-
-def _data_of(
-    request: GenerationRequest, piece: tuple[str, Any], calls_stream: ToolCallStream | None
-) -> list[str]:
-    """The data lines of one piece of the reply: a delta, or the end (the text held back,
-    the calls, the usage, ``[DONE]``), or the error that ended it; none for "end" (it only
-    wakes the loop for the last text)."""
-    kind, value = piece
-    if kind == "done":
-        data, calls = [], None
-        if calls_stream is not None:  # the text held back, then the calls
-            rest, calls = calls_stream.finish()
-            if rest.strip() if calls else rest:
-                data.append(json.dumps(delta_chunk(request, rest.rstrip() if calls else rest)))
-        data += [json.dumps(chunk) for chunk in final_chunks(request, value, calls)]
-        return [*data, "[DONE]"]
-    if kind == "error":
-        error = (
-            value
-            if isinstance(value, ApiError)
-            else ApiError(
-                500, f"the server failed: {type(value).__name__}: {value}", "server_error"
-            )
-        )
-        return [json.dumps(error.body())]
-    if kind == "end":
-        return []  # the usage and [DONE] come with "done"
-    if calls_stream is not None and kind == "text":
-        value = calls_stream.feed(value)
-        if not value:
-            return []
-    return [json.dumps(delta_chunk(request, value, reasoning=kind == "reasoning"))]
-
-
-def _events(data: list[str]) -> bytes:
-    """SSE events, one per data line, as one chunk of the response."""
-    return b"".join(ServerSentEvent(line).encode() for line in data)
 
 
 class BackgroundServer:

@@ -20,11 +20,15 @@ from localchat.backends.llama.engine import Engine
 from localchat.chat.prompt import common_prefix
 from localchat.chat.tools import markers
 from localchat.errors import ModelFileError, UsageError
-from localchat.server.api import DEFAULT_MAX_TOKENS, ApiError, GenerationRequest, finish_reason
+from localchat.server.events import Finished
 from localchat.server.prompt_cache import PromptCache
-from localchat.server.scheduler import Emit, Job, Scheduler
+from localchat.server.requests import DEFAULT_MAX_TOKENS, ApiError, GenerationRequest
+from localchat.server.scheduler import Scheduler
+from localchat.server.slots import Emit, Job
 from localchat.state.kvstate import BackgroundSaver, StateStore
 
+# How the request log names a reply's end ("stop", "length", "tool_calls", "cancelled").
+_LOGGED_ENDS = {"stop_sequence": "stop", "context": "length"}
 MAX_PARALLEL_CPU = 4  # sequences a CPU decodes together before a step costs as much as more
 KV_SHARE_OF_FREE_RAM = 0.5  # of the memory free after the load, what sequences may take
 
@@ -58,7 +62,7 @@ class Counters:
 class TurnRecord:
     """One answered request, as the log shows it."""
 
-    endpoint: str  # "chat" or "completions"
+    endpoint: str  # the API asked: "chat", "completions", "messages", …
     finish: str  # "stop", "length", "tool_calls", "cancelled"
     prompt_tokens: int
     cached_tokens: int  # not evaluated: held in memory or restored from disk
@@ -107,11 +111,6 @@ class ModelRunner:
         0.15-0.18 s). How many were put back."""
         return run_compute(self.scheduler.hold, self.cache.newest(self.batch.n_seq))
 
-    def aliases(self) -> set[str]:
-        """Names a request's ``model`` may give: the served name and the file's."""
-        path = self.engine.model_path
-        return {self.model_name, path.name, path.stem}
-
     # -- admission -------------------------------------------------------------------------
     def admit(self) -> None:
         """Count a request in, or refuse it (503) when the queue is full."""
@@ -152,19 +151,21 @@ class ModelRunner:
                     self.on_turn(self._record(job))
 
     # -- a request -------------------------------------------------------------------------
-    def prompt_of(self, request: GenerationRequest) -> tuple[list[int], int]:
-        """The request's prompt ids (the chat template rendered as ``ask`` renders it) and
-        its reply's length; ``ApiError`` where a sequence's context cannot hold them."""
+    def prompt_ids(self, request: GenerationRequest) -> list[int]:
+        """The request's prompt ids: the chat template rendered as ``ask`` renders it, or
+        the text as it is (any worker thread: the tokenizer reads the vocabulary only)."""
         engine = self.engine
-        if request.messages is not None:
-            try:
-                prompt = engine.prompt_tokens(
-                    request.messages, list(request.tool_use.tools) or None
-                )
-            except ModelFileError as exc:  # the template refused these messages
-                raise ApiError(400, str(exc), code="invalid_value") from None
-        else:
-            prompt = engine.tokenize(request.prompt or "", add_bos=engine.add_bos, special=True)
+        if request.messages is None:
+            return engine.tokenize(request.prompt or "", add_bos=engine.add_bos, special=True)
+        try:
+            return engine.prompt_tokens(request.messages, list(request.tool_use.tools) or None)
+        except ModelFileError as exc:  # the template refused these messages
+            raise ApiError(400, str(exc), code="invalid_value") from None
+
+    def prompt_of(self, request: GenerationRequest) -> tuple[list[int], int]:
+        """The request's prompt ids and its reply's length; ``ApiError`` where a
+        sequence's context cannot hold them."""
+        prompt = self.prompt_ids(request)
         n_ctx = self.batch.n_ctx_seq
         room = n_ctx - len(prompt)
         if room <= 0 or not prompt:
@@ -193,30 +194,41 @@ class ModelRunner:
         if tool_use.reads_calls:  # the family's markers stay in the text, to be parsed
             family = self.engine.template.tool_family
             job.spelled = self.engine.spelled_tokens(markers(family))
-            if tool_use.forced:  # a call is required: a grammar
-                try:
-                    job.grammar = self.engine.call_grammar(tool_use)
-                except UsageError as exc:
-                    raise ApiError(400, str(exc), code="invalid_value") from None
+        job.grammar = self._grammar(request)
         in_memory = max(common_prefix(tokens, prompt) for tokens in list(self.batch.tokens))
         job.hit = self.cache.lookup(prompt, beyond=in_memory)
+        found = max(in_memory, job.hit.shared if job.hit is not None else 0)
+        job.expected_cached = min(found, len(prompt) - 1)
         return job
 
-    def run(self, job: Job) -> TurnStats:
+    def _grammar(self, request: GenerationRequest) -> str | None:
+        """The grammar a reply must follow: a call where one is required, else the format
+        asked for; ``ApiError`` where the schema gives none (or both are asked)."""
+        tool_use, schema = request.tool_use, request.output_schema
+        if tool_use.forced and schema is not None:
+            raise ApiError(400, "a required tool call and a response format cannot both hold"
+                           " one reply: ask for one of them", code="invalid_value")  # fmt: skip
+        try:
+            if tool_use.forced:
+                return self.engine.call_grammar(tool_use)
+            if schema is not None:
+                return self.engine.format_grammar(schema)
+        except UsageError as exc:
+            raise ApiError(400, str(exc), code="invalid_value") from None
+        return None
+
+    def run(self, job: Job) -> Finished:
         """Answer a job of ``job_of`` (waiting for a sequence, then beside the others),
-        emitting its pieces; its state is saved after it. Blocks the calling worker thread."""
+        emitting its pieces; its state is saved after it. Blocks the calling worker
+        thread; how the reply ended."""
         return self.scheduler.answer(job)
 
     @staticmethod
     def _record(job: Job) -> TurnRecord:
         stats = job.stats
         return TurnRecord(
-            "chat" if job.request.messages is not None else "completions",
-            "cancelled"
-            if stats.stop_reason == "cancelled"
-            else "tool_calls"
-            if job.made_calls
-            else finish_reason(stats),
+            job.request.endpoint,
+            _LOGGED_ENDS.get(job.reason, job.reason),
             stats.prompt_tokens,
             stats.prompt_tokens - stats.prompt_tokens_evaluated,
             job.restored,

@@ -19,16 +19,13 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import numpy as np
 
-from localchat.backends.base import TurnStats
 from localchat.backends.compute_thread import start_compute
 from localchat.backends.llama.batch import (
     Chunk,
     SequenceBatch,
-    SequenceSampler,
     StepInterrupted,
 )
 from localchat.backends.llama.draft_policy import Draft, DraftPolicy
@@ -37,13 +34,13 @@ from localchat.backends.llama.generation import ReplyText
 from localchat.backends.llama.grammar import GrammarError
 from localchat.chat.prompt import common_prefix
 from localchat.chat.stops import StopFilter
-from localchat.chat.tools import parse_tool_calls
-from localchat.server.api import ApiError, GenerationRequest
-from localchat.server.prompt_cache import BLOCK, CacheHit, PromptCache
+from localchat.chat.tool_stream import ToolCallStream
+from localchat.server.events import Finished
+from localchat.server.prompt_cache import BLOCK, PromptCache
+from localchat.server.requests import ApiError, GenerationRequest
+from localchat.server.slots import Job, Slot
 from localchat.state.kvstate import SavedState
 
-# What a reply emits: ("text" | "reasoning", piece), then ("end", "") once its text is all
-# out (before its state is saved: a stream's last piece need not wait for the save).
 # A prefix another sequence holds is copied where it saves at least this many tokens: the
 # copy takes the whole cache of one sequence (memory speed), a token's evaluation far more.
 COPY_MIN_TOKENS = 16
@@ -54,46 +51,6 @@ COPY_MIN_TOKENS = 16
 # waited for the step in flight: a short request beside a stream had its first token after
 # 35-47 ms, against 20-25 ms alone. The streams lose the step's part done, once a request.
 PREPARE_WAIT_S = 0.05
-Emit = Callable[[str, str], None]
-
-
-@dataclass
-class Job:
-    """One request: its prompt ids, how long its reply may be, where its pieces go."""
-
-    request: GenerationRequest
-    prompt: list[int]
-    max_tokens: int
-    cancel: threading.Event
-    emit: Emit
-    done: threading.Event = field(default_factory=threading.Event)
-    stats: TurnStats = field(default_factory=TurnStats)
-    hit: CacheHit | None = None  # the saved state found for it (read off the compute thread)
-    restored: int = 0  # prompt tokens restored from a state on disk
-    started: bool = False  # it held a sequence (else it left the queue unanswered)
-    spelled: frozenset[int] = frozenset()  # control tokens its text keeps (tool calls)
-    grammar: str | None = None  # GBNF the reply must follow (a required tool call)
-    made_calls: bool = False  # the reply called tools (its log line says so)
-    error: BaseException | None = None
-
-
-@dataclass
-class _Running:
-    """A job holding a sequence."""
-
-    job: Job
-    seq: int
-    reply: ReplyText
-    stops: StopFilter  # the request's own stop strings
-    sampler: SequenceSampler
-    continues: str | None  # the saved state this sequence extends (replaced by its own)
-    started: float
-    reused: int  # prompt tokens the sequence held when the job started
-    next_token: int | None = None  # sampled, not yet evaluated
-    first_at: float = 0.0
-    request_stopped: bool = False  # the request's own stop string ended the reply
-    policy: DraftPolicy | None = None  # its drafts' acceptance (step costs: the scheduler's)
-    draft: Draft = field(default_factory=lambda: Draft([]))  # verified in this step
 
 
 class Scheduler:
@@ -122,7 +79,7 @@ class Scheduler:
         self._interruptible = False  # a generating step is in flight: it may be given up
         self._redo = False  # the step was given up once: the next runs whole
         self.interrupted_steps = 0  # given up for an arrival, since the start (/metrics)
-        self._running: dict[int, _Running] = {}
+        self._running: dict[int, Slot] = {}
         self._held: list[tuple[str, list[int]] | None] = [None] * batch.n_seq
         self._last_used = [0.0] * batch.n_seq
         self._closing = False
@@ -162,9 +119,9 @@ class Scheduler:
         with self._lock:
             return self._preparing
 
-    def answer(self, job: Job) -> TurnStats:
+    def answer(self, job: Job) -> Finished:
         """Queue ``job`` (one ``expect`` said would come) and wait for its reply (on the
-        request's worker thread)."""
+        request's worker thread); how it ended."""
         with self._lock:
             self._preparing -= 1
             self._queued.notify_all()
@@ -184,7 +141,7 @@ class Scheduler:
         if job.error is not None:  # one exception per request, not one shared by all
             error = job.error
             raise RuntimeError(f"{type(error).__name__}: {error}") from error
-        return job.stats
+        return Finished(job.reason, job.stats, job.stop_sequence)
 
     def hold(self, states: list[tuple[str, SavedState]]) -> int:
         """Put saved states into the idle sequences, one each (on the compute thread, before
@@ -317,13 +274,22 @@ class Scheduler:
         stats.prompt_tokens = len(prompt)
         stats.prompt_tokens_evaluated = len(prompt) - len(batch.tokens[seq])
         stats.stop_reason = "length"
-        self._running[seq] = _Running(
+        self._running[seq] = Slot(
             job, seq, ReplyText(self.engine, prompt, job.spelled), StopFilter(job.request.stop), sampler,
             continues, time.perf_counter(), len(batch.tokens[seq]),
             policy=self._sequence_policy() if self.drafting else None,
+            calls=self._calls_stream(request),
         )  # fmt: skip
         job.started = True
         self.on_start(job)
+
+    def _calls_stream(self, request: GenerationRequest) -> ToolCallStream | None:
+        """Where the reply is read for calls: a stream that holds them back, in the model's
+        format (the text before a call goes on as it comes)."""
+        use = request.tool_use
+        if not use.reads_calls:
+            return None
+        return ToolCallStream(self.engine.template.tool_family, use.names)
 
     def _sequence_policy(self) -> DraftPolicy:
         """A sequence's draft policy: its own acceptance, the scheduler's step costs."""
@@ -404,7 +370,7 @@ class Scheduler:
                 self._interruptible = False
                 self.batch.clear_interrupt()
 
-    def _draft(self, running: _Running, base: int, spare: int) -> Draft:
+    def _draft(self, running: Slot, base: int, spare: int) -> Draft:
         """The tokens that followed the latest earlier occurrence of the sequence's last few
         (its prompt and reply), as many as its acceptance makes worth verifying in a step
         of ``base`` other tokens (and the step has ``spare`` places left); none where
@@ -426,7 +392,7 @@ class Scheduler:
             return Draft([])
         return Draft(found.tokens[:length], found.depth)
 
-    def _take(self, running: _Running, rows: list[int], now: float) -> None:
+    def _take(self, running: Slot, rows: list[int], now: float) -> None:
         """Sample each row in turn: a drafted token is kept while the model samples it
         there; the first the model samples otherwise is its own, and ends the step's run.
         Drafted cells past what was kept leave the cache."""
@@ -451,7 +417,7 @@ class Scheduler:
                 self.batch.cut(running.seq, len(running.job.prompt) + len(running.reply.tokens) - 1)
         running.draft = Draft([])
 
-    def _advance(self, running: _Running, token: int, now: float) -> None:
+    def _advance(self, running: Slot, token: int, now: float) -> None:
         """Take the token sampled for ``running``: stream it or end the reply."""
         stats, reply, job = running.job.stats, running.reply, running.job
         if not reply.generated:
@@ -463,7 +429,7 @@ class Scheduler:
             self._finish(running, "eos")
             return
         for delta in reply.feed(token):
-            self._emit(running, delta.text, delta.reasoning)
+            running.emit(delta.text, delta.reasoning)
         stats.generated_tokens = reply.generated
         if reply.generated > 1 and now > running.first_at:
             stats.gen_tps = (reply.generated - 1) / (now - running.first_at)
@@ -476,46 +442,16 @@ class Scheduler:
         else:
             running.next_token = token
 
-    def _emit(self, running: _Running, text: str, reasoning: bool) -> None:
-        """Send a piece on (a raw completion's reasoning is just its text), through the
-        request's own stop strings; a reader that fails (its client gone) cancels the job."""
-        job = running.job
-        if running.request_stopped:
-            return
-        try:
-            if reasoning and job.request.messages is not None:
-                job.emit("reasoning", text)
-                return
-            text, running.request_stopped = running.stops.feed(text)
-            if text:
-                job.emit("text", text)
-        except Exception:
-            job.cancel.set()
-
-    def _finish(self, running: _Running, reason: str) -> None:
+    def _finish(self, running: Slot, reason: str) -> None:
         """End the reply: the rest of its text, the cache cut to the prompt and the reply
         kept, that state saved in the background, the waiting request released (whatever
         fails on the way fails this request only)."""
         del self._running[running.seq]
         job, reply = running.job, running.reply
         try:
-            if not running.request_stopped:
-                for delta in reply.flush():
-                    self._emit(running, delta.text, delta.reasoning)
-                tail = running.stops.flush()
-                try:
-                    if tail and not running.request_stopped:
-                        job.emit("text", tail)
-                    job.emit("end", "")
-                except Exception:
-                    job.cancel.set()
+            running.end(reason)
             reply.close()
-            use = job.request.tool_use
-            if use.reads_calls:
-                family = self.engine.template.tool_family
-                job.made_calls = bool(parse_tool_calls(reply.text, family, use.names)[1])
             stats = job.stats
-            stats.stop_reason = reason
             held = len(self.batch.tokens[running.seq])
             if not reply.generated:  # stopped while it read the prompt: what it read
                 stats.prompt_tokens_evaluated = max(0, min(held, len(job.prompt)) - running.reused)
@@ -531,7 +467,7 @@ class Scheduler:
             self.on_finish(job)
             job.done.set()
 
-    def _save(self, running: _Running) -> None:
+    def _save(self, running: Slot) -> None:
         """Save what the sequence holds (the prompt and the reply) in the background."""
         seq = running.seq
         tokens = list(self.batch.tokens[seq])

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Sequence
 from typing import Any
 
 from localchat.chat.template import ChatMessage
@@ -99,6 +100,6 @@ def tool_message(role: str, content: str, item: dict[str, Any], where: str) -> C
     return ChatMessage(role, content, tool_calls=tool_calls_of(item, where))
 
 
-def openai_calls(calls: list[ToolCall]) -> list[dict[str, Any]]:
+def openai_calls(calls: Sequence[ToolCall]) -> list[dict[str, Any]]:
     """Calls as OpenAI returns them (arguments as JSON text; ``index`` for stream deltas)."""
     return [{"index": index, **call.as_openai()} for index, call in enumerate(calls)]

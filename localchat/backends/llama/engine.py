@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
+from typing import Any
 
 import llama_cpp
 
@@ -22,7 +23,12 @@ from localchat.backends.llama.cache import KVCache
 from localchat.backends.llama.draft_model import DraftModel
 from localchat.backends.llama.drafting import Drafter, DraftPolicy
 from localchat.backends.llama.generation import Generation
-from localchat.backends.llama.grammar import GrammarError, checked_grammar, tool_call_grammar
+from localchat.backends.llama.grammar import (
+    GrammarError,
+    checked_grammar,
+    format_grammar,
+    tool_call_grammar,
+)
 from localchat.backends.llama.recording import RecordingLlama
 from localchat.backends.llama.runtime import (
     abort_requested,
@@ -532,6 +538,16 @@ class Engine(KVCache):
         family = self.template.tool_family
         try:
             rules = tool_call_grammar(family, list(tool_use.tools), tool_use.forced_name)
+            checked_grammar(self._llm._model.vocab, rules)
+        except GrammarError as exc:
+            raise UsageError(str(exc)) from None
+        return rules
+
+    def format_grammar(self, schema: dict[str, Any]) -> str:
+        """The grammar that holds a reply to one JSON value after ``schema``; a schema
+        llama.cpp cannot follow is a one-line error."""
+        try:
+            rules = format_grammar(schema)
             checked_grammar(self._llm._model.vocab, rules)
         except GrammarError as exc:
             raise UsageError(str(exc)) from None

@@ -39,15 +39,25 @@ def _as_templates_write_json(rules: str) -> str:
 
 
 @contextmanager
-def _schema_errors() -> Iterator[None]:
+def _schema_errors(
+    what: str = "the tools' parameter schemas",
+    remedy: str = "simplify them or use tool_choice auto",
+) -> Iterator[None]:
     """The converter's failures as a ``GrammarError`` that says what to do."""
     try:
         yield
     except Exception as exc:  # the converter asserts on what it cannot follow
         raise GrammarError(
-            f"the tools' parameter schemas cannot be turned into a grammar ({type(exc).__name__}:"
-            f" {exc}); simplify them or use tool_choice auto"
+            f"{what} cannot be turned into a grammar ({type(exc).__name__}: {exc}); {remedy}"
         ) from None
+
+
+def format_grammar(schema: dict[str, object]) -> str:
+    """GBNF for a reply that is one JSON value following ``schema`` (structured output),
+    written compactly; after it, only the end of the reply."""
+    with _schema_errors("the response format's JSON schema", "simplify it"):
+        rules = json_schema_to_gbnf(json.dumps(schema))
+    return _as_templates_write_json(rules)
 
 
 def tool_call_grammar(family: str, tools: list[ToolSpec], name: str | None = None) -> str:
