@@ -9,6 +9,7 @@ a huge allocation.
 from __future__ import annotations
 
 import hashlib
+import math
 import re
 import struct
 from collections.abc import Callable
@@ -208,6 +209,14 @@ class GGUFInfo:
     def chat_template(self) -> str | None:
         template = self.metadata.get("tokenizer.chat_template")
         return str(template) if template else None
+
+    @property
+    def parameter_count(self) -> int:
+        """The model's weights, counted (the file's own count where it gives one)."""
+        given = self.metadata.get("general.parameter_count")
+        if isinstance(given, int) and given > 0:
+            return given
+        return sum(math.prod(t.shape) for t in self.tensors)
 
     @property
     def weights_bytes(self) -> int:

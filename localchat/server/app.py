@@ -1,35 +1,33 @@
 """The HTTP side of ``localchat serve``: an ASGI app (Starlette, served by uvicorn) with
 one adapter per wire API over the same runner (``server.adapters``): OpenAI's chat and
-text completions, Anthropic's Messages, and llama-server's ``/tokenize``, ``/detokenize``,
-``/health`` and ``/metrics``. Every refusal is an error body in the shape of the API that
-was asked, with its status, never a traceback; the model's work runs on the compute thread
-(``ModelRunner``)."""
+text completions and Responses, Anthropic's Messages, Ollama's API, and llama-server's own
+endpoints. Each route is guarded here (the key, browsers) and every refusal is an error
+body in the shape of the API that was asked, with its status, never a traceback; the
+model's work runs on the compute thread (``ModelRunner``)."""
 
 from __future__ import annotations
 
 import hmac
-import json
 import threading
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from typing import Any
 
 from starlette.applications import Starlette
-from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
-from starlette.responses import JSONResponse, PlainTextResponse, Response
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from localchat.server.adapters import anthropic, openai_chat
+from localchat.server.adapters import anthropic, llama_server, ollama, openai_chat, responses
+from localchat.server.model_facts import served_model
 from localchat.server.requests import ApiError
 from localchat.server.runner import ModelRunner
+from localchat.server.wire import Endpoint
+from localchat.state.responses import ResponseStore
 
-MAX_BODY_BYTES = 8 * 2**20  # a long conversation with files fits; more is refused
-DRAIN_LIMIT_BYTES = 64 * 2**20
 RETRY_AFTER_S = 2
 OPEN_PATHS = ("/health",)  # answered without the API key (load balancers, probes)
-Handler = Callable[[Request], Awaitable[Response]]
 ErrorShape = Callable[[ApiError], dict[str, Any]]
 
 
@@ -42,26 +40,9 @@ def _error_shape(path: str) -> ErrorShape:
     """The error shape of the API a path belongs to (OpenAI's where none other claims it)."""
     if path.startswith(("/v1/messages", "/messages")):
         return anthropic.error_body
+    if path.startswith("/api/"):
+        return ollama.error_body
     return openai_chat.error_body
-
-
-async def _json_body(request: Request) -> Any:
-    """The request's JSON; a body over ``MAX_BODY_BYTES`` is read to its end (so the client
-    gets the answer rather than a broken pipe; ``DRAIN_LIMIT_BYTES`` at most) and refused."""
-    raw = bytearray()
-    size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size <= MAX_BODY_BYTES:
-            raw += chunk
-        elif size > DRAIN_LIMIT_BYTES:
-            break
-    if size > MAX_BODY_BYTES:
-        raise ApiError(413, f"the body is over {MAX_BODY_BYTES // 2**20} MiB", code="too_large")
-    try:
-        return json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise ApiError(400, f"the body is not valid JSON ({exc})", code="invalid_json") from None
 
 
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "[::1]", "::1")
@@ -97,132 +78,92 @@ def _given_key(request: Request) -> str:
     return bearer or request.headers.get("x-api-key", "").strip()
 
 
-def create_app(runner: ModelRunner, api_key: str | None = None, loopback: bool = True) -> Starlette:
-    """The server's routes over ``runner``; with ``api_key``, every route but /health asks
-    for it (``Authorization: Bearer <key>`` or ``x-api-key: <key>``); without, browsers'
-    requests are refused (on ``loopback``, also any for another host name). A request for a
-    model by a name this server does not know is answered by its model, whose name the
-    response gives (clients that hard-code a model's name just work)."""
+class _Guard:
+    """What every route checks first: with a key, that the client sent it (``/health``
+    aside); without, that the request is not a browser's."""
 
-    def check_key(request: Request) -> None:
+    def __init__(self, api_key: str | None, loopback: bool) -> None:
+        self.api_key, self.loopback = api_key, loopback
+
+    def check(self, request: Request) -> None:
         if request.url.path in OPEN_PATHS:
             return
-        if api_key is None:
-            _refuse_browsers(request, loopback)
+        if self.api_key is None:
+            _refuse_browsers(request, self.loopback)
             return
-        if not hmac.compare_digest(_given_key(request).encode(), api_key.encode()):
+        if not hmac.compare_digest(_given_key(request).encode(), self.api_key.encode()):
             raise ApiError(401, "a valid API key is needed: Authorization: Bearer <key>"
                            " (or x-api-key: <key>)", "authentication_error", "invalid_api_key")  # fmt: skip
 
-    async def health(_request: Request) -> Response:
-        return JSONResponse({"status": "ok"})
+    def route(self, path: str, endpoint: Endpoint) -> Route:
+        shape, handler, check = _error_shape(path), endpoint.handler, self.check
 
-    async def models(_request: Request) -> Response:
-        engine = runner.engine
-        entry = {
-            "id": runner.model_name,
-            "object": "model",
-            "created": 0,
-            "owned_by": "localchat",
-            "meta": {"n_ctx": runner.batch.n_ctx_seq, "n_ctx_train": engine.info.context_length,
-                     "n_vocab": engine.n_vocab},
-        }  # fmt: skip
-        return JSONResponse({"object": "list", "data": [entry]})
-
-    async def metrics(_request: Request) -> Response:
-        return PlainTextResponse(runner.metrics(), media_type="text/plain; version=0.0.4")
-
-    async def tokenize(request: Request) -> Response:
-        body = await _json_body(request)
-        content = body.get("content") if isinstance(body, dict) else None
-        if not isinstance(content, str):
-            raise ApiError(400, "content must be a string", code="invalid_type")
-        special = bool(body.get("add_special", False))
-        engine = runner.engine
-
-        def pieces() -> list[int] | list[dict[str, Any]]:
-            tokens = engine.tokenize(
-                content,
-                add_bos=special and engine.add_bos,
-                special=bool(body.get("parse_special", True)),
-            )
-            if body.get("with_pieces"):
-                return [{"id": t, "piece": engine.token_text(t)} for t in tokens]
-            return tokens
-
-        # Not behind a running reply: llama.cpp's tokenizer reads the vocabulary only (as
-        # llama-server tokenizes in its HTTP threads while its loop decodes).
-        return JSONResponse({"tokens": await run_in_threadpool(pieces)})
-
-    async def detokenize(request: Request) -> Response:
-        body = await _json_body(request)
-        tokens = body.get("tokens") if isinstance(body, dict) else None
-        n_vocab = runner.engine.n_vocab
-        if not isinstance(tokens, list) or not all(
-            isinstance(t, int) and not isinstance(t, bool) and 0 <= t < n_vocab for t in tokens
-        ):
-            raise ApiError(400, f"tokens must be a list of ids from 0 to {n_vocab - 1}",
-                           code="invalid_type")  # fmt: skip
-        text = await run_in_threadpool(runner.engine.detokenize, tokens, True)
-        return JSONResponse({"content": text})
-
-    async def chat(request: Request) -> Response:
-        parsed = openai_chat.parse_request(await _json_body(request), chat=True)
-        return await openai_chat.respond(runner, parsed, request)
-
-    async def complete(request: Request) -> Response:
-        parsed = openai_chat.parse_request(await _json_body(request), chat=False)
-        return await openai_chat.respond(runner, parsed, request)
-
-    async def messages(request: Request) -> Response:
-        parsed = anthropic.parse_request(await _json_body(request))
-        return await anthropic.respond(runner, parsed, request)
-
-    async def count_tokens(request: Request) -> Response:
-        parsed = anthropic.parse_count(await _json_body(request))
-        return await anthropic.count_tokens(runner, parsed)
-
-    def route(path: str, handler: Handler, methods: list[str]) -> Route:
-        shape = _error_shape(path)
-
-        async def endpoint(request: Request) -> Response:
+        async def guarded(request: Request) -> Response:
             try:
-                check_key(request)
+                check(request)
                 return await handler(request)
             except ApiError as exc:
                 return _error(exc, shape)
 
-        return Route(path, endpoint, methods=methods)
+        return Route(path, guarded, methods=list(endpoint.methods))
 
-    async def failed(request: Request, exc: Exception) -> Response:
-        error = ApiError(500, f"the server failed ({type(exc).__name__}); see its terminal",
-                         "server_error")  # fmt: skip
-        return _error(error, _error_shape(request.url.path))
 
-    async def http_error(request: Request, exc: Exception) -> Response:
-        assert isinstance(exc, HTTPException)
-        code = "not_found" if exc.status_code == 404 else "method_not_allowed"
-        error = ApiError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}",
-                         code=code)  # fmt: skip
-        return _error(error, _error_shape(request.url.path))
+def _default_responses() -> ResponseStore:
+    """Responses kept in the conversation database."""
+    from localchat.paths import app_paths
+    from localchat.state.store import Store
 
-    routes = [
-        route("/health", health, ["GET"]),
-        route("/metrics", metrics, ["GET"]),
-        route("/tokenize", tokenize, ["POST"]),
-        route("/detokenize", detokenize, ["POST"]),
+    return ResponseStore(Store(app_paths().database))
+
+
+async def _failed(request: Request, exc: Exception) -> Response:
+    error = ApiError(500, f"the server failed ({type(exc).__name__}); see its terminal",
+                     "server_error")  # fmt: skip
+    return _error(error, _error_shape(request.url.path))
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    code = "not_found" if exc.status_code == 404 else "method_not_allowed"
+    error = ApiError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}",
+                     code=code)  # fmt: skip
+    return _error(error, _error_shape(request.url.path))
+
+
+def create_app(
+    runner: ModelRunner,
+    api_key: str | None = None,
+    loopback: bool = True,
+    kept: ResponseStore | None = None,
+) -> Starlette:
+    """The server's routes over ``runner``; with ``api_key``, every route but /health asks
+    for it (``Authorization: Bearer <key>`` or ``x-api-key: <key>``); without, browsers'
+    requests are refused (on ``loopback``, also any for another host name). A request for a
+    model by a name this server does not know is answered by its model, whose name the
+    response gives (clients that hard-code a model's name just work). ``kept``: where the
+    Responses API keeps responses (the conversation database, opened at first use)."""
+    model = served_model(runner)
+    stores = [kept] if kept is not None else []
+
+    def response_store() -> ResponseStore:
+        if not stores:
+            stores.append(_default_responses())
+        return stores[0]
+
+    endpoints = [
+        *llama_server.routes(runner, model),
+        *openai_chat.routes(runner),
+        *responses.routes(runner, response_store),
+        *anthropic.routes(runner),
+        *ollama.routes(runner, model),
     ]
-    for prefix in ("/v1", ""):  # clients given a base URL with or without /v1
-        routes += [
-            route(f"{prefix}/models", models, ["GET"]),
-            route(f"{prefix}/chat/completions", chat, ["POST"]),
-            route(f"{prefix}/completions", complete, ["POST"]),
-            route(f"{prefix}/messages", messages, ["POST"]),
-            route(f"{prefix}/messages/count_tokens", count_tokens, ["POST"]),
-        ]
+    guard = _Guard(api_key, loopback)
+    routes = []
+    for endpoint in endpoints:
+        prefixes = ("/v1", "") if endpoint.versioned else ("",)
+        routes += [guard.route(prefix + endpoint.path, endpoint) for prefix in prefixes]
     return Starlette(
-        routes=routes,
-        exception_handlers={Exception: failed, HTTPException: http_error},
+        routes=routes, exception_handlers={Exception: _failed, HTTPException: _http_error}
     )
 
 

@@ -56,6 +56,7 @@ class GenerationRequest:
     # The tools rendered in the prompt (under "none" too: the prompt's head, and its cache,
     # stays the same) and how the reply may use them.
     tool_use: ToolUse = field(default_factory=ToolUse)
+    context_limit: int | None = None  # a client's own cap on prompt and reply (num_ctx)
     # Structured output: the reply is one JSON value after this schema (a grammar holds it).
     output_schema: dict[str, Any] | None = None
     endpoint: str = "chat"  # which API asked (the request log says so)

@@ -166,7 +166,7 @@ class ModelRunner:
         """The request's prompt ids and its reply's length; ``ApiError`` where a
         sequence's context cannot hold them."""
         prompt = self.prompt_ids(request)
-        n_ctx = self.batch.n_ctx_seq
+        n_ctx = min(self.batch.n_ctx_seq, request.context_limit or self.batch.n_ctx_seq)
         room = n_ctx - len(prompt)
         if room <= 0 or not prompt:
             raise ApiError(

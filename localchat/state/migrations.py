@@ -159,6 +159,23 @@ def _add_tool_calls(db: sqlite3.Connection) -> None:
 
 
 # Append-only: never edit or reorder an entry once released; add a new one.
+def _create_responses(db: sqlite3.Connection) -> None:
+    """Responses kept for OpenAI's Responses API (``store``): a continued conversation is
+    read from here by its ``previous_response_id``."""
+    _run_script(
+        db,
+        """
+        CREATE TABLE responses (
+            id TEXT PRIMARY KEY,
+            created_at REAL NOT NULL,
+            messages TEXT NOT NULL,
+            body TEXT NOT NULL
+        );
+        CREATE INDEX responses_by_age ON responses (created_at);
+        """,
+    )
+
+
 MIGRATIONS: tuple[tuple[str, Callable[[sqlite3.Connection], None]], ...] = (
     ("001_conversations_and_messages", _create_base),
     ("002_message_tokens", _create_message_tokens),
@@ -167,4 +184,5 @@ MIGRATIONS: tuple[tuple[str, Callable[[sqlite3.Connection], None]], ...] = (
     ("005_message_tree", _create_message_tree),
     ("006_branch_system_prompts", _create_branch_system_prompts),
     ("007_tool_calls", _add_tool_calls),
+    ("008_responses", _create_responses),
 )

@@ -143,7 +143,8 @@ class Store:
                 raise
             self.db.execute("COMMIT")
 
-    def _read(self, sql: str, params: tuple[Any, ...] = ()) -> list[sqlite3.Row]:
+    def read(self, sql: str, params: tuple[Any, ...] = ()) -> list[sqlite3.Row]:
+        """Rows of one query (under the lock the writers take)."""
         with self._lock:
             return self.db.execute(sql, params).fetchall()
 
@@ -160,7 +161,7 @@ class Store:
 
     @property
     def applied_migrations(self) -> list[str]:
-        return [row["name"] for row in self._read("SELECT name FROM _migrations ORDER BY name")]
+        return [row["name"] for row in self.read("SELECT name FROM _migrations ORDER BY name")]
 
     # -- conversations -----------------------------------------------------------------
     def _conversation(self, row: sqlite3.Row) -> ConversationRecord:
@@ -189,7 +190,7 @@ class Store:
         return self.get(name)
 
     def find(self, name: str) -> ConversationRecord | None:
-        rows = self._read(self._LIST_SQL + " WHERE c.name = ?", (name,))
+        rows = self.read(self._LIST_SQL + " WHERE c.name = ?", (name,))
         return self._conversation(rows[0]) if rows else None
 
     def get(self, name: str) -> ConversationRecord:
@@ -205,7 +206,7 @@ class Store:
         """Most recently updated first; ``search`` matches titles, names and message text."""
         if search:
             like = f"%{search}%"
-            rows = self._read(
+            rows = self.read(
                 self._LIST_SQL
                 + """ WHERE c.title LIKE ? OR c.name LIKE ? OR EXISTS (
                     SELECT 1 FROM messages m WHERE m.conversation_id = c.id AND m.content LIKE ?)
@@ -213,7 +214,7 @@ class Store:
                 (like, like, like),
             )
         else:
-            rows = self._read(self._LIST_SQL + " ORDER BY c.updated_at DESC")
+            rows = self.read(self._LIST_SQL + " ORDER BY c.updated_at DESC")
         return [self._conversation(row) for row in rows]
 
     def update_conversation(self, conversation_id: str, **fields: Any) -> None:
@@ -297,7 +298,7 @@ class Store:
 
     def model_fingerprints(self, conversation_id: str) -> list[str]:
         """The models whose cache of the conversation has a known evaluation record."""
-        rows = self._read(
+        rows = self.read(
             "SELECT model_fingerprint FROM eval_batches WHERE conversation_id = ?",
             (conversation_id,),
         )
@@ -405,7 +406,7 @@ class Store:
 
     def messages(self, conversation_id: str) -> list[MessageRecord]:
         """The branch in view, first message first: the head and the messages it follows."""
-        rows = self._read(
+        rows = self.read(
             """WITH RECURSIVE branch(id) AS (
                    SELECT head_id FROM conversations WHERE id = ?
                    UNION ALL
@@ -418,13 +419,13 @@ class Store:
 
     def all_messages(self, conversation_id: str) -> list[MessageRecord]:
         """Every message of every branch, in the order they were written."""
-        rows = self._read(
+        rows = self.read(
             "SELECT * FROM messages WHERE conversation_id = ? ORDER BY seq", (conversation_id,)
         )
         return [self._message(row) for row in rows]
 
     def head(self, conversation_id: str) -> int | None:
-        rows = self._read("SELECT head_id FROM conversations WHERE id = ?", (conversation_id,))
+        rows = self.read("SELECT head_id FROM conversations WHERE id = ?", (conversation_id,))
         return rows[0]["head_id"] if rows else None
 
     def set_head(self, conversation_id: str, message_id: int | None) -> None:
@@ -449,7 +450,7 @@ class Store:
         params: tuple[Any, ...] = (message.conversation_id,)
         if message.parent_id is not None:
             params += (message.parent_id,)
-        rows = self._read(
+        rows = self.read(
             f"SELECT * FROM messages WHERE conversation_id = ? AND {parent} ORDER BY seq", params
         )
         return [self._message(row) for row in rows]
@@ -457,7 +458,7 @@ class Store:
     def latest_leaf(self, message_id: int) -> int:
         """The last message of the most recently written branch that goes through
         ``message_id``."""
-        rows = self._read(
+        rows = self.read(
             """WITH RECURSIVE below(id) AS (
                    SELECT ? UNION ALL
                    SELECT m.id FROM messages m JOIN below b ON m.parent_id = b.id)
@@ -487,7 +488,7 @@ class Store:
 
     def message_tokens(self, conversation_id: str, model_fingerprint: str) -> dict[int, list[int]]:
         """Message id → the token ids it was evaluated as by this model."""
-        rows = self._read(
+        rows = self.read(
             """SELECT t.message_id, t.tokens FROM message_tokens t
                JOIN messages m ON m.id = t.message_id
                WHERE m.conversation_id = ? AND t.model_fingerprint = ?""",
@@ -524,7 +525,7 @@ class Store:
         self, conversation_id: str, model_fingerprint: str
     ) -> tuple[list[int], list[int]] | None:
         """(tokens, batch starts) of this model's last cache of the conversation, if known."""
-        rows = self._read(
+        rows = self.read(
             "SELECT tokens, batch_starts FROM eval_batches WHERE conversation_id = ? AND model_fingerprint = ?",
             (conversation_id, model_fingerprint),
         )
@@ -534,7 +535,7 @@ class Store:
 
     def window_start(self, conversation_id: str, model_fingerprint: str) -> int:
         """The seq of the oldest message in this model's window (0: nothing has left it)."""
-        rows = self._read(
+        rows = self.read(
             "SELECT first_seq FROM context_windows WHERE conversation_id = ? AND model_fingerprint = ?",
             (conversation_id, model_fingerprint),
         )

@@ -40,6 +40,7 @@ from localchat.server.requests import (
 from localchat.server.runner import ModelRunner
 from localchat.server.tool_api import TOOL_NAME
 from localchat.server.turns import Turn, failure, start_turn, stream_bytes, whole_reply
+from localchat.server.wire import Endpoint, read_json
 
 API = "Anthropic's Messages API"
 # What a request may send. Its own settings: the conversation, the tools, the reply's
@@ -466,3 +467,13 @@ async def count_tokens(runner: ModelRunner, request: GenerationRequest) -> Respo
     reply: the template and the tokenizer run on a worker thread)."""
     prompt = await run_in_threadpool(runner.prompt_ids, request)
     return JSONResponse({"input_tokens": len(prompt)})
+
+
+def routes(runner: ModelRunner) -> list[Endpoint]:
+    async def messages(request: Request) -> Response:
+        return await respond(runner, parse_request(await read_json(request)), request)
+
+    async def counted(request: Request) -> Response:
+        return await count_tokens(runner, parse_count(await read_json(request)))
+
+    return [Endpoint("/messages", messages), Endpoint("/messages/count_tokens", counted)]

@@ -30,6 +30,7 @@ from localchat.server.requests import (
 from localchat.server.runner import ModelRunner
 from localchat.server.tool_api import ToolRequestError, openai_calls, parse_tools, tool_message
 from localchat.server.turns import Turn, failure, start_turn, stream_bytes, whole_reply
+from localchat.server.wire import Endpoint, read_json
 
 ROLES = ("system", "user", "assistant", "tool")
 MAX_STOPS = 4  # OpenAI's limit
@@ -309,3 +310,15 @@ async def respond(runner: ModelRunner, request: GenerationRequest, http: Request
     reply = await whole_reply(turn, http)
     body = completion_body(request, reply.text, reply.reasoning, reply.finished, reply.calls)
     return JSONResponse(body)
+
+
+def routes(runner: ModelRunner) -> list[Endpoint]:
+    async def chat(request: Request) -> Response:
+        parsed = parse_request(await read_json(request), chat=True)
+        return await respond(runner, parsed, request)
+
+    async def complete(request: Request) -> Response:
+        parsed = parse_request(await read_json(request), chat=False)
+        return await respond(runner, parsed, request)
+
+    return [Endpoint("/chat/completions", chat), Endpoint("/completions", complete)]

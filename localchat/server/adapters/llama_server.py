@@ -1,0 +1,99 @@
+"""llama-server's own endpoints, which its clients (and other localchats) read:
+``/health``, ``/metrics``, ``/tokenize``, ``/detokenize``, ``/props``, and ``/v1/models``
+with llama-server's ``meta``. Tokenizing does not wait behind a running reply: llama.cpp's
+tokenizer reads the vocabulary only (as llama-server tokenizes in its HTTP threads while
+its loop decodes)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response
+
+from localchat.server.model_facts import ServedModel
+from localchat.server.requests import ApiError
+from localchat.server.runner import ModelRunner
+from localchat.server.wire import Endpoint, read_json
+
+
+def piece(data: bytes) -> str | list[int]:
+    """A token's piece as llama-server's ``with_pieces`` gives it: its text, or its bytes
+    where they are not whole UTF-8 (part of a character)."""
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        return list(data)
+
+
+def routes(runner: ModelRunner, model: ServedModel) -> list[Endpoint]:
+    engine = runner.engine
+
+    async def health(_request: Request) -> Response:
+        return JSONResponse({"status": "ok"})
+
+    async def metrics(_request: Request) -> Response:
+        return PlainTextResponse(runner.metrics(), media_type="text/plain; version=0.0.4")
+
+    async def models(_request: Request) -> Response:
+        entry = {
+            "id": model.name, "object": "model", "created": int(model.modified_at),
+            "owned_by": "localchat",
+            "meta": {"n_ctx": model.n_ctx, "n_ctx_train": model.n_ctx_train,
+                     "n_vocab": model.n_vocab, "n_params": model.parameters,
+                     "size": model.size_bytes},
+        }  # fmt: skip
+        return JSONResponse({"object": "list", "data": [entry]})
+
+    async def props(_request: Request) -> Response:
+        settings = {"n_ctx": model.n_ctx, "model": model.name,
+                    "params": {"temperature": 1.0, "top_k": 40, "top_p": 1.0, "min_p": 0.05,
+                               "n_predict": -1}}  # fmt: skip
+        return JSONResponse({
+            "default_generation_settings": settings, "total_slots": model.slots,
+            "model_path": str(engine.model_path), "model_alias": model.name,
+            "chat_template": model.template, "modalities": {"vision": False, "audio": False},
+            "bos_token": engine.template.bos_token, "eos_token": engine.template.eos_token,
+            "build_info": "localchat",
+        })  # fmt: skip
+
+    async def tokenize(request: Request) -> Response:
+        body = await read_json(request)
+        content = body.get("content") if isinstance(body, dict) else None
+        if not isinstance(content, str):
+            raise ApiError(400, "content must be a string", code="invalid_type")
+        special = bool(body.get("add_special", False))
+
+        def pieces() -> list[int] | list[dict[str, Any]]:
+            tokens = engine.tokenize(
+                content,
+                add_bos=special and engine.add_bos,
+                special=bool(body.get("parse_special", True)),
+            )
+            if body.get("with_pieces"):
+                return [{"id": t, "piece": piece(engine.token_bytes(t))} for t in tokens]
+            return tokens
+
+        return JSONResponse({"tokens": await run_in_threadpool(pieces)})
+
+    async def detokenize(request: Request) -> Response:
+        body = await read_json(request)
+        tokens = body.get("tokens") if isinstance(body, dict) else None
+        n_vocab = engine.n_vocab
+        if not isinstance(tokens, list) or not all(
+            isinstance(t, int) and not isinstance(t, bool) and 0 <= t < n_vocab for t in tokens
+        ):
+            raise ApiError(400, f"tokens must be a list of ids from 0 to {n_vocab - 1}",
+                           code="invalid_type")  # fmt: skip
+        text = await run_in_threadpool(engine.detokenize, tokens, True)
+        return JSONResponse({"content": text})
+
+    return [
+        Endpoint("/health", health, ("GET",), versioned=False),
+        Endpoint("/metrics", metrics, ("GET",), versioned=False),
+        Endpoint("/tokenize", tokenize, versioned=False),
+        Endpoint("/detokenize", detokenize, versioned=False),
+        Endpoint("/props", props, ("GET",), versioned=False),
+        Endpoint("/models", models, ("GET",)),
+    ]
