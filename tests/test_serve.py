@@ -50,12 +50,16 @@ class Served:
         api_key: str | None = None,
         parallel: int = 1,
         restore: bool = False,
+        aliases: tuple[str, ...] = (),
+        cors_origins: tuple[str, ...] = (),
     ) -> None:
         options = LoadOptions(n_ctx=2048, n_threads=2, kv_type="q8_0")
         self.engine = Engine(model, options)
-        self.runner = ModelRunner(self.engine, StateStore(states), NAME, parallel=parallel)
+        self.runner = ModelRunner(
+            self.engine, StateStore(states), NAME, parallel=parallel, aliases=aliases
+        )
         self.restored = self.runner.restore_newest() if restore else 0  # as `serve` does
-        self.server = BackgroundServer(self.runner, api_key)
+        self.server = BackgroundServer(self.runner, api_key, cors_origins)
         self.root = self.server.root
 
     def close(self) -> None:
@@ -201,8 +205,8 @@ def test_bad_requests_are_openai_shaped_errors(served: Served) -> None:
     url = f"{served.root}/v1/chat/completions"
     hello = [{"role": "user", "content": "hi"}]
     assert _error(httpx.post(url, content=b"{not json"))[0] == 400
-    status, message = _error(httpx.post(url, json={"messages": hello, "n": 2}))
-    assert status == 400 and "n must be 1" in message
+    status, message = _error(httpx.post(url, json={"messages": hello, "n": 17}))
+    assert status == 400 and "n must be at most 16" in message
     status, message = _error(httpx.post(url, json={"messages": "hi"}))
     assert status == 400 and "messages must be a non-empty list" in message
     status, message = _error(httpx.post(url, json={"messages": hello, "temperature": "hot"}))

@@ -174,6 +174,22 @@ def _serve_flags(serve: argparse.ArgumentParser) -> None:
         help="requests answered side by side, each with its own --ctx (default: [serve]"
         " parallel, else what memory allows, at most 4)",
     )
+    serve.add_argument(
+        "--alias",
+        metavar="NAME",
+        action="append",
+        default=[],
+        help="another name the model is listed under (repeatable); a name not listed is"
+        " answered by the model too",
+    )
+    serve.add_argument(
+        "--cors-origin",
+        metavar="ORIGIN",
+        action="append",
+        default=[],
+        help="let pages from ORIGIN (e.g. http://localhost:3000) call the API from a browser"
+        " (repeatable; off by default)",
+    )
 
 
 def _ask_flags(ask: argparse.ArgumentParser) -> None:

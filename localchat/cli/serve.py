@@ -78,11 +78,13 @@ def cmd_serve(args: argparse.Namespace, out: TextIO) -> int:
     if parallel is None:
         parallel = default_parallel(engine, detect_hardware().ram_available_bytes)
     states = StateStore(paths.states_dir, settings.state_budget_bytes)
-    runner = ModelRunner(engine, states, name, parallel=parallel)
+    runner = ModelRunner(engine, states, name, parallel=parallel, aliases=tuple(args.alias))
     back = runner.restore_newest()  # the conversations answered last continue from memory
     server = uvicorn.Server(
         uvicorn.Config(
-            create_app(runner, api_key, loopback=host in LOOPBACK),
+            create_app(
+                runner, api_key, loopback=host in LOOPBACK, cors_origins=tuple(args.cors_origin)
+            ),
             host,
             port,
             log_level="warning",

@@ -15,6 +15,8 @@ from typing import Any
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -135,13 +137,16 @@ def create_app(
     api_key: str | None = None,
     loopback: bool = True,
     kept: ResponseStore | None = None,
+    cors_origins: tuple[str, ...] = (),
 ) -> Starlette:
     """The server's routes over ``runner``; with ``api_key``, every route but /health asks
     for it (``Authorization: Bearer <key>`` or ``x-api-key: <key>``); without, browsers'
     requests are refused (on ``loopback``, also any for another host name). A request for a
     model by a name this server does not know is answered by its model, whose name the
     response gives (clients that hard-code a model's name just work). ``kept``: where the
-    Responses API keeps responses (the conversation database, opened at first use)."""
+    Responses API keeps responses (the conversation database, opened at first use).
+    ``cors_origins``: pages a browser may let call the API (none by default); their
+    requests still pass the key and browser checks (a JSON body, this host's name)."""
     model = served_model(runner)
     stores = [kept] if kept is not None else []
 
@@ -162,8 +167,16 @@ def create_app(
     for endpoint in endpoints:
         prefixes = ("/v1", "") if endpoint.versioned else ("",)
         routes += [guard.route(prefix + endpoint.path, endpoint) for prefix in prefixes]
+    middleware = []
+    if cors_origins:
+        middleware.append(Middleware(
+            CORSMiddleware, allow_origins=list(cors_origins), allow_headers=["*"],
+            allow_methods=["GET", "POST", "DELETE", "HEAD"],
+        ))  # fmt: skip
     return Starlette(
-        routes=routes, exception_handlers={Exception: _failed, HTTPException: _http_error}
+        routes=routes,
+        middleware=middleware,
+        exception_handlers={Exception: _failed, HTTPException: _http_error},
     )
 
 
@@ -172,10 +185,13 @@ class BackgroundServer:
     what the tests and the bench talk to through real clients. ``close()`` stops it (the
     runner is the caller's)."""
 
-    def __init__(self, runner: ModelRunner, api_key: str | None = None) -> None:
+    def __init__(
+        self, runner: ModelRunner, api_key: str | None = None, cors_origins: tuple[str, ...] = ()
+    ) -> None:
         import uvicorn
 
-        config = uvicorn.Config(create_app(runner, api_key), "127.0.0.1", 0, log_level="warning")
+        app = create_app(runner, api_key, cors_origins=cors_origins)
+        config = uvicorn.Config(app, "127.0.0.1", 0, log_level="warning")
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, name="serve", daemon=True)
         self.thread.start()

@@ -34,6 +34,24 @@ class Reasoning:
 
 
 @dataclass(frozen=True)
+class TokenChoice:
+    """A token the model could write there, with its log probability."""
+
+    text: str
+    data: bytes  # the token's bytes (a piece of a character is not whole UTF-8)
+    logprob: float
+
+
+@dataclass(frozen=True)
+class Logprob:
+    """A token the reply took, its log probability and the most likely alternatives
+    (where the request asked for ``logprobs``); it comes before the text it writes."""
+
+    chosen: TokenChoice
+    top: tuple[TokenChoice, ...] = ()
+
+
+@dataclass(frozen=True)
 class Called:
     """The tools the reply called, read from the model's own format at its end."""
 
@@ -67,5 +85,5 @@ class Failed:
     error: Exception
 
 
-Piece = Text | Reasoning | Called | TextEnd  # what the scheduler emits
+Piece = Text | Reasoning | Logprob | Called | TextEnd  # what the scheduler emits
 Event = Piece | Finished | Failed

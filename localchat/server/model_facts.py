@@ -16,6 +16,7 @@ class ServedModel:
     """The model behind the server, as its listings describe it."""
 
     name: str
+    names: tuple[str, ...]  # the name and its aliases, each listed
     architecture: str
     parameters: int
     size_bytes: int
@@ -50,6 +51,7 @@ def served_model(runner: ModelRunner) -> ServedModel:
     path = engine.model_path
     return ServedModel(
         name=runner.model_name,
+        names=runner.names,
         architecture=info.architecture,
         parameters=info.parameter_count,
         size_bytes=path.stat().st_size,

@@ -57,6 +57,11 @@ class GenerationRequest:
     # stays the same) and how the reply may use them.
     tool_use: ToolUse = field(default_factory=ToolUse)
     context_limit: int | None = None  # a client's own cap on prompt and reply (num_ctx)
+    prompt_ids: tuple[int, ...] | None = None  # a text completion's prompt given as token ids
+    logit_bias: tuple[tuple[int, float], ...] = ()  # added to those tokens' logits
+    logprobs: int | None = None  # None: none; else each token's and this many alternatives'
+    grammar: str | None = None  # GBNF the reply follows (llama-server's ``grammar``)
+    n: int = 1  # replies to write (they share the prompt's evaluation)
     # Structured output: the reply is one JSON value after this schema (a grammar holds it).
     output_schema: dict[str, Any] | None = None
     endpoint: str = "chat"  # which API asked (the request log says so)

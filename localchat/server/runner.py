@@ -89,9 +89,13 @@ class ModelRunner:
         model_name: str,
         max_queue: int = 16,
         parallel: int = 1,
+        aliases: tuple[str, ...] = (),
     ) -> None:
         self.engine = engine
         self.model_name = model_name
+        # The names the model is listed under (``--alias``): a request that gives one is
+        # answered under it; any other name is answered under ``model_name``.
+        self.names = (model_name, *(a for a in aliases if a != model_name))
         self.max_queue = max_queue
         self.parallel = parallel
         self.saver = BackgroundSaver(states)
@@ -155,6 +159,11 @@ class ModelRunner:
         """The request's prompt ids: the chat template rendered as ``ask`` renders it, or
         the text as it is (any worker thread: the tokenizer reads the vocabulary only)."""
         engine = self.engine
+        if request.prompt_ids is not None:
+            if max(request.prompt_ids) >= engine.n_vocab:
+                raise ApiError(400, f"prompt: token ids run from 0 to {engine.n_vocab - 1}",
+                               code="invalid_value")  # fmt: skip
+            return list(request.prompt_ids)
         if request.messages is None:
             return engine.tokenize(request.prompt or "", add_bos=engine.add_bos, special=True)
         try:
@@ -202,17 +211,20 @@ class ModelRunner:
         return job
 
     def _grammar(self, request: GenerationRequest) -> str | None:
-        """The grammar a reply must follow: a call where one is required, else the format
-        asked for; ``ApiError`` where the schema gives none (or both are asked)."""
+        """The grammar a reply must follow: a call where one is required, the format asked
+        for, or the client's own; ``ApiError`` where one gives none (or two are asked)."""
         tool_use, schema = request.tool_use, request.output_schema
-        if tool_use.forced and schema is not None:
-            raise ApiError(400, "a required tool call and a response format cannot both hold"
-                           " one reply: ask for one of them", code="invalid_value")  # fmt: skip
+        asked = [tool_use.forced, schema is not None, request.grammar is not None]
+        if sum(asked) > 1:
+            raise ApiError(400, "a required tool call, a response format and a grammar each"
+                           " hold the whole reply: ask for one of them", code="invalid_value")  # fmt: skip
         try:
             if tool_use.forced:
                 return self.engine.call_grammar(tool_use)
             if schema is not None:
                 return self.engine.format_grammar(schema)
+            if request.grammar is not None:
+                return self.engine.given_grammar(request.grammar)
         except UsageError as exc:
             raise ApiError(400, str(exc), code="invalid_value") from None
         return None

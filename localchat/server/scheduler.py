@@ -35,7 +35,7 @@ from localchat.backends.llama.grammar import GrammarError
 from localchat.chat.prompt import common_prefix
 from localchat.chat.stops import StopFilter
 from localchat.chat.tool_stream import ToolCallStream
-from localchat.server.events import Finished
+from localchat.server.events import Finished, Logprob, TokenChoice
 from localchat.server.prompt_cache import BLOCK, PromptCache
 from localchat.server.requests import ApiError, GenerationRequest
 from localchat.server.slots import Job, Slot
@@ -182,8 +182,11 @@ class Scheduler:
                     if not waiting and not self._running:
                         self._looping = False
                         return
-                while waiting and len(self._running) < self.batch.n_seq:
-                    job = waiting.popleft()
+                while len(self._running) < self.batch.n_seq:
+                    job = next((j for j in waiting if self._startable(j)), None)
+                    if job is None:
+                        break
+                    waiting.remove(job)
                     try:
                         self._start(job)
                     except Exception as exc:  # (a state that would not load): this one fails
@@ -215,6 +218,13 @@ class Scheduler:
             self._queued.wait_for(
                 lambda: not self._preparing or self._inbox or self._closing, PREPARE_WAIT_S
             )
+
+    @staticmethod
+    def _startable(job: Job) -> bool:
+        """Whether a job may take a sequence: one that shares another's prompt (a second
+        choice of one request) waits until that one has read it, then copies its cells."""
+        after = job.after
+        return after is None or after.done.is_set() or after.stats.first_token_at is not None
 
     def _fail(self, job: Job, exc: BaseException) -> None:
         job.error = exc
@@ -268,8 +278,9 @@ class Scheduler:
             self._held[seq] = None  # the sequence holds another conversation now
         request = job.request
         sampler = batch.sampler(
-            request.sampling, request.frequency_penalty, request.presence_penalty, job.grammar
-        )
+            request.sampling, request.frequency_penalty, request.presence_penalty, job.grammar,
+            request.logit_bias,
+        )  # fmt: skip
         stats = job.stats
         stats.prompt_tokens = len(prompt)
         stats.prompt_tokens_evaluated = len(prompt) - len(batch.tokens[seq])
@@ -400,6 +411,8 @@ class Scheduler:
         accepted = 0
         for index, row in enumerate(rows):
             token = self.batch.sample(running.sampler, row)
+            if running.job.request.logprobs is not None:
+                self._logprob(running, row, token)
             self._advance(running, token, now)
             if running.seq not in self._running:  # it ended there (the cache is cut)
                 break
@@ -416,6 +429,19 @@ class Scheduler:
             if running.seq in self._running:  # the cache: prompt and reply, less the new token
                 self.batch.cut(running.seq, len(running.job.prompt) + len(running.reply.tokens) - 1)
         running.draft = Draft([])
+
+    def _logprob(self, running: Slot, row: int, token: int) -> None:
+        """The sampled token's log probability and the alternatives asked for, sent on
+        before its text (not for the token that ends the reply)."""
+        if self.engine.is_end_of_generation(token):
+            return
+        top = running.job.request.logprobs or 0
+        chosen, best = self.batch.logprobs(row, token, top)
+        running.send(Logprob(self._choice(token, chosen), tuple(self._choice(*b) for b in best)))
+
+    def _choice(self, token: int, logprob: float) -> TokenChoice:
+        data = self.engine.token_bytes(token)
+        return TokenChoice(data.decode("utf-8", errors="replace"), data, logprob)
 
     def _advance(self, running: Slot, token: int, now: float) -> None:
         """Take the token sampled for ``running``: stream it or end the reply."""

@@ -47,6 +47,7 @@ class Job:
     reason: str = ""  # why it ended (``events.END_REASONS``)
     stop_sequence: str | None = None  # the request's stop string that ended it
     expected_cached: int = 0  # prompt tokens it should find in memory or on disk
+    after: Job | None = None  # a job whose prompt it shares: started once that one read it
     error: BaseException | None = None
 
 
@@ -83,6 +84,16 @@ class Slot:
             self._send(text)
         except Exception:
             job.cancel.set()
+
+    def send(self, event: Piece) -> None:
+        """Send an event on as it is (until the request's stop string ended the reply); a
+        reader that fails cancels the job."""
+        if self.request_stopped:
+            return
+        try:
+            self.job.emit(event)
+        except Exception:
+            self.job.cancel.set()
 
     def _send(self, text: str) -> None:
         """Answer text on to the request, a call's text held back where calls are read."""

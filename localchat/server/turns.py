@@ -21,6 +21,7 @@ from localchat.server.events import (
     Event,
     Failed,
     Finished,
+    Logprob,
     Piece,
     Reasoning,
     Text,
@@ -48,8 +49,10 @@ class Turn:
     them paid two before its job was queued). ``prompt_ready`` says whether the prompt was
     taken; the reply's events come through ``batches()``."""
 
-    def __init__(self, runner: ModelRunner, request: GenerationRequest) -> None:
-        self.runner, self.request = runner, request
+    def __init__(
+        self, runner: ModelRunner, request: GenerationRequest, after: Job | None = None
+    ) -> None:
+        self.runner, self.request, self.after = runner, request, after
         self.loop = asyncio.get_running_loop()
         self.cancel = threading.Event()
         self.prompt_ready: asyncio.Future[None] = self.loop.create_future()
@@ -68,6 +71,7 @@ class Turn:
     def _work(self) -> Finished:
         try:
             self.job = self.runner.job_of(self.request, self.cancel, self._events.put)
+            self.job.after = self.after
         except BaseException as exc:
             self.runner.leave_queue()  # admitted, never queued
             self.loop.call_soon_threadsafe(_settle, self.prompt_ready, exc)
@@ -91,11 +95,15 @@ class Turn:
         self.task.add_done_callback(_RUNNING.discard)
 
 
-async def start_turn(runner: ModelRunner, request: GenerationRequest) -> Turn:
+async def start_turn(
+    runner: ModelRunner, request: GenerationRequest, after: Job | None = None
+) -> Turn:
     """Admit ``request`` (503 where the queue is full) and make its prompt: an error in it
-    (too long, a template's refusal) is raised here, before any response starts."""
+    (too long, a template's refusal) is raised here, before any response starts. ``after``:
+    a job whose prompt this one shares (it starts once that one has read it)."""
     runner.admit()
-    turn = Turn(runner, replace(request, model=runner.model_name))
+    name = request.model if request.model in runner.names else runner.model_name
+    turn = Turn(runner, replace(request, model=name), after)
     try:
         await turn.prompt_ready
     except BaseException:
@@ -111,6 +119,7 @@ class WholeReply:
     text: str = ""
     reasoning: str = ""
     calls: tuple[ToolCall, ...] = ()
+    logprobs: list[Logprob] = field(default_factory=list)
     finished: Finished = field(default_factory=lambda: Finished("stop", TurnStats()))
 
 
@@ -132,6 +141,8 @@ async def whole_reply(turn: Turn, http: Request) -> WholeReply:
                     reasoning.append(event.text)
                 elif isinstance(event, Called):
                     reply.calls = event.calls
+                elif isinstance(event, Logprob):
+                    reply.logprobs.append(event)
                 elif isinstance(event, Finished):
                     reply.finished = event
     except BaseException:
@@ -159,6 +170,51 @@ async def stream_bytes(
                 yield data
     finally:
         turn.stop()  # the turn stops at its next token; its task ends on its own
+
+
+async def start_choices(runner: ModelRunner, request: GenerationRequest, n: int) -> list[Turn]:
+    """``n`` replies to one request: the first reads the prompt, the others start from its
+    cells (copied, not evaluated again), each with its own seed."""
+    first = await start_turn(runner, request)
+    turns = [first]
+    try:
+        for index in range(1, n):
+            sampling = replace(request.sampling, seed=request.sampling.seed + index)
+            turns.append(await start_turn(runner, replace(request, sampling=sampling), first.job))
+    except BaseException:
+        for turn in turns:
+            turn.stop()
+        raise
+    return turns
+
+
+async def stream_choices(
+    turns: list[Turn], head: bytes, write: Callable[[int, list[Event]], bytes]
+) -> AsyncIterator[bytes]:
+    """Several replies streamed as one response: each batch of each as ``write`` puts it,
+    with the reply's index, as they come; all stop when the client goes away."""
+    queue: asyncio.Queue[tuple[int, list[Event]]] = asyncio.Queue()
+
+    async def forward(index: int, turn: Turn) -> None:
+        async for batch in turn.batches():
+            await queue.put((index, batch))
+
+    tasks = [asyncio.create_task(forward(i, turn)) for i, turn in enumerate(turns)]
+    ended = 0
+    try:
+        if head:
+            yield head
+        while ended < len(turns):
+            index, batch = await queue.get()
+            ended += isinstance(batch[-1], _Batches.ENDS)
+            data = write(index, batch)
+            if data:
+                yield data
+    finally:
+        for turn in turns:
+            turn.stop()
+        for task in tasks:
+            task.cancel()
 
 
 def failure(error: Exception) -> ApiError:

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import llama_cpp
+import numpy as np
 
 from localchat.backends.base import Sampling
 from localchat.backends.llama.cache import state_pointer
@@ -69,6 +70,7 @@ class SequenceSampler:
         frequency_penalty: float = 0.0,
         presence_penalty: float = 0.0,
         grammar: tuple[object, str] | None = None,
+        logit_bias: Sequence[tuple[int, float]] = (),
     ) -> None:
         params = llama_cpp.llama_sampler_chain_default_params()
         self._chain = llama_cpp.llama_sampler_chain_init(params)
@@ -81,6 +83,10 @@ class SequenceSampler:
                 self.close()
                 raise
             add(llama_cpp.llama_sampler_init_grammar(vocab, rules.encode(), b"root"))
+        if logit_bias:  # OpenAI's: added to a token's logit before anything else sees it
+            entries = [llama_cpp.llama_logit_bias(token, bias) for token, bias in logit_bias]
+            biases = (llama_cpp.llama_logit_bias * len(entries))(*entries)
+            add(llama_cpp.llama_sampler_init_logit_bias(n_vocab, len(logit_bias), biases))
         if sampling.repeat_penalty != 1.0 or frequency_penalty or presence_penalty:
             add(
                 llama_cpp.llama_sampler_init_penalties(
@@ -207,8 +213,10 @@ class SequenceBatch:
         frequency_penalty: float = 0.0,
         presence_penalty: float = 0.0,
         grammar: str | None = None,
+        logit_bias: Sequence[tuple[int, float]] = (),
     ) -> SequenceSampler:
-        """A sampler for one sequence (``grammar``: GBNF its tokens must follow)."""
+        """A sampler for one sequence (``grammar``: GBNF its tokens must follow;
+        ``logit_bias``: what to add to some tokens' logits)."""
         vocab = llama_cpp.llama_model_get_vocab(self.engine.llm.model)
         return SequenceSampler(
             sampling,
@@ -216,11 +224,26 @@ class SequenceBatch:
             frequency_penalty,
             presence_penalty,
             None if grammar is None else (vocab, grammar),
+            logit_bias,
         )
 
     def sample(self, sampler: SequenceSampler, row: int) -> int:
         """The next token from ``row``'s logits (the sampler remembers it for penalties)."""
         return int(llama_cpp.llama_sampler_sample(sampler._chain, self._ctx, row))
+
+    def logprobs(self, row: int, token: int, top: int) -> tuple[float, list[tuple[int, float]]]:
+        """``token``'s log probability in ``row``'s distribution (the model's own, before
+        any sampler), and the ``top`` most likely tokens' (OpenAI's ``logprobs``)."""
+        pointer = llama_cpp.llama_get_logits_ith(self._ctx, row)
+        logits = np.ctypeslib.as_array(pointer, shape=(self._n_vocab,)).astype(np.float64)
+        peak = logits.max()
+        total = peak + np.log(np.exp(logits - peak).sum())
+        best: list[tuple[int, float]] = []
+        if top > 0:
+            ids = np.argpartition(-logits, min(top, self._n_vocab - 1))[:top]
+            ids = ids[np.argsort(-logits[ids], kind="stable")]
+            best = [(int(i), float(logits[i] - total)) for i in ids]
+        return float(logits[token] - total), best
 
     # -- a sequence's cache --------------------------------------------------------------------
     def cut(self, seq: int, keep: int) -> bool:

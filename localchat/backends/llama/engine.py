@@ -553,6 +553,14 @@ class Engine(KVCache):
             raise UsageError(str(exc)) from None
         return rules
 
+    def given_grammar(self, rules: str) -> str:
+        """A client's own GBNF, where llama.cpp parses it; else a one-line error."""
+        try:
+            checked_grammar(self._llm._model.vocab, rules)
+        except GrammarError as exc:
+            raise UsageError(f"grammar: {exc}") from None
+        return rules
+
     def drafter(self, end: int) -> Drafter | None:
         """The draft model for a generation that must stop at context length ``end``, where
         this engine drafts (the step costs it measured carry over; the acceptance starts

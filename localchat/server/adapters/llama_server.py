@@ -37,14 +37,11 @@ def routes(runner: ModelRunner, model: ServedModel) -> list[Endpoint]:
         return PlainTextResponse(runner.metrics(), media_type="text/plain; version=0.0.4")
 
     async def models(_request: Request) -> Response:
-        entry = {
-            "id": model.name, "object": "model", "created": int(model.modified_at),
-            "owned_by": "localchat",
-            "meta": {"n_ctx": model.n_ctx, "n_ctx_train": model.n_ctx_train,
-                     "n_vocab": model.n_vocab, "n_params": model.parameters,
-                     "size": model.size_bytes},
-        }  # fmt: skip
-        return JSONResponse({"object": "list", "data": [entry]})
+        meta = {"n_ctx": model.n_ctx, "n_ctx_train": model.n_ctx_train, "n_vocab": model.n_vocab,
+                "n_params": model.parameters, "size": model.size_bytes}  # fmt: skip
+        entries = [{"id": name, "object": "model", "created": int(model.modified_at),
+                    "owned_by": "localchat", "meta": meta} for name in model.names]  # fmt: skip
+        return JSONResponse({"object": "list", "data": entries})
 
     async def props(_request: Request) -> Response:
         settings = {"n_ctx": model.n_ctx, "model": model.name,

@@ -363,8 +363,8 @@ def _details(model: ServedModel) -> dict[str, Any]:
     }
 
 
-def _name(model: ServedModel) -> str:
-    return model.name if ":" in model.name else f"{model.name}:latest"
+def _tagged(name: str) -> str:
+    return name if ":" in name else f"{name}:latest"
 
 
 def _stamp(seconds: float) -> str:
@@ -372,10 +372,12 @@ def _stamp(seconds: float) -> str:
 
 
 def tags(model: ServedModel) -> dict[str, Any]:
-    """``/api/tags``: the one model served."""
-    entry = {"name": _name(model), "model": _name(model), "modified_at": _stamp(model.modified_at),
-             "size": model.size_bytes, "digest": model.digest, "details": _details(model)}  # fmt: skip
-    return {"models": [entry]}
+    """``/api/tags``: the model served, under each of its names."""
+    entries = [{"name": _tagged(name), "model": _tagged(name),
+                "modified_at": _stamp(model.modified_at), "size": model.size_bytes,
+                "digest": model.digest, "details": _details(model)}
+               for name in model.names]  # fmt: skip
+    return {"models": entries}
 
 
 def show(model: ServedModel) -> dict[str, Any]:
@@ -401,7 +403,7 @@ def show(model: ServedModel) -> dict[str, Any]:
 
 def running(model: ServedModel) -> dict[str, Any]:
     """``/api/ps``: the model, loaded for as long as the server runs."""
-    entry = {"name": _name(model), "model": _name(model), "size": model.size_bytes,
+    entry = {"name": _tagged(model.name), "model": _tagged(model.name), "size": model.size_bytes,
              "digest": model.digest, "details": _details(model),
              "expires_at": "2318-01-01T00:00:00Z", "size_vram": 0,
              "context_length": model.n_ctx}  # fmt: skip

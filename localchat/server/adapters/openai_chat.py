@@ -1,21 +1,21 @@
 """OpenAI's chat and text completions (and llama-server's extras on them): requests checked
-field by field into a ``GenerationRequest``, and the reply's events back as OpenAI's bodies
-and stream chunks, with usage (``cached_tokens``) and llama-server's ``timings``."""
+field by field into a ``GenerationRequest`` — every field either honoured or refused by
+name — and the replies back through ``openai_bodies``. ``n`` replies share the prompt's
+evaluation (the others copy its cells)."""
 
 from __future__ import annotations
 
-import json
+import asyncio
 from typing import Any
 
 from sse_starlette.sse import EventSourceResponse
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from localchat.backends.base import Sampling, TurnStats
+from localchat.backends.base import Sampling
 from localchat.chat.template import ChatMessage
-from localchat.chat.tools import ToolCall, ToolSpec, ToolUse
-from localchat.server.adapters.sse import sse
-from localchat.server.events import Called, Event, Failed, Finished, Reasoning, Text
+from localchat.chat.tools import ToolSpec, ToolUse
+from localchat.server.adapters.openai_bodies import ChunkStream, completion_body
 from localchat.server.requests import (
     ApiError,
     GenerationRequest,
@@ -24,16 +24,16 @@ from localchat.server.requests import (
     integer,
     new_seed,
     number,
+    only_known,
     strings,
     text_field,
 )
 from localchat.server.runner import ModelRunner
-from localchat.server.tool_api import ToolRequestError, openai_calls, parse_tools, tool_message
-from localchat.server.turns import Turn, failure, start_turn, stream_bytes, whole_reply
+from localchat.server.tool_api import ToolRequestError, parse_tools, tool_message
+from localchat.server.turns import start_choices, stream_choices, whole_reply
 from localchat.server.wire import Endpoint, read_json
 
 ROLES = ("system", "user", "assistant", "tool")
-MAX_STOPS = 4  # OpenAI's limit
 PING_S = 15
 
 
@@ -99,28 +99,109 @@ def format_schema(value: Any, name: str) -> dict[str, Any] | None:
     return schema
 
 
+# What a request may send; anything else is refused by name. Accepted as meaning nothing
+# to a local model: ``user``, ``metadata``, ``store``, ``service_tier``,
+# ``parallel_tool_calls``, ``reasoning_effort``, ``verbosity``, ``prompt_cache_key``,
+# ``safety_identifier``, llama-server's ``cache_prompt`` (every prompt is cached here).
+COMMON_FIELDS = frozenset(
+    {"model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "repeat_penalty",
+     "seed", "stream", "stream_options", "stop", "n", "frequency_penalty",
+     "presence_penalty", "logprobs", "logit_bias", "response_format", "json_schema",
+     "grammar", "user", "metadata", "cache_prompt", "service_tier", "prompt_cache_key",
+     "safety_identifier", "store"}
+)  # fmt: skip
+CHAT_FIELDS = COMMON_FIELDS | {
+    "messages", "max_completion_tokens", "tools", "tool_choice", "top_logprobs",
+    "parallel_tool_calls", "reasoning_effort", "verbosity", "modalities",
+}  # fmt: skip
+COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "echo", "suffix", "best_of"}
+MAX_CHOICES = 16
+MAX_LOGPROBS = 20
+LOGIT_BIAS_LIMIT = 100.0
+
+
+def _prompt(body: dict[str, Any]) -> tuple[str | None, tuple[int, ...] | None]:
+    """A text completion's prompt: a string, or token ids (one prompt only)."""
+    raw = body.get("prompt")
+    if isinstance(raw, list) and len(raw) == 1 and isinstance(raw[0], str | list):
+        raw = raw[0]  # a batch of one
+    if isinstance(raw, str):
+        return raw, None
+    if (
+        isinstance(raw, list)
+        and raw
+        and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in raw)
+    ):
+        return None, tuple(raw)
+    raise bad("prompt must be a string or a list of token ids (one prompt per request)",
+              "invalid_type")  # fmt: skip
+
+
+def _logit_bias(body: dict[str, Any]) -> tuple[tuple[int, float], ...]:
+    raw = body.get("logit_bias")
+    if raw is None:
+        return ()
+    if not isinstance(raw, dict):
+        raise bad("logit_bias must be an object of token id: bias", "invalid_type")
+    biases = []
+    for key, value in raw.items():
+        if not str(key).isdigit():
+            raise bad(f"logit_bias: {key!r} is not a token id (see POST /tokenize)")
+        bias = number({"bias": value}, "bias", 0.0, -LOGIT_BIAS_LIMIT, LOGIT_BIAS_LIMIT)
+        biases.append((int(key), bias))
+    return tuple(biases)
+
+
+def _logprobs(body: dict[str, Any], chat: bool) -> int | None:
+    """How many alternatives each token's logprobs list (None: no logprobs)."""
+    if chat:
+        if not flag(body, "logprobs"):
+            if body.get("top_logprobs") is not None:
+                raise bad("top_logprobs needs logprobs: true")
+            return None
+        top = integer(body, "top_logprobs", 0)
+    else:
+        top = integer(body, "logprobs", 0)
+        if top is None:
+            return None
+    if top is not None and top > MAX_LOGPROBS:
+        raise bad(f"{'top_logprobs' if chat else 'logprobs'} must be at most {MAX_LOGPROBS}")
+    return top or 0
+
+
+def _completion_only(body: dict[str, Any]) -> None:
+    """The legacy completion's fields this server does not write: refused where set."""
+    if flag(body, "echo"):
+        raise bad("echo: the prompt is not written back here; prepend it yourself")
+    if text_field(body, "suffix"):
+        raise bad("suffix: fill-in-the-middle is not supported here")
+    if (integer(body, "best_of", 1) or 1) > 1:
+        raise bad("best_of: only 1 here; ask for n replies and choose")
+
+
 def parse_request(body: Any, chat: bool) -> GenerationRequest:
     """A chat or text completion request, checked; ``ApiError`` names what is wrong."""
     if not isinstance(body, dict):
         raise bad("the body must be a JSON object", "invalid_type")
-    n = integer(body, "n", 1)
-    if n is not None and n != 1:
-        raise bad("n must be 1: this server writes one choice per request")
+    only_known(body, CHAT_FIELDS if chat else COMPLETION_FIELDS, "OpenAI's API")
+    n = integer(body, "n", 1) or 1
+    if n > MAX_CHOICES:
+        raise bad(f"n must be at most {MAX_CHOICES}")
     tools: tuple[ToolSpec, ...] = ()
     tool_choice = "auto"
+    prompt, ids = None, None
     if chat:
-        messages, prompt = _messages(body), None
+        messages: list[ChatMessage] | None = _messages(body)
+        if body.get("modalities") not in (None, ["text"]):
+            raise bad("modalities: this server writes text only")
         try:
             tools, tool_choice = parse_tools(body)
         except ToolRequestError as exc:
             raise bad(str(exc)) from None
     else:
-        raw = body.get("prompt")
-        if isinstance(raw, list) and len(raw) == 1 and isinstance(raw[0], str):
-            raw = raw[0]
-        if not isinstance(raw, str):
-            raise bad("prompt must be a string", "invalid_type")
-        messages, prompt = None, raw
+        _completion_only(body)
+        messages = None
+        prompt, ids = _prompt(body)
     max_tokens = integer(body, "max_completion_tokens", 1) or integer(body, "max_tokens", 1)
     sampling = Sampling(
         temperature=number(body, "temperature", 1.0, 0.0, 2.0),
@@ -133,24 +214,19 @@ def parse_request(body: Any, chat: bool) -> GenerationRequest:
     options = body.get("stream_options") or {}
     if not isinstance(options, dict):
         raise bad("stream_options must be an object", "invalid_type")
-    stops = strings(body.get("stop"), "stop")
-    if len(stops) > MAX_STOPS:
-        raise bad(f"stop takes at most {MAX_STOPS} strings, not {len(stops)}")
+    grammar = body.get("grammar")
+    if grammar is not None and not isinstance(grammar, str):
+        raise bad("grammar must be GBNF text", "invalid_type")
     return GenerationRequest(
-        text_field(body, "model"),
-        messages,
-        prompt,
-        sampling,
-        max_tokens,
-        stops,
-        flag(body, "stream"),
+        text_field(body, "model"), messages, prompt, sampling, max_tokens,
+        strings(body.get("stop"), "stop"), flag(body, "stream"),
         bool(options.get("include_usage", False)),
         frequency_penalty=number(body, "frequency_penalty", 0.0, -2.0, 2.0),
         presence_penalty=number(body, "presence_penalty", 0.0, -2.0, 2.0),
-        tool_use=ToolUse(tools, tool_choice),
-        output_schema=_output_schema(body),
-        endpoint="chat" if chat else "completions",
-    )
+        tool_use=ToolUse(tools, tool_choice), output_schema=_output_schema(body),
+        prompt_ids=ids, logit_bias=_logit_bias(body), logprobs=_logprobs(body, chat),
+        grammar=grammar or None, n=n, endpoint="chat" if chat else "completions",
+    )  # fmt: skip
 
 
 def _output_schema(body: dict[str, Any]) -> dict[str, Any] | None:
@@ -163,153 +239,16 @@ def _output_schema(body: dict[str, Any]) -> dict[str, Any] | None:
     return format_schema(body.get("response_format"), "response_format")
 
 
-FINISH_REASONS = {"stop_sequence": "stop", "context": "length", "cancelled": "stop"}
-
-
-def finish_reason(finished: Finished) -> str:
-    return FINISH_REASONS.get(finished.reason, finished.reason)
-
-
-def usage(finished: Finished) -> dict[str, Any]:
-    """OpenAI's usage: ``cached_tokens`` are prompt tokens not evaluated (held in memory or
-    restored from disk)."""
-    stats = finished.stats
-    return {
-        "prompt_tokens": stats.prompt_tokens,
-        "completion_tokens": stats.generated_tokens,
-        "total_tokens": stats.prompt_tokens + stats.generated_tokens,
-        "prompt_tokens_details": {"cached_tokens": finished.cached_tokens},
-    }
-
-
-def timings(stats: TurnStats) -> dict[str, Any]:
-    """llama-server's per-request timings (and its draft counts)."""
-    predicted_s = stats.generated_tokens / stats.gen_tps if stats.gen_tps else 0.0
-    return {
-        "cache_n": max(0, stats.prompt_tokens - stats.prompt_tokens_evaluated),
-        "prompt_n": stats.prompt_tokens_evaluated,
-        "prompt_ms": round(stats.ttft_s * 1000, 3),
-        "prompt_per_second": round(stats.prompt_tps, 3),
-        "predicted_n": stats.generated_tokens,
-        "predicted_ms": round(predicted_s * 1000, 3),
-        "predicted_per_second": round(stats.gen_tps, 3),
-        "draft_n": stats.drafted_tokens,
-        "draft_n_accepted": stats.accepted_tokens,
-    }
-
-
-def _envelope(request: GenerationRequest, chunk: bool) -> dict[str, Any]:
-    chat = request.messages is not None
-    kind = "chat.completion" if chat else "text_completion"
-    return {
-        "id": request.request_id if chat else request.request_id.replace("chatcmpl", "cmpl"),
-        "object": f"{kind}.chunk" if chunk and chat else kind,
-        "created": request.created,
-        "model": request.model,
-    }
-
-
-def completion_body(
-    request: GenerationRequest,
-    text: str,
-    reasoning: str,
-    finished: Finished,
-    calls: tuple[ToolCall, ...] = (),
-) -> dict[str, Any]:
-    """The whole reply, unstreamed (with the tools it calls)."""
-    reason = finish_reason(finished)
-    if request.messages is not None:
-        message: dict[str, Any] = {"role": "assistant", "content": text or None if calls else text}
-        if reasoning:
-            message["reasoning_content"] = reasoning
-        if calls:
-            message["tool_calls"] = [
-                {k: v for k, v in call.items() if k != "index"} for call in openai_calls(calls)
-            ]
-        choice: dict[str, Any] = {"index": 0, "message": message, "finish_reason": reason}
-    else:
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
-    return {
-        **_envelope(request, chunk=False),
-        "choices": [choice],
-        "usage": usage(finished),
-        "timings": timings(finished.stats),
-    }
-
-
-def delta_chunk(
-    request: GenerationRequest, text: str = "", reasoning: bool = False, first: bool = False
-) -> dict[str, Any]:
-    """One streamed piece of the reply."""
-    if request.messages is None:
-        choice: dict[str, Any] = {"index": 0, "text": text, "finish_reason": None}
-    else:
-        delta: dict[str, Any] = {"role": "assistant"} if first else {}
-        if text:
-            delta["reasoning_content" if reasoning else "content"] = text
-        choice = {"index": 0, "delta": delta, "finish_reason": None}
-    body = {**_envelope(request, chunk=True), "choices": [choice]}
-    if request.include_usage:
-        body["usage"] = None
-    return body
-
-
-def final_chunks(
-    request: GenerationRequest, finished: Finished, calls: tuple[ToolCall, ...] = ()
-) -> list[dict[str, Any]]:
-    """The calls the reply made (one delta), the chunk that says why the reply ended, and
-    the usage chunk where it was asked for."""
-    chunks = []
-    if calls:
-        called = delta_chunk(request)
-        called["choices"][0]["delta"]["tool_calls"] = openai_calls(calls)
-        chunks.append(called)
-    last = delta_chunk(request)
-    last["choices"][0]["finish_reason"] = finish_reason(finished)
-    last["timings"] = timings(finished.stats)
-    chunks.append(last)
-    if request.include_usage:
-        chunks.append({**_envelope(request, chunk=True), "choices": [], "usage": usage(finished)})
-    return chunks
-
-
-class _Stream:
-    """The reply's events as OpenAI's SSE chunks, ending with ``data: [DONE]``."""
-
-    def __init__(self, request: GenerationRequest) -> None:
-        self.request = request
-        self.calls: tuple[ToolCall, ...] = ()
-
-    def head(self) -> bytes:
-        return sse([json.dumps(delta_chunk(self.request, first=True))])
-
-    def write(self, batch: list[Event]) -> bytes:
-        data: list[str] = []
-        for event in batch:
-            if isinstance(event, Text | Reasoning):
-                reasoning = isinstance(event, Reasoning)
-                data.append(json.dumps(delta_chunk(self.request, event.text, reasoning)))
-            elif isinstance(event, Called):
-                self.calls = event.calls
-            elif isinstance(event, Finished):
-                chunks = final_chunks(self.request, event, self.calls)
-                data += [*(json.dumps(chunk) for chunk in chunks), "[DONE]"]
-            elif isinstance(event, Failed):
-                data.append(json.dumps(failure(event.error).body()))
-        return sse(data)
-
-
 async def respond(runner: ModelRunner, request: GenerationRequest, http: Request) -> Response:
     """Admit, tokenize (a prompt the context cannot hold is refused before any stream
-    starts), then stream the reply or return it whole."""
-    turn: Turn = await start_turn(runner, request)
-    request = turn.request
+    starts), then stream the replies or return them whole."""
+    turns = await start_choices(runner, request, request.n)
+    request = turns[0].request
     if request.stream:
-        stream = _Stream(request)
-        return EventSourceResponse(stream_bytes(turn, stream.head(), stream.write), ping=PING_S)
-    reply = await whole_reply(turn, http)
-    body = completion_body(request, reply.text, reply.reasoning, reply.finished, reply.calls)
-    return JSONResponse(body)
+        stream = ChunkStream(request, len(turns))
+        return EventSourceResponse(stream_choices(turns, stream.head(), stream.write), ping=PING_S)
+    replies = await asyncio.gather(*(whole_reply(turn, http) for turn in turns))
+    return JSONResponse(completion_body(request, list(replies)))
 
 
 def routes(runner: ModelRunner) -> list[Endpoint]:
