@@ -22,6 +22,7 @@ from typing import Any
 from localchat import __version__
 from localchat.bench.branch import bench_branch
 from localchat.bench.calibrate import bench_calibrate
+from localchat.bench.clients import bench_clients
 from localchat.bench.common import Progress, _say
 from localchat.bench.engine import bench_engine
 from localchat.bench.estimate import bench_estimate
@@ -53,6 +54,7 @@ BENCHES: dict[str, Part] = {
     "branch": bench_branch,
     "spec": bench_spec,
     "serve": bench_serve,
+    "clients": bench_clients,
 }
 PARTS: tuple[str, ...] = tuple(BENCHES)
 
@@ -93,6 +95,13 @@ TARGETS: dict[str, tuple[str, float]] = {
     "serve_parallel_throughput": (">=", 1.0),
     "serve_spec_copy_speedup": (">=", 1.15),
     "serve_spec_identical": (">=", 1),
+    "agent_loop_reread": ("<=", 0.05),
+    "api_parity": (">=", 1),
+    "messages_gen_ratio": (">=", 0.97),
+    "responses_gen_ratio": (">=", 0.97),
+    "ollama_gen_ratio": (">=", 0.97),
+    "structured_valid": (">=", 1.0),
+    "structured_speed_ratio": (">=", 0.9),
 }
 
 

@@ -350,9 +350,15 @@ class _ServeProcess:
     LOCALCHAT_HOME ``home``; stopped with SIGTERM, which finishes its saves."""
 
     def __init__(
-        self, model: Path, home: Path, parallel: int = 1, extra: tuple[str, ...] = ()
+        self,
+        model: Path,
+        home: Path,
+        parallel: int = 1,
+        extra: tuple[str, ...] = (),
+        ctx: int = SERVE_CTX,
     ) -> None:
         self.model, self.home, self.parallel, self.extra = model, home, parallel, extra
+        self.ctx = ctx
 
     def __enter__(self) -> str:
         import httpx
@@ -361,7 +367,7 @@ class _ServeProcess:
             probe.bind(("127.0.0.1", 0))
             port = probe.getsockname()[1]
         command = [sys.executable, "-m", "localchat", "serve", "--model-path", str(self.model),
-                   "--port", str(port), "--ctx", str(SERVE_CTX),
+                   "--port", str(port), "--ctx", str(self.ctx),
                    "--parallel", str(self.parallel), *self.extra]  # fmt: skip
         self.process = subprocess.Popen(
             command, env=env_with_home(self.home), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
