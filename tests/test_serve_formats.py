@@ -109,3 +109,34 @@ def test_a_schema_without_a_grammar_is_a_400_that_names_the_part(served: Served)
         "/v1/messages", messages=ASK, max_tokens=5, output_config={"format": {"type": "xml"}}
     )
     assert served.runner.counters.queued == 0 and served.runner.scheduler.preparing == 0
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_the_grammar_judging_the_best_candidates_picks_what_the_whole_vocabulary_would(
+    served: Served, monkeypatch: pytest.MonkeyPatch, temperature: float
+) -> None:
+    """A grammar judges the best logits first (llama.cpp's over 49k tokens costs more than
+    SmolLM2's step); the reply must be the one the grammar over every token gives."""
+    from localchat.backends.llama import sampler
+
+    judged: list[int] = []
+    real_apply = sampler._apply
+
+    def counting(chain: object, candidates: object) -> int:
+        judged.append(len(candidates))  # type: ignore[arg-type]
+        return real_apply(chain, candidates)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(sampler, "_apply", counting)
+    form = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}
+    body = {"messages": ASK, "max_tokens": 80, "temperature": temperature, "seed": 7,
+            "response_format": form}  # fmt: skip
+
+    def reply() -> str:
+        answer = httpx.post(f"{served.root}/v1/chat/completions", json=body, timeout=300)
+        return str(answer.json()["choices"][0]["message"]["content"])
+
+    quick = reply()
+    assert any(count in sampler.CANDIDATES for count in judged)  # the short way was taken
+    monkeypatch.setattr(sampler, "CANDIDATES", ())
+    assert reply() == quick
+    _is_person(quick)

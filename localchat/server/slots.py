@@ -9,9 +9,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from localchat.backends.base import TurnStats
-from localchat.backends.llama.batch import SequenceSampler
 from localchat.backends.llama.draft_policy import Draft, DraftPolicy
 from localchat.backends.llama.generation import ReplyText
+from localchat.backends.llama.sampler import SequenceSampler
 from localchat.chat.stops import StopFilter
 from localchat.chat.tool_stream import ToolCallStream
 from localchat.chat.tools import ToolCall

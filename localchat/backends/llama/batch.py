@@ -23,7 +23,6 @@ import numpy as np
 
 from localchat.backends.base import Sampling
 from localchat.backends.llama.cache import state_pointer
-from localchat.backends.llama.grammar import GrammarError, checked_grammar
 from localchat.backends.llama.runtime import (
     DecodeStop,
     abort_requested,
@@ -32,12 +31,11 @@ from localchat.backends.llama.runtime import (
     log_position,
     watch_abort,
 )
+from localchat.backends.llama.sampler import SequenceSampler
 from localchat.errors import ModelLoadError
 
 if TYPE_CHECKING:
     from localchat.backends.llama.engine import Engine
-
-PENALTY_LAST_N = 64  # tokens a repetition penalty looks back over (llama.cpp's default)
 
 
 class StepInterrupted(Exception):
@@ -57,111 +55,6 @@ class Chunk:
 
 class BatchFull(RuntimeError):
     """llama.cpp found no room in the KV cache for a step (a sequence past its context)."""
-
-
-_TOKEN_DATA = np.dtype([("id", np.int32), ("logit", np.float32), ("p", np.float32)])
-
-
-class SequenceSampler:
-    """One sequence's sampler chain (penalties, top-k, top-p, min-p, temperature, a seeded
-    draw; greedy at temperature 0), as llama-cpp-python orders them for a single reply.
-
-    A grammar is checked against the token drawn without it, and only where it refuses
-    that token does it judge the whole vocabulary and the draw happen again (llama.cpp's
-    own sampler does the same): judging 49k-151k candidates a token cost a 135M model most
-    of its speed (7 tokens/s with ten tools' call grammar, against 60-100 without)."""
-
-    def __init__(
-        self,
-        sampling: Sampling,
-        n_vocab: int,
-        frequency_penalty: float = 0.0,
-        presence_penalty: float = 0.0,
-        grammar: tuple[object, str] | None = None,
-        logit_bias: Sequence[tuple[int, float]] = (),
-    ) -> None:
-        params = llama_cpp.llama_sampler_chain_default_params()
-        self._chain = llama_cpp.llama_sampler_chain_init(params)
-        self._grammar = None
-        self._n_vocab = n_vocab
-        add = self._add
-        if grammar is not None:
-            vocab, rules = grammar
-            try:
-                checked_grammar(vocab, rules)
-            except GrammarError:
-                self.close()
-                raise
-            self._grammar = llama_cpp.llama_sampler_init_grammar(vocab, rules.encode(), b"root")
-            self._candidates = np.zeros(n_vocab, dtype=_TOKEN_DATA)
-            self._ids = np.arange(n_vocab, dtype=np.int32)
-        if logit_bias:  # OpenAI's: added to a token's logit before anything else sees it
-            entries = [llama_cpp.llama_logit_bias(token, bias) for token, bias in logit_bias]
-            biases = (llama_cpp.llama_logit_bias * len(entries))(*entries)
-            add(llama_cpp.llama_sampler_init_logit_bias(n_vocab, len(logit_bias), biases))
-        if sampling.repeat_penalty != 1.0 or frequency_penalty or presence_penalty:
-            add(
-                llama_cpp.llama_sampler_init_penalties(
-                    n_vocab,  # as llama-cpp-python's binding declares it
-                    PENALTY_LAST_N,
-                    sampling.repeat_penalty,
-                    frequency_penalty,
-                    presence_penalty,
-                )
-            )
-        if sampling.temperature <= 0:
-            add(llama_cpp.llama_sampler_init_greedy())
-            return
-        if sampling.top_k > 0:
-            add(llama_cpp.llama_sampler_init_top_k(sampling.top_k))
-        add(llama_cpp.llama_sampler_init_top_p(sampling.top_p, 1))
-        add(llama_cpp.llama_sampler_init_min_p(sampling.min_p, 1))
-        add(llama_cpp.llama_sampler_init_temp(sampling.temperature))
-        add(llama_cpp.llama_sampler_init_dist(sampling.seed & 0xFFFFFFFF))
-
-    def _add(self, sampler: object) -> None:
-        llama_cpp.llama_sampler_chain_add(self._chain, sampler)
-
-    def sample(self, ctx: object, row: int) -> int:
-        """The next token from ``row``'s logits in ``ctx``; the samplers remember it."""
-        if self._grammar is None:
-            return int(llama_cpp.llama_sampler_sample(self._chain, ctx, row))
-        pointer = llama_cpp.llama_get_logits_ith(ctx, row)
-        logits = np.ctypeslib.as_array(pointer, shape=(self._n_vocab,))
-        token = self._draw(logits, grammar_first=False)
-        if not self._allowed(token):
-            token = self._draw(logits, grammar_first=True)
-        llama_cpp.llama_sampler_accept(self._grammar, token)
-        llama_cpp.llama_sampler_accept(self._chain, token)
-        return token
-
-    def _draw(self, logits: np.ndarray, grammar_first: bool) -> int:
-        """The chain's choice among all tokens (those the grammar allows, where first)."""
-        candidates = self._candidates
-        candidates["id"] = self._ids
-        candidates["logit"] = logits
-        candidates["p"] = 0.0
-        data = candidates.ctypes.data_as(ctypes.POINTER(llama_cpp.llama_token_data))
-        array = llama_cpp.llama_token_data_array(data, self._n_vocab, -1, False)
-        if grammar_first:
-            llama_cpp.llama_sampler_apply(self._grammar, ctypes.byref(array))
-        llama_cpp.llama_sampler_apply(self._chain, ctypes.byref(array))
-        return int(array.data[array.selected].id)
-
-    def _allowed(self, token: int) -> bool:
-        """Whether the grammar lets ``token`` come next."""
-        single = (llama_cpp.llama_token_data * 1)(llama_cpp.llama_token_data(token, 0.0, 0.0))
-        array = llama_cpp.llama_token_data_array(single, 1, -1, False)
-        llama_cpp.llama_sampler_apply(self._grammar, ctypes.byref(array))
-        return bool(np.isfinite(single[0].logit))
-
-    def close(self) -> None:
-        if self._chain is not None:
-            llama_cpp.llama_sampler_free(self._chain)
-            self._chain = None
-        if self._grammar is not None:
-            llama_cpp.llama_sampler_free(self._grammar)
-            self._grammar = None
 
 
 class SequenceBatch:
