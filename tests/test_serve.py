@@ -27,6 +27,7 @@ from localchat.backends.base import Sampling
 from localchat.backends.compute_thread import run_compute
 from localchat.backends.llama.engine import Engine, LoadOptions
 from localchat.backends.remote import RemoteBackend
+from localchat.bench.common import filler_text
 from localchat.chat.template import ChatMessage
 from localchat.cli.main import main
 from localchat.errors import UsageError
@@ -494,3 +495,33 @@ async def test_a_streams_pieces_go_out_in_batches_and_its_end_at_once(
     assert first == [Text("a")]
     assert second == [Text("b"), Text("c"), end]
     assert [batch async for batch in batches] == []
+
+
+def test_a_resent_reply_in_other_words_still_replaces_its_turns_state(
+    served: Served, tmp_path: Path
+) -> None:
+    """Agents send a tool call back as their template renders it, not as the model wrote
+    it: each turn's state must still replace the last one (it holds all the last request
+    sent), or a long loop's states fill the disk budget and push out other conversations."""
+    client = _client(served.root)
+    messages: list[dict[str, str]] = [{"role": "user", "content": QUESTION}]
+    saved, sent = [], 0
+    for turn in range(3):
+        reply = client.chat.completions.create(
+            model=NAME,
+            messages=messages,
+            temperature=0,
+            max_tokens=40,  # type: ignore[arg-type]
+        )
+        assert reply.usage is not None and reply.usage.prompt_tokens_details is not None
+        # All the earlier turns, less the reply as written, came from the cache.
+        assert reply.usage.prompt_tokens_details.cached_tokens >= sent
+        sent = reply.usage.prompt_tokens
+        served.runner.saver.wait()
+        saved.append(len(list((tmp_path / "states").glob("serve-*"))))
+        note = f"(turn {turn}: the reply was {reply.choices[0].message.content!r})"
+        messages += [
+            {"role": "assistant", "content": f"A reply in other words. {note}"},
+            {"role": "user", "content": filler_text(turn, 90)},
+        ]
+    assert saved == [1, 1, 1]

@@ -136,7 +136,8 @@ def test_the_grammar_judging_the_best_candidates_picks_what_the_whole_vocabulary
         return str(answer.json()["choices"][0]["message"]["content"])
 
     quick = reply()
-    assert any(count in sampler.CANDIDATES for count in judged)  # the short way was taken
+    # The short way was taken: a few best tokens judged, not one alone or all 49k.
+    assert any(1 < count <= 2 * max(sampler.CANDIDATES) for count in judged)
     monkeypatch.setattr(sampler, "CANDIDATES", ())
     assert reply() == quick
     _is_person(quick)

@@ -38,7 +38,7 @@ from localchat.chat.tool_stream import ToolCallStream
 from localchat.server.events import Finished, Logprob, TokenChoice
 from localchat.server.prompt_cache import BLOCK, PromptCache
 from localchat.server.requests import ApiError, GenerationRequest
-from localchat.server.slots import Job, Slot
+from localchat.server.slots import HeldState, Job, Slot
 from localchat.state.kvstate import SavedState
 
 # A prefix another sequence holds is copied where it saves at least this many tokens: the
@@ -80,7 +80,7 @@ class Scheduler:
         self._redo = False  # the step was given up once: the next runs whole
         self.interrupted_steps = 0  # given up for an arrival, since the start (/metrics)
         self._running: dict[int, Slot] = {}
-        self._held: list[tuple[str, list[int]] | None] = [None] * batch.n_seq
+        self._held: list[HeldState | None] = [None] * batch.n_seq
         self._last_used = [0.0] * batch.n_seq
         self._closing = False
         # Prompt lookup drafts where the engine drafts (exact where its kernels are): each
@@ -150,7 +150,7 @@ class Scheduler:
         held = 0
         for seq, (sid, state) in enumerate(states[: self.batch.n_seq]):
             if self.batch.load(seq, state.payload, state.tokens):
-                self._held[seq] = (sid, list(state.tokens))
+                self._held[seq] = HeldState(sid, list(state.tokens))
                 held += 1
         return held
 
@@ -252,7 +252,7 @@ class Scheduler:
             and (not self.engine.windowed or hit.shared == len(hit.state.tokens))
         ):
             if batch.load(seq, hit.state.payload, hit.state.tokens):
-                self._held[seq] = (hit.state_id, list(hit.state.tokens))
+                self._held[seq] = HeldState(hit.state_id, list(hit.state.tokens))
                 job.restored = min(hit.shared, len(prompt) - 1)
             else:
                 self._held[seq] = None
@@ -272,8 +272,8 @@ class Scheduler:
             self._held[seq] = None
             job.restored = 0
         held, continues = self._held[seq], None
-        if held is not None and common_prefix(held[1], prompt) == len(held[1]):
-            continues = held[0]  # this request extends that state: its own replaces it
+        if held is not None and held.continued_by(prompt):
+            continues = held.sid  # this request extends that state: its own replaces it
         elif held is not None:
             self._held[seq] = None  # the sequence holds another conversation now
         request = job.request
@@ -501,17 +501,20 @@ class Scheduler:
         if len(tokens) < BLOCK or (
             running.continues is not None
             and held is not None
-            and len(tokens) < len(held[1]) + BLOCK
+            and len(tokens) < len(held.tokens) + BLOCK
         ):
             return  # short, or less than a block past the state it continues: not worth a write
-        self._keep(seq, tokens, running.continues)
+        self._keep(seq, tokens, running.continues, len(running.job.prompt))
 
-    def _keep(self, seq: int, tokens: list[int], replaces: str | None) -> bool:
-        """Save what ``seq`` holds (``tokens``) in the background, as the state it now holds
-        (``replaces``: the saved state it extends); False when the save was skipped."""
+    def _keep(
+        self, seq: int, tokens: list[int], replaces: str | None, prompt: int | None = None
+    ) -> bool:
+        """Save what ``seq`` holds (``tokens``, ``prompt`` of them sent by the request, the
+        rest its reply) in the background, as the state it now holds (``replaces``: the saved
+        state it extends); False when the save was skipped."""
         sid = self.cache.save(tokens, self.batch.save(seq), replaces)
         if sid is not None:
-            self._held[seq] = (sid, tokens)
+            self._held[seq] = HeldState(sid, tokens, len(tokens) if prompt is None else prompt)
         return sid is not None
 
     def save_unsaved(self) -> int:
@@ -523,9 +526,9 @@ class Scheduler:
         for seq in range(self.batch.n_seq):
             tokens = list(self.batch.tokens[seq])
             held = self._held[seq]
-            if len(tokens) < BLOCK or (held is not None and held[1][: len(tokens)] == tokens):
+            if len(tokens) < BLOCK or (held is not None and held.tokens[: len(tokens)] == tokens):
                 continue  # short, or all of it in the saved state already
-            replaces = held[0] if held is not None and tokens[: len(held[1])] == held[1] else None
+            replaces = held.sid if held is not None and held.continued_by(tokens) else None
             self.cache.saver.wait()  # room among the pending saves: none is skipped
             saved += self._keep(seq, tokens, replaces)
         return saved
