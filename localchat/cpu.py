@@ -43,14 +43,49 @@ def cpu_model() -> str:
 
 
 @functools.cache
-def last_level_cache_bytes() -> int:
-    """The size of the processor's last-level cache as the system reports it (Linux sysfs;
-    on a virtual machine, the host's whole cache, shared with its other tenants), or 0 where
-    it is not told."""
-    levels: dict[int, int] = {}
-    for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
+def caches() -> dict[str, int]:
+    """The processor's caches by name (``L1d``, ``L1i``, ``L2``, ``L3``) and bytes, as the
+    system reports them (Linux sysfs; on a virtual machine, the host's: a shared cache is
+    shared with its other tenants); empty where it is not told."""
+    found: dict[str, int] = {}
+    for index in sorted(Path("/sys/devices/system/cpu/cpu0/cache").glob("index*")):
         try:  # sysfs spells sizes as ``32768K``: binary units, as parse_size reads them
-            levels[int((index / "level").read_text())] = parse_size((index / "size").read_text())
+            level = int((index / "level").read_text())
+            kind = (index / "type").read_text().strip()
+            size = parse_size((index / "size").read_text())
         except (OSError, ValueError, UsageError):
             continue
+        suffix = {"Data": "d", "Instruction": "i"}.get(kind, "")
+        found[f"L{level}{suffix}"] = size
+    return found
+
+
+def last_level_cache_bytes() -> int:
+    """The size of the processor's last-level cache (``caches``), or 0 where it is not told."""
+    levels = {name[1]: size for name, size in caches().items() if not name.endswith("i")}
     return levels[max(levels)] if levels else 0
+
+
+# The instruction sets llama.cpp's CPU kernels choose between, as /proc/cpuinfo names them.
+KERNEL_FLAGS = (
+    "avx2",
+    "avx512f",
+    "avx512_vnni",
+    "avx512_bf16",
+    "amx_tile",
+    "amx_int8",
+    "f16c",
+    "fma",
+)
+
+
+def cpu_description() -> dict[str, object]:
+    """What a benchmark's figures were measured on: the processor, cores, caches and the
+    kernel-choosing flags it has (tuned figures do not travel between processors)."""
+    flags = cpu_flags()
+    return {
+        "model": cpu_model(),
+        "cores": physical_cores(),
+        "caches": caches(),
+        "flags": [flag for flag in KERNEL_FLAGS if flag in flags],
+    }

@@ -27,6 +27,7 @@ from localchat.conversation.prefix_states import (
 from localchat.conversation.records import fork_conversation
 from localchat.conversation.turn import RestoreReport, turn_stats_dict
 from localchat.errors import LocalchatError, UsageError
+from localchat.gguf.estimate import ModelDims
 from localchat.models.calibrate import speed_model_or_none
 from localchat.models.catalog import catalog_draft, catalog_template
 from localchat.models.demo import app_demo_path
@@ -34,7 +35,7 @@ from localchat.models.draft_plan import DraftPlan
 from localchat.models.hardware import detect_hardware
 from localchat.models.hub import DownloadCancelled, HubError
 from localchat.models.library import Library, ModelRequest
-from localchat.models.speed import calibrated_step_costs, token_work
+from localchat.models.speed import attention_work, calibrated_step_costs, token_work
 from localchat.models.speed_feedback import TurnSpeed, note_turn
 from localchat.models.starter import STARTER, ensure_starter, starter_on_disk
 from localchat.paths import AppPaths
@@ -82,14 +83,15 @@ def note_turn_speed(paths: AppPaths, backend: Backend, stats: TurnStats) -> str 
         return None
     if stats.drafted_tokens:  # drafts sped it up: not what the calibration predicts
         return None
+    filled = stats.prompt_tokens + stats.generated_tokens // 2
     turn = TurnSpeed(
         str(backend.model_path),
         token_work(backend.info),
-        backend.kv_bytes_per_token,
-        stats.prompt_tokens + stats.generated_tokens // 2,
+        attention_work(ModelDims.from_gguf(backend.info), filled),
         stats.generated_tokens,
         stats.gen_tps,
         backend.threads,
+        1.0 if stats.gen_cpu_share is None else stats.gen_cpu_share,
     )
     return note_turn(paths.speed_calibration, paths.turn_speeds, turn)
 

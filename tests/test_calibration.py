@@ -193,8 +193,13 @@ def test_the_progress_counts_up_with_the_time_left(monkeypatch: pytest.MonkeyPat
     assert any(s.eta_s is not None for s in steps[1:])
     assert any("making the tiny test model" in s.detail for s in steps)
     assert any("Q8_0 weights, round 2" in s.detail for s in steps)
-    # Each type's file was written into one scratch file, gone now with the calibration.
-    assert [p.name for p in app_paths().demo_models_dir.iterdir()] == ["demo-tiny-F16-s0.gguf"]
+    # Each type's file was written into one scratch file, gone now with the calibration;
+    # the tiny model and the one attention is timed on stay (40 MB together).
+    assert sorted(p.name for p in app_paths().demo_models_dir.iterdir()) == [
+        "demo-tiny-F16-s0.gguf",
+        "timing-attention-s0.gguf",
+    ]
+    assert any("attention" in s.detail for s in steps)
     assert steps[-1].line().startswith("step 2/3 · measuring this machine's speed 100%")
 
 

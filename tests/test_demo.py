@@ -86,3 +86,18 @@ def test_realistic_shapes_match_the_models_they_stand_for() -> None:
         8,
         8192,
     )
+
+
+def test_a_header_only_model_reads_as_the_whole_one_and_takes_no_disk(tmp_path: Path) -> None:
+    from gguf import LlamaFileType
+
+    from localchat.models.demo import SHAPES, write_header_only, write_staged
+    from localchat.models.timing_models import quant_mix
+
+    mix = quant_mix(SHAPES["small"], "Q4_K_M")
+    whole, header = tmp_path / "whole.gguf", tmp_path / "header.gguf"
+    write_staged(whole, SHAPES["small"], 0, weight_types=mix, file_type=LlamaFileType.MOSTLY_Q4_K_M)
+    write_header_only(header, SHAPES["small"], mix, LlamaFileType.MOSTLY_Q4_K_M)
+    assert read_gguf(header).tensors == read_gguf(whole).tensors
+    assert header.stat().st_size == whole.stat().st_size
+    assert header.stat().st_blocks * 512 < whole.stat().st_size // 10  # a hole, not weights

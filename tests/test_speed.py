@@ -346,3 +346,19 @@ def test_a_noisy_round_never_makes_a_weight_type_free() -> None:
     # The fixed cost measured high (a busy moment): the files alone still price each type.
     solved = solve_costs([({"F16": 100}, 5.0), ({"Q8_0": 50}, 2.0)], overhead_s=8.0)
     assert solved["F16"] == pytest.approx(0.05) and solved["Q8_0"] == pytest.approx(0.04)
+
+
+def test_attention_is_every_query_heads_work_over_the_fill_and_a_window_at_most() -> None:
+    from localchat.gguf.estimate import ModelDims
+    from localchat.models.speed import attention_work
+
+    qwen = ModelDims(24, 896, 14, 2, 64, 64, 151_936, 32_768)  # Qwen2.5-0.5B: 14 heads on 2
+    assert attention_work(qwen, 512) == 24 * 14 * (64 + 64) * 2 * 512
+    assert attention_work(qwen, 0) == 0
+    gemma = ModelDims(18, 640, 4, 1, 256, 256, 262_144, 32_768, 512, 6)  # 15 of 18 windowed
+    per_position = 4 * 512 * 2
+    assert attention_work(gemma, 4096) == (3 * 4096 + 15 * 512) * per_position
+    speed = SpeedModel({"F16": 1e-11}, 0.0, {"F16": 1e-11}, 0.0, "m", 2, attention_s_per_byte=4e-11)
+    slow = speed.predict({"F16": 10**8}, attention_work(qwen, 4096))
+    fast = speed.predict({"F16": 10**8}, attention_work(qwen, 64))
+    assert slow is not None and fast is not None and slow.gen_tps < fast.gen_tps

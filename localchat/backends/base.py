@@ -62,6 +62,9 @@ class TurnStats:
     draft_steps: int = 0  # decodes that verified a draft
     # Generation's speed against single steps at this engine's measured cost (None: no draft)
     speculative_speedup: float | None = None
+    # The process's CPU time over generation's wall time on every thread it ran (a local
+    # model's): under the calibration's share, another program had the cores.
+    gen_cpu_share: float | None = None
 
 
 @dataclass(frozen=True)

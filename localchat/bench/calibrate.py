@@ -84,6 +84,13 @@ def bench_calibrate(model_path: Path, progress: Callable[[str], None] | None) ->
         work = _calibration_work(models)
         calm = _predicted(first, work)
         result["calibration_idle_gen_tps"] = {q: round(v, 1) for q, v in calm.items()}
+        # What the fit was made from, so that another version's speed model can be judged
+        # on this machine's figures (tests/test_speed_machines.py does).
+        result["calibration_readings"] = {
+            "gen_tps": {t: m["gen_tps"] for t, m in first.measured.items()},
+            "overhead_ms": round(first.gen_overhead_s * 1e3, 4),
+            "attention_ps_per_byte": round(first.attention_s_per_byte * 1e12, 2),
+        }
         result.update(_step_curve_figures(first, model_path))
         if isinstance(busy, str):
             result["calibration_busy_ok"] = 1

@@ -35,7 +35,7 @@ from localchat.bench.spec import bench_spec
 from localchat.bench.ui import bench_ui
 from localchat.bench.window import bench_window
 from localchat.bench.zerowait import bench_zerowait
-from localchat.cpu import physical_cores
+from localchat.cpu import cpu_description, physical_cores
 
 Part = Callable[[Path, Progress], dict[str, Any]]
 
@@ -131,6 +131,7 @@ def run_bench(
         "localchat": __version__,
         "model": str(model_path),
         "machine": f"{platform.machine()}, {physical_cores()} cores",
+        "cpu": cpu_description(),
         "parts": list(parts),
     }
     seconds: dict[str, float] = {}

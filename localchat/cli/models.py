@@ -110,7 +110,7 @@ def cmd_hw(args: argparse.Namespace, out: TextIO) -> int:
         payload = {"hardware": hardware_json(hardware), "plans": [plan.as_json() for plan in plans]}
         out.write(json.dumps(payload, indent=2) + "\n")
         return 0
-    out.write(format_hardware_report(hardware, plans))
+    out.write(format_hardware_report(hardware, plans, speed))
     return 0
 
 

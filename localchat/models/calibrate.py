@@ -31,10 +31,13 @@ import psutil
 
 from localchat.cpu import physical_cores
 from localchat.errors import LocalchatError, WorldError
+from localchat.gguf.estimate import ModelDims
 from localchat.gguf.info import GGUFInfo
+from localchat.models.attention_cost import attention_price
 from localchat.models.speed import (
     STEP_SIZES,
     SpeedModel,
+    attention_work,
     load_speed_model,
     machine_name,
     token_work,
@@ -66,6 +69,7 @@ PROMPT_AGREE = 0.25
 MIN_ROUNDS = 2
 MAX_ROUNDS = 5
 MAKE_COST = 0.5  # making a test model, in readings (for the progress bar)
+ATTENTION_READINGS = 4  # timing attention (attention_cost.py), in readings
 BUDGET_S = 40.0  # readings past this (a machine kept busy) end the calibration unsettled
 TITLE = "measuring this machine's speed"
 
@@ -297,7 +301,9 @@ def calibrate(
     tiny = demo_model_path(models_dir, "tiny", "F16")
     # Making the tiny model, or the scratch file's first model (fresh memory: 1.5 s where a
     # rewrite takes 0.08), costs about half a reading; the bar counts both in those units.
-    countdown = Countdown(MAKE_COST * (1 + (not tiny.exists())) + MIN_ROUNDS * len(names))
+    countdown = Countdown(
+        MAKE_COST * (1 + (not tiny.exists())) + MIN_ROUNDS * len(names) + ATTENTION_READINGS
+    )
     done = 0.0
     shown = 0.0  # the bar never runs back when a round is added
 
@@ -365,9 +371,11 @@ def calibrate(
                 " plans go by memory for now; `localchat hw --calibrate` measures again"
             )
         infos = {t: scratch.info(t) for t in types}  # each read: its header is known
+    report("attention, timed at a short and a long context")
+    attention = attention_price(models_dir, threads)
     done = countdown.total
     report("done")
-    return _fit(best, infos, machine, threads)
+    return _fit(best, infos, machine, threads, attention)
 
 
 def _why_unsettled(rounds: list[list[Reading]]) -> str:
@@ -392,11 +400,18 @@ def _why_unsettled(rounds: list[list[Reading]]) -> str:
 
 
 def _fit(
-    best: dict[str, Reading], infos: dict[str, GGUFInfo], machine: str, threads: int
+    best: dict[str, Reading],
+    infos: dict[str, GGUFInfo],
+    machine: str,
+    threads: int,
+    attention: float = 0.0,
 ) -> SpeedModel:
     overhead = best[OVERHEAD]
     types = tuple(infos)
-    gen = [(token_work(infos[t]), best[t].gen_s) for t in types]
+    gen = [
+        (token_work(infos[t]), best[t].gen_s - reading_attention_s(t, infos[t], attention))
+        for t in types
+    ]
     # A step of several tokens: each type's file's, less the tiny model's (its fixed part).
     steps = {
         t: [
@@ -422,7 +437,16 @@ def _fit(
         },
         step_s_per_byte=steps,
         step_overhead_s=list(overhead.step_s),
+        attention_s_per_byte=attention,
     )
+
+
+def reading_attention_s(name: str, info: GGUFInfo, price: float) -> float:
+    """What a generated token of ``name``'s reading spent attending (its mean fill: the
+    prompt and half the generated tokens) at ``price`` a byte: taken off the reading before
+    its weights are priced (few layers: 0.4-3% of a reading, but the same rule as a model's)."""
+    prompt_tokens, gen_tokens = reading_tokens(name)
+    return price * attention_work(ModelDims.from_gguf(info), prompt_tokens + gen_tokens // 2)
 
 
 def speed_model(

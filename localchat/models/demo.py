@@ -339,6 +339,15 @@ def write_over(
     _write_model(shape, 0, out, weight_types=weight_types, file_type=file_type, in_place=True)
 
 
+def write_header_only(
+    out: Path, shape: ModelShape, weight_types: WeightTypes, file_type: LlamaFileType | None
+) -> None:
+    """A file of ``shape`` in ``weight_types`` whose tensor data is a hole (a sparse file of
+    the full length): what a header reader sees of the model, made in no time and no disk.
+    For figures read off a header (what a token reads, what a plan predicts), never to run."""
+    _write_model(shape, 0, out, weight_types=weight_types, file_type=file_type, header_only=True)
+
+
 class _InPlaceWriter(GGUFWriter):
     """A GGUF writer that opens its file without truncating it, and cuts it to the length
     written when it closes."""
@@ -369,9 +378,11 @@ def _write_model(
     weight_types: WeightTypes = None,
     file_type: LlamaFileType | None = LlamaFileType.MOSTLY_F16,
     in_place: bool = False,
+    header_only: bool = False,
 ) -> None:
     """Seeded random weights: normal F16 matrices (a model that runs), or with
-    ``weight_types`` random blocks of those types (a model that is only timed or measured)."""
+    ``weight_types`` random blocks of those types (a model that is only timed or measured);
+    ``header_only``: no weights at all (``write_header_only``)."""
     rng = np.random.default_rng(seed)
     writer = (_InPlaceWriter if in_place else GGUFWriter)(str(out), shape.architecture)
     suffix = "" if tokenizer == "spm" else f"-{tokenizer}"
@@ -426,8 +437,20 @@ def _write_model(
     def norm(size: int = shape.n_embd) -> np.ndarray:
         return np.ones(size, dtype=np.float32)
 
+    def add_norm(name: str, size: int = shape.n_embd) -> None:
+        if header_only:
+            writer.add_tensor_info(name, (size,), np.dtype(np.float32), 4 * size)
+        else:
+            writer.add_tensor(name, norm(size))
+
     def add_matrix(name: str, rows: int, cols: int) -> None:
         weight_type = type_of(name)
+        if header_only:
+            kind = GGMLQuantizationType[weight_type or "F16"]
+            block_weights, block_bytes = GGML_QUANT_SIZES[kind]
+            row = cols // block_weights * block_bytes
+            writer.add_tensor_info(name, (rows, row), np.dtype(np.uint8), rows * row, kind)
+            return
         data = matrix(rows, cols, weight_type)
         if weight_type in (None, "F16"):
             writer.add_tensor(name, data)
@@ -436,29 +459,39 @@ def _write_model(
             writer.add_tensor(name, data, raw_dtype=kind)  # rows x block bytes
 
     add_matrix("token_embd.weight", shape.n_vocab, shape.n_embd)
-    writer.add_tensor("output_norm.weight", norm())
+    add_norm("output_norm.weight")
     # A separate output matrix: tied embeddings on random weights make the model repeat its
     # last input token, which would let a wrong KV cache go unnoticed in tests.
     add_matrix("output.weight", shape.n_vocab, shape.n_embd)
     for i in range(shape.n_layer):
-        writer.add_tensor(f"blk.{i}.attn_norm.weight", norm())
+        add_norm(f"blk.{i}.attn_norm.weight")
         add_matrix(f"blk.{i}.attn_q.weight", shape.n_head * hd, shape.n_embd)
         add_matrix(f"blk.{i}.attn_k.weight", shape.n_head_kv * hd, shape.n_embd)
         add_matrix(f"blk.{i}.attn_v.weight", shape.n_head_kv * hd, shape.n_embd)
         add_matrix(f"blk.{i}.attn_output.weight", shape.n_embd, shape.n_head * hd)
-        writer.add_tensor(f"blk.{i}.ffn_norm.weight", norm())
+        add_norm(f"blk.{i}.ffn_norm.weight")
         add_matrix(f"blk.{i}.ffn_gate.weight", shape.n_ff, shape.n_embd)
         add_matrix(f"blk.{i}.ffn_up.weight", shape.n_ff, shape.n_embd)
         add_matrix(f"blk.{i}.ffn_down.weight", shape.n_embd, shape.n_ff)
         if gemma3:  # Gemma 3's extra norms: per-head q/k, and after attention and the FFN
-            writer.add_tensor(f"blk.{i}.attn_q_norm.weight", norm(hd))
-            writer.add_tensor(f"blk.{i}.attn_k_norm.weight", norm(hd))
-            writer.add_tensor(f"blk.{i}.post_attention_norm.weight", norm())
-            writer.add_tensor(f"blk.{i}.post_ffw_norm.weight", norm())
+            add_norm(f"blk.{i}.attn_q_norm.weight", hd)
+            add_norm(f"blk.{i}.attn_k_norm.weight", hd)
+            add_norm(f"blk.{i}.post_attention_norm.weight")
+            add_norm(f"blk.{i}.post_ffw_norm.weight")
     try:
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
-        writer.write_tensors_to_file()
+        if header_only:
+            writer.write_ti_data_to_file()
+            assert writer.fout is not None
+            fout = writer.fout[0]
+            writer.write_padding(fout, fout.tell())
+            data = sum(
+                writer.ggml_pad(t.nbytes, writer.data_alignment) for t in writer.tensors[0].values()
+            )
+            fout.truncate(fout.tell() + data)
+        else:
+            writer.write_tensors_to_file()
     finally:  # a full disk does not keep the file open (its space would come back late)
         writer.close()
 

@@ -20,12 +20,12 @@ from localchat.backends.llama.draft_policy import (
     MODEL,
     DraftPolicy,
 )
-from localchat.gguf.estimate import LayerWeights, ModelDims, estimate_memory, kv_bytes_per_token
+from localchat.gguf.estimate import LayerWeights, ModelDims, estimate_memory
 from localchat.gguf.info import GGUFInfo, read_gguf
 from localchat.models.catalog import CatalogModel
 from localchat.models.hardware import Hardware, repacked_weight_types
 from localchat.models.planner import PREDICT_FILL, Plan
-from localchat.models.speed import SpeedModel, SpeedPrediction, TokenWork
+from localchat.models.speed import SpeedModel, SpeedPrediction, TokenWork, attention_work
 from localchat.units import format_bytes
 
 # A draft is worth loading only where it is predicted to beat plain steps by this much: the
@@ -80,7 +80,7 @@ def plan_draft(
     room = f"needs {format_bytes(needs)} more, {format_bytes(max(0, free))} left"
     if speed is None:
         return DraftPlan(draft_path, fits, None, 0, needs, f"{room}; no speed calibration")
-    ours, theirs = _predict(speed, target, kv_type), _predict(speed, draft, "f16")
+    ours, theirs = _predict(speed, target), _predict(speed, draft)
     length, gain = predicted_gain(ours, theirs)
     verdict = f"~x{gain:.2f} predicted, drafts of {length}" if length else "predicted no gain"
     step_cost = ours.gen_tps / theirs.gen_tps
@@ -92,10 +92,10 @@ def _ram_required(info: GGUFInfo, n_ctx: int, kv_type: str) -> int:
     return estimate_memory(ModelDims.from_gguf(info), weights, n_ctx, kv_type).ram_required
 
 
-def _predict(speed: SpeedModel, info: GGUFInfo, kv_type: str) -> SpeedPrediction:
+def _predict(speed: SpeedModel, info: GGUFInfo) -> SpeedPrediction:
     work = TokenWork.of(info)
-    kv = kv_bytes_per_token(ModelDims.from_gguf(info), kv_type)
-    prediction = speed.predict(work.gen, kv, PREDICT_FILL, prompt_work=work.prompt)
+    attention = attention_work(ModelDims.from_gguf(info), PREDICT_FILL)
+    prediction = speed.predict(work.gen, attention, prompt_work=work.prompt)
     assert prediction is not None  # None only for GPU layers of unknown bandwidth
     return prediction
 

@@ -31,14 +31,19 @@ from localchat.gguf.estimate import (
     compute_buffer_bytes,
     estimate_memory,
     file_bytes_from_type,
-    kv_bytes_per_token,
     preferred_flash_attn,
 )
 from localchat.gguf.info import read_gguf
 from localchat.gguf.quants import bytes_per_weight, is_good_enough, parse_tag, quality_rank
 from localchat.models.catalog import CatalogModel
 from localchat.models.hardware import GPU_NONE, Hardware, repacked_weight_types
-from localchat.models.speed import SpeedModel, SpeedPrediction, TokenWork, work_of_size
+from localchat.models.speed import (
+    SpeedModel,
+    SpeedPrediction,
+    TokenWork,
+    attention_work,
+    work_of_size,
+)
 from localchat.units import format_bytes
 
 CTX_FLOOR = 2048
@@ -311,8 +316,7 @@ def _predict(
     on_cpu = candidate.token_work().scaled(cpu_share)
     return speed.predict(
         on_cpu.gen,
-        kv_bytes_per_token(dims, kv_type),
-        PREDICT_FILL,
+        int(attention_work(dims, PREDICT_FILL) * cpu_share),
         on_gpu,
         hardware.gpu_bandwidth_bytes_per_s,
         on_cpu.prompt,
@@ -526,8 +530,11 @@ def hardware_json(hardware: Hardware) -> dict[str, object]:
     }
 
 
-def format_hardware_report(hardware: Hardware, plans: list[Plan]) -> str:
-    """What `localchat hw` prints and the app's hardware screen shows."""
+def format_hardware_report(
+    hardware: Hardware, plans: list[Plan], speed: SpeedModel | None = None
+) -> str:
+    """What `localchat hw` prints and the app's hardware screen shows (``speed``: where the
+    predicted speeds come from, when they were asked for)."""
     if hardware.gpu == GPU_NONE:
         gpu = "none"
     else:
@@ -540,6 +547,8 @@ def format_hardware_report(hardware: Hardware, plans: list[Plan]) -> str:
         f"GPU   {gpu}",
     ]
     lines += [f"      ({note})" for note in hardware.notes]
+    if speed is not None:
+        lines.append(f"SPEED {speed.describe()}")
     lines.append("")
     width = max((len(plan.model) for plan in plans), default=0) + 2
     lines += [f"{plan.model.ljust(width)}{plan.explanation}" for plan in plans]

@@ -9,7 +9,12 @@ by its row length (``token_work``), in the calibration and in every prediction a
 Prefill is modelled the same way with its own costs (batched, compute-bound) over the
 matrices a prompt token passes through: llama.cpp computes the output matrix and the last
 layer's feed-forward only for the tokens whose logits are wanted.
-Reading the KV cache of the filled context costs like F16 weights. Layers on a GPU cost their
+Attention over the filled context has its own measured price (``attention_work``,
+models/attention_cost.py): every query head takes a dot product with each position's key and
+adds its value, so a grouped-query model does its KV cache's arithmetic once per query head,
+not once per KV head (7 times over for Qwen2.5-0.5B's 14 heads on 2), at about twice the
+price of F16 weights: a 2-core EPYC's 0.5b and 1b models ran 13-35% under predictions that
+priced the cache's bytes once as weights. Layers on a GPU cost their
 bytes over the GPU's memory bandwidth, when that is known.
 
 This module holds the figures and the arithmetic; it imports no llama.cpp and no numpy.
@@ -26,6 +31,7 @@ from pathlib import Path
 
 from localchat.atomic import write_atomic
 from localchat.cpu import cpu_model, physical_cores
+from localchat.gguf.estimate import ModelDims
 from localchat.gguf.info import GGUFInfo, read_gguf
 from localchat.gguf.quants import MAIN_WEIGHT_TYPE, parse_tag
 
@@ -34,7 +40,8 @@ from localchat.gguf.quants import MAIN_WEIGHT_TYPE, parse_tag
 # 4: what a step of several tokens costs, per weight type (one figure for all before).
 # 5: files past 40% of a big processor cache (timed 1.4-2x too fast inside it), read in
 # fewer tokens there; a prompt token priced as what it adds to a batch.
-SPEED_FILE_VERSION = 5
+# 6: the readings' attention (over every query head) is part of what their F16 cost prices.
+SPEED_FILE_VERSION = 6
 # Tokens in the steps the calibration times with every position's logits (a draft's
 # verification: the token before the draft plus the drafted ones, up to 8).
 STEP_SIZES = (1, 2, 3, 5, 9)
@@ -46,6 +53,7 @@ STEP_SIZES = (1, 2, 3, 5, 9)
 ROW_COST_WEIGHTS = 400
 # The row length assumed for a file known only by its size (catalog entries): 1B-3B models'.
 TYPICAL_ROW = 2048
+F16_BYTES = 2  # attention's keys and values are F16 (or converted to it) in llama.cpp's kernels
 # A generation reads weights at this share of the GPU's peak bandwidth (what llama.cpp's CUDA
 # and Metal kernels reach in practice on a single stream).
 GPU_BANDWIDTH_EFFICIENCY = 0.6
@@ -113,6 +121,20 @@ class SpeedModel:
     # for 5: the engine times its own steps and corrects the curve within a few).
     step_s_per_byte: dict[str, list[float]] = field(default_factory=dict)
     step_overhead_s: list[float] = field(default_factory=list)
+    # Seconds per byte of attention work (``attention_work``; models/attention_cost.py);
+    # 0: not timed, priced as F16 weights.
+    attention_s_per_byte: float = 0.0
+    # Files whose turns corrected the generation figures (speed_feedback.py), by name: the
+    # factor their speed was found at against the prediction, all corrections multiplied.
+    corrections: dict[str, float] = field(default_factory=dict)
+
+    def describe(self) -> str:
+        """One line for `hw`: what the speeds come from."""
+        line = f"calibrated on this machine ({self.threads} threads)"
+        if self.corrections:
+            found = ", ".join(f"{name} x{factor:.2f}" for name, factor in self.corrections.items())
+            line += f", corrected from use ({found})"
+        return line
 
     @staticmethod
     def cost_key(table: Mapping[str, float] | Mapping[str, list[float]], weight_type: str) -> str:
@@ -131,27 +153,30 @@ class SpeedModel:
     def predict(
         self,
         work_by_type: Mapping[str, int],
-        kv_bytes_per_token: int = 0,
-        n_filled: int = 0,
+        attention: int = 0,
         gpu_bytes: int = 0,
         gpu_bandwidth: float = 0.0,
         prompt_work: Mapping[str, int] | None = None,
     ) -> SpeedPrediction | None:
         """Tokens/s for a model whose token costs ``work_by_type`` on the CPU (``token_work``; a
-        prompt token ``prompt_work``, else the same;
-        ``gpu_bytes`` on a GPU), with ``n_filled`` positions of KV cache behind it. None
-        when part of it is on a GPU of unknown bandwidth."""
+        prompt token ``prompt_work``, else the same; ``gpu_bytes`` on a GPU), attending as
+        much of its context as ``attention`` says (``attention_work``). None when part of it
+        is on a GPU of unknown bandwidth."""
         if gpu_bytes and gpu_bandwidth <= 0:
             return None
         gpu_s = gpu_bytes / (gpu_bandwidth * GPU_BANDWIDTH_EFFICIENCY) if gpu_bytes else 0.0
-        kv_s = kv_bytes_per_token * n_filled * self._cost(self.gen_s_per_byte, "F16")
-        gen = self.gen_overhead_s + gpu_s + kv_s
+        gen = self.gen_overhead_s + gpu_s + self.attention_s(attention)
         gen += sum(n * self._cost(self.gen_s_per_byte, t) for t, n in work_by_type.items())
         prompt = self.prompt_overhead_s + gpu_s / 8  # a GPU batch reads its weights once
         prompt_work = work_by_type if prompt_work is None else prompt_work
         prompt += sum(n * self._cost(self.prompt_s_per_byte, t) for t, n in prompt_work.items())
         steps = None if gpu_bytes else self.step_costs(work_by_type)
         return SpeedPrediction(1.0 / gen, 1.0 / prompt, steps)
+
+    def attention_s(self, attention: int) -> float:
+        """What ``attention`` (``attention_work``) costs a token here."""
+        price = self.attention_s_per_byte or self._cost(self.gen_s_per_byte, "F16")
+        return attention * price
 
     def step_costs(self, work_by_type: Mapping[str, int]) -> dict[int, float] | None:
         """What a step of each of ``STEP_SIZES`` tokens costs in single-token steps, for a
@@ -225,6 +250,17 @@ def token_work(info: GGUFInfo, prompt: bool = False) -> dict[str, int]:
         row = tensor.shape[0] if len(tensor.shape) > 1 else 0
         work[tensor.ggml_type] = work.get(tensor.ggml_type, 0.0) + tensor.n_bytes * _row_factor(row)
     return {weight_type: round(n) for weight_type, n in work.items()}
+
+
+def attention_work(dims: ModelDims, n_filled: int) -> int:
+    """The work of a generated token's attention over ``n_filled`` positions, in bytes of
+    F16 keys and values as every query head reads them (a sliding-window layer over its
+    window at most): grouped-query attention shares the cache between heads, not the
+    arithmetic. ``SpeedModel.attention_s_per_byte`` prices it."""
+    windowed = dims.window_layers()
+    positions = (dims.n_layer - windowed) * n_filled
+    positions += windowed * min(n_filled, dims.sliding_window or n_filled)
+    return positions * dims.n_head * (dims.head_dim_k + dims.head_dim_v) * F16_BYTES
 
 
 def _row_factor(row_length: int) -> float:

@@ -163,7 +163,8 @@ class Generation:
         counted_before = llm.tokens_evaluated
         start = time.perf_counter()
         engine.prepare_prefix(self._tokens)
-        first_at = start
+        first_at = last_at = start
+        first_cpu = last_cpu = 0.0
         # A grammar's state follows every sampled token: drafts it would reject are not
         # taken back from it, so a held reply is never drafted.
         grammar = None if self._grammar is None else LlamaGrammar.from_string(self._grammar, False)
@@ -187,6 +188,7 @@ class Generation:
                 now = time.perf_counter()
                 if not reply.tokens:
                     first_at = stats.first_token_at = now
+                    first_cpu = time.process_time()
                     stats.ttft_s = now - start
                     stats.prompt_tokens_evaluated = llm.tokens_evaluated - counted_before
                     if stats.ttft_s > 0:
@@ -201,6 +203,7 @@ class Generation:
                 stats.generated_tokens = reply.generated
                 if reply.generated > 1 and now > first_at:
                     stats.gen_tps = (reply.generated - 1) / (now - first_at)
+                    last_at, last_cpu = now, time.process_time()
                 if reply.stopped:  # said before the last deltas: a reader may stop at them
                     stats.stop_reason = "stop"
                 yield from deltas if calls is None else _shown(deltas, calls)
@@ -223,6 +226,10 @@ class Generation:
                 if self.tool_calls:
                     self._content = self._reply_text_without_calls(reply.text)
         finally:
+            if last_at > first_at:
+                stats.gen_cpu_share = (last_cpu - first_cpu) / (
+                    (last_at - first_at) * engine.threads
+                )
             reply.close()
             stream.close()
             llm.draft_model = None

@@ -51,9 +51,9 @@ class HardwareScreen(ReportsWorkerFailures, ModalScreen[None]):
             plans = with_catalog_drafts(catalog, plans, hardware, speed)
         except (LocalchatError, OSError) as exc:  # a broken models.toml: say so, plan nothing
             plans = []
-            report = format_hardware_report(hardware, plans) + f"\n{one_line(exc)}\n"
+            report = format_hardware_report(hardware, plans, speed) + f"\n{one_line(exc)}\n"
         else:
-            report = format_hardware_report(hardware, plans)
+            report = format_hardware_report(hardware, plans, speed)
         if speed is None:
             report += "\n(speeds not measured yet: `localchat hw` measures them once)\n"
         self.app.call_from_thread(self.query_one("#hardware-report", Static).update, Text(report))
