@@ -160,3 +160,36 @@ def test_a_client_that_leaves_mid_stream_stops_its_reply_on_every_api(
     again = httpx.post(f"{served.root}/v1/chat/completions", timeout=60,
                        json={"messages": HELLO, "max_tokens": 2})  # fmt: skip
     assert again.status_code == 200
+
+
+FAILED_SHAPES = {  # what a failure inside the model's step reads as, not streamed, per API
+    "chat": lambda body: body["error"]["type"] == "server_error",
+    "messages": lambda body: body["type"] == "error" and body["error"]["type"] == "api_error",
+    "responses": lambda body: body["error"]["type"] == "server_error",
+    "ollama": lambda body: isinstance(body["error"], str),
+}
+
+
+@pytest.mark.parametrize("api", sorted(STREAMS))
+def test_a_failure_inside_a_step_is_that_apis_500_and_the_server_goes_on(
+    served: Served, api: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from localchat.backends.llama import sampler
+
+    def broken(*_args: object) -> int:
+        raise TypeError("a sampler that fails")
+
+    monkeypatch.setattr(sampler.SequenceSampler, "sample", broken)
+    path, body = STREAMS[api]
+    answer = httpx.post(f"{served.root}{path}", timeout=60,
+                        json={**body, "stream": False, "model": NAME})  # fmt: skip
+    assert answer.status_code == 500 and FAILED_SHAPES[api](answer.json())
+    assert "see its terminal" in answer.text and "Traceback" not in answer.text
+    with httpx.stream("POST", f"{served.root}{path}",
+                      json={**body, "model": NAME}) as streamed:  # fmt: skip
+        text = "".join(streamed.iter_text())
+    assert "the server failed" in text and "Traceback" not in text  # the stream's last event
+    monkeypatch.undo()
+    again = httpx.post(f"{served.root}/v1/chat/completions", timeout=60,
+                       json={"messages": HELLO, "max_tokens": 2})  # fmt: skip
+    assert again.status_code == 200

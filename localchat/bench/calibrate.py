@@ -90,6 +90,10 @@ def bench_calibrate(model_path: Path, progress: Callable[[str], None] | None) ->
             "gen_tps": {t: m["gen_tps"] for t, m in first.measured.items()},
             "overhead_ms": round(first.gen_overhead_s * 1e3, 4),
             "attention_ps_per_byte": round(first.attention_s_per_byte * 1e12, 2),
+            "step_ps_per_byte": {
+                t: [round(s * 1e12, 4) for s in steps] for t, steps in first.step_s_per_byte.items()
+            },
+            "step_overhead_ms": [round(s * 1e3, 4) for s in first.step_overhead_s],
         }
         result.update(_step_curve_figures(first, model_path))
         if isinstance(busy, str):

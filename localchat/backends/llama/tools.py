@@ -89,6 +89,7 @@ class BareLoop:
         gen_tokens: int,
         step_sizes: tuple[int, ...] = (),
         cold: bool = True,
+        step_repeats: int = 1,
     ) -> dict[str, Any]:
         """A prompt of ``prompt_tokens`` (read from an empty cache unless ``cold`` is False),
         then ``gen_tokens`` greedy tokens. ``step_sizes``: then also the time of a step of each of these many tokens
@@ -111,7 +112,7 @@ class BareLoop:
             if generated >= gen_tokens:
                 break
         cpu_s = time.process_time() - cpu_start
-        steps = _time_steps(llm, prompt, step_sizes, 1) if step_sizes else []
+        steps = _time_steps(llm, prompt, step_sizes, step_repeats) if step_sizes else []
         return {
             "step_s": steps,
             "bare_prompt_tps": prompt_tokens / (first_at - start),
@@ -129,10 +130,11 @@ def bare_generation_benchmark(
     gen_tokens: int,
     threads: int,
     step_sizes: tuple[int, ...] = (),
+    step_repeats: int = 1,
 ) -> dict[str, Any]:
     """One ``BareLoop`` round on a model loaded for it (calibration reads each file once)."""
     with BareLoop(model_path, n_ctx, threads) as bare:
-        return bare.run(prompt_tokens, gen_tokens, step_sizes)
+        return bare.run(prompt_tokens, gen_tokens, step_sizes, step_repeats=step_repeats)
 
 
 def step_times(
