@@ -525,3 +525,15 @@ def test_a_resent_reply_in_other_words_still_replaces_its_turns_state(
             {"role": "user", "content": filler_text(turn, 90)},
         ]
     assert saved == [1, 1, 1]
+
+
+def test_a_state_stopped_inside_its_prompt_is_continued_by_the_retry() -> None:
+    """A client that gave up while its long prompt was read retries it whole: the state
+    saved from the part that was read is replaced, not left beside the new one."""
+    from localchat.server.slots import HeldState
+
+    prompt = list(range(500))
+    partial = HeldState("s", prompt[:200], len(prompt))  # stopped after 200 of 500
+    assert partial.prompt == 200 and partial.continued_by(prompt)
+    whole = HeldState("t", [*prompt, 7, 8, 9], len(prompt))  # the reply as written
+    assert whole.continued_by([*prompt, 8, 9, 10]) and not whole.continued_by(prompt[:499])

@@ -168,3 +168,17 @@ def test_ask_turns_on_a_real_model_correct_a_calibration_that_is_far_off(
     assert "corrected from use" in errors[-1]
     assert not any("corrected" in e for e in errors[:-1])
     assert app_paths().speed_calibration.read_text() != before
+
+
+def test_a_correction_starts_every_files_count_afresh() -> None:
+    """Another file of the same types was measured against the figures a correction changed:
+    its misses so far must not correct them a second time."""
+    _saved()
+    predicted = _predicted()
+    for _ in range(2):
+        assert _note(_turn(predicted * 0.8, model="b.gguf")) is None
+    for _ in range(2):
+        assert _note(_turn(predicted * 0.8, model="a.gguf")) is None
+    assert _note(_turn(predicted * 0.8, model="a.gguf"))  # a's third: corrected
+    assert _note(_turn(_predicted(), model="b.gguf")) is None  # b's third, counted afresh
+    assert json.loads(app_paths().turn_speeds.read_text()) == {"b.gguf": [1.0]}

@@ -10,7 +10,8 @@ process of its own, read by plain HTTP (httpx) as the official clients read it.
   seconds (the head read cold); ``agent_later_turn_s``, ``agent_restart_turn_s``: the
   median of later turns' and of the turns after the restart. The system prompt is ~8,000 tokens
   (``agent_head_tokens``), past SmolLM2's 8,192-token context with the tools and turns, so
-  the loops run on the bench's generated model (32k context; calls held by the grammar).
+  the loops run on the bench's generated model (a 16k context of its 32k; calls held by the
+  grammar).
 - ``api_parity``: 1 where a greedy reply is the same text through the four chat APIs.
 - ``<api>_gen_ratio``: one stream's tokens/s through each API over
   ``/v1/chat/completions``'s, the median of pairs taken side by side, order alternating.

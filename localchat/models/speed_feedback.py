@@ -60,9 +60,9 @@ def note_turn(calibration: Path, log: Path, turn: TurnSpeed) -> str | None:
     misses[turn.model] = recent
     factor = statistics.median(recent)
     update = len(recent) >= MIN_TURNS and abs(factor - 1) > DISAGREE
-    if update:
+    if update:  # every file's misses were measured against the figures it changes
         corrected(speed, turn.work_by_type, factor, Path(turn.model).name).save(calibration)
-        misses.pop(turn.model)
+        misses = {}
     write_atomic(log, json.dumps(misses, indent=2).encode())
     if not update:
         return None
@@ -78,7 +78,7 @@ def corrected(
 ) -> SpeedModel:
     """``speed`` with the generation costs of the weight types this file is made of (as the
     model prices them; not the norms, under ``MINOR_SHARE`` of its bytes, which would move
-    F16's price for every model) and of a token's fixed part divided by ``factor``
+    F16's price for every model), of a token's fixed part and of attention divided by ``factor``
     (measured over predicted tok/s); ``model``'s correction is counted in ``corrections``
     (what `hw` reports). The step curves and the prompt's costs stay as measured."""
     gen = dict(speed.gen_s_per_byte)
@@ -93,6 +93,7 @@ def corrected(
         speed,
         gen_s_per_byte=gen,
         gen_overhead_s=speed.gen_overhead_s / factor,
+        attention_s_per_byte=speed.attention_s_per_byte / factor,
         corrections=corrections,
     )
 

@@ -501,7 +501,7 @@ class Scheduler:
         if len(tokens) < BLOCK or (
             running.continues is not None
             and held is not None
-            and len(tokens) < len(held.tokens) + BLOCK
+            and len(tokens) < common_prefix(held.tokens, tokens) + BLOCK
         ):
             return  # short, or less than a block past the state it continues: not worth a write
         self._keep(seq, tokens, running.continues, len(running.job.prompt))

@@ -142,9 +142,8 @@ class HeldState:
     tokens: list[int]
     prompt: int = -1
 
-    def __post_init__(self) -> None:
-        if self.prompt < 0:
-            self.prompt = len(self.tokens)
+    def __post_init__(self) -> None:  # a reply stopped inside its prompt holds less of it
+        self.prompt = len(self.tokens) if self.prompt < 0 else min(self.prompt, len(self.tokens))
 
     def continued_by(self, prompt: Sequence[int]) -> bool:
         """Whether a request of ``prompt`` continues this state, so that its own replaces it:

@@ -5,8 +5,9 @@ reply — judged only over the tokens that could be chosen.
 llama.cpp's grammar sampler costs about 8 ms a token on a 49k vocabulary (each candidate's
 text is matched against the grammar's stacks): more than a 135M model's whole step. Which
 token wins is settled by the highest logits, so a greedy reply has the grammar judge the
-best ``CANDIDATES`` (after penalties and biases) and the whole vocabulary only where none
-of those passes: the token the grammar over the whole vocabulary gives. A sampled reply is
+best token alone, then where it is refused the best ``CANDIDATES`` (after penalties and
+biases), and the whole vocabulary only where none of those passes: the token the grammar
+over the whole vocabulary gives. A sampled reply is
 drawn as llama-server draws it: freely first, kept where the grammar allows that token,
 else drawn again among the allowed ones (judged over the best candidates where at least
 ``top_k`` of them pass, which is then the same set).
@@ -106,6 +107,8 @@ class SequenceSampler:
         buffer stays where it is: making one costs more than the greedy choice)."""
         pointer = llama_cpp.llama_get_logits_ith(ctx, row)
         address = ctypes.cast(pointer, ctypes.c_void_p).value or 0
+        if not address:
+            raise RuntimeError(f"llama.cpp has no logits for row {row}")
         if address != self._logits[0]:
             view = np.ctypeslib.as_array(pointer, shape=(self._n_vocab,))
             self._logits = (address, view)
