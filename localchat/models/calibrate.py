@@ -69,10 +69,11 @@ PROMPT_AGREE = 0.25
 MIN_ROUNDS = 2
 MAX_ROUNDS = 5
 MAKE_COST = 0.5  # making a test model, in readings (for the progress bar)
-# Each step size's best of three per reading: with one timing a round (the best of two
-# rounds) a 2-core EPYC's calibration predicted its model's 5- and 9-token steps 28% dear,
-# where the same kind of machine predicted them within 7% another time.
-STEP_REPEATS = 3
+# Each step size's best of two per reading (so of four over the two rounds): with one
+# timing a reading a 2-core EPYC's calibration predicted its model's 5- and 9-token steps
+# 28% dear, where the same kind of machine predicted them within 7-17% another time. (Three
+# cost the first calibration 3 s there.)
+STEP_REPEATS = 2
 ATTENTION_READINGS = 4  # timing attention (attention_cost.py), in readings
 BUDGET_S = 40.0  # readings past this (a machine kept busy) end the calibration unsettled
 TITLE = "measuring this machine's speed"
