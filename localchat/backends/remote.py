@@ -155,6 +155,27 @@ def metric_value(text: str, names: Sequence[str]) -> float | None:
     return None
 
 
+def stream_body(
+    model: str | None, messages: Sequence[ChatMessage], sampling: Sampling, max_tokens: int
+) -> dict[str, Any]:
+    """The body of a streamed chat request, every sampling setting spelled out: a server's
+    defaults differ (llama-cpp-python's repeat penalty is 1.1), and a field left out is a
+    different reply."""
+    return {
+        "model": model,
+        "messages": [m.as_openai() for m in messages],
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "max_tokens": max_tokens,
+        "temperature": sampling.temperature,
+        "top_p": sampling.top_p,
+        "top_k": sampling.top_k,
+        "min_p": sampling.min_p,
+        "repeat_penalty": sampling.repeat_penalty,
+        "seed": sampling.seed,
+    }
+
+
 class RemoteBackend:
     """A model on an OpenAI-compatible server: lists, counts, streams, reports its cache."""
 
@@ -397,20 +418,7 @@ class RemoteBackend:
         """Send the conversation and open the reply's stream: a refusal (key, model, context,
         server down) raises here, before anything is shown; the text comes as it is read.
         The tools offered go as OpenAI's ``tools``; the server parses the calls."""
-        sampling = sampling or Sampling()
-        body: dict[str, Any] = {
-            "model": self.model,
-            "messages": [m.as_openai() for m in messages],
-            "stream": True,
-            "stream_options": {"include_usage": True},
-            "max_tokens": max_tokens,
-            "temperature": sampling.temperature,
-            "top_p": sampling.top_p,
-            "top_k": sampling.top_k,
-            "min_p": sampling.min_p,
-            "repeat_penalty": sampling.repeat_penalty,
-            "seed": sampling.seed,
-        }
+        body = stream_body(self.model, messages, sampling or Sampling(), max_tokens)
         if tool_use is not None and tool_use.tools:
             body["tools"] = [tool.schema() for tool in tool_use.tools]
             choice = tool_use.forced_name

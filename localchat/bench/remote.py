@@ -1,9 +1,9 @@
 """``localchat bench --only remote``: what localchat's client costs on a server's stream.
 
 It starts llama-cpp-python's OpenAI-compatible server on the bench model (127.0.0.1, a free
-port), then reads the same greedy reply through localchat's remote backend and through a
-bare client (httpx + httpx-sse, counting events and nothing else), alternating which goes
-first. ``remote_gen_ratio`` is localchat's tokens/s over the bare client's (medians);
+port), then reads the same greedy reply (the same request body; the two replies must be as
+long) through localchat's remote backend and through a bare client (httpx + httpx-sse,
+counting events and nothing else), alternating which goes first. ``remote_gen_ratio`` is localchat's tokens/s over the bare client's (medians);
 ``remote_ttft_overhead_s`` the difference in time to the first token.
 """
 
@@ -24,7 +24,7 @@ import httpx_sse
 
 from localchat.backends.base import Sampling
 from localchat.backends.llama.tools import llama_server_command
-from localchat.backends.remote import RemoteBackend
+from localchat.backends.remote import RemoteBackend, stream_body
 from localchat.chat.template import ChatMessage
 
 REMOTE_CTX = 2048
@@ -63,19 +63,10 @@ def _start_server(model: Path, log: Path) -> tuple[subprocess.Popen[bytes], str]
 
 def _bare_turn(url: str, model: str) -> tuple[float, float, int]:
     """(TTFT, tokens/s, tokens) read with nothing but the wire and a JSON parse: one token per
-    content event."""
-    sampling = Sampling(temperature=0.0)
-    body = {
-        "model": model,
-        "messages": [{"role": m.role, "content": m.content} for m in MESSAGES],
-        "stream": True,
-        "max_tokens": REMOTE_TOKENS,
-        "temperature": 0.0,
-        "top_p": sampling.top_p,
-        "top_k": sampling.top_k,
-        "min_p": sampling.min_p,
-        "seed": sampling.seed,
-    }
+    content event. The request is localchat's own (``stream_body``): the bare client left
+    the repeat penalty out, llama-cpp-python's server used its 1.1 and wrote another reply,
+    and the two replies' speeds differed by 9-15% with no client in it (0.91-0.93)."""
+    body = stream_body(model, MESSAGES, Sampling(temperature=0.0), REMOTE_TOKENS)
     with httpx.Client(timeout=600) as client:
         sent = time.perf_counter()
         first = last = 0.0
@@ -118,6 +109,9 @@ def bench_remote(model: Path, say: Callable[[str], None] | None = None) -> dict[
                     bare = _bare_turn(url, backend.model)
                     ours = _localchat_turn(backend)
                 tokens = ours[2]
+                if ours[2] != bare[2]:  # another reply: its speed says nothing of the client
+                    raise RuntimeError(f"the two clients got different replies ({ours[2]} and"
+                                       f" {bare[2]} tokens): the requests differ")  # fmt: skip
                 ratios.append(ours[1] / bare[1])
                 overheads.append(ours[0] - bare[0])
                 if say:
