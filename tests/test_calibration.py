@@ -197,7 +197,7 @@ def test_the_progress_counts_up_with_the_time_left(monkeypatch: pytest.MonkeyPat
     # the tiny model and the one attention is timed on stay (40 MB together).
     assert sorted(p.name for p in app_paths().demo_models_dir.iterdir()) == [
         "demo-tiny-F16-s0.gguf",
-        "timing-attention-s0.gguf",
+        "timing-attention-768x12on2.gguf",
     ]
     assert any("attention" in s.detail for s in steps)
     assert steps[-1].line().startswith("step 2/3 · measuring this machine's speed 100%")
