@@ -88,10 +88,7 @@ class SequenceSampler:
             if not self._allows(token):
                 token = self._held_choice(logits, None)
         else:
-            everything = self._all  # refilled: a chain may have sorted it in place
-            everything["id"] = self._ids
-            everything["logit"] = logits
-            everything["p"] = 0.0
+            everything = self._whole(logits)
             if self._adjust is not None:
                 _apply(self._adjust, everything)
             token = -1 if self._greedy else _apply(self._choose, everything.copy())
@@ -129,10 +126,16 @@ class SequenceSampler:
                 if np.isfinite(some["logit"]).sum() >= self._needed:
                     return _apply(self._choose, some)
         if everything is None:
-            everything = self._all
-            everything["id"], everything["logit"], everything["p"] = self._ids, logits, 0.0
+            everything = self._whole(logits)
         _apply(self._grammar, everything)
         return _apply(self._choose, everything)
+
+    def _whole(self, logits: np.ndarray) -> np.ndarray:
+        """The whole vocabulary as token data for ``logits`` (refilled each time: a chain
+        may have sorted it in place)."""
+        everything = self._all
+        everything["id"], everything["logit"], everything["p"] = self._ids, logits, 0.0
+        return everything
 
     def _allows(self, token: int) -> bool:
         """Whether the grammar lets ``token`` come next."""
