@@ -188,8 +188,7 @@ def test_calls_left_without_results_are_answered_before_the_next_message(
     them answered as not run (templates and servers want every call answered)."""
     from localchat.backends.base import Sampling
     from localchat.backends.llama.engine import Engine, LoadOptions
-    from localchat.chat.tools import ToolSpec, ToolUse
-    from localchat.conversation.base import NOT_RUN
+    from localchat.chat.tools import NOT_RUN, ToolSpec, ToolUse
     from localchat.conversation.local import Conversation
     from localchat.state.kvstate import StateStore
     from localchat.state.store import Store

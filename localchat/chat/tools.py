@@ -25,6 +25,7 @@ names them, so the text a parser reads keeps them.
 from __future__ import annotations
 
 import ast
+import dataclasses
 import json
 import re
 import secrets
@@ -81,6 +82,9 @@ class ToolCall:
 
 
 TOOL_CHOICES = ("auto", "none", "required")
+# What a call the reply made gets where it never ran (a reply stopped on its way to its
+# results, a round ended early): every template and server wants each call answered.
+NOT_RUN = "error: the call was not run"
 
 
 @dataclass(frozen=True)
@@ -110,6 +114,11 @@ class ToolUse:
     @property
     def names(self) -> set[str]:
         return {tool.name for tool in self.tools}
+
+    def after_call(self) -> ToolUse:
+        """The choice for the reply that reads a call's results: a forced choice is relaxed to
+        "auto" (the call asked for came; the reply may now answer in words)."""
+        return dataclasses.replace(self, choice="auto") if self.forced else self
 
 
 # DeepSeek's markers (control tokens in its vocabulary).

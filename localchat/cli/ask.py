@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import json
 import sys
 import threading
@@ -24,93 +23,82 @@ if TYPE_CHECKING:
     from localchat.backends.base import Backend, Reply, TokenDelta
     from localchat.chat.template import ChatMessage
     from localchat.chat.tools import ToolUse
-    from localchat.cli.tool_loop import CallRecord
-    from localchat.conversation.base import ConversationBase
-    from localchat.conversation.turn import ConversationTurn
-    from localchat.session import OneOffTurn, Session
+    from localchat.cli.tool_loop import AskReplies
+    from localchat.session import Session
+    from localchat.settings import Settings
+    from localchat.tools.loop import CallRecord
 
 # The flags that say how a local model runs: a server decides that itself.
 LOCAL_ONLY_FLAGS = ("model_path", "template", "kv_type", "threads", "speculative", "draft_model")
 
 
 def cmd_ask(args: argparse.Namespace, out: TextIO) -> int:
-    from localchat.backends.base import Sampling
-    from localchat.chat.template import ChatMessage, results_saying
-    from localchat.cli.tool_loop import AskTools
+    from localchat.cli.tool_loop import AskHooks
     from localchat.session import Session
     from localchat.settings import load_settings
-    from localchat.tools.consent import DENIED_RESULT, MAX_ROUNDS, STOPPED, STOPPED_RESULT, Consent
+    from localchat.tools.consent import Consent
+    from localchat.tools.loop import ToolLoop, chain
 
+    _read_message(args)
+    settings = load_settings(app_paths().settings_file)
+    if args.server:
+        _refuse_local_flags(args)
+    model_path = None if args.server else _model_path(args)
+    cancel = threading.Event()
+    session = Session(app_paths(), settings, open_stores=bool(args.conversation))
+    loop = ToolLoop(AskHooks(session, Consent(set(args.allow_tool), args.yes)), cancel)
+    try:  # the session frees the backend, however the turn ends
+        backend = _backend(args, session, model_path)
+        session.use(backend)
+        replies = _replies(args, session, settings, cancel)
+        interrupted = False
+        for turn in chain(loop, replies, replies.first()):
+            interrupted = _stream(turn, args, cancel, out)
+        notices = list(turn.notices)
+        save_error = replies.wait_saved()
+        speed = session.note_turn_speed(turn.generation.stats)
+        notices += [notice for notice in (save_error, speed) if notice]
+        stats = turn.stats_dict()
+        _print_result(out, args, turn.generation, backend, stats, notices, loop.records)
+    finally:
+        session.close()
+    if interrupted:
+        return EXIT_INTERRUPTED
+    return EXIT_USAGE if loop.refused else 0
+
+
+def _read_message(args: argparse.Namespace) -> None:
+    """The message, with the attached files' text: from the arguments or stdin."""
     if args.fresh and not args.conversation:
         raise UsageError("--fresh needs --conversation NAME (a one-off ask has no saved state)")
     args.message = _message_text(args.message, sys.stdin)
     args.attachments = [read_attachment(path) for path in args.attach]
     args.message = with_attachments(args.message, args.attachments)
-    settings = load_settings(app_paths().settings_file)
-    if args.server:
-        _refuse_local_flags(args)
-    model_path = None if args.server else _model_path(args)
+
+
+def _replies(
+    args: argparse.Namespace, session: Session, settings: Settings, cancel: threading.Event
+) -> AskReplies:
+    """Where the ask's replies come from: the conversation named (opened, and offered the
+    tools), else a one-off exchange. Refuses a message the context cannot hold first."""
+    from localchat.backends.base import Sampling
+    from localchat.cli.tool_loop import ConversationReplies, OneOffReplies
+
     temperature = settings.temperature if args.temperature is None else args.temperature
     sampling = Sampling(temperature=temperature, seed=args.seed)
     max_tokens = args.max_tokens or settings.max_tokens
-    cancel = threading.Event()
-    session = Session(app_paths(), settings, open_stores=bool(args.conversation))
-    tools = AskTools(session, Consent(set(args.allow_tool), args.yes))
-    try:  # the session frees the backend, however the turn ends
-        backend = _backend(args, session, model_path)
-        session.use(backend)
-        _report_attachments(args, session.count_tokens, backend.context_size, max_tokens)
-        tool_use = _tool_use(args, session)
-        conversation: ConversationBase | None = None
-        turn: ConversationTurn | OneOffTurn
+    backend = session.backend
+    assert backend is not None
+    _report_attachments(args, session.count_tokens, backend.context_size, max_tokens)
+    tool_use = _tool_use(args, session)
+    if not args.conversation:
         messages = _one_off_messages(args)
-        if args.conversation:
-            conversation = session.open_conversation(
-                args.conversation, args.system, args.wait, args.window
-            )
-            assert conversation is not None  # a backend and a database: it opens or raises
-            if tool_use != conversation.tool_use:  # it was offered the default choice
-                conversation.offer_tools(tool_use)
-            turn = conversation.send(args.message, sampling, max_tokens, cancel, fresh=args.fresh)
-        else:
-            turn = session.ask_once(messages, sampling, max_tokens, cancel, tool_use)
-        interrupted = _stream(turn, args, cancel, out)
-        for _round in range(MAX_ROUNDS):
-            calls = turn.generation.tool_calls
-            if interrupted or not calls:
-                break
-            results = tools.run(calls)
-            if results is None:  # not allowed: the ask stops here
-                if conversation is not None:
-                    conversation.record_results(results_saying(calls, DENIED_RESULT))
-                break
-            if conversation is not None:  # a forced choice is relaxed there, as here
-                turn = conversation.send_results(results, sampling, max_tokens, cancel)
-            else:
-                if tool_use is not None and tool_use.forced:  # the call asked for came
-                    tool_use = dataclasses.replace(tool_use, choice="auto")
-                reply = ChatMessage("assistant", turn.generation.text, tuple(calls))
-                messages += [reply, *results]
-                turn = session.ask_once(messages, sampling, max_tokens, cancel, tool_use)
-            interrupted = _stream(turn, args, cancel, out)
-        else:
-            if turn.generation.tool_calls:
-                print(f"localchat: tool: {STOPPED}", file=sys.stderr)
-                if conversation is not None:
-                    conversation.record_results(
-                        results_saying(turn.generation.tool_calls, STOPPED_RESULT)
-                    )
-        notices = list(turn.notices)
-        save_error = conversation.wait_saved() if conversation is not None else None
-        speed = session.note_turn_speed(turn.generation.stats)
-        notices += [notice for notice in (save_error, speed) if notice]
-        stats = turn.stats_dict()
-        _print_result(out, args, turn.generation, backend, stats, notices, tools.records)
-    finally:
-        session.close()
-    if interrupted:
-        return EXIT_INTERRUPTED
-    return EXIT_USAGE if tools.refused else 0
+        return OneOffReplies(session, messages, sampling, max_tokens, cancel, tool_use)
+    conversation = session.open_conversation(args.conversation, args.system, args.wait, args.window)
+    assert conversation is not None  # a backend and a database: it opens or raises
+    if tool_use != conversation.tool_use:  # it was offered the default choice
+        conversation.offer_tools(tool_use)
+    return ConversationReplies(conversation, sampling, max_tokens, cancel, args.message, args.fresh)
 
 
 def _tool_use(args: argparse.Namespace, session: Session) -> ToolUse | None:

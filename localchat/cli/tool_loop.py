@@ -1,81 +1,161 @@
-"""``ask`` with tools: the calls a reply makes run only where the user allowed them
-(``--allow-tool NAME``, ``--yes``); their results go back to the model, whose next reply
-reads only them (the cache holds the rest), until a reply calls nothing."""
+"""``ask`` with tools: the runtime's tool loop (``tools.loop``) with the command line's
+hooks. A call runs only where the user allowed it beforehand (``--allow-tool NAME``,
+``--yes``): ``ask`` cannot ask, so a call not allowed ends the ask, saying how to allow it.
+Each call and result is one line on stderr (text, cut, control characters shown)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TextIO
+import threading
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Protocol, TextIO
 
 from localchat.chat.template import ChatMessage
-from localchat.chat.tools import ToolCall
+from localchat.chat.tools import ToolCall, ToolUse
 from localchat.text import shown
 from localchat.tools.consent import Consent
+from localchat.tools.loop import ToolTurns
 from localchat.tools.results import ToolResult
 
 if TYPE_CHECKING:
-    from localchat.session import Session
+    from collections.abc import Iterator
+
+    from localchat.backends.base import Reply, Sampling, TokenDelta
+    from localchat.conversation.base import ConversationBase
+    from localchat.conversation.turn import ConversationTurn
+    from localchat.session import OneOffTurn, Session
 
 
-@dataclass
-class CallRecord:
-    """A call and what became of it (``result`` None: the user did not allow it)."""
-
-    call: ToolCall
-    result: ToolResult | None
-
-    def as_json(self) -> dict[str, Any]:
-        result = self.result
-        return {
-            "id": self.call.id,
-            "name": self.call.name,
-            "arguments": self.call.arguments,
-            "allowed": result is not None,
-            "result": None if result is None else result.text,
-            "is_error": None if result is None else result.is_error,
-        }
-
-
-class AskTools:
-    """Runs a reply's calls as the user allowed, saying on stderr what runs and what came
-    back (one line each: a result is text, cut and with control characters shown)."""
-
-    def __init__(self, session: Session, consent: Consent, err: TextIO | None = None) -> None:
-        self.session = session
-        self.consent = consent
-        self.err = err
-        self.records: list[CallRecord] = []
+class AskTurn(Protocol):
+    """A reply as ``ask`` streams and reports it (a conversation's turn or a one-off one)."""
 
     @property
-    def refused(self) -> list[ToolCall]:
-        return [r.call for r in self.records if r.result is None]
+    def generation(self) -> Reply: ...
 
-    def run(self, calls: list[ToolCall]) -> list[ChatMessage] | None:
-        """The results of ``calls`` as ``tool`` messages; None if any was not allowed (none
-        of them run then: the ask stops, saying how to allow them)."""
-        if not all(self.consent.allows(call) for call in calls):
-            for call in calls:
-                self.records.append(CallRecord(call, None))
-                if not self.consent.allows(call):
-                    self._say(
-                        f"the model called {_spelled(call)}; not run: allow it with"
-                        f" --allow-tool {shown(call.name)} (or --yes)"
-                    )
-            return None
-        results = []
-        for call in calls:
-            self._say(f"running {_spelled(call)}")
-            result = self.session.run_tool(call)
-            self.records.append(CallRecord(call, result))
+    @property
+    def notices(self) -> list[str]: ...
+
+    def stats_dict(self) -> dict[str, Any]: ...
+
+    def __iter__(self) -> Iterator[TokenDelta]: ...
+
+
+class AskReplies(ToolTurns[AskTurn], Protocol):
+    """Where ``ask``'s replies come from: the first, the ones after calls, and the save."""
+
+    def first(self) -> AskTurn: ...
+
+    def wait_saved(self) -> str | None:
+        """Once the conversation's state is on disk: what went wrong saving it, if anything."""
+        ...
+
+
+@dataclasses.dataclass
+class AskHooks:
+    """The loop's hooks for ``ask``: consent from the flags, lines on stderr."""
+
+    session: Session
+    consent: Consent
+    err: TextIO | None = None
+    refusal_ends: bool = True
+
+    def allow(self, call: ToolCall) -> bool:
+        return self.consent.allows(call)
+
+    def run(self, call: ToolCall) -> ToolResult:
+        self._say(f"running {_spelled(call)}")
+        return self.session.run_tool(call)
+
+    def answered(self, call: ToolCall, result: ToolResult | None) -> None:
+        if result is not None:
             outcome = "failed" if result.is_error else "returned"
             self._say(f"{shown(call.name)} {outcome}: {shown(result.text, 200)}")
-            results.append(ChatMessage("tool", result.text, tool_call_id=call.id))
-        return results
+        elif not self.consent.allows(call):
+            self._say(
+                f"the model called {_spelled(call)}; not run: allow it with"
+                f" --allow-tool {shown(call.name)} (or --yes)"
+            )
+
+    def stopped(self, line: str) -> None:
+        self._say(line)
 
     def _say(self, line: str) -> None:
         print(f"localchat: tool: {line}", file=self.err or sys.stderr)
+
+
+@dataclasses.dataclass
+class ConversationReplies:
+    """A saved conversation's replies: results go into it, its next reply reads them (the
+    cache holds the rest)."""
+
+    conversation: ConversationBase
+    sampling: Sampling
+    max_tokens: int
+    cancel: threading.Event
+    message: str
+    fresh: bool = False
+
+    def first(self) -> ConversationTurn:
+        """The reply to the user's message (``fresh``: evaluated from scratch)."""
+        return self.conversation.send(
+            self.message, self.sampling, self.max_tokens, self.cancel, fresh=self.fresh
+        )
+
+    def wait_saved(self) -> str | None:
+        """Once the conversation's state is on disk: what went wrong saving it, if anything."""
+        return self.conversation.wait_saved()
+
+    def calls(self, reply: AskTurn) -> Sequence[ToolCall]:
+        return reply.generation.tool_calls
+
+    def next_reply(self, results: list[ChatMessage]) -> ConversationTurn:
+        return self.conversation.send_results(results, self.sampling, self.max_tokens, self.cancel)
+
+    def keep(self, results: list[ChatMessage]) -> None:
+        self.conversation.record_results(results)
+
+
+@dataclasses.dataclass
+class OneOffReplies:
+    """A one-off ask's replies: each next reply reads the whole exchange so far (a local
+    model starts it from the saved prefix state); nothing is kept."""
+
+    session: Session
+    messages: list[ChatMessage]
+    sampling: Sampling
+    max_tokens: int
+    cancel: threading.Event
+    tool_use: ToolUse | None
+    last: AskTurn | None = None
+
+    def first(self) -> OneOffTurn:
+        return self._ask()
+
+    def calls(self, reply: AskTurn) -> Sequence[ToolCall]:
+        self.last = reply
+        return reply.generation.tool_calls
+
+    def next_reply(self, results: list[ChatMessage]) -> OneOffTurn:
+        assert self.last is not None
+        generation = self.last.generation
+        self.messages += [ChatMessage("assistant", generation.text, tuple(generation.tool_calls))]
+        self.messages += results
+        if self.tool_use is not None:
+            self.tool_use = self.tool_use.after_call()
+        return self._ask()
+
+    def keep(self, results: list[ChatMessage]) -> None:
+        """A one-off ask keeps nothing."""
+
+    def wait_saved(self) -> str | None:
+        return None
+
+    def _ask(self) -> OneOffTurn:
+        return self.session.ask_once(
+            self.messages, self.sampling, self.max_tokens, self.cancel, self.tool_use
+        )
 
 
 def _spelled(call: ToolCall) -> str:

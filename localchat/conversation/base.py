@@ -7,7 +7,6 @@ message being read ahead cannot see them half made.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import threading
 import time
@@ -17,7 +16,7 @@ from typing import Any, Concatenate, ParamSpec, TypeVar
 from localchat.backends.base import Backend, Reply, Sampling
 from localchat.backends.compute_thread import run_compute
 from localchat.chat.template import ChatMessage, results_saying
-from localchat.chat.tools import ToolUse
+from localchat.chat.tools import NOT_RUN, ToolUse
 from localchat.chat.window import WindowPolicy
 from localchat.conversation.turn import (
     ConversationTurn,
@@ -32,8 +31,6 @@ from localchat.state.locks import ConversationLock
 from localchat.state.store import ConversationRecord, Store
 
 P = ParamSpec("P")
-# What a call that never ran gets as its result (a reply stopped, a fork made at the call).
-NOT_RUN = "error: the call was not run"
 T = TypeVar("T")
 C = TypeVar("C", bound="ConversationBase")
 
@@ -296,8 +293,8 @@ class ConversationBase:
         call, in its order), then start the reply that reads them: the cache holds the
         conversation up to the calls, so only the results and the cue are evaluated."""
         self._check_answers(results)
-        if self.tool_use is not None and self.tool_use.forced:  # the call asked for came
-            self.offer_tools(dataclasses.replace(self.tool_use, choice="auto"))
+        if self.tool_use is not None and self.tool_use.forced:
+            self.offer_tools(self.tool_use.after_call())
         # The results stay even where the reply cannot start: the calls are answered.
         return self._turn(results, sampling, max_tokens, cancel, False, None, keep=True)
 
