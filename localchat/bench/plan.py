@@ -24,8 +24,8 @@ from typing import TYPE_CHECKING, Any
 
 from localchat.bench.common import (
     Progress,
-    _say,
     greedy_turn,
+    say,
     settled,
     steady_best,
 )
@@ -64,7 +64,7 @@ def bench_plan(model_path: Path, progress: Progress = None) -> dict[str, Any]:
     from localchat.paths import app_paths
 
     paths = app_paths()
-    _say(progress, "plan: this machine's calibration (measured now if none is saved)")
+    say(progress, "plan: this machine's calibration (measured now if none is saved)")
     speed = speed_model(paths)
     hardware = detect_hardware()
     rows: dict[str, dict[str, float]] = {}
@@ -76,9 +76,7 @@ def bench_plan(model_path: Path, progress: Progress = None) -> dict[str, Any]:
     with SpeedScratch(paths.demo_models_dir) as scratch:
         timed, drifts = _timed_models(files, scratch, calibrated, progress)
     host_speed = statistics.median(drifts) if drifts else 1.0
-    _say(
-        progress, f"plan: the calibration's files read at {host_speed:.2f}x their calibrated speed"
-    )
+    say(progress, f"plan: the calibration's files read at {host_speed:.2f}x their calibrated speed")
     for name, path in files.items():
         plan = plan_file(path, hardware, PLAN_CTX, speed)
         gen, prompt_tps = timed[name]
@@ -98,13 +96,13 @@ def bench_plan(model_path: Path, progress: Progress = None) -> dict[str, Any]:
             "measured_prompt_tps": round(prompt_tps, 1),
             "rounds": len(gen),
         }
-        _say(progress, f"plan: {name}: predicted {predicted:.1f}, measured {measured:.1f}"
+        say(progress, f"plan: {name}: predicted {predicted:.1f}, measured {measured:.1f}"
              f" ({', '.join(f'{tps:.1f}' for tps in gen)})")  # fmt: skip
     prompt_errors = [
         abs(r["predicted_prompt_tps"] - r["measured_prompt_tps"]) / r["measured_prompt_tps"]
         for r in rows.values()
     ]
-    _say(progress, "plan: the 0.5b Q4_K_M mix against the quantizer's file")
+    say(progress, "plan: the 0.5b Q4_K_M mix against the quantizer's file")
     mix_speed_ratio = _mix_speed_ratio(paths.demo_models_dir)
     return {
         "mix_speed_ratio": mix_speed_ratio,
@@ -146,7 +144,7 @@ def _timed_models(
         ]
         if not due:
             break
-        _say(progress, f"plan: round {index + 1} of the models")
+        say(progress, f"plan: round {index + 1} of the models")
         ratios = [
             1.0 / read_speed(scratch.holding(t), t, physical_cores()).gen_s / tps
             for t, tps in calibrated.items()

@@ -16,9 +16,9 @@ from localchat.bench.common import (
     HISTORY_CTX,
     REPLY_TOKENS,
     Progress,
-    _say,
     build_history,
     env_with_home,
+    say,
     scratch_dir,
 )
 from localchat.cpu import physical_cores
@@ -102,11 +102,11 @@ def bench_resume(model_path: Path, progress: Progress = None) -> dict[str, Any]:
         resumed = sorted(resumed_runs, key=lambda r: float(r["stats"]["ttft_s"]))[
             RESUME_ROUNDS // 2
         ]
-        _say(progress, f"resume: warm turn {warm_ttft:.3f} s, new process"
+        say(progress, f"resume: warm turn {warm_ttft:.3f} s, new process"
              f" {resumed['stats']['ttft_s']:.3f} s (medians)")  # fmt: skip
         reset_child()
         fresh = _ask_in_new_process(child_home, model_path, "--fresh")
-        _say(progress, f"resume: --fresh {fresh['stats']['ttft_s']:.3f} s")
+        say(progress, f"resume: --fresh {fresh['stats']['ttft_s']:.3f} s")
 
     resume_ttft = float(resumed["stats"]["ttft_s"])
     reprefill_ttft = float(fresh["stats"]["ttft_s"])

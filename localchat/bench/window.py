@@ -7,7 +7,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from localchat.bench.common import Progress, _say, filler_text, scratch_dir
+from localchat.bench.common import Progress, filler_text, say, scratch_dir
 from localchat.cpu import physical_cores
 
 WINDOW_CTX = 2048
@@ -63,7 +63,7 @@ def bench_window(model_path: Path, progress: Progress = None) -> dict[str, Any]:
             new_tokens.append(closing + user_end - user_start + header)
             evaluated.append(turn.stats.prompt_tokens_evaluated)
             if len(after) % 5 == 1:
-                _say(
+                say(
                     progress,
                     f"window: turn {turn_no}, {total} tokens so far, ttft {after[-1]:.3f} s",
                 )

@@ -49,7 +49,7 @@ def cmd_ask(args: argparse.Namespace, out: TextIO) -> int:
     settings = load_settings(app_paths().settings_file)
     if args.server:
         _refuse_local_flags(args)
-    model_path = None if args.server else _model_path(args)
+    model_path = None if args.server else resolve_model_path(args)
     temperature = settings.temperature if args.temperature is None else args.temperature
     sampling = Sampling(temperature=temperature, seed=args.seed)
     max_tokens = args.max_tokens or settings.max_tokens
@@ -131,7 +131,7 @@ def _refuse_local_flags(args: argparse.Namespace) -> None:
         raise UsageError(f"{names} choose how a local model runs; with --server the server decides")
 
 
-def _model_path(args: argparse.Namespace) -> Path:
+def resolve_model_path(args: argparse.Namespace) -> Path:
     """The local model to load: the file given, a catalog or hub model (downloaded if
     needed), else the starter model."""
     if args.model_path is not None:

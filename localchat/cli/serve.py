@@ -37,7 +37,7 @@ def cmd_serve(args: argparse.Namespace, out: TextIO) -> int:
     import anyio
     import uvicorn
 
-    from localchat.cli.ask import _model_path
+    from localchat.cli.ask import resolve_model_path
     from localchat.models.hardware import detect_hardware
     from localchat.paths import app_paths
     from localchat.server.app import create_app
@@ -56,7 +56,7 @@ def cmd_serve(args: argparse.Namespace, out: TextIO) -> int:
     key_envs = [e for e in (config.api_key_env, KEY_ENV) if e]
     api_key = args.api_key or next((os.environ[e] for e in key_envs if os.environ.get(e)), None)
     check_exposure(host, api_key, args.no_auth)
-    model_path = _model_path(args)
+    model_path = resolve_model_path(args)
     if args.draft_model or args.speculative == "draft":
         print("localchat: serve drafts by prompt lookup only (a draft model is not used"
               " there yet)", file=sys.stderr)  # fmt: skip
