@@ -188,6 +188,18 @@ def load_settings(path: Path) -> Settings:
         data = tomllib.loads(path.read_text())
     except (OSError, tomllib.TOMLDecodeError) as exc:
         raise UsageError(f"{path}: cannot read settings ({exc})") from None
+    try:
+        settings = Settings(**_setting_values(path, data))  # type: ignore[arg-type]
+    except TypeError as exc:
+        raise UsageError(f"{path}: {exc}") from None
+    _check_choices(path, settings)
+    _check_numbers_and_switches(path, settings)
+    return settings
+
+
+def _setting_values(path: Path, data: dict[str, object]) -> dict[str, object]:
+    """The file's keys as Settings fields (dashes or underscores), the tables and sizes
+    parsed; an unknown key raises."""
     known = {f.name for f in fields(Settings)}
     values: dict[str, object] = {}
     for key, value in data.items():
@@ -203,50 +215,50 @@ def load_settings(path: Path) -> Settings:
         if name not in known:
             raise UsageError(f"{path}: unknown setting {key!r}; known: {', '.join(sorted(known))}")
         values[name] = value
-    try:
-        settings = Settings(**values)  # type: ignore[arg-type]
-    except TypeError as exc:
-        raise UsageError(f"{path}: {exc}") from None
-    if settings.window_mode not in WINDOW_MODES:
-        raise UsageError(
-            f"{path}: window_mode must be one of {', '.join(WINDOW_MODES)}, not {settings.window_mode!r}"
-        )
-    if settings.swa_cache not in SWA_CACHE_MODES:
-        raise UsageError(
-            f"{path}: swa_cache must be one of {', '.join(SWA_CACHE_MODES)}, not {settings.swa_cache!r}"
-        )
-    if settings.speculative not in SPECULATIVE_MODES:
-        raise UsageError(
-            f"{path}: speculative must be one of {', '.join(SPECULATIVE_MODES)},"
-            f" not {settings.speculative!r}"
-        )
+    return values
+
+
+def _check_choice(path: Path, name: str, value: object, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise UsageError(f"{path}: {name} must be one of {', '.join(choices)}, not {value!r}")
+
+
+def _check_choices(path: Path, settings: Settings) -> None:
+    """Each setting that names a mode holds one of its modes (the draft model: a name)."""
+    _check_choice(path, "window_mode", settings.window_mode, WINDOW_MODES)
+    _check_choice(path, "swa_cache", settings.swa_cache, SWA_CACHE_MODES)
+    _check_choice(path, "speculative", settings.speculative, SPECULATIVE_MODES)
     if not isinstance(settings.draft_model, str):
         raise UsageError(
             f"{path}: draft_model must be a model name or a .gguf file, not {settings.draft_model!r}"
         )
-    if settings.kv_type not in KV_CACHE_TYPES:
-        raise UsageError(
-            f"{path}: kv_type must be one of {', '.join(KV_CACHE_TYPES)}, not {settings.kv_type!r}"
-        )
+    _check_choice(path, "kv_type", settings.kv_type, KV_CACHE_TYPES)
+
+
+# Settings that are neither numbers nor switches (checked by _check_choices, or parsed).
+NOT_NUMBERS = (
+    "window_mode",
+    "kv_type",
+    "swa_cache",
+    "speculative",
+    "draft_model",
+    "servers",
+    "serve",
+    "mcp",
+)
+
+
+def _check_numbers_and_switches(path: Path, settings: Settings) -> None:
+    """A switch is true or false; every other plain setting a non-negative number."""
     for f in fields(Settings):
         value = getattr(settings, f.name)
         if f.type == "bool":
             if not isinstance(value, bool):
                 raise UsageError(f"{path}: setting {f.name} must be true or false, not {value!r}")
             continue
-        if f.name in (
-            "window_mode",
-            "kv_type",
-            "swa_cache",
-            "speculative",
-            "draft_model",
-            "servers",
-            "serve",
-            "mcp",
-        ):
+        if f.name in NOT_NUMBERS:
             continue
         if not isinstance(value, int | float) or isinstance(value, bool) or value < 0:
             raise UsageError(
                 f"{path}: setting {f.name} must be a non-negative number, not {value!r}"
             )
-    return settings

@@ -61,6 +61,8 @@ class RemoteReply:
     _ended: bool = False  # the server said the reply is over ([DONE] or a finish reason)
     _thinking: bool = False  # inside reasoning the server sends apart from the content
     _server_generated: int | None = None  # the server's own count of the reply's tokens
+    _first_at: float = 0.0  # when the first and the latest content-bearing events came
+    _last_at: float = 0.0
     # Tool calls as the server streams them (OpenAI's fragments by index), read at the end.
     tool_calls: list[ToolCall] = field(default_factory=list)
     _call_parts: dict[int, dict[str, str]] = field(default_factory=dict)
@@ -126,14 +128,10 @@ class RemoteReply:
             self._connection.close()
 
     def _read(self) -> Iterator[TokenDelta]:
-        stats = self.stats
-        stats.kv_bytes_used = stats.kv_bytes_allocated = None
-        stats.prompt_tokens = self._prompt_estimate
-        stats.counted = "estimated"  # until the server's usage report says otherwise
-        stats.stop_reason = "length"
+        """The reply's deltas as its events arrive; its figures, tool calls and how it ended
+        are kept on the reply."""
+        self._start_stats()
         reasoning = ReasoningStream(False)
-        server = self.backend.server
-        first_at = last_at = 0.0
         finished = False
         for event_data in self._connection.data():
             if self._cancelled():
@@ -144,73 +142,106 @@ class RemoteReply:
                 break
             if not data:
                 continue
-            try:
-                chunk = json.loads(data)
-            except ValueError:
-                raise RemoteError(
-                    f"{server} sent a malformed event ({shown(data, 60)}); the partial"
-                    " reply is kept"
-                ) from None
-            if not isinstance(chunk, dict):
-                raise RemoteError(f"{server} sent an event that is not a JSON object")
-            if "error" in chunk:
-                error = chunk["error"]
-                message = error.get("message") if isinstance(error, dict) else error
-                raise RemoteError(
-                    f"{server} failed mid-reply ({shown(str(message), ERROR_TEXT_LIMIT)});"
-                    " the partial reply is kept"
-                )
+            chunk = self._parse_event(data)
             self._read_figures(chunk)
             for choice in chunk.get("choices") or []:
-                if not isinstance(choice, dict):
-                    continue
-                delta = choice.get("delta") or {}
-                parts: list[tuple[bool, str]] = []
-                # A server that parses reasoning sends it apart; the transcript keeps
-                # it as the model wrote it, inside <think>…</think>.
-                thought = delta.get("reasoning_content") or delta.get("reasoning")
-                if isinstance(thought, str) and thought:
-                    if not self._thinking:
-                        self.text += OPEN
-                        self._thinking = True
-                    parts.append((True, thought))
-                    self.text += thought
-                self._read_call_fragments(delta.get("tool_calls"))
-                content = delta.get("content")
-                if isinstance(content, str) and content:
-                    if self._thinking:
-                        self.text += CLOSE + "\n"
-                        self._thinking = False
-                    self.text += content
-                    parts.extend(reasoning.feed(content))
-                if parts:
-                    now = time.perf_counter()
-                    if not self.chunks:
-                        first_at = now
-                        stats.ttft_s = now - self._sent_at
-                        stats.first_token_at = now
-                    self.chunks += 1
-                    last_at = now
-                    self._count_generated(first_at, last_at)
-                    for is_reasoning, text in parts:
-                        yield TokenDelta(None, text, is_reasoning)
-                reason = choice.get("finish_reason")
-                if isinstance(reason, str) and reason:
-                    stats.stop_reason = {"stop": "eos"}.get(reason, reason)
-                    self._ended = True
+                if isinstance(choice, dict):
+                    yield from self._read_choice(choice, reasoning)
         else:
             finished = finished or self._cancelled()
         if self._cancelled():
-            stats.stop_reason = "cancelled"
+            self.stats.stop_reason = "cancelled"
             return
         for is_reasoning, text in reasoning.flush():
             yield TokenDelta(None, text, is_reasoning)
         if not finished:
             raise RemoteError(
-                f"{server}: the stream ended before the reply did; the partial reply is kept"
+                f"{self.backend.server}: the stream ended before the reply did; the partial"
+                " reply is kept"
             )
-        self._count_generated(first_at, last_at)
+        self._count_generated()
         self.tool_calls = self._calls()
+
+    def _start_stats(self) -> None:
+        """The figures before the server says any: the prompt as estimated here, and a
+        reply cut by its length unless an event says otherwise."""
+        stats = self.stats
+        stats.kv_bytes_used = stats.kv_bytes_allocated = None
+        stats.prompt_tokens = self._prompt_estimate
+        stats.counted = "estimated"  # until the server's usage report says otherwise
+        stats.stop_reason = "length"
+
+    def _parse_event(self, data: str) -> dict[str, Any]:
+        """An event's JSON object; a malformed event or the server's error raises (the
+        partial reply is kept)."""
+        server = self.backend.server
+        try:
+            chunk = json.loads(data)
+        except ValueError:
+            raise RemoteError(
+                f"{server} sent a malformed event ({shown(data, 60)}); the partial reply is kept"
+            ) from None
+        if not isinstance(chunk, dict):
+            raise RemoteError(f"{server} sent an event that is not a JSON object")
+        if "error" in chunk:
+            error = chunk["error"]
+            message = error.get("message") if isinstance(error, dict) else error
+            raise RemoteError(
+                f"{server} failed mid-reply ({shown(str(message), ERROR_TEXT_LIMIT)});"
+                " the partial reply is kept"
+            )
+        return chunk
+
+    def _read_choice(
+        self, choice: dict[str, Any], reasoning: ReasoningStream
+    ) -> Iterator[TokenDelta]:
+        """One choice's delta: its text yielded (timed as it arrives), then its finish
+        reason noted."""
+        parts = self._read_delta(choice.get("delta") or {}, reasoning)
+        if parts:
+            self._arrived()
+            for is_reasoning, text in parts:
+                yield TokenDelta(None, text, is_reasoning)
+        reason = choice.get("finish_reason")
+        if isinstance(reason, str) and reason:
+            self.stats.stop_reason = {"stop": "eos"}.get(reason, reason)
+            self._ended = True
+
+    def _read_delta(
+        self, delta: dict[str, Any], reasoning: ReasoningStream
+    ) -> list[tuple[bool, str]]:
+        """A delta's reasoning and content added to the text, as (is reasoning, text)
+        pieces for the reader; its tool-call fragments joined."""
+        parts: list[tuple[bool, str]] = []
+        # A server that parses reasoning sends it apart; the transcript keeps it as the
+        # model wrote it, inside <think>…</think>.
+        thought = delta.get("reasoning_content") or delta.get("reasoning")
+        if isinstance(thought, str) and thought:
+            if not self._thinking:
+                self.text += OPEN
+                self._thinking = True
+            parts.append((True, thought))
+            self.text += thought
+        self._read_call_fragments(delta.get("tool_calls"))
+        content = delta.get("content")
+        if isinstance(content, str) and content:
+            if self._thinking:
+                self.text += CLOSE + "\n"
+                self._thinking = False
+            self.text += content
+            parts.extend(reasoning.feed(content))
+        return parts
+
+    def _arrived(self) -> None:
+        """A content-bearing event came: the first one's wait, then the count and rate."""
+        now = time.perf_counter()
+        if not self.chunks:
+            self._first_at = now
+            self.stats.ttft_s = now - self._sent_at
+            self.stats.first_token_at = now
+        self.chunks += 1
+        self._last_at = now
+        self._count_generated()
 
     def _read_call_fragments(self, fragments: object) -> None:
         """Join the pieces of each streamed call (its id and name come once, its arguments
@@ -254,12 +285,12 @@ class RemoteReply:
             calls.append(ToolCall(part["name"], arguments, part.get("id") or new_call_id()))
         return calls
 
-    def _count_generated(self, first_at: float, last_at: float) -> None:
+    def _count_generated(self) -> None:
         """Tokens written and their rate, by the server's count where it sent one."""
         stats = self.stats
         stats.generated_tokens = self._server_generated or self.chunks
-        if stats.generated_tokens > 1 and last_at > first_at:
-            stats.gen_tps = (stats.generated_tokens - 1) / (last_at - first_at)
+        if stats.generated_tokens > 1 and self._last_at > self._first_at:
+            stats.gen_tps = (stats.generated_tokens - 1) / (self._last_at - self._first_at)
 
     def _read_figures(self, chunk: dict[str, Any]) -> None:
         """The server's own counts: OpenAI ``usage`` (vLLM, llama-server, Ollama) and

@@ -10,8 +10,8 @@ from localchat.bench.common import (
     HISTORY_CTX,
     REPLY_TOKENS,
     Progress,
-    _say,
     filler_text,
+    say,
     scratch_dir,
 )
 from localchat.cpu import physical_cores
@@ -42,7 +42,7 @@ def bench_branch(model_path: Path, progress: Progress = None) -> dict[str, Any]:
             for _ in conversation.send(text, greedy, REPLY_TOKENS):
                 pass
         history = len(engine.cached_tokens)
-        _say(progress, f"branch: a {BRANCH_TURNS}-turn conversation of {history} tokens")
+        say(progress, f"branch: a {BRANCH_TURNS}-turn conversation of {history} tokens")
         edit_at = 2 * BRANCH_EDIT_AT
         conversation.branch_before(conversation.exchanges[edit_at].record.id)
         turn = conversation.send(BRANCH_EDITED, greedy, REPLY_TOKENS)

@@ -30,8 +30,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from localchat.bench.common import Progress, _say, filler_text, scratch_dir
-from localchat.bench.serve import _client, _idle, _ServeProcess
+from localchat.bench.common import Progress, filler_text, say, scratch_dir
+from localchat.bench.serve import ServeProcess, http_client, wait_server_idle
 
 AGENT_CTX = 16384
 HEAD_TOKENS = 8000  # the system prompt's, as agents send them
@@ -59,7 +59,7 @@ def _metric(root: str) -> tuple[float, float]:
     """Prompt tokens evaluated, and those the cache supplied (memory and disk), so far."""
     from localchat.backends.remote import metric_value
 
-    text = _client().get(f"{root}/metrics").text
+    text = http_client().get(f"{root}/metrics").text
     evaluated = metric_value(text, ("llamacpp:prompt_tokens_total",)) or 0.0
     cached = sum(metric_value(text, (name,)) or 0.0 for name in (
         "localchat:prompt_tokens_cached_total", "localchat:prompt_tokens_restored_total"))  # fmt: skip
@@ -69,12 +69,12 @@ def _metric(root: str) -> tuple[float, float]:
 def _share_evaluated(root: str, send: Callable[[], None]) -> tuple[float, float]:
     """What share of one request's prompt was evaluated rather than supplied by the cache,
     and the request's seconds."""
-    _idle(root)
+    wait_server_idle(root)
     before = _metric(root)
     start = time.perf_counter()
     send()
     seconds = time.perf_counter() - start
-    _idle(root)
+    wait_server_idle(root)
     after = _metric(root)
     evaluated, cached = after[0] - before[0], after[1] - before[1]
     return evaluated / max(1.0, evaluated + cached), seconds
@@ -94,7 +94,7 @@ class _Loop:
         send(index)
 
     def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
-        reply = _client().post(f"{self.root}{path}", json=body)
+        reply = http_client().post(f"{self.root}{path}", json=body)
         reply.raise_for_status()
         found: dict[str, Any] = reply.json()
         return found
@@ -148,7 +148,7 @@ def _system_prompt(root: str) -> tuple[str, int]:
     """Filler text of about ``HEAD_TOKENS`` tokens in the served model's tokenizer."""
 
     def tokens(text: str) -> int:
-        return len(_client().post(f"{root}/tokenize", json={"content": text}).json()["tokens"])
+        return len(http_client().post(f"{root}/tokenize", json={"content": text}).json()["tokens"])
 
     words = HEAD_TOKENS * 1000 // tokens(filler_text(3, 1000))
     system = filler_text(3, words)
@@ -158,7 +158,7 @@ def _system_prompt(root: str) -> tuple[str, int]:
 def _agent_loops(model: Path, home: Path, progress: Progress) -> dict[str, Any]:
     tools = _tools()
     results: dict[str, Any] = {}
-    with _ServeProcess(model, home, len(APIS), ctx=AGENT_CTX) as root:
+    with ServeProcess(model, home, len(APIS), ctx=AGENT_CTX) as root:
         system, results["agent_head_tokens"] = _system_prompt(root)
         loops = [_Loop(api, root, system, tools) for api in APIS]
         later: list[float] = []
@@ -168,18 +168,18 @@ def _agent_loops(model: Path, home: Path, progress: Progress) -> dict[str, Any]:
             results[f"agent_loop_reread_{loop.api}"] = round(worst, 4)
             results.setdefault("agent_first_turn_s", round(turns[0][1], 2))  # the head, cold
             later += [seconds for _, seconds in turns[1:]]
-            _say(progress, f"clients: {loop.api}: turns 2-{TURNS} evaluated at most"
+            say(progress, f"clients: {loop.api}: turns 2-{TURNS} evaluated at most"
                  f" {worst:.1%} of their prompt (turn 1: {turns[0][0]:.0%},"
                  f" {turns[0][1]:.1f} s)")  # fmt: skip
         results["agent_later_turn_s"] = round(statistics.median(later), 2)
-    with _ServeProcess(model, home, len(APIS), ctx=AGENT_CTX) as root:  # restarted
+    with ServeProcess(model, home, len(APIS), ctx=AGENT_CTX) as root:  # restarted
         restarted = []
         for loop in loops:
             loop.root = root
             share, seconds = _share_evaluated(root, functools.partial(loop.turn, TURNS))
             restarted.append(seconds)
             results[f"agent_loop_reread_{loop.api}_after_restart"] = round(share, 4)
-            _say(progress, f"clients: {loop.api} after a restart: {share:.1%} evaluated,"
+            say(progress, f"clients: {loop.api} after a restart: {share:.1%} evaluated,"
                  f" {seconds:.1f} s")  # fmt: skip
         results["agent_restart_turn_s"] = round(statistics.median(restarted), 2)
     results["agent_loop_reread"] = max(
@@ -191,7 +191,7 @@ def _agent_loops(model: Path, home: Path, progress: Progress) -> dict[str, Any]:
 def _lines(root: str, path: str, body: dict[str, Any]) -> list[tuple[float, str]]:
     """A streamed response's data lines (SSE's ``data:`` or NDJSON), each with when it came."""
     out = []
-    with _client().stream("POST", f"{root}{path}", json=body) as reply:
+    with http_client().stream("POST", f"{root}{path}", json=body) as reply:
         for line in reply.iter_lines():
             data = line[6:] if line.startswith("data: ") else line
             if data.startswith("{"):
@@ -235,21 +235,21 @@ def _request(api: str, max_tokens: int) -> tuple[str, dict[str, Any]]:
 
 def _stream(root: str, api: str, max_tokens: int = GEN_TOKENS) -> tuple[str, float]:
     """A greedy reply through ``api``: its text and its tokens/s as the client reads it."""
-    _idle(root)
+    wait_server_idle(root)
     path, body = _request(api, max_tokens)
     pieces = [(at, _text_of(api, json.loads(data))) for at, data in _lines(root, path, body)]
     times = [at for at, text in pieces if text]
     text = "".join(text for _, text in pieces)
-    tokens = len(_client().post(f"{root}/tokenize", json={"content": text}).json()["tokens"])
+    tokens = len(http_client().post(f"{root}/tokenize", json={"content": text}).json()["tokens"])
     return text, (tokens - 1) / max(1e-9, times[-1] - times[0])
 
 
 def _parity_and_speed(model: Path, home: Path, progress: Progress) -> dict[str, Any]:
     results: dict[str, Any] = {}
-    with _ServeProcess(model, home, 1) as root:
+    with ServeProcess(model, home, 1) as root:
         texts = {api: _stream(root, api)[0] for api in ("chat", *APIS)}
         results["api_parity"] = int(len(set(texts.values())) == 1 and bool(texts["chat"]))
-        _say(
+        say(
             progress,
             f"clients: greedy replies the same through all four APIs: {bool(results['api_parity'])}",
         )
@@ -260,7 +260,7 @@ def _parity_and_speed(model: Path, home: Path, progress: Progress) -> dict[str, 
                 speeds = {side: _stream(root, side)[1] for side in order}
                 ratios.append(speeds[api] / speeds["chat"])
             results[f"{api}_gen_ratio"] = round(statistics.median(ratios), 3)
-            _say(
+            say(
                 progress,
                 f"clients: {api} streams at {statistics.median(ratios):.3f} of chat's speed",
             )
@@ -294,16 +294,16 @@ def _structured(model: Path, home: Path, progress: Progress) -> dict[str, Any]:
     import jsonschema
 
     valid, ratios = 0, []
-    with _ServeProcess(model, home, 1) as root:
+    with ServeProcess(model, home, 1) as root:
         for index, schema in enumerate(schema_cases()):
             messages = [{"role": "user", "content": f"Describe item {index} as JSON."}]
             base = {"messages": messages, "max_tokens": 120, "temperature": 0}
-            _idle(root)
-            held = _client().post(f"{root}/v1/chat/completions", json={**base, "response_format": {
+            wait_server_idle(root)
+            held = http_client().post(f"{root}/v1/chat/completions", json={**base, "response_format": {
                 "type": "json_schema", "json_schema": {"name": f"case{index}", "schema": schema,
                                                        "strict": True}}}).json()  # fmt: skip
-            _idle(root)
-            free = _client().post(f"{root}/v1/chat/completions", json=base).json()
+            wait_server_idle(root)
+            free = http_client().post(f"{root}/v1/chat/completions", json=base).json()
             try:
                 jsonschema.validate(json.loads(held["choices"][0]["message"]["content"]), schema)
                 valid += held["choices"][0]["finish_reason"] == "stop"
@@ -316,7 +316,7 @@ def _structured(model: Path, home: Path, progress: Progress) -> dict[str, Any]:
             if held["usage"]["completion_tokens"] > 4 and speeds[1]:
                 ratios.append(speeds[0] / speeds[1])
     share = valid / SCHEMA_CASES
-    _say(progress, f"clients: {valid}/{SCHEMA_CASES} schema replies valid, at"
+    say(progress, f"clients: {valid}/{SCHEMA_CASES} schema replies valid, at"
          f" {statistics.median(ratios):.2f} of unconstrained tokens/s")  # fmt: skip
     return {
         "structured_valid": round(share, 3),

@@ -61,7 +61,7 @@ def steady_best(speeds: list[float], tolerance: float = STEADY) -> float:
     return 1.0 / steady_least([1.0 / speed for speed in speeds], tolerance)
 
 
-def _say(progress: Progress, line: str) -> None:
+def say(progress: Progress, line: str) -> None:
     """One progress line, if anyone listens."""
     if progress is not None:
         progress(line)
@@ -117,4 +117,4 @@ def build_history(
         for _ in conversation.send(text, Sampling(temperature=0.0), REPLY_TOKENS):
             pass
         turn_no += 1
-        _say(progress, f"{label}: history at {len(conversation.backend.cached_tokens)} tokens")
+        say(progress, f"{label}: history at {len(conversation.backend.cached_tokens)} tokens")

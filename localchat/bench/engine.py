@@ -7,7 +7,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from localchat.bench.common import Progress, _say, greedy_turn
+from localchat.bench.common import Progress, greedy_turn, say
 from localchat.cpu import physical_cores
 
 ENGINE_CTX = 2048
@@ -54,7 +54,7 @@ def bench_engine(model_path: Path, progress: Progress = None) -> dict[str, Any]:
         for round_no in range(ENGINE_PROMPT_ROUNDS):  # the prompt from an empty cache
             for run in (engine_round, bare_round) if round_no % 2 else (bare_round, engine_round):
                 run()
-            _say(progress, f"engine: prompt round {round_no + 1}: {engine_prompt[-1]:.1f} tok/s"
+            say(progress, f"engine: prompt round {round_no + 1}: {engine_prompt[-1]:.1f} tok/s"
                  f" (bare {bare_prompt[-1]:.1f})")  # fmt: skip
         # ...which stays cached: each pair generates after it, so both sides read as long a
         # context and compute the same positions.
@@ -66,7 +66,7 @@ def bench_engine(model_path: Path, progress: Progress = None) -> dict[str, Any]:
             ):
                 run()
             ratios.append(engine_gen[-1] / bare_gen[-1])
-        _say(progress, f"engine: generation, {ENGINE_GEN_PAIRS} pairs: the median ratio"
+        say(progress, f"engine: generation, {ENGINE_GEN_PAIRS} pairs: the median ratio"
              f" {statistics.median(ratios):.3f}")  # fmt: skip
     finally:
         bare.close()

@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from localchat.bench.common import Progress, _say
+from localchat.bench.common import Progress, say
 from localchat.bench.rss import measure_in_fresh_process
 
 ESTIMATE_CTX = 1024
@@ -49,7 +49,7 @@ def bench_estimate(model_path: Path, progress: Progress = None) -> dict[str, Any
                 "error": round(error, 4),
             }
         )
-        _say(progress, f"estimate: {shape} {quant}: estimated {estimate.total / 2**20:.1f} MiB,"
+        say(progress, f"estimate: {shape} {quant}: estimated {estimate.total / 2**20:.1f} MiB,"
              f" measured {measured / 2**20:.1f} MiB ({error:+.1%})")  # fmt: skip
     return {
         "estimate_ctx": ESTIMATE_CTX,

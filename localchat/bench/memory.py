@@ -23,7 +23,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from localchat.bench.common import Progress, _say
+from localchat.bench.common import Progress, say
 from localchat.bench.rss import measure_in_fresh_process
 
 # (shape, quant, context): a plain shape and a sliding-window one, each context filled,
@@ -46,7 +46,7 @@ def bench_memory(model_path: Path, progress: Progress = None) -> dict[str, Any]:
 
     rows: dict[str, dict[str, Any]] = {}
     for shape, quant, n_ctx in MEMORY_MODELS:
-        _say(progress, f"memory: {shape} {quant}, a full context of {n_ctx} tokens")
+        say(progress, f"memory: {shape} {quant}, a full context of {n_ctx} tokens")
         path = ensure_mix_model(app_paths().demo_models_dir, shape, quant)
         info = read_gguf(path)
         weights = LayerWeights.from_gguf(info, repacked_weight_types())
@@ -64,7 +64,7 @@ def bench_memory(model_path: Path, progress: Progress = None) -> dict[str, Any]:
             "estimated_bytes": estimate.total,
             "estimate_error": round(error, 4),
         }
-        _say(progress, f"memory: {shape}: peak {measured['rss_peak'] / 2**20:.0f} MiB,"
+        say(progress, f"memory: {shape}: peak {measured['rss_peak'] / 2**20:.0f} MiB,"
              f" baseline + llama.cpp's buffers {(measured['rss_before'] + reported) / 2**20:.0f}"
              f" MiB (x{ratio:.3f}); estimate {error:+.1%}")  # fmt: skip
     return {

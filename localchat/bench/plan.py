@@ -24,14 +24,15 @@ from typing import TYPE_CHECKING, Any
 
 from localchat.bench.common import (
     Progress,
-    _say,
     greedy_turn,
+    say,
     settled,
     steady_best,
 )
 from localchat.cpu import physical_cores
 
 if TYPE_CHECKING:
+    from localchat.models.planner import Plan
     from localchat.models.timing_models import SpeedScratch
 
 PLAN_MODELS: tuple[tuple[str, str], ...] = tuple(
@@ -64,7 +65,7 @@ def bench_plan(model_path: Path, progress: Progress = None) -> dict[str, Any]:
     from localchat.paths import app_paths
 
     paths = app_paths()
-    _say(progress, "plan: this machine's calibration (measured now if none is saved)")
+    say(progress, "plan: this machine's calibration (measured now if none is saved)")
     speed = speed_model(paths)
     hardware = detect_hardware()
     rows: dict[str, dict[str, float]] = {}
@@ -76,35 +77,18 @@ def bench_plan(model_path: Path, progress: Progress = None) -> dict[str, Any]:
     with SpeedScratch(paths.demo_models_dir) as scratch:
         timed, drifts = _timed_models(files, scratch, calibrated, progress)
     host_speed = statistics.median(drifts) if drifts else 1.0
-    _say(
-        progress, f"plan: the calibration's files read at {host_speed:.2f}x their calibrated speed"
-    )
+    say(progress, f"plan: the calibration's files read at {host_speed:.2f}x their calibrated speed")
     for name, path in files.items():
-        plan = plan_file(path, hardware, PLAN_CTX, speed)
         gen, prompt_tps = timed[name]
-        # The steady best round, as the calibration keeps each file's fastest confirmed
-        # reading: both say what the machine does when its neighbours leave it alone.
-        measured = steady_best(gen, PLAN_AGREE)
-        at_calibration = measured / host_speed
-        predicted = plan.predicted_gen_tps or 0.0
-        rows[name] = {
-            "predicted_gen_tps": round(predicted, 1),
-            "measured_gen_tps": round(measured, 1),
-            "measured_gen_tps_median": round(statistics.median(gen), 1),
-            "measured_at_calibration_speed": round(at_calibration, 1),
-            "gen_error": round(abs(predicted - at_calibration) / at_calibration, 3),
-            "gen_error_raw": round(abs(predicted - measured) / measured, 3),
-            "predicted_prompt_tps": round(plan.predicted_prompt_tps or 0.0, 1),
-            "measured_prompt_tps": round(prompt_tps, 1),
-            "rounds": len(gen),
-        }
-        _say(progress, f"plan: {name}: predicted {predicted:.1f}, measured {measured:.1f}"
-             f" ({', '.join(f'{tps:.1f}' for tps in gen)})")  # fmt: skip
+        plan = plan_file(path, hardware, PLAN_CTX, speed)
+        row = rows[name] = _prediction_row(plan, gen, prompt_tps, host_speed)
+        say(progress, f"plan: {name}: predicted {row['predicted_gen_tps']:.1f}, measured"
+            f" {row['measured_gen_tps']:.1f} ({', '.join(f'{tps:.1f}' for tps in gen)})")  # fmt: skip
     prompt_errors = [
         abs(r["predicted_prompt_tps"] - r["measured_prompt_tps"]) / r["measured_prompt_tps"]
         for r in rows.values()
     ]
-    _say(progress, "plan: the 0.5b Q4_K_M mix against the quantizer's file")
+    say(progress, "plan: the 0.5b Q4_K_M mix against the quantizer's file")
     mix_speed_ratio = _mix_speed_ratio(paths.demo_models_dir)
     return {
         "mix_speed_ratio": mix_speed_ratio,
@@ -114,6 +98,29 @@ def bench_plan(model_path: Path, progress: Progress = None) -> dict[str, Any]:
         "speed_prediction_max_error": max(r["gen_error"] for r in rows.values()),
         "speed_prediction_max_error_raw": max(r["gen_error_raw"] for r in rows.values()),
         "prompt_prediction_max_error": round(max(prompt_errors), 3),
+    }
+
+
+def _prediction_row(
+    plan: Plan, gen: list[float], prompt_tps: float, host_speed: float
+) -> dict[str, float]:
+    """One model's predicted speeds against its measured ones; the generation error both at
+    the calibration's host speed and raw."""
+    # The steady best round, as the calibration keeps each file's fastest confirmed
+    # reading: both say what the machine does when its neighbours leave it alone.
+    measured = steady_best(gen, PLAN_AGREE)
+    at_calibration = measured / host_speed
+    predicted = plan.predicted_gen_tps or 0.0
+    return {
+        "predicted_gen_tps": round(predicted, 1),
+        "measured_gen_tps": round(measured, 1),
+        "measured_gen_tps_median": round(statistics.median(gen), 1),
+        "measured_at_calibration_speed": round(at_calibration, 1),
+        "gen_error": round(abs(predicted - at_calibration) / at_calibration, 3),
+        "gen_error_raw": round(abs(predicted - measured) / measured, 3),
+        "predicted_prompt_tps": round(plan.predicted_prompt_tps or 0.0, 1),
+        "measured_prompt_tps": round(prompt_tps, 1),
+        "rounds": len(gen),
     }
 
 
@@ -146,7 +153,7 @@ def _timed_models(
         ]
         if not due:
             break
-        _say(progress, f"plan: round {index + 1} of the models")
+        say(progress, f"plan: round {index + 1} of the models")
         ratios = [
             1.0 / read_speed(scratch.holding(t), t, physical_cores()).gen_s / tps
             for t, tps in calibrated.items()

@@ -23,7 +23,7 @@ from localchat import __version__
 from localchat.bench.branch import bench_branch
 from localchat.bench.calibrate import bench_calibrate
 from localchat.bench.clients import bench_clients
-from localchat.bench.common import Progress, _say
+from localchat.bench.common import Progress, say
 from localchat.bench.engine import bench_engine
 from localchat.bench.estimate import bench_estimate
 from localchat.bench.memory import bench_memory
@@ -136,7 +136,7 @@ def run_bench(
     }
     seconds: dict[str, float] = {}
     for part in parts:
-        _say(progress, f"running {part}")
+        say(progress, f"running {part}")
         started = time.monotonic()
         results.update(run_part(part, model_path, progress))
         seconds[part] = round(time.monotonic() - started, 1)
@@ -184,7 +184,7 @@ def run_part(part: str, model_path: Path, progress: Progress = None) -> dict[str
         ) as child:
             assert child.stdout is not None
             for line in child.stdout:
-                _say(progress, line.rstrip("\n"))
+                say(progress, line.rstrip("\n"))
         if child.returncode != 0 or not report.exists():
             raise RuntimeError(f"bench part {part} failed (exit code {child.returncode})")
         found: dict[str, Any] = json.loads(report.read_text())

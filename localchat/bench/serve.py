@@ -42,7 +42,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from localchat.bench.common import Progress, _say, env_with_home, filler_text, scratch_dir
+from localchat.bench.common import Progress, env_with_home, filler_text, say, scratch_dir
 from localchat.cpu import physical_cores
 
 if TYPE_CHECKING:
@@ -75,14 +75,14 @@ SPEC_ROUNDS = 3  # drafting against plain, interleaved
 
 
 @functools.cache
-def _client() -> httpx.Client:
+def http_client() -> httpx.Client:
     """The bench's one HTTP client (thread-safe: the concurrent streams share it)."""
     import httpx
 
     return httpx.Client(timeout=600)
 
 
-def _idle(root: str) -> None:
+def wait_server_idle(root: str) -> None:
     """Wait until the server runs no request and writes no state: a reply's state is saved
     in the background after it (megabytes, then fsync), and a request timed meanwhile read
     the disk's share of two cores (a short request's first token 0.07 s instead of 0.02)."""
@@ -90,7 +90,7 @@ def _idle(root: str) -> None:
 
     deadline = time.monotonic() + START_LIMIT_S
     while time.monotonic() < deadline:
-        metrics = _client().get(f"{root}/metrics").text
+        metrics = http_client().get(f"{root}/metrics").text
         if all(metric_value(metrics, (name,)) == 0 for name in IDLE_METRICS):
             return
         time.sleep(0.02)
@@ -103,9 +103,9 @@ def _stream(
     """One streamed greedy reply read with httpx: its first-token time, its wall time (sent
     to the last content chunk), its tokens/s between the first and the last, the chunks
     read, its token counts (the usage chunk's), its text and its draft counts. It is sent
-    once the server is idle (``_idle``), unless it is meant to run ``beside`` others."""
+    once the server is idle (``wait_server_idle``), unless it is meant to run ``beside`` others."""
     if not beside:
-        _idle(root)
+        wait_server_idle(root)
     body = {"messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}}  # fmt: skip
     sent = time.perf_counter()
@@ -114,7 +114,7 @@ def _stream(
     prompt_tokens = completion_tokens = 0
     text: list[str] = []
     timings: dict[str, Any] = {}
-    with _client().stream("POST", f"{root}/v1/chat/completions", json=body) as reply:
+    with http_client().stream("POST", f"{root}/v1/chat/completions", json=body) as reply:
         for line in reply.iter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
@@ -165,7 +165,7 @@ def _gen_and_join(model: Path, home: Path, progress: Progress) -> dict[str, Any]
     engine = Engine(model, LoadOptions(n_ctx=SERVE_CTX, n_threads=physical_cores()))
     try:
         prompt = engine.prompt_tokens([ChatMessage("user", QUESTION)])
-        with _ServeProcess(model, home, PARALLEL) as root:
+        with ServeProcess(model, home, PARALLEL) as root:
             messages = [{"role": "user", "content": QUESTION}]
             ratios = []
             for index in range(GEN_ROUNDS):
@@ -173,18 +173,18 @@ def _gen_and_join(model: Path, home: Path, progress: Progress) -> dict[str, Any]
                 tps: dict[str, float] = {}
                 for side in order:
                     if side == "engine":
-                        _idle(root)  # the server's last save does not slow the engine
+                        wait_server_idle(root)  # the server's last save does not slow the engine
                         tps[side] = greedy_turn(engine, prompt, GEN_TOKENS, cold=index == 0).gen_tps
                     else:  # the server keeps the prompt from the round before: same work
                         tps[side] = _stream(root, messages, GEN_TOKENS)["tps"]
                 ratios.append(tps["server"] / tps["engine"])
-                _say(progress, f"serve: round {index + 1}: {tps['server']:.1f} tok/s read over"
+                say(progress, f"serve: round {index + 1}: {tps['server']:.1f} tok/s read over"
                      f" HTTP, {tps['engine']:.1f} in process")  # fmt: skip
             results = {"serve_gen_ratio": round(statistics.median(ratios), 3)}
             results |= _join_and_parallel(root, messages, progress)
-        with _ServeProcess(model, home, 1) as root:  # one sequence: requests wait their turn
+        with ServeProcess(model, home, 1) as root:  # one sequence: requests wait their turn
             queued = _join(root, messages)
-        _say(progress, f"serve: beside a stream on a server of one sequence {queued:.2f} s")
+        say(progress, f"serve: beside a stream on a server of one sequence {queued:.2f} s")
         return results | {"serve_join_queued_ttft_s": round(queued, 3)}
     finally:
         engine.close()
@@ -199,10 +199,8 @@ def _drafting(model: Path, home: Path, progress: Progress) -> dict[str, Any]:
     texts: dict[str, set[str]] = {"auto": set(), "off": set()}
     drafted = accepted = context = 0
     with (
-        _ServeProcess(model, home / "on", 1, ("--kv-type", SPEC_KV, "--speculative", "auto")) as on,
-        _ServeProcess(
-            model, home / "off", 1, ("--kv-type", SPEC_KV, "--speculative", "off")
-        ) as off,
+        ServeProcess(model, home / "on", 1, ("--kv-type", SPEC_KV, "--speculative", "auto")) as on,
+        ServeProcess(model, home / "off", 1, ("--kv-type", SPEC_KV, "--speculative", "off")) as off,
     ):
         roots = {"auto": on, "off": off}
         for index in range(SPEC_ROUNDS):
@@ -217,9 +215,9 @@ def _drafting(model: Path, home: Path, progress: Progress) -> dict[str, Any]:
                     generated = _tokens(reply)
                     context = int(reply["prompt_tokens"]) + generated // 2
         ratio = statistics.median(speeds["auto"]) / statistics.median(speeds["off"])
-    _say(progress, f"serve: a copy reply drafting {ratio:.2f}x, {accepted} of {drafted} accepted")
+    say(progress, f"serve: a copy reply drafting {ratio:.2f}x, {accepted} of {drafted} accepted")
     possible = possible_speedup(model, context, SERVE_CTX)
-    _say(progress, f"serve: drafting could give at most {possible:.2f}x on this model now")
+    say(progress, f"serve: drafting could give at most {possible:.2f}x on this model now")
     return {
         "serve_spec_copy_speedup": round(ratio, 3),
         "serve_spec_copy_possible": round(possible, 3),
@@ -230,7 +228,7 @@ def _drafting(model: Path, home: Path, progress: Progress) -> dict[str, Any]:
 
 def _join(root: str, messages: list[dict[str, str]]) -> float:
     """A short request's first-token time while a long reply streams."""
-    _idle(root)
+    wait_server_idle(root)
     long_reply = threading.Thread(target=_stream, args=(root, messages, JOIN_TOKENS, True))
     long_reply.start()
     time.sleep(0.5)  # the long reply streams
@@ -248,9 +246,9 @@ def _join_and_parallel(
         joins.append(_join(root, messages))
     alone, joined = statistics.median(alones), statistics.median(joins)
     ratio = statistics.median(j / a for j, a in zip(joins, alones, strict=True))
-    _say(progress, f"serve: a short request alone {alone:.2f} s, beside a stream {joined:.2f} s")
+    say(progress, f"serve: a short request alone {alone:.2f} s, beside a stream {joined:.2f} s")
     gains = [_parallel_gain(root, messages, index % 2 == 1) for index in range(PARALLEL_ROUNDS)]
-    _say(
+    say(
         progress,
         f"serve: {PARALLEL} streams at once: {statistics.median(gains):.2f}× one's tokens/s",
     )
@@ -282,7 +280,7 @@ def _parallel_gain(root: str, messages: list[dict[str, str]], four_first: bool) 
             )
             for _ in range(PARALLEL)
         ]
-        _idle(root)
+        wait_server_idle(root)
         began = time.perf_counter()
         for stream in streams:
             stream.start()
@@ -312,13 +310,13 @@ def _restart(model: Path, home: Path, progress: Progress) -> dict[str, Any]:
         {"role": "assistant", "content": "It is about a cache."},
         {"role": "user", "content": "And in three words?"},
     ]
-    with _ServeProcess(model, home) as root:
+    with ServeProcess(model, home) as root:
         assert _stream(root, history, 16)["chunks"] > 0
     saved = home.with_name(f"{home.name}-saved")
     shutil.copytree(home, saved)
     restored_ttfts: list[float] = []
     warms: list[float] = []
-    with scratch_dir("serve-cold") as empty, _ServeProcess(model, empty) as warm_root:
+    with scratch_dir("serve-cold") as empty, ServeProcess(model, empty) as warm_root:
         reread = _stream(warm_root, history, 16)["ttft_s"]
         for index in range(RESTART_ROUNDS):  # in pairs, the order alternating
             for side in ("restart", "warm") if index % 2 == 0 else ("warm", "restart"):
@@ -326,15 +324,17 @@ def _restart(model: Path, home: Path, progress: Progress) -> dict[str, Any]:
                     _stream(warm_root, history, 16)  # it holds the history and another reply
                     warms.append(_stream(warm_root, following, 8)["ttft_s"])
                     continue
-                _idle(warm_root)  # its last state written: the disk is the restart's alone
+                wait_server_idle(
+                    warm_root
+                )  # its last state written: the disk is the restart's alone
                 shutil.rmtree(home)  # the disk as the first server left it
                 shutil.copytree(saved, home)
-                with _ServeProcess(model, home) as root:  # a new process: only the disk remembers
+                with ServeProcess(model, home) as root:  # a new process: only the disk remembers
                     after_restart = _stream(root, following, 8)
                     restored_ttfts.append(after_restart["ttft_s"])
     ratio = statistics.median(r / w for r, w in zip(restored_ttfts, warms, strict=True))
     restored, warm = statistics.median(restored_ttfts), statistics.median(warms)
-    _say(progress, f"serve: {after_restart['prompt_tokens']} tokens: {restored:.2f} s after a"
+    say(progress, f"serve: {after_restart['prompt_tokens']} tokens: {restored:.2f} s after a"
          f" restart, {warm:.2f} s warm, {reread:.2f} s re-read")  # fmt: skip
     return {
         "serve_history_tokens": after_restart["prompt_tokens"],
@@ -345,7 +345,7 @@ def _restart(model: Path, home: Path, progress: Progress) -> dict[str, Any]:
     }
 
 
-class _ServeProcess:
+class ServeProcess:
     """``localchat serve`` on SmolLM2 in a process of its own (as clients meet it), its
     LOCALCHAT_HOME ``home``; stopped with SIGTERM, which finishes its saves."""
 

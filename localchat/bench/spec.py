@@ -32,7 +32,7 @@ import statistics
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from localchat.bench.common import Progress, _say
+from localchat.bench.common import Progress, say
 from localchat.cpu import physical_cores
 
 if TYPE_CHECKING:
@@ -123,7 +123,7 @@ def _compare(
             (plain_text, plain_stats), (text, stats) = turns[False], turns[True]
             same = same and text == plain_text
             ratios.append(stats.gen_tps / plain_stats.gen_tps)
-            _say(progress, f"spec: {label} round {index + 1}: {stats.gen_tps:.1f} tok/s"
+            say(progress, f"spec: {label} round {index + 1}: {stats.gen_tps:.1f} tok/s"
                  f" drafting, {plain_stats.gen_tps:.1f} plain")  # fmt: skip
     finally:
         engine.drafting = True
@@ -142,7 +142,7 @@ def bench_spec(model_path: Path, progress: Progress = None) -> dict[str, Any]:
     starter = ensure_starter(app_paths(), hub=False)
     if not starter.real:
         return {"spec_skipped": f"SmolLM2 could not be had: {starter.note}"}
-    _say(progress, f"spec: SmolLM2 at {SPEC_CTX} context, KV {SPEC_KV}, with and without drafts")
+    say(progress, f"spec: SmolLM2 at {SPEC_CTX} context, KV {SPEC_KV}, with and without drafts")
 
     options = LoadOptions(
         n_ctx=SPEC_CTX,
@@ -169,7 +169,7 @@ def bench_spec(model_path: Path, progress: Progress = None) -> dict[str, Any]:
     )
     in_engine = max(n / cost for n, cost in costs.items())
     possible = max(bare, in_engine)
-    _say(progress, f"spec: drafting could give at most {possible:.2f}x on this model now")
+    say(progress, f"spec: drafting could give at most {possible:.2f}x on this model now")
     speedup = statistics.median(copy)
     ceiling, mean_draft = _ceiling(copy_stats, costs)
     return _draft_model_figures(progress) | {
@@ -201,7 +201,7 @@ def _draft_model_figures(progress: Progress) -> dict[str, Any]:
 
     # Random blocks (made in seconds; the plan part's): drafts that fail as random weights do.
     big, small = (ensure_mix_model(app_paths().demo_models_dir, s, "Q4_K_M") for s in DRAFT_SHAPES)
-    _say(progress, f"spec: {big.name} with {small.name} drafting (random weights)")
+    say(progress, f"spec: {big.name} with {small.name} drafting (random weights)")
 
     options = LoadOptions(
         n_ctx=2048,

@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from localchat.bench.common import Progress, _say
+from localchat.bench.common import Progress, say
 
 
 def bench_ui(model_path: Path, progress: Progress = None) -> dict[str, Any]:
@@ -17,5 +17,5 @@ def bench_ui(model_path: Path, progress: Progress = None) -> dict[str, Any]:
     from localchat.tui.bench_ui import bench_ui as measure_ui  # the app's own measurements
 
     tiny = ensure_demo_model(app_paths().demo_models_dir, "tiny", "Q4_K_M")
-    _say(progress, "ui: startup and streaming overhead on the tiny model")
+    say(progress, "ui: startup and streaming overhead on the tiny model")
     return measure_ui(tiny, model_path)

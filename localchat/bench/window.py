@@ -4,11 +4,15 @@ moving the window (shifting the cache) keeps the later turns as quick as the ear
 from __future__ import annotations
 
 import statistics
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from localchat.bench.common import Progress, _say, filler_text, scratch_dir
+from localchat.bench.common import Progress, filler_text, say, scratch_dir
 from localchat.cpu import physical_cores
+
+if TYPE_CHECKING:
+    from localchat.conversation.turn import ConversationTurn
 
 WINDOW_CTX = 2048
 WINDOW_TURN_WORDS = 80
@@ -19,6 +23,55 @@ WINDOW_REPLY_TOKENS = 16
 WINDOW_OVERFLOWS = (
     1.5  # drive the conversation past this many contexts' worth of tokens (8 turns after)
 )
+
+
+@dataclass
+class _Turns:
+    """What the turns showed, before the window moved and after: each turn's wait for its
+    first token, and after, what each evaluated against what was new in it."""
+
+    closing: int  # the tokens that close a message (new in each turn's prompt)
+    before: list[float] = field(default_factory=list)
+    after: list[float] = field(default_factory=list)
+    evaluated: list[int] = field(default_factory=list)
+    new_tokens: list[int] = field(default_factory=list)
+    modes: set[str] = field(default_factory=set)
+    total: int = 0
+    count: int = 0
+
+    def add(self, turn: ConversationTurn) -> bool:
+        """Count the turn in; whether it came after the window moved."""
+        self.count += 1
+        user_start, user_end = turn.prompt.spans[-1]
+        self.total += user_end - user_start + turn.stats.generated_tokens
+        overflowed = bool(self.after) or turn.window.dropped_messages > 0
+        if turn.window.dropped_messages:
+            self.modes.add(turn.window.mode)
+        if not overflowed:
+            self.before.append(turn.resume_ttft_s)
+            return False
+        self.after.append(turn.resume_ttft_s)
+        header = turn.prompt.generation_header
+        self.new_tokens.append(self.closing + user_end - user_start + header)
+        self.evaluated.append(turn.stats.prompt_tokens_evaluated)
+        return True
+
+    def report(self) -> dict[str, Any]:
+        pre = statistics.median(self.before)
+        post = statistics.median(self.after)
+        extra = (e - n for e, n in zip(self.evaluated, self.new_tokens, strict=True))
+        return {
+            "window_turns": self.count,
+            "window_tokens_total": self.total,
+            "window_modes": sorted(self.modes),
+            "pre_overflow_ttft_s": round(pre, 4),
+            "overflow_ttft_s": round(post, 4),
+            "overflow_ratio": round(post / pre, 3),
+            "overflow_tokens_evaluated": statistics.median(self.evaluated),
+            "new_tokens": statistics.median(self.new_tokens),
+            # Tokens evaluated beyond the new message's, worst turn after overflow (target 0).
+            "overflow_extra_tokens": max(extra),
+        }
 
 
 def bench_window(model_path: Path, progress: Progress = None) -> dict[str, Any]:
@@ -36,51 +89,17 @@ def bench_window(model_path: Path, progress: Progress = None) -> dict[str, Any]:
         conversation = Conversation.open(
             store, StateStore(data / "states"), "window", engine, "You are a helpful assistant."
         )
-        closing = len(engine.tokenize("<|im_end|>\n", special=True))
-        before: list[float] = []
-        after: list[float] = []
-        evaluated: list[int] = []
-        new_tokens: list[int] = []
-        modes: set[str] = set()
-        total = turn_no = 0
-        while total < WINDOW_OVERFLOWS * WINDOW_CTX:
+        turns = _Turns(closing=len(engine.tokenize("<|im_end|>\n", special=True)))
+        while turns.total < WINDOW_OVERFLOWS * WINDOW_CTX:
             turn = conversation.send(
-                filler_text(turn_no, WINDOW_TURN_WORDS), greedy, WINDOW_REPLY_TOKENS
+                filler_text(turns.count, WINDOW_TURN_WORDS), greedy, WINDOW_REPLY_TOKENS
             )
             for _ in turn:
                 pass
-            turn_no += 1
-            user_start, user_end = turn.prompt.spans[-1]
-            total += user_end - user_start + turn.stats.generated_tokens
-            overflowed = bool(after) or turn.window.dropped_messages > 0
-            if turn.window.dropped_messages:
-                modes.add(turn.window.mode)
-            if not overflowed:
-                before.append(turn.resume_ttft_s)
-                continue
-            after.append(turn.resume_ttft_s)
-            header = turn.prompt.generation_header
-            new_tokens.append(closing + user_end - user_start + header)
-            evaluated.append(turn.stats.prompt_tokens_evaluated)
-            if len(after) % 5 == 1:
-                _say(
-                    progress,
-                    f"window: turn {turn_no}, {total} tokens so far, ttft {after[-1]:.3f} s",
-                )
+            if turns.add(turn) and len(turns.after) % 5 == 1:
+                say(progress, f"window: turn {turns.count}, {turns.total} tokens so far,"
+                    f" ttft {turns.after[-1]:.3f} s")  # fmt: skip
         conversation.close()
         store.close()
         engine.close()
-    pre = statistics.median(before)
-    post = statistics.median(after)
-    return {
-        "window_turns": turn_no,
-        "window_tokens_total": total,
-        "window_modes": sorted(modes),
-        "pre_overflow_ttft_s": round(pre, 4),
-        "overflow_ttft_s": round(post, 4),
-        "overflow_ratio": round(post / pre, 3),
-        "overflow_tokens_evaluated": statistics.median(evaluated),
-        "new_tokens": statistics.median(new_tokens),
-        # Tokens evaluated beyond the new message's, worst turn after overflow (target 0).
-        "overflow_extra_tokens": max(e - n for e, n in zip(evaluated, new_tokens, strict=True)),
-    }
+    return turns.report()

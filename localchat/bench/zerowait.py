@@ -8,7 +8,7 @@ import statistics
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from localchat.bench.common import Progress, _say, build_history, filler_text, scratch_dir
+from localchat.bench.common import Progress, build_history, filler_text, say, scratch_dir
 from localchat.cpu import physical_cores
 
 if TYPE_CHECKING:
@@ -48,7 +48,7 @@ def _app_resume(engine: Engine, progress: Progress) -> dict[str, Any]:
         conversation.wait_saved()
         conversation.close()
         store.close()
-        _say(progress, f"zerowait: the app opens a {len(engine.cached_tokens)}-token conversation")
+        say(progress, f"zerowait: the app opens a {len(engine.cached_tokens)}-token conversation")
         messages = (filler_text(900, 30), filler_text(901, 30))
         return app_resume_vs_warm(
             engine.model_path, home, "long", messages, engine.n_ctx, ZEROWAIT_ROUNDS
@@ -95,14 +95,14 @@ def bench_zerowait(model_path: Path, progress: Progress = None) -> dict[str, Any
             replies.add(turn.generation.text)
         store.close()
     warm = statistics.median(warm_ttfts)
-    _say(progress, f"zerowait: a prefix read cold {cold_ttft:.2f} s, restored {warm:.3f} s")
+    say(progress, f"zerowait: a prefix read cold {cold_ttft:.2f} s, restored {warm:.3f} s")
     app = _app_resume(engine, progress)
     engine.close()
     from localchat.tui.bench_ui import TYPING_CHARS_PER_S, app_type_ahead
 
     messages = [filler_text(950 + i, TYPEAHEAD_WORDS) for i in range(TYPEAHEAD_ROUNDS)]
     minutes = sum(len(m) for m in messages) / TYPING_CHARS_PER_S / 60
-    _say(progress, f"zerowait: typing {TYPEAHEAD_ROUNDS} messages of {TYPEAHEAD_WORDS} words"
+    say(progress, f"zerowait: typing {TYPEAHEAD_ROUNDS} messages of {TYPEAHEAD_WORDS} words"
          f" into the app at {TYPING_CHARS_PER_S:.0f} characters/s (~{minutes:.1f} min)")  # fmt: skip
     app |= app_type_ahead(model_path, messages, ZEROWAIT_CTX)
     return app | {

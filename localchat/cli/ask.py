@@ -43,7 +43,7 @@ def cmd_ask(args: argparse.Namespace, out: TextIO) -> int:
     settings = load_settings(app_paths().settings_file)
     if args.server:
         _refuse_local_flags(args)
-    model_path = None if args.server else _model_path(args)
+    model_path = None if args.server else resolve_model_path(args)
     cancel = threading.Event()
     session = Session(app_paths(), settings, open_stores=bool(args.conversation))
     loop = ToolLoop(AskHooks(session, Consent(set(args.allow_tool), args.yes)), cancel)
@@ -119,7 +119,7 @@ def _refuse_local_flags(args: argparse.Namespace) -> None:
         raise UsageError(f"{names} choose how a local model runs; with --server the server decides")
 
 
-def _model_path(args: argparse.Namespace) -> Path:
+def resolve_model_path(args: argparse.Namespace) -> Path:
     """The local model to load: the file given, a catalog or hub model (downloaded if
     needed), else the starter model."""
     if args.model_path is not None:

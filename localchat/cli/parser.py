@@ -193,6 +193,26 @@ def _serve_flags(serve: argparse.ArgumentParser) -> None:
 
 
 def _ask_flags(ask: argparse.ArgumentParser) -> None:
+    """``ask``'s flags, grouped by what they set (in the order ``--help`` lists them)."""
+    _ask_message_flags(ask)
+    _ask_sampling_flags(ask)
+    _ask_runtime_flags(ask)
+    ask.add_argument(
+        "--json", action="store_true", help="print one JSON object instead of streaming"
+    )
+    _ask_conversation_flags(ask)
+    _ask_tool_flags(ask)
+    ask.add_argument(
+        "--window",
+        choices=["auto", "shift", "exact"],
+        default=None,
+        help="when old messages leave the context: shift the cache in place (auto: where safe)"
+        " or re-evaluate the window exactly (default: the window_mode setting)",
+    )
+
+
+def _ask_message_flags(ask: argparse.ArgumentParser) -> None:
+    """What is said, to which model: the message, the model flags, the system prompt, files."""
     ask.add_argument(
         "message", nargs="?", help="what to say to the model (- or nothing: read it from stdin)"
     )
@@ -207,6 +227,10 @@ def _ask_flags(ask: argparse.ArgumentParser) -> None:
         default=[],
         help="put a text file (code, Markdown, logs) into the message, under its name; repeatable",
     )
+
+
+def _ask_sampling_flags(ask: argparse.ArgumentParser) -> None:
+    """How the reply is drawn: its length limit, temperature and seed."""
     ask.add_argument(
         "--max-tokens",
         type=_positive_int,
@@ -220,6 +244,10 @@ def _ask_flags(ask: argparse.ArgumentParser) -> None:
         help="0 is greedy (setting temperature)",
     )
     ask.add_argument("--seed", type=int, default=0, help="sampling seed")
+
+
+def _ask_runtime_flags(ask: argparse.ArgumentParser) -> None:
+    """How a local model runs: its KV cache type and threads."""
     ask.add_argument(
         "--kv-type",
         default=None,
@@ -227,9 +255,10 @@ def _ask_flags(ask: argparse.ArgumentParser) -> None:
         help="KV cache type (default: the kv_type setting); q8_0 halves memory and state files",
     )
     ask.add_argument("--threads", type=_positive_int, default=None, help="CPU threads")
-    ask.add_argument(
-        "--json", action="store_true", help="print one JSON object instead of streaming"
-    )
+
+
+def _ask_conversation_flags(ask: argparse.ArgumentParser) -> None:
+    """Which saved conversation the turn continues, and how its saved state is used."""
     ask.add_argument(
         "--conversation", metavar="NAME", help="continue (or start) this saved conversation"
     )
@@ -241,6 +270,10 @@ def _ask_flags(ask: argparse.ArgumentParser) -> None:
         default=DEFAULT_WAIT_S,
         help=f"wait this long for a conversation another process is answering (default {DEFAULT_WAIT_S:g})",
     )
+
+
+def _ask_tool_flags(ask: argparse.ArgumentParser) -> None:
+    """Which MCP tools the model may run without asking, and whether it must call one."""
     ask.add_argument(
         "--allow-tool",
         metavar="NAME",
@@ -257,13 +290,6 @@ def _ask_flags(ask: argparse.ArgumentParser) -> None:
         metavar="auto|none|required|NAME",
         help="auto: the model decides; none: no tools; required: it must call one; NAME: it"
         " must call that one (default auto)",
-    )
-    ask.add_argument(
-        "--window",
-        choices=["auto", "shift", "exact"],
-        default=None,
-        help="when old messages leave the context: shift the cache in place (auto: where safe)"
-        " or re-evaluate the window exactly (default: the window_mode setting)",
     )
 
 

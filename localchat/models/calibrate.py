@@ -24,7 +24,7 @@ import itertools
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import psutil
@@ -281,6 +281,36 @@ def read_speed(path: Path, name: str, threads: int) -> Reading:
     )
 
 
+@dataclass
+class _Bar:
+    """The calibration's progress, in readings (making a test model counts ``MAKE_COST``):
+    what is done, shown with its time left; the bar never runs back when a round is added,
+    and a skip asked for is raised at the next report."""
+
+    countdown: Countdown
+    progress: StepCallback | None
+    skip: threading.Event | None
+    step: tuple[int, int]
+    done: float = 0.0
+    shown: float = 0.0
+
+    def report(self, detail: str) -> None:
+        if self.skip is not None and self.skip.is_set():
+            raise CalibrationSkipped("speed calibration skipped: plans go by memory for now")
+        self.shown = max(self.shown, self.countdown.fraction(self.done))
+        if self.progress is not None:
+            self.progress(
+                StepProgress(
+                    TITLE,
+                    self.shown,
+                    detail,
+                    self.countdown.eta_s(self.done),
+                    *self.step,
+                    skippable=True,
+                )
+            )
+
+
 def calibrate(
     models_dir: Path,
     machine: str,
@@ -298,6 +328,7 @@ def calibrate(
     :class:`CalibrationUnsettled` (``strict=False``: the best readings are fitted anyway, for
     tests that need real figures on a machine they keep busy). ``step`` is (this step, of
     how many) for the progress."""
+    from localchat.backends.llama.runtime import prepare
     from localchat.models.demo import demo_model_path, ensure_demo_model
     from localchat.models.timing_models import SpeedScratch
 
@@ -311,78 +342,84 @@ def calibrate(
     countdown = Countdown(
         MAKE_COST * (1 + (not tiny.exists())) + MIN_ROUNDS * len(names) + ATTENTION_READINGS
     )
-    done = 0.0
-    shown = 0.0  # the bar never runs back when a round is added
-
-    def report(detail: str) -> None:
-        nonlocal shown
-        if skip is not None and skip.is_set():
-            raise CalibrationSkipped("speed calibration skipped: plans go by memory for now")
-        shown = max(shown, countdown.fraction(done))
-        if progress is not None:
-            progress(
-                StepProgress(
-                    TITLE,
-                    shown,
-                    detail,
-                    countdown.eta_s(done),
-                    *step,
-                    skippable=True,
-                )
-            )
-
-    from localchat.backends.llama.runtime import prepare
-
+    bar = _Bar(countdown, progress, skip, step)
     prepare()  # llama.cpp's one-time set-up (a child process on AMX CPUs) before any reading
     if not tiny.exists():
-        report(f"making the {OVERHEAD} test model")
+        bar.report(f"making the {OVERHEAD} test model")
         ensure_demo_model(models_dir, "tiny", "F16")
-        done += MAKE_COST
+        bar.done += MAKE_COST
     with SpeedScratch(models_dir) as scratch:
         first = next(n for n in round_order(names, 0) if n != OVERHEAD)
-        report(f"making the {first} test model")
+        bar.report(f"making the {first} test model")
         scratch.holding(first)
-        done += MAKE_COST
-        taken: list[list[Reading]] = []
+        bar.done += MAKE_COST
+        rounds_read = _Rounds(names, bar, threads, strict)
+        best = rounds_read.read(
+            max_rounds, lambda name: tiny if name == OVERHEAD else scratch.holding(name)
+        )
+        infos = {t: scratch.info(t) for t in types}  # each read: its header is known
+    bar.report("attention, timed at a short and a long context")
+    attention = attention_price(models_dir, threads)
+    bar.done = countdown.total
+    bar.report("done")
+    return _fit(best, infos, machine, threads, attention)
+
+
+@dataclass
+class _Rounds:
+    """The rounds of readings, each file once a round in a new order, until every file's
+    reading is settled (or the rounds or the time budget run out)."""
+
+    names: list[str]
+    bar: _Bar
+    threads: int
+    strict: bool
+    taken: list[list[Reading]] = field(default_factory=list)
+
+    def read(self, max_rounds: int, path_of: Callable[[str], Path]) -> dict[str, Reading]:
+        """The settled readings by name (``strict=False``: the best, settled or not)."""
         best: dict[str, Reading] | None = None
         started = time.monotonic()
         for index in range(max_rounds):
             if index >= MIN_ROUNDS and time.monotonic() - started > BUDGET_S:
                 break
-            readings: list[Reading] = []
-            order = round_order(names, index)
-            if index >= MIN_ROUNDS:  # the files that settled are not read again (the
-                pending = set(unsettled(taken, names))  # reference is: it tells a drift)
-                order = [n for n in order if n in pending or n == REFERENCE]
-            for name in order:
-                if index >= MIN_ROUNDS and time.monotonic() - started > BUDGET_S:
-                    break  # a machine kept busy: the budget ends a round too
-                report(f"{name} weights, round {index + 1}")
-                path = tiny if name == OVERHEAD else scratch.holding(name)
-                reading = read_speed(path, name, threads)
-                readings.append(reading)
-                done += 1
-                if strict and name == REFERENCE and not _fair(reading):
-                    break  # the round would be thrown away whole (clean_rounds): next one now
-            taken.append(readings)
-            best = settle(taken, names) if index + 1 >= MIN_ROUNDS else None
+            self.taken.append(self._round(index, started, path_of))
+            best = settle(self.taken, self.names) if index + 1 >= MIN_ROUNDS else None
             if best is not None:
                 break
-            more = len(unsettled(taken, names)) + 1 if index + 1 >= MIN_ROUNDS else len(names)
-            countdown.total = max(countdown.total, done + more)  # one more round
-        if best is None and not strict:
-            best = best_readings(taken, names)
+            if index + 1 >= MIN_ROUNDS:
+                more = len(unsettled(self.taken, self.names)) + 1
+            else:
+                more = len(self.names)
+            countdown = self.bar.countdown
+            countdown.total = max(countdown.total, self.bar.done + more)  # one more round
+        if best is None and not self.strict:
+            best = best_readings(self.taken, self.names)
         if best is None:
             raise CalibrationUnsettled(
-                f"this machine's speed could not be measured ({_why_unsettled(taken)}):"
+                f"this machine's speed could not be measured ({_why_unsettled(self.taken)}):"
                 " plans go by memory for now; `localchat hw --calibrate` measures again"
             )
-        infos = {t: scratch.info(t) for t in types}  # each read: its header is known
-    report("attention, timed at a short and a long context")
-    attention = attention_price(models_dir, threads)
-    done = countdown.total
-    report("done")
-    return _fit(best, infos, machine, threads, attention)
+        return best
+
+    def _round(self, index: int, started: float, path_of: Callable[[str], Path]) -> list[Reading]:
+        """One round's readings: after the first rounds, only the files not yet settled
+        (and the reference, which tells a drift)."""
+        readings: list[Reading] = []
+        order = round_order(self.names, index)
+        if index >= MIN_ROUNDS:
+            pending = set(unsettled(self.taken, self.names))
+            order = [n for n in order if n in pending or n == REFERENCE]
+        for name in order:
+            if index >= MIN_ROUNDS and time.monotonic() - started > BUDGET_S:
+                break  # a machine kept busy: the budget ends a round too
+            self.bar.report(f"{name} weights, round {index + 1}")
+            reading = read_speed(path_of(name), name, self.threads)
+            readings.append(reading)
+            self.bar.done += 1
+            if self.strict and name == REFERENCE and not _fair(reading):
+                break  # the round would be thrown away whole (clean_rounds): next one now
+        return readings
 
 
 def _why_unsettled(rounds: list[list[Reading]]) -> str:

@@ -59,6 +59,8 @@ def _fail(path: Path, entry: str, field: str, problem: str) -> CatalogError:
 
 
 def _parse_model(path: Path, index: int, raw: Any) -> CatalogModel:
+    """One ``[[model]]`` entry, checked field by field; the first bad one raises, naming
+    the file, the entry and the field."""
     if not isinstance(raw, dict):
         raise CatalogError(f"{path}: entry {index + 1} is not a table")
     name = raw.get("name")
@@ -73,7 +75,32 @@ def _parse_model(path: Path, index: int, raw: Any) -> CatalogModel:
     window = raw.get("sliding_window", 0)
     if not isinstance(window, int) or window < 0:
         raise _fail(path, entry, "sliding_window", "must be 0 or a positive integer")
-    files_raw = raw.get("files")
+    files = _parse_files(path, entry, raw.get("files"))
+    head_dim = raw["head_dim"]
+    dims = ModelDims(
+        raw["n_layer"],
+        raw["n_embd"],
+        raw["n_head"],
+        raw["n_head_kv"],
+        head_dim,
+        head_dim,
+        raw["n_vocab"],
+        raw["context_length"],
+        window,
+        swa_pattern_of(raw["architecture"]),
+    )
+    template = _parse_template(path, entry, raw.get("template"))
+    draft = raw.get("draft")
+    if draft is not None and (not isinstance(draft, str) or not draft.strip()):
+        raise _fail(path, entry, "draft", "must be the name of another catalog model")
+    return CatalogModel(
+        raw["name"], raw["repo"], raw["architecture"], dims, tuple(files), str(path), template,
+        draft,
+    )  # fmt: skip
+
+
+def _parse_files(path: Path, entry: str, files_raw: Any) -> list[QuantFile]:
+    """An entry's ``files`` table (quant = { file, size }), best quality first."""
     if not isinstance(files_raw, dict) or not files_raw:
         raise _fail(path, entry, "files", "must be a table of quant = { file, size }")
     files = []
@@ -93,32 +120,19 @@ def _parse_model(path: Path, index: int, raw: Any) -> CatalogModel:
             raise _fail(path, entry, f"files.{quant}.size", "must be a positive number of bytes")
         files.append(QuantFile(tag.tag, spec["file"], size))
     files.sort(key=lambda f: quality_rank(f.quant))
-    head_dim = raw["head_dim"]
-    dims = ModelDims(
-        raw["n_layer"],
-        raw["n_embd"],
-        raw["n_head"],
-        raw["n_head_kv"],
-        head_dim,
-        head_dim,
-        raw["n_vocab"],
-        raw["context_length"],
-        window,
-        swa_pattern_of(raw["architecture"]),
-    )
-    template = raw.get("template")
-    if template is not None:
-        if not isinstance(template, str) or not template.strip():
-            raise _fail(path, entry, "template", "must be a format name or a .jinja file")
-        if template not in BUILTIN:
-            template = str((path.parent / template).expanduser())  # relative to the catalog
-    draft = raw.get("draft")
-    if draft is not None and (not isinstance(draft, str) or not draft.strip()):
-        raise _fail(path, entry, "draft", "must be the name of another catalog model")
-    return CatalogModel(
-        raw["name"], raw["repo"], raw["architecture"], dims, tuple(files), str(path), template,
-        draft,
-    )  # fmt: skip
+    return files
+
+
+def _parse_template(path: Path, entry: str, template: Any) -> str | None:
+    """An entry's ``template``: a built-in format's name, or a .jinja file (a relative path
+    is taken from the catalog's folder); None: the model file's own."""
+    if template is None:
+        return None
+    if not isinstance(template, str) or not template.strip():
+        raise _fail(path, entry, "template", "must be a format name or a .jinja file")
+    if template not in BUILTIN:
+        template = str((path.parent / template).expanduser())  # relative to the catalog
+    return template
 
 
 def load_catalog_file(path: Path) -> list[CatalogModel]:

@@ -17,6 +17,7 @@ import os
 import string
 import tempfile
 from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -383,8 +384,26 @@ def _write_model(
     """Seeded random weights: normal F16 matrices (a model that runs), or with
     ``weight_types`` random blocks of those types (a model that is only timed or measured);
     ``header_only``: no weights at all (``write_header_only``)."""
-    rng = np.random.default_rng(seed)
     writer = (_InPlaceWriter if in_place else GGUFWriter)(str(out), shape.architecture)
+    _add_metadata(writer, shape, tokenizer, file_type)
+    tensors = _TensorAdder(writer, shape, np.random.default_rng(seed), weight_types, header_only)
+    _add_tensors(tensors, shape)
+    try:
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        if header_only:
+            _write_tensor_hole(writer)
+        else:
+            writer.write_tensors_to_file()
+    finally:  # a full disk does not keep the file open (its space would come back late)
+        writer.close()
+
+
+def _add_metadata(
+    writer: GGUFWriter, shape: ModelShape, tokenizer: str, file_type: LlamaFileType | None
+) -> None:
+    """The header's keys: the shape llama.cpp builds the model from, the tokenizer and the
+    chat template."""
     suffix = "" if tokenizer == "spm" else f"-{tokenizer}"
     writer.add_name(f"localchat-demo-{shape.name}{suffix}")
     if file_type is not None:  # one quantized type throughout has no llama.cpp file type name
@@ -399,8 +418,7 @@ def _write_model(
     writer.add_rope_dimension_count(shape.head_dim)
     writer.add_rope_freq_base(shape.rope_freq_base)
     writer.add_vocab_size(shape.n_vocab)
-    gemma3 = shape.architecture == "gemma3"
-    if gemma3:
+    if shape.architecture == "gemma3":
         writer.add_key_length(shape.head_dim)
         writer.add_value_length(shape.head_dim)
         writer.add_sliding_window(shape.sliding_window)
@@ -410,90 +428,103 @@ def _write_model(
         _add_spm_tokenizer(writer, shape.n_vocab, space_prefix=tokenizer == "spm-space")
     writer.add_chat_template(CHATML_TEMPLATE)
 
-    def type_of(name: str) -> str | None:
-        if isinstance(weight_types, str) or weight_types is None:
-            return weight_types
-        return weight_types[name]
 
-    hd = shape.head_dim
+@dataclass
+class _TensorAdder:
+    """Adds a file's tensors to its writer: each matrix in its weight type, from the seeded
+    generator (the order of the calls is the order of the draws: the same file each time);
+    ``header_only``, each tensor's description without data."""
+
+    writer: GGUFWriter
+    shape: ModelShape
+    rng: np.random.Generator
+    weight_types: WeightTypes
+    header_only: bool
     # Random blocks are made once per type, as many as the largest matrix holds, and every
     # matrix of that type is written from them: each is still read from its own place in
     # the file (the same bytes cost the same), and a gigabyte file is not a gigabyte of
     # fresh memory to fault in first (an F16 calibration file's 86 MB of blocks, one per
     # shape, took 0.5 s of its 0.8 s to make on a virtual machine).
-    largest = shape.n_embd * max(shape.n_vocab, shape.n_ff, shape.n_head * hd)
-    pools: dict[str, np.ndarray] = {}
+    pools: dict[str, np.ndarray] = field(default_factory=dict)
 
-    def matrix(rows: int, cols: int, weight_type: str | None) -> np.ndarray:
+    def type_of(self, name: str) -> str | None:
+        if isinstance(self.weight_types, str) or self.weight_types is None:
+            return self.weight_types
+        return self.weight_types[name]
+
+    def matrix(self, rows: int, cols: int, weight_type: str | None) -> np.ndarray:
         if weight_type is not None:
-            if weight_type not in pools:
-                pools[weight_type] = _random_blocks(rng, largest, weight_type)
-            return _block_matrix(pools[weight_type], rows, cols, weight_type)
+            if weight_type not in self.pools:
+                largest = _largest_matrix(self.shape)
+                self.pools[weight_type] = _random_blocks(self.rng, largest, weight_type)
+            return _block_matrix(self.pools[weight_type], rows, cols, weight_type)
         # Scaled by fan-in so every layer moves the residual stream and replies vary with
         # the context (std 0.02 leaves the embedding dominant and the model echoes its input).
         std = np.float32(1.0 / np.sqrt(cols))
-        return (rng.standard_normal((rows, cols), dtype=np.float32) * std).astype(np.float16)
+        return (self.rng.standard_normal((rows, cols), dtype=np.float32) * std).astype(np.float16)
 
-    def norm(size: int = shape.n_embd) -> np.ndarray:
-        return np.ones(size, dtype=np.float32)
-
-    def add_norm(name: str, size: int = shape.n_embd) -> None:
-        if header_only:
-            writer.add_tensor_info(name, (size,), np.dtype(np.float32), 4 * size)
+    def add_norm(self, name: str, size: int | None = None) -> None:
+        size = self.shape.n_embd if size is None else size
+        if self.header_only:
+            self.writer.add_tensor_info(name, (size,), np.dtype(np.float32), 4 * size)
         else:
-            writer.add_tensor(name, norm(size))
+            self.writer.add_tensor(name, np.ones(size, dtype=np.float32))
 
-    def add_matrix(name: str, rows: int, cols: int) -> None:
-        weight_type = type_of(name)
-        if header_only:
+    def add_matrix(self, name: str, rows: int, cols: int) -> None:
+        weight_type = self.type_of(name)
+        if self.header_only:
             kind = GGMLQuantizationType[weight_type or "F16"]
             block_weights, block_bytes = GGML_QUANT_SIZES[kind]
             row = cols // block_weights * block_bytes
-            writer.add_tensor_info(name, (rows, row), np.dtype(np.uint8), rows * row, kind)
+            self.writer.add_tensor_info(name, (rows, row), np.dtype(np.uint8), rows * row, kind)
             return
-        data = matrix(rows, cols, weight_type)
+        data = self.matrix(rows, cols, weight_type)
         if weight_type in (None, "F16"):
-            writer.add_tensor(name, data)
+            self.writer.add_tensor(name, data)
         else:
             kind = GGMLQuantizationType[weight_type]
-            writer.add_tensor(name, data, raw_dtype=kind)  # rows x block bytes
+            self.writer.add_tensor(name, data, raw_dtype=kind)  # rows x block bytes
 
-    add_matrix("token_embd.weight", shape.n_vocab, shape.n_embd)
-    add_norm("output_norm.weight")
+
+def _largest_matrix(shape: ModelShape) -> int:
+    """The weights in the shape's largest matrix: what one pool of random blocks holds."""
+    return shape.n_embd * max(shape.n_vocab, shape.n_ff, shape.n_head * shape.head_dim)
+
+
+def _add_tensors(tensors: _TensorAdder, shape: ModelShape) -> None:
+    """A llama-architecture model's tensors (and Gemma 3's extra norms), in file order."""
+    hd = shape.head_dim
+    tensors.add_matrix("token_embd.weight", shape.n_vocab, shape.n_embd)
+    tensors.add_norm("output_norm.weight")
     # A separate output matrix: tied embeddings on random weights make the model repeat its
     # last input token, which would let a wrong KV cache go unnoticed in tests.
-    add_matrix("output.weight", shape.n_vocab, shape.n_embd)
+    tensors.add_matrix("output.weight", shape.n_vocab, shape.n_embd)
     for i in range(shape.n_layer):
-        add_norm(f"blk.{i}.attn_norm.weight")
-        add_matrix(f"blk.{i}.attn_q.weight", shape.n_head * hd, shape.n_embd)
-        add_matrix(f"blk.{i}.attn_k.weight", shape.n_head_kv * hd, shape.n_embd)
-        add_matrix(f"blk.{i}.attn_v.weight", shape.n_head_kv * hd, shape.n_embd)
-        add_matrix(f"blk.{i}.attn_output.weight", shape.n_embd, shape.n_head * hd)
-        add_norm(f"blk.{i}.ffn_norm.weight")
-        add_matrix(f"blk.{i}.ffn_gate.weight", shape.n_ff, shape.n_embd)
-        add_matrix(f"blk.{i}.ffn_up.weight", shape.n_ff, shape.n_embd)
-        add_matrix(f"blk.{i}.ffn_down.weight", shape.n_embd, shape.n_ff)
-        if gemma3:  # Gemma 3's extra norms: per-head q/k, and after attention and the FFN
-            add_norm(f"blk.{i}.attn_q_norm.weight", hd)
-            add_norm(f"blk.{i}.attn_k_norm.weight", hd)
-            add_norm(f"blk.{i}.post_attention_norm.weight")
-            add_norm(f"blk.{i}.post_ffw_norm.weight")
-    try:
-        writer.write_header_to_file()
-        writer.write_kv_data_to_file()
-        if header_only:
-            writer.write_ti_data_to_file()
-            assert writer.fout is not None
-            fout = writer.fout[0]
-            writer.write_padding(fout, fout.tell())
-            data = sum(
-                writer.ggml_pad(t.nbytes, writer.data_alignment) for t in writer.tensors[0].values()
-            )
-            fout.truncate(fout.tell() + data)
-        else:
-            writer.write_tensors_to_file()
-    finally:  # a full disk does not keep the file open (its space would come back late)
-        writer.close()
+        tensors.add_norm(f"blk.{i}.attn_norm.weight")
+        tensors.add_matrix(f"blk.{i}.attn_q.weight", shape.n_head * hd, shape.n_embd)
+        tensors.add_matrix(f"blk.{i}.attn_k.weight", shape.n_head_kv * hd, shape.n_embd)
+        tensors.add_matrix(f"blk.{i}.attn_v.weight", shape.n_head_kv * hd, shape.n_embd)
+        tensors.add_matrix(f"blk.{i}.attn_output.weight", shape.n_embd, shape.n_head * hd)
+        tensors.add_norm(f"blk.{i}.ffn_norm.weight")
+        tensors.add_matrix(f"blk.{i}.ffn_gate.weight", shape.n_ff, shape.n_embd)
+        tensors.add_matrix(f"blk.{i}.ffn_up.weight", shape.n_ff, shape.n_embd)
+        tensors.add_matrix(f"blk.{i}.ffn_down.weight", shape.n_embd, shape.n_ff)
+        if shape.architecture == "gemma3":  # per-head q/k norms, after attention and the FFN
+            tensors.add_norm(f"blk.{i}.attn_q_norm.weight", hd)
+            tensors.add_norm(f"blk.{i}.attn_k_norm.weight", hd)
+            tensors.add_norm(f"blk.{i}.post_attention_norm.weight")
+            tensors.add_norm(f"blk.{i}.post_ffw_norm.weight")
+
+
+def _write_tensor_hole(writer: GGUFWriter) -> None:
+    """The tensor descriptions, then the data's full length as a hole: the file is as long
+    as the model's, and no byte of its weights is written."""
+    writer.write_ti_data_to_file()
+    assert writer.fout is not None
+    fout = writer.fout[0]
+    writer.write_padding(fout, fout.tell())
+    data = sum(writer.ggml_pad(t.nbytes, writer.data_alignment) for t in writer.tensors[0].values())
+    fout.truncate(fout.tell() + data)
 
 
 def make_demo_model(

@@ -360,34 +360,14 @@ class Downloader:
         blobs = repo_dir / "blobs"
         blobs.mkdir(parents=True, exist_ok=True)
         pending = [m for m in metas if not (blobs / m.etag).exists()]
-        done_bytes = sum(m.size for m in metas if m not in pending)
-        partial_bytes = sum(file_size(blobs / f"{m.etag}.incomplete") for m in pending)
-        needed = sum(m.size for m in pending) - partial_bytes
-        free = shutil.disk_usage(blobs).free
-        if needed + DISK_MARGIN_BYTES > free:
-            raise WorldError(
-                f"not enough disk space for {filename}: it needs {format_bytes(needed)} more,"
-                f" {format_bytes(free)} is free in {self.cache.root}"
-            )
-        progress.bytes_done = progress.bytes_at_start = done_bytes + partial_bytes
+        on_disk = self._bytes_on_disk(filename, metas, pending, blobs)
+        progress.bytes_done = progress.bytes_at_start = on_disk
         progress.state = "downloading"
         progress.started_at = time.monotonic()
         report(progress)
         try:
             for meta in pending:
-                # huggingface_hub's own per-file lock: two processes never write one file.
-                lock = self.cache.locks_dir(repo)
-                lock.mkdir(parents=True, exist_ok=True)
-                with FileLock(lock / f"{meta.etag}.lock"):
-                    if (blobs / meta.etag).exists():
-                        continue  # the other process finished it meanwhile
-                    progress.state = "downloading"
-                    self.cache.note_partial(repo, meta.etag, meta.filename)
-                    self._transfer(meta, blobs, progress, report, cancel)
-                    progress.state = "verifying"
-                    report(progress)
-                    self._verify(meta, blobs)
-                    self.cache.forget_partial(repo, meta.etag)
+                self._fetch(repo, meta, blobs, progress, report, cancel)
             for meta in metas:
                 self._link(repo_dir, meta, revision)
         except DownloadCancelled:
@@ -405,6 +385,46 @@ class Downloader:
         with contextlib.suppress(ModelFileError):
             read_gguf(first)
         return first
+
+    def _bytes_on_disk(
+        self, filename: str, metas: list[_FileMeta], pending: list[_FileMeta], blobs: Path
+    ) -> int:
+        """What the cache holds of the set already, whole files and partial ones; raises
+        when the rest would not fit on the disk (with a margin)."""
+        done_bytes = sum(m.size for m in metas if m not in pending)
+        partial_bytes = sum(file_size(blobs / f"{m.etag}.incomplete") for m in pending)
+        needed = sum(m.size for m in pending) - partial_bytes
+        free = shutil.disk_usage(blobs).free
+        if needed + DISK_MARGIN_BYTES > free:
+            raise WorldError(
+                f"not enough disk space for {filename}: it needs {format_bytes(needed)} more,"
+                f" {format_bytes(free)} is free in {self.cache.root}"
+            )
+        return done_bytes + partial_bytes
+
+    def _fetch(
+        self,
+        repo: str,
+        meta: _FileMeta,
+        blobs: Path,
+        progress: Progress,
+        report: ProgressCallback,
+        cancel: threading.Event | None,
+    ) -> None:
+        """One file of the set downloaded (or resumed) and verified, under huggingface_hub's
+        own per-file lock: two processes never write one file."""
+        lock = self.cache.locks_dir(repo)
+        lock.mkdir(parents=True, exist_ok=True)
+        with FileLock(lock / f"{meta.etag}.lock"):
+            if (blobs / meta.etag).exists():
+                return  # the other process finished it meanwhile
+            progress.state = "downloading"
+            self.cache.note_partial(repo, meta.etag, meta.filename)
+            self._transfer(meta, blobs, progress, report, cancel)
+            progress.state = "verifying"
+            report(progress)
+            self._verify(meta, blobs)
+            self.cache.forget_partial(repo, meta.etag)
 
     def _transfer(
         self,

@@ -29,6 +29,7 @@ from array import array
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 from localchat.atomic import write_atomic
 from localchat.paths import ensure_private_dir
@@ -89,6 +90,29 @@ def read_state(path: Path, expected: StateKey) -> SavedState:
     The payload is handed on as a view of a mapping of the file: the KV bytes are copied
     once, by llama.cpp, from the page cache into the cache.
     """
+    data = _mapped(path)
+    header = _read_header(data)
+    _check_key(header.key, expected)
+    start = _PREFIX.size + header.length
+    tokens_end = start + 4 * header.n_tokens
+    if (
+        header.n_tokens < 0
+        or header.payload_bytes < 0
+        or tokens_end + header.payload_bytes != len(data)
+    ):
+        raise StateRejected("truncated file")
+    view = memoryview(data)
+    tokens_bytes = view[start:tokens_end]
+    payload = view[tokens_end:]
+    if _checksum(tokens_bytes, payload) != header.checksum:
+        raise StateRejected("checksum mismatch (corrupt file)")
+    tokens = array("i")
+    tokens.frombytes(tokens_bytes)
+    return SavedState(header.key, tokens.tolist(), payload)
+
+
+def _mapped(path: Path) -> mmap.mmap:
+    """The whole state file, mapped; a missing, unreadable or too short file is rejected."""
     try:
         with path.open("rb") as handle:
             size = os.fstat(handle.fileno()).st_size
@@ -105,6 +129,32 @@ def read_state(path: Path, expected: StateKey) -> SavedState:
         raise StateRejected(f"unreadable ({exc.strerror})") from None
     if len(data) < _PREFIX.size:
         raise StateRejected("truncated file")
+    return data
+
+
+@dataclass(frozen=True)
+class _Header:
+    """A state file's header: its key, what follows it, and that part's checksum."""
+
+    length: int  # of the JSON header, in bytes
+    key: StateKey
+    n_tokens: int
+    payload_bytes: int
+    checksum: str
+
+
+def _key_of(header: Any) -> StateKey:
+    """The key a header names (a missing or mistyped field raises KeyError or ValueError)."""
+    return StateKey(
+        str(header["model_fingerprint"]),
+        int(header["n_ctx"]),
+        str(header["kv_type"]),
+        str(header["llama_cpp"]),
+    )
+
+
+def _read_header(data: mmap.mmap) -> _Header:
+    """The prefix checked (magic, version, length) and the JSON header parsed."""
     magic, version, header_len = _PREFIX.unpack_from(data)
     if magic != MAGIC:
         raise StateRejected("not a localchat state file")
@@ -114,17 +164,19 @@ def read_state(path: Path, expected: StateKey) -> SavedState:
         raise StateRejected("truncated file")
     try:
         header = json.loads(data[_PREFIX.size : _PREFIX.size + header_len])
-        key = StateKey(
-            str(header["model_fingerprint"]),
-            int(header["n_ctx"]),
-            str(header["kv_type"]),
-            str(header["llama_cpp"]),
+        return _Header(
+            header_len,
+            _key_of(header),
+            int(header["n_tokens"]),
+            int(header["payload_bytes"]),
+            str(header["crc32"]),
         )
-        n_tokens = int(header["n_tokens"])
-        payload_bytes = int(header["payload_bytes"])
-        checksum = str(header["crc32"])
     except (ValueError, KeyError, TypeError):
         raise StateRejected("corrupt header") from None
+
+
+def _check_key(key: StateKey, expected: StateKey) -> None:
+    """A state saved under another key is rejected, saying which part differs."""
     if key.model_fingerprint != expected.model_fingerprint:
         raise StateRejected("saved for another model file")
     if key.n_ctx != expected.n_ctx:
@@ -133,18 +185,6 @@ def read_state(path: Path, expected: StateKey) -> SavedState:
         raise StateRejected(f"saved with KV type {key.kv_type}, now {expected.kv_type}")
     if key.llama_cpp != expected.llama_cpp:
         raise StateRejected(f"saved by llama.cpp {key.llama_cpp}, now {expected.llama_cpp}")
-    start = _PREFIX.size + header_len
-    tokens_end = start + 4 * n_tokens
-    if n_tokens < 0 or payload_bytes < 0 or tokens_end + payload_bytes != len(data):
-        raise StateRejected("truncated file")
-    view = memoryview(data)
-    tokens_bytes = view[start:tokens_end]
-    payload = view[tokens_end:]
-    if _checksum(tokens_bytes, payload) != checksum:
-        raise StateRejected("checksum mismatch (corrupt file)")
-    tokens = array("i")
-    tokens.frombytes(tokens_bytes)
-    return SavedState(key, tokens.tolist(), payload)
 
 
 def _map(descriptor: int, size: int) -> mmap.mmap:
@@ -167,12 +207,7 @@ def read_state_tokens(path: Path, expected: StateKey) -> list[int]:
             if magic != MAGIC or version != FORMAT_VERSION or header_len > MAX_HEADER_BYTES:
                 raise StateRejected("not a state file this localchat reads")
             header = json.loads(handle.read(header_len))
-            key = StateKey(
-                str(header["model_fingerprint"]),
-                int(header["n_ctx"]),
-                str(header["kv_type"]),
-                str(header["llama_cpp"]),
-            )
+            key = _key_of(header)
             if key != expected:
                 raise StateRejected("saved under another model, context or build")
             n_tokens = int(header["n_tokens"])

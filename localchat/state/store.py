@@ -16,7 +16,7 @@ import uuid
 from array import array
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -327,38 +327,24 @@ class Store:
         one model, if given); it becomes the branch's last message."""
         now = time.time()
         with self.transaction() as db:
-            seq = db.execute(
-                "SELECT COALESCE(MAX(seq), -1) + 1 FROM messages WHERE conversation_id = ?",
-                (conversation_id,),
-            ).fetchone()[0]
-            parent = db.execute(
-                "SELECT head_id, system_prompt FROM conversations WHERE id = ?",
-                (conversation_id,),
-            ).fetchone()
-            parent_id = parent[0] if parent is not None else None
-            # A first message keeps the system prompt its branch is written under.
-            system_prompt = parent[1] if parent is not None and parent_id is None else None
-            cursor = db.execute(
-                "INSERT INTO messages (conversation_id, seq, role, content, token_count, created_at,"
-                " status, stats, parent_id, pinned, system_prompt, tool_calls, tool_call_id)"
-                " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                (
-                    conversation_id,
-                    seq,
-                    role,
-                    content,
-                    len(tokens) if tokens is not None else None,
-                    now,
-                    status,
-                    json.dumps(stats or {}),
-                    parent_id,
-                    int(pinned),
-                    system_prompt,
-                    _pack_calls(tool_calls),
-                    tool_call_id or None,
-                ),
+            seq, parent_id, system_prompt = _next_place(db, conversation_id)
+            record = MessageRecord(
+                0,
+                conversation_id,
+                seq,
+                role,
+                content,
+                len(tokens) if tokens else None,
+                now,
+                status,
+                stats or {},
+                parent_id,
+                pinned,
+                system_prompt,
+                tuple(tool_calls),
+                tool_call_id,
             )
-            message_id = int(cursor.lastrowid or 0)
+            message_id = _insert_message(db, record, len(tokens) if tokens is not None else None)
             if tokens is not None and model_fingerprint:
                 db.execute(
                     "INSERT INTO message_tokens VALUES (?, ?, ?)",
@@ -368,22 +354,7 @@ class Store:
                 "UPDATE conversations SET updated_at = ?, head_id = ? WHERE id = ?",
                 (now, message_id, conversation_id),
             )
-        return MessageRecord(
-            message_id,
-            conversation_id,
-            seq,
-            role,
-            content,
-            len(tokens) if tokens else None,
-            now,
-            status,
-            stats or {},
-            parent_id,
-            pinned,
-            system_prompt,
-            tuple(tool_calls),
-            tool_call_id,
-        )
+        return replace(record, id=message_id)
 
     @staticmethod
     def _message(row: sqlite3.Row) -> MessageRecord:
@@ -582,6 +553,47 @@ def _insert_conversation(
         " system_prompt) VALUES (?, ?, ?, ?, ?, ?, ?)",
         (conversation_id, name, name, now, now, model, system_prompt),
     )
+
+
+def _next_place(db: sqlite3.Connection, conversation_id: str) -> tuple[int, int | None, str | None]:
+    """Where a new message goes: its seq, the message it follows (the branch's head), and
+    the system prompt it keeps if it is a branch's first message."""
+    seq = db.execute(
+        "SELECT COALESCE(MAX(seq), -1) + 1 FROM messages WHERE conversation_id = ?",
+        (conversation_id,),
+    ).fetchone()[0]
+    parent = db.execute(
+        "SELECT head_id, system_prompt FROM conversations WHERE id = ?", (conversation_id,)
+    ).fetchone()
+    parent_id = parent[0] if parent is not None else None
+    # A first message keeps the system prompt its branch is written under.
+    system_prompt = parent[1] if parent is not None and parent_id is None else None
+    return seq, parent_id, system_prompt
+
+
+def _insert_message(db: sqlite3.Connection, record: MessageRecord, token_count: int | None) -> int:
+    """Write the message's row (``record.id`` is a placeholder); the id it got."""
+    cursor = db.execute(
+        "INSERT INTO messages (conversation_id, seq, role, content, token_count, created_at,"
+        " status, stats, parent_id, pinned, system_prompt, tool_calls, tool_call_id)"
+        " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+        (
+            record.conversation_id,
+            record.seq,
+            record.role,
+            record.content,
+            token_count,
+            record.created_at,
+            record.status,
+            json.dumps(record.stats),
+            record.parent_id,
+            int(record.pinned),
+            record.system_prompt,
+            _pack_calls(record.tool_calls),
+            record.tool_call_id or None,
+        ),
+    )
+    return int(cursor.lastrowid or 0)
 
 
 def _not_found_message(name: str, existing: list[str]) -> str:

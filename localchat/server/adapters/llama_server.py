@@ -6,7 +6,7 @@ its loop decodes)."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
@@ -16,6 +16,9 @@ from localchat.server.model_facts import ServedModel
 from localchat.server.requests import ApiError
 from localchat.server.runner import ModelRunner
 from localchat.server.wire import Endpoint, read_json
+
+if TYPE_CHECKING:
+    from localchat.backends.llama.engine import Engine
 
 
 def piece(data: bytes) -> str | list[int]:
@@ -37,54 +40,16 @@ def routes(runner: ModelRunner, model: ServedModel) -> list[Endpoint]:
         return PlainTextResponse(runner.metrics(), media_type="text/plain; version=0.0.4")
 
     async def models(_request: Request) -> Response:
-        meta = {"n_ctx": model.n_ctx, "n_ctx_train": model.n_ctx_train, "n_vocab": model.n_vocab,
-                "n_params": model.parameters, "size": model.size_bytes}  # fmt: skip
-        entries = [{"id": name, "object": "model", "created": int(model.modified_at),
-                    "owned_by": "localchat", "meta": meta} for name in model.names]  # fmt: skip
-        return JSONResponse({"object": "list", "data": entries})
+        return JSONResponse(_models_body(model))
 
     async def props(_request: Request) -> Response:
-        settings = {"n_ctx": model.n_ctx, "model": model.name,
-                    "params": {"temperature": 1.0, "top_k": 40, "top_p": 1.0, "min_p": 0.05,
-                               "n_predict": -1}}  # fmt: skip
-        return JSONResponse({
-            "default_generation_settings": settings, "total_slots": model.slots,
-            "model_path": str(engine.model_path), "model_alias": model.name,
-            "chat_template": model.template, "modalities": {"vision": False, "audio": False},
-            "bos_token": engine.template.bos_token, "eos_token": engine.template.eos_token,
-            "build_info": "localchat",
-        })  # fmt: skip
+        return JSONResponse(_props_body(model, engine))
 
     async def tokenize(request: Request) -> Response:
-        body = await read_json(request)
-        content = body.get("content") if isinstance(body, dict) else None
-        if not isinstance(content, str):
-            raise ApiError(400, "content must be a string", code="invalid_type")
-        special = bool(body.get("add_special", False))
-
-        def pieces() -> list[int] | list[dict[str, Any]]:
-            tokens = engine.tokenize(
-                content,
-                add_bos=special and engine.add_bos,
-                special=bool(body.get("parse_special", True)),
-            )
-            if body.get("with_pieces"):
-                return [{"id": t, "piece": piece(engine.token_bytes(t))} for t in tokens]
-            return tokens
-
-        return JSONResponse({"tokens": await run_in_threadpool(pieces)})
+        return await _tokenize(engine, request)
 
     async def detokenize(request: Request) -> Response:
-        body = await read_json(request)
-        tokens = body.get("tokens") if isinstance(body, dict) else None
-        n_vocab = engine.n_vocab
-        if not isinstance(tokens, list) or not all(
-            isinstance(t, int) and not isinstance(t, bool) and 0 <= t < n_vocab for t in tokens
-        ):
-            raise ApiError(400, f"tokens must be a list of ids from 0 to {n_vocab - 1}",
-                           code="invalid_type")  # fmt: skip
-        text = await run_in_threadpool(engine.detokenize, tokens, True)
-        return JSONResponse({"content": text})
+        return await _detokenize(engine, request)
 
     return [
         Endpoint("/health", health, ("GET",), versioned=False),
@@ -94,3 +59,62 @@ def routes(runner: ModelRunner, model: ServedModel) -> list[Endpoint]:
         Endpoint("/props", props, ("GET",), versioned=False),
         Endpoint("/models", models, ("GET",)),
     ]
+
+
+def _models_body(model: ServedModel) -> dict[str, Any]:
+    """``/v1/models`` with llama-server's ``meta`` on each name (what its clients read the
+    context and size from)."""
+    meta = {"n_ctx": model.n_ctx, "n_ctx_train": model.n_ctx_train, "n_vocab": model.n_vocab,
+            "n_params": model.parameters, "size": model.size_bytes}  # fmt: skip
+    entries = [{"id": name, "object": "model", "created": int(model.modified_at),
+                "owned_by": "localchat", "meta": meta} for name in model.names]  # fmt: skip
+    return {"object": "list", "data": entries}
+
+
+def _props_body(model: ServedModel, engine: Engine) -> dict[str, Any]:
+    """``/props``: the slots, template and special tokens as llama-server reports them."""
+    settings = {"n_ctx": model.n_ctx, "model": model.name,
+                "params": {"temperature": 1.0, "top_k": 40, "top_p": 1.0, "min_p": 0.05,
+                           "n_predict": -1}}  # fmt: skip
+    return {
+        "default_generation_settings": settings, "total_slots": model.slots,
+        "model_path": str(engine.model_path), "model_alias": model.name,
+        "chat_template": model.template, "modalities": {"vision": False, "audio": False},
+        "bos_token": engine.template.bos_token, "eos_token": engine.template.eos_token,
+        "build_info": "localchat",
+    }  # fmt: skip
+
+
+async def _tokenize(engine: Engine, request: Request) -> Response:
+    """``/tokenize``: the content's token ids (``with_pieces``: each with its piece)."""
+    body = await read_json(request)
+    content = body.get("content") if isinstance(body, dict) else None
+    if not isinstance(content, str):
+        raise ApiError(400, "content must be a string", code="invalid_type")
+    special = bool(body.get("add_special", False))
+
+    def pieces() -> list[int] | list[dict[str, Any]]:
+        tokens = engine.tokenize(
+            content,
+            add_bos=special and engine.add_bos,
+            special=bool(body.get("parse_special", True)),
+        )
+        if body.get("with_pieces"):
+            return [{"id": t, "piece": piece(engine.token_bytes(t))} for t in tokens]
+        return tokens
+
+    return JSONResponse({"tokens": await run_in_threadpool(pieces)})
+
+
+async def _detokenize(engine: Engine, request: Request) -> Response:
+    """``/detokenize``: the ids' text; an id outside the vocabulary is refused."""
+    body = await read_json(request)
+    tokens = body.get("tokens") if isinstance(body, dict) else None
+    n_vocab = engine.n_vocab
+    if not isinstance(tokens, list) or not all(
+        isinstance(t, int) and not isinstance(t, bool) and 0 <= t < n_vocab for t in tokens
+    ):
+        raise ApiError(400, f"tokens must be a list of ids from 0 to {n_vocab - 1}",
+                       code="invalid_type")  # fmt: skip
+    text = await run_in_threadpool(engine.detokenize, tokens, True)
+    return JSONResponse({"content": text})
