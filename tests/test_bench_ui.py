@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from localchat.tui import bench_ui
+from localchat.bench.app import measure as bench_ui
 from tests.conftest import GREEDY
 
 SIDES = ("headless", "app")

@@ -11,7 +11,12 @@ Layers, lowest first (README, Development):
     tools/                      MCP servers, consent, results (beside them: chat text only)
     settings, session           the lifecycle
     server/                     ``serve``: the model over HTTP
-    cli/, bench/, tui/          on top
+    tui/                        the app, on the runtime (it never serves, runs commands or benches)
+    cli/, bench/                on top: the commands (``localchat`` starts the app, ``bench`` the
+                                bench), and the bench, which measures the app and the command
+
+Only the command imports server/ and bench/. Textual is imported by tui/ and bench/app/ (the
+app's own measurements, which the bench imports only when it measures the app) alone.
 """
 
 from __future__ import annotations
@@ -20,16 +25,25 @@ import ast
 import json
 import subprocess
 import sys
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import localchat
 
 PACKAGE = Path(localchat.__file__).parent
+
+
+def _is_app(path: Path) -> bool:
+    """Whether a source file is the app's (Textual's) code: tui/, and bench/app/."""
+    parts = path.relative_to(PACKAGE).parts
+    return parts[0] == "tui" or parts[:2] == ("bench", "app")
+
+
 RUNTIME_MODULES = sorted(
     ".".join(p.relative_to(PACKAGE.parent).with_suffix("").parts)
     for p in PACKAGE.rglob("*.py")
-    if p.name != "__init__.py" and "tui" not in p.relative_to(PACKAGE).parts
+    if p.name != "__init__.py" and not _is_app(p)
 )
 LEAVES = {"errors", "atomic", "paths", "units", "text", "cpu", "progress"}
 # What each part of the runtime may import from localchat (besides itself).
@@ -48,6 +62,29 @@ BELOW: dict[str, set[str]] = {
     "server": {"leaves", "gguf", "chat", "state", "backends", "conversation", "models",
                "settings", "session", "tools"},
 }  # fmt: skip
+RUNTIME = set(BELOW)
+# The top floors. The app sits on the runtime but never serves; the commands start the app,
+# the server and the bench; the bench measures the app and the command (its startup probe
+# imports what the command imports). So nothing but cli imports bench or server.
+BELOW |= {
+    "tui": RUNTIME - {"server"},
+    "cli": RUNTIME | {"tui", "bench"},
+    "bench": RUNTIME - {"server"} | {"tui", "cli"},
+    "__main__": {"cli"},  # ``python -m localchat``
+}
+# The app's own floors (tui/): its leaf modules, widgets, the chat screen's mixins (chat/),
+# the screens, and the app on top. chat/ and screens/ import each other: the chat screen is
+# made of chat/'s mixins, and the mixins open dialogs from screens/ (ToolConsentScreen,
+# TextPromptScreen). That floor cannot be drawn until those dialogs sit below both (the chat
+# screen is being rebuilt); no module imports one that imports it back (test_no_import_cycles).
+TUI_LEAVES = {"bindings", "messages", "pacing", "process", "worker_failures"}
+TUI_BELOW: dict[str, set[str]] = {
+    "leaves": set(),
+    "widgets": set(),
+    "chat": {"leaves", "widgets", "screens"},
+    "screens": {"leaves", "widgets", "chat"},
+    "app": {"leaves", "widgets", "screens"},
+}
 
 
 def _part(module: str) -> str:
@@ -56,6 +93,14 @@ def _part(module: str) -> str:
     if len(parts) == 2:
         return "leaves" if parts[1] in LEAVES else parts[1]
     return parts[1]
+
+
+def _tui_floor(module: str) -> str:
+    """The floor of the app a tui module is on: a leaf, its sub-package, or ``app``."""
+    parts = module.split(".")[2:]
+    if len(parts) == 1:
+        return "leaves" if parts[0] in TUI_LEAVES else parts[0]
+    return parts[0]
 
 
 def _imports(path: Path) -> set[str]:
@@ -108,6 +153,16 @@ def _graph(typing_too: bool = True) -> dict[str, set[str]]:
     return {_module_name(p): _localchat_imports(p, modules, typing_too) for p in paths}
 
 
+def _crossings(graph: dict[str, set[str]], floor: Callable[[str], str]) -> set[tuple[str, str]]:
+    """Each (floor, floor) pair some module's import crosses."""
+    return {
+        (floor(module), floor(target))
+        for module, targets in graph.items()
+        for target in targets
+        if floor(target) != floor(module)
+    }
+
+
 def test_each_layer_imports_only_the_layers_below_it() -> None:
     graph = _graph()
     upward = [
@@ -121,7 +176,28 @@ def test_each_layer_imports_only_the_layers_below_it() -> None:
     # The contracts hold something: the layers are there and use what is below them.
     assert "localchat.backends.llama.engine" in graph["localchat.conversation.local"]
     assert "localchat.backends.llama.tools" in graph["localchat.models.calibrate"]
-    assert {_part(m) for m in graph} >= {*BELOW, "cli", "bench"}
+    assert {_part(m) for m in graph} >= set(BELOW)
+    assert {
+        ("tui", "session"),
+        ("cli", "server"),
+        ("cli", "tui"),
+        ("cli", "bench"),
+        ("bench", "tui"),
+        ("bench", "cli"),
+        ("__main__", "cli"),
+    } <= _crossings(graph, _part)
+
+
+def test_the_apps_floors_import_only_the_floors_below_them() -> None:
+    graph = {m: {t for t in ts if t.startswith("localchat.tui.")}
+             for m, ts in _graph().items() if m.startswith("localchat.tui.")}  # fmt: skip
+    floors = {_tui_floor(m) for m in graph}
+    assert floors == set(TUI_BELOW), f"floors TUI_BELOW does not place: {floors - set(TUI_BELOW)}"
+    crossings = _crossings(graph, _tui_floor)
+    upward = sorted(f"{a} -> {b}" for a, b in crossings if b not in TUI_BELOW[a])
+    assert upward == []
+    assert {("app", "screens"), ("app", "leaves"), ("screens", "widgets"),
+            ("chat", "widgets")} <= crossings  # fmt: skip
 
 
 def test_only_backends_llama_imports_llama_cpp() -> None:
@@ -154,9 +230,10 @@ def test_runtime_source_has_no_textual_import() -> None:
     offenders = [
         str(p.relative_to(PACKAGE))
         for p in PACKAGE.rglob("*.py")
-        if "tui" not in p.relative_to(PACKAGE).parts and "textual" in _imports(p)
+        if not _is_app(p) and "textual" in _imports(p)
     ]
     assert offenders == []
+    assert "textual" in _imports(PACKAGE / "bench" / "app" / "measure.py")
 
 
 # Runtime modules that the planner, the catalog and listings stand on: they load neither

@@ -33,10 +33,10 @@ TYPEAHEAD_ROUNDS = 1  # 0.4-0.6x a one-word message against a 1.5x target: one i
 
 def _app_resume(engine: Engine, progress: Progress) -> dict[str, Any]:
     """The app's first turn after opening a 2,000-token conversation vs its next (warm) one."""
+    from localchat.bench.app.measure import app_resume_vs_warm  # the app's own measurement
     from localchat.conversation.local import Conversation
     from localchat.state.kvstate import StateStore
     from localchat.state.store import Store
-    from localchat.tui.bench_ui import app_resume_vs_warm  # the app's own measurement
 
     with scratch_dir() as tmp:
         home = tmp / "home"
@@ -98,7 +98,7 @@ def bench_zerowait(model_path: Path, progress: Progress = None) -> dict[str, Any
     say(progress, f"zerowait: a prefix read cold {cold_ttft:.2f} s, restored {warm:.3f} s")
     app = _app_resume(engine, progress)
     engine.close()
-    from localchat.tui.bench_ui import TYPING_CHARS_PER_S, app_type_ahead
+    from localchat.bench.app.measure import TYPING_CHARS_PER_S, app_type_ahead
 
     messages = [filler_text(950 + i, TYPEAHEAD_WORDS) for i in range(TYPEAHEAD_ROUNDS)]
     minutes = sum(len(m) for m in messages) / TYPING_CHARS_PER_S / 60

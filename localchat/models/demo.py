@@ -387,7 +387,7 @@ def _write_model(
     writer = (_InPlaceWriter if in_place else GGUFWriter)(str(out), shape.architecture)
     _add_metadata(writer, shape, tokenizer, file_type)
     tensors = _TensorAdder(writer, shape, np.random.default_rng(seed), weight_types, header_only)
-    _add_tensors(tensors, shape)
+    _add_tensors(tensors)
     try:
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
@@ -455,7 +455,8 @@ class _TensorAdder:
     def matrix(self, rows: int, cols: int, weight_type: str | None) -> np.ndarray:
         if weight_type is not None:
             if weight_type not in self.pools:
-                largest = _largest_matrix(self.shape)
+                s = self.shape  # as many weights as the largest matrix holds
+                largest = s.n_embd * max(s.n_vocab, s.n_ff, s.n_head * s.head_dim)
                 self.pools[weight_type] = _random_blocks(self.rng, largest, weight_type)
             return _block_matrix(self.pools[weight_type], rows, cols, weight_type)
         # Scaled by fan-in so every layer moves the residual stream and replies vary with
@@ -486,13 +487,9 @@ class _TensorAdder:
             self.writer.add_tensor(name, data, raw_dtype=kind)  # rows x block bytes
 
 
-def _largest_matrix(shape: ModelShape) -> int:
-    """The weights in the shape's largest matrix: what one pool of random blocks holds."""
-    return shape.n_embd * max(shape.n_vocab, shape.n_ff, shape.n_head * shape.head_dim)
-
-
-def _add_tensors(tensors: _TensorAdder, shape: ModelShape) -> None:
+def _add_tensors(tensors: _TensorAdder) -> None:
     """A llama-architecture model's tensors (and Gemma 3's extra norms), in file order."""
+    shape = tensors.shape
     hd = shape.head_dim
     tensors.add_matrix("token_embd.weight", shape.n_vocab, shape.n_embd)
     tensors.add_norm("output_norm.weight")

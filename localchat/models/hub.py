@@ -305,6 +305,17 @@ class _FileMeta:
     commit: str
 
 
+@dataclass(frozen=True)
+class _PullRun:
+    """What a pull's files share: the cache's blobs folder, the progress and its receiver,
+    and the user's cancel."""
+
+    blobs: Path
+    progress: Progress
+    report: ProgressCallback
+    cancel: threading.Event | None
+
+
 class Downloader:
     """Downloads one GGUF (or a split set) into the hub cache with progress and cancel."""
 
@@ -365,9 +376,10 @@ class Downloader:
         progress.state = "downloading"
         progress.started_at = time.monotonic()
         report(progress)
+        run = _PullRun(blobs, progress, report, cancel)
         try:
             for meta in pending:
-                self._fetch(repo, meta, blobs, progress, report, cancel)
+                self._fetch(repo, meta, run)
             for meta in metas:
                 self._link(repo_dir, meta, revision)
         except DownloadCancelled:
@@ -402,39 +414,24 @@ class Downloader:
             )
         return done_bytes + partial_bytes
 
-    def _fetch(
-        self,
-        repo: str,
-        meta: _FileMeta,
-        blobs: Path,
-        progress: Progress,
-        report: ProgressCallback,
-        cancel: threading.Event | None,
-    ) -> None:
+    def _fetch(self, repo: str, meta: _FileMeta, run: _PullRun) -> None:
         """One file of the set downloaded (or resumed) and verified, under huggingface_hub's
         own per-file lock: two processes never write one file."""
         lock = self.cache.locks_dir(repo)
         lock.mkdir(parents=True, exist_ok=True)
         with FileLock(lock / f"{meta.etag}.lock"):
-            if (blobs / meta.etag).exists():
+            if (run.blobs / meta.etag).exists():
                 return  # the other process finished it meanwhile
-            progress.state = "downloading"
+            run.progress.state = "downloading"
             self.cache.note_partial(repo, meta.etag, meta.filename)
-            self._transfer(meta, blobs, progress, report, cancel)
-            progress.state = "verifying"
-            report(progress)
-            self._verify(meta, blobs)
+            self._transfer(meta, run)
+            run.progress.state = "verifying"
+            run.report(run.progress)
+            self._verify(meta, run.blobs)
             self.cache.forget_partial(repo, meta.etag)
 
-    def _transfer(
-        self,
-        meta: _FileMeta,
-        blobs: Path,
-        progress: Progress,
-        report: ProgressCallback,
-        cancel: threading.Event | None,
-    ) -> None:
-        partial = blobs / f"{meta.etag}.incomplete"
+    def _transfer(self, meta: _FileMeta, run: _PullRun) -> None:
+        partial = run.blobs / f"{meta.etag}.incomplete"
         headers = build_hf_headers(token=self.token)
         for attempt in range(RETRIES + 1):
             have = file_size(partial)
@@ -454,7 +451,7 @@ class Downloader:
                 ):
                     if response.status_code == 200 and have:
                         out.truncate(0)  # the server ignored the range: start over
-                        progress.bytes_done -= have
+                        run.progress.bytes_done -= have
                     elif response.status_code not in (200, 206):
                         response.read()
                         raise HubError(
@@ -462,9 +459,9 @@ class Downloader:
                         )
                     for chunk in response.iter_bytes(CHUNK_BYTES):
                         out.write(chunk)
-                        progress.bytes_done += len(chunk)
-                        report(progress)
-                        if cancel is not None and cancel.is_set():
+                        run.progress.bytes_done += len(chunk)
+                        run.report(run.progress)
+                        if run.cancel is not None and run.cancel.is_set():
                             raise DownloadCancelled(
                                 f"download of {meta.filename} stopped; run the pull again to resume"
                                 f" ({format_bytes(file_size(partial) + 0)} kept)"

@@ -65,7 +65,7 @@ WAIT_LIMIT_S = 120.0
 def _startup_once(model_path: Path) -> float:
     with tempfile.TemporaryDirectory(prefix="localchat-bench-ui-") as tmp:
         report = Path(tmp) / "startup.json"
-        command = [sys.executable, "-m", "localchat.tui.startup_probe", str(model_path)]
+        command = [sys.executable, "-m", "localchat.bench.app.startup_probe", str(model_path)]
         command += [str(report), repr(time.time())]  # the start: this clock, just before
         result = subprocess.run(command, capture_output=True, text=True, timeout=120, check=False)
         if not report.exists():
@@ -349,7 +349,7 @@ def _turn_in_fresh_process(side: str, model_path: Path, max_tokens: int) -> dict
     measurements (llama.cpp thread pools, Textual caches, garbage) weighs on it."""
     with tempfile.TemporaryDirectory(prefix="localchat-bench-ui-") as tmp:
         report = Path(tmp) / "turn.json"
-        command = [sys.executable, "-m", "localchat.tui.bench_ui", "turn", side]
+        command = [sys.executable, "-m", "localchat.bench.app.measure", "turn", side]
         command += [str(model_path), str(max_tokens), str(report)]
         result = subprocess.run(command, capture_output=True, text=True, timeout=600, check=False)
         if not report.exists():
