@@ -12,6 +12,7 @@ import localchat.session as session_module
 import localchat.tui.chat.turns as turns_module
 from localchat.backends.compute_thread import on_compute_thread
 from localchat.backends.llama.engine import Engine
+from localchat.conversation.turn import ConversationTurn
 from localchat.text import printable
 from localchat.tui.messages import (
     ConversationRestored,
@@ -263,12 +264,24 @@ async def test_after_demo_a_plain_start_reopens_the_demo_model(
         assert app.conversation is not None and len(app.conversation.exchanges) == 2
 
 
-async def test_reply_messages_carry_copies_of_the_stats(tiny_model: Path) -> None:
+async def test_reply_messages_carry_copies_of_the_stats(
+    tiny_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     async with chat_app(tiny_model, n_ctx=512, max_tokens=24) as ui:
+        conversation = ui.app.conversation
+        assert conversation is not None
+        turns: list[ConversationTurn] = []  # the live turn the worker iterates
+        real_send = conversation.send
+
+        def send(*args: object, **kwargs: object) -> ConversationTurn:
+            turns.append(real_send(*args, **kwargs))  # type: ignore[arg-type]
+            return turns[-1]
+
+        monkeypatch.setattr(conversation, "send", send)
         finished = await ui.say("hello there")
         chunks = ui.posted(ReplyChunk)
         assert chunks
-        live = finished.turn.stats
+        live = turns[-1].stats
         assert all(c.stats is not live for c in chunks) and finished.stats is not live
         assert len({id(c.stats) for c in chunks}) == len(chunks)
         assert finished.stats == live  # a copy of what the turn ended with

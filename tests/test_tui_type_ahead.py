@@ -50,9 +50,9 @@ async def test_typed_slowly_fast_or_pasted_the_reply_is_the_same(smollm2: Path) 
                 finished = await _send_pasted(ui, QUESTION)
             else:
                 finished = await _send_typed(ui, QUESTION, 0.03 if way == "slowly" else 0)
-            assert finished.turn.user.record.content == QUESTION
-            stats = finished.turn.stats_dict() | {"prompt": finished.turn.prompt.tokens}
-            results[way] = (finished.turn.generation.text, stats)
+            assert finished.turn.user_text == QUESTION
+            stats = finished.turn.stats_dict() | {"prompt": finished.turn.prompt_tokens}
+            results[way] = (finished.turn.reply_text, stats)
             if way == "slowly":
                 panel = ui.text("#turn-start")
                 speed = ui.text("#speed")

@@ -10,7 +10,7 @@ from textual.message import Message
 
 from localchat.backends.base import Backend, TurnStats
 from localchat.chat.attachments import Attachment
-from localchat.conversation.turn import ConversationTurn
+from localchat.conversation.turn import FinishedTurn
 from localchat.progress import Progress, StepProgress
 
 if TYPE_CHECKING:  # the session is imported in a worker, after the first frame
@@ -55,11 +55,16 @@ class ReplyChunk(Message, bubble=False):  # the chat screen's own
 
 @dataclass
 class ReplyFinished(Message, bubble=False):  # the chat screen's own
-    """The turn is over; ``stats`` is a copy taken when it ended."""
+    """The turn is over: ``turn`` is what it came to, built on the compute thread where it
+    ran (the app's thread reads it, never the conversation's database)."""
 
-    stats: TurnStats
+    turn: FinishedTurn
     kv_tokens: int
-    turn: ConversationTurn
+
+    @property
+    def stats(self) -> TurnStats:
+        """A copy of the figures the turn ended with."""
+        return self.turn.stats
 
 
 @dataclass

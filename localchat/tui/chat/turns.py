@@ -20,7 +20,7 @@ from localchat.chat.attachments import with_attachments
 from localchat.chat.template import ChatMessage, results_saying
 from localchat.chat.tools import ToolCall
 from localchat.conversation.base import NOT_RUN, ConversationBase
-from localchat.conversation.turn import ConversationTurn
+from localchat.conversation.turn import ConversationTurn, FinishedTurn
 from localchat.errors import LocalchatError
 from localchat.tools.consent import DENIED_RESULT, MAX_ROUNDS, STOPPED, STOPPED_RESULT, Consent
 from localchat.tools.results import ToolResult, failure
@@ -192,9 +192,12 @@ class TurnStreaming(ChatScreenBase):
             self.notify(f"generation failed: {exc}", severity="error", timeout=15)
         if pending or thinking:
             self._post_chunk(conversation, turn, pending, thinking)
-        stats = replace(turn.stats)
-        self.post_message(ReplyFinished(stats, conversation.context_tokens(turn), turn))
-        return stats
+        try:  # here, not on the app's thread: it reads the database
+            finished = turn.finished(branches=results is None)
+        except Exception:  # the store failed under it: the reply is drawn, its branches not
+            finished = turn.finished(branches=False)
+        self.post_message(ReplyFinished(finished, conversation.context_tokens(turn)))
+        return finished.stats
 
     def _post_chunk(
         self, conversation: ConversationBase, turn: ConversationTurn, text: str, thinking: str
@@ -237,27 +240,28 @@ class TurnStreaming(ChatScreenBase):
         await self._draw_reply()
         await self._end_stream()
         conversation = self.conversation
+        turn = message.turn
         if self._user_view is not None and conversation is not None:  # stored: keys act on it
-            self._user_view.message_id = message.turn.user.record.id
-            with contextlib.suppress(LocalchatError):  # in view: its branches (an edit)
-                self._user_view.show_branch(conversation.branches_at(self._user_view.message_id))
-        if self._reply is not None and message.turn.reply is not None:
-            self._reply.message_id = message.turn.reply.record.id
-        if message.turn.window.dropped_messages:
+            self._user_view.message_id = turn.user_id
+            if turn.user_branches is not None:  # in view: its branches (an edit)
+                self._user_view.show_branch(turn.user_branches)
+        if self._reply is not None and turn.reply_id is not None:
+            self._reply.message_id = turn.reply_id
+        if turn.window.dropped_messages:
             self.show_window()
         if self._reply is not None and self._reply.raw.strip():
             self._reply.collapse_reasoning()  # the answer is what is read now
         stats = message.stats
         panel = self.query_one(StatsPanel)
-        panel.show_speed(stats, message.turn.sent_ttft_s, final=True)
-        panel.show_turn_start(describe_turn_start(message.turn))
+        panel.show_speed(stats, turn.sent_ttft_s, final=True)
+        panel.show_turn_start(describe_turn_start(turn))
         self.show_cache(message.kv_tokens, stats.server_kv_usage)
         log = self.query_one("#log", VerticalScroll)
-        for notice in message.turn.notices:
+        for notice in turn.notices:
             await log.mount(Notice(notice))
         if stats.stop_reason == "cancelled":
             await log.mount(Notice("stopped — the partial reply is kept"))
-        calls = message.turn.generation.tool_calls
+        calls = list(turn.tool_calls)
         if calls and conversation is not None and stats.stop_reason != "cancelled":
             self.tool_rounds += 1
             self.run_worker(
@@ -349,7 +353,7 @@ class TurnStreaming(ChatScreenBase):
         self.query_one(PromptInput).cursor_blink = True
 
 
-def describe_turn_start(turn: ConversationTurn) -> str:
+def describe_turn_start(turn: FinishedTurn) -> str:
     """How the turn began: restored from disk, reused from memory, or evaluated."""
     stats = turn.stats
     restore = turn.restore
@@ -363,9 +367,9 @@ def describe_turn_start(turn: ConversationTurn) -> str:
     if restore.read_ahead:
         ahead = count(restore.read_ahead, "token")
         evaluated = f"read {ahead} ahead as you typed; after Enter {evaluated}"
-    if turn.prompt.discarded:
+    if turn.history_reread:
         # The template rewrote part of the history (see the stats' reason).
-        evaluated += f"\n({count(turn.prompt.discarded, 'history token')} re-read: template)"
+        evaluated += f"\n({count(turn.history_reread, 'history token')} re-read: template)"
     if restore.restored:
         restored = count(restore.tokens, "token")
         return f"restored {restored} from saved cache in {restore.seconds:.2f} s\n{evaluated}"
