@@ -9,7 +9,7 @@ from textual.widgets import Collapsible, Static
 
 import localchat.models.demo as demo_module
 import localchat.session as session_module
-import localchat.tui.chat.turns as turns_module
+import localchat.tui.widgets.reply_view as reply_view_module
 from localchat.backends.compute_thread import on_compute_thread
 from localchat.backends.llama.engine import Engine
 from localchat.conversation.turn import ConversationTurn
@@ -101,7 +101,9 @@ async def test_escape_stops_generation_and_keeps_the_partial_reply(
 ) -> None:
     # Drawing is not what this test is about (test_pacing is): no CPU share holds frames back,
     # which on a loaded machine, in a long test process, kept the first one past 30 s once.
-    monkeypatch.setattr(turns_module, "FramePacer", lambda threads: FramePacer(threads, share=1.0))
+    monkeypatch.setattr(
+        reply_view_module, "FramePacer", lambda threads: FramePacer(threads, share=1.0)
+    )
     async with chat_app(small_model, n_ctx=4096, max_tokens=3000) as ui:
         app = ui.app
         await ui.pilot.press(*"story", "enter")
@@ -132,7 +134,9 @@ async def test_text_held_back_by_the_pacer_is_drawn_when_the_reply_ends(
 ) -> None:
     """A pacer that allows no frame while streaming (a slow machine, a fast model): the whole
     reply still appears once generation ends."""
-    monkeypatch.setattr(turns_module, "FramePacer", lambda threads: FramePacer(threads, share=0.0))
+    monkeypatch.setattr(
+        reply_view_module, "FramePacer", lambda threads: FramePacer(threads, share=0.0)
+    )
     async with chat_app(small_model, n_ctx=1024, max_tokens=300) as ui:
         await ui.say("tell me more")
         reply = ui.app.query_one(AssistantMessage)

@@ -60,7 +60,7 @@ async def test_a_selected_message_is_edited_into_a_branch_and_switched_back(
         await pilot.press("e")
         assert box.text == "first question"
         await pilot.press("escape")
-        assert box.text == "a draft" and app.chat.editing is None
+        assert box.text == "a draft" and app.chat.composer.editing is None
 
 
 async def test_a_pinned_message_stays_in_the_window_the_others_are_dimmed(
@@ -129,12 +129,12 @@ async def test_a_file_is_attached_to_the_next_message(tiny_model: Path, tmp_path
         assert sent.startswith("File: notes.md\n```markdown\n# Notes") and sent.endswith(
             "\n\nwhat do my notes say"
         )
-        assert not app.chat.attachments  # they went with that message
+        assert not app.chat.composer.attachments  # they went with that message
         big = tmp_path / "big.log"
         big.write_text("line of a long log file\n" * 400)
         await attach(big)
         await ui.notice("use --ctx", "big.log")
-        assert not app.chat.attachments
+        assert not app.chat.composer.attachments
 
 
 async def test_code_blocks_and_selected_text_are_copied(tiny_model: Path) -> None:
@@ -210,7 +210,7 @@ async def test_an_edit_left_for_another_conversation_gives_the_box_back(
         old = app.conversation
         await ui.pilot.press("ctrl+n")  # a new conversation: the edit does not follow
         await ui.opened(before=old)
-        assert app.chat.editing is None and box.text == "my draft"
+        assert app.chat.composer.editing is None and box.text == "my draft"
         box.focus()
         finished = await ui.say(" and more")
         assert finished.turn.user_text == "my draft and more"

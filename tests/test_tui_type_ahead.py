@@ -100,7 +100,7 @@ async def test_reading_ahead_that_fails_says_nothing_and_the_turn_says_why(
     async with chat_app(
         tiny_model, size=(120, 36), n_ctx=64, max_tokens=8, system_prompt="rule " * 80
     ) as ui:
-        box, reader = ui.app.query_one(PromptInput), ui.app.chat.reader
+        box, reader = ui.app.query_one(PromptInput), ui.app.chat.composer.reader
         for key in _keys("tell me about caches"):
             await ui.pilot.press(key)
         await ui.until(

@@ -118,7 +118,7 @@ class StartupStep(Message):
 
 
 @dataclass
-class ReadAhead(Message, bubble=False):  # the chat screen's own
+class ReadAhead(Message):  # from the composer, up to the chat screen
     """The message being typed in conversation ``conversation_id`` is read ahead: ``tokens``
     of it are in the cache, which holds ``kv_tokens`` in all."""
 
@@ -128,13 +128,16 @@ class ReadAhead(Message, bubble=False):  # the chat screen's own
 
 
 @dataclass
-class AttachmentReady(Message, bubble=False):  # the chat screen's own
+class AttachmentReady(Message, bubble=False):  # the composer's own
     """A file read for the next message: ``tokens`` is what it costs in the context,
-    ``head_tokens`` what the system prompt takes."""
+    ``head_tokens`` what the system prompt takes; ``n_ctx`` the context, and ``max_tokens``
+    the room a reply needs in it."""
 
     attachment: Attachment
     tokens: int
     head_tokens: int
+    n_ctx: int | None
+    max_tokens: int
 
 
 @dataclass
