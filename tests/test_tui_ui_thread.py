@@ -9,7 +9,11 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from textual.widgets import Label
+
 from localchat.tui.app import LocalChatApp
+from localchat.tui.widgets.chat_message import UserMessage
+from localchat.tui.widgets.prompt_input import PromptInput
 from tests.tui_helpers import chat_app
 
 
@@ -40,3 +44,32 @@ async def test_a_finished_turn_is_drawn_without_reading_the_database(tiny_model:
             reply_drawn = not ui.app.chat.generating
         assert reply_drawn and on_app_thread == []
         assert finished.turn.user_branches == (1, 1)  # read where the turn ran instead
+
+
+async def test_a_message_edited_switched_and_pinned_and_a_new_chat_read_the_database_off_it(
+    tiny_model: Path,
+) -> None:
+    async with chat_app(tiny_model, size=(120, 40), n_ctx=2048, max_tokens=8) as ui:
+        app, pilot = ui.app, ui.pilot
+        for text in ("first question", "second question"):
+            await ui.say(text)
+        with statements_on_this_thread(app) as on_app_thread:
+            await pilot.press("alt+up", "up")  # the last question
+            assert isinstance(app.focused, UserMessage)
+            await pilot.press("e")
+            app.query_one(PromptInput).text = "an edited second question"
+            await ui.send("enter")  # a new branch
+            users = list(app.query(UserMessage))
+            assert "2/2" in str(users[-1].query_one(".role", Label).render())
+            users[-1].focus()
+            await pilot.press("left")  # the old branch
+            await ui.until(lambda: "branch 1 of 2" in ui.text("#turn-start"), "the old branch")
+            app.query(UserMessage).first().focus()
+            await pilot.press("p")
+            await ui.notice("pinned")
+            await app.chat.step_last_branch(1)  # the palette's Next branch
+            await ui.until(lambda: "branch 2 of 2" in ui.text("#turn-start"), "the new branch")
+            before = app.conversation
+            await pilot.press("ctrl+n")
+            await ui.opened(before=before)
+        assert on_app_thread == []

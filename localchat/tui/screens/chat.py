@@ -145,7 +145,7 @@ class ChatScreen(Screen[None], ReportsWorkerFailures):
         except LocalchatError as exc:
             self.notify(str(exc), severity="warning", timeout=15)
             conversation = await asyncio.to_thread(
-                session.open_conversation, session.new_conversation_name()
+                lambda: session.open_conversation(session.new_conversation_name())
             )
         if conversation is None:  # quitting, or nothing to open it on
             return
@@ -441,9 +441,14 @@ class ChatScreen(Screen[None], ReportsWorkerFailures):
         self.transcript.select()
 
     async def action_new_chat(self) -> None:
-        if self.generating or self.backend is None or self.session is None:
+        session = self.session
+        if self.generating or self.backend is None or session is None:
             return
-        await self.open_conversation(self.session.new_conversation_name())
+        # A free name is looked up in the database: off the event loop.
+        name = await asyncio.to_thread(session.new_conversation_name)
+        if self.generating:  # a message sent meanwhile: its conversation stays open
+            return
+        await self.open_conversation(name)
         self.panel.show_turn_start("new conversation")
 
     async def action_regenerate(self) -> None:
