@@ -9,9 +9,10 @@ from textual.widgets import Collapsible, Static
 
 import localchat.models.demo as demo_module
 import localchat.session as session_module
-import localchat.tui.chat.turns as turns_module
+import localchat.tui.widgets.reply_view as reply_view_module
 from localchat.backends.compute_thread import on_compute_thread
 from localchat.backends.llama.engine import Engine
+from localchat.conversation.turn import ConversationTurn
 from localchat.text import printable
 from localchat.tui.messages import (
     ConversationRestored,
@@ -100,7 +101,9 @@ async def test_escape_stops_generation_and_keeps_the_partial_reply(
 ) -> None:
     # Drawing is not what this test is about (test_pacing is): no CPU share holds frames back,
     # which on a loaded machine, in a long test process, kept the first one past 30 s once.
-    monkeypatch.setattr(turns_module, "FramePacer", lambda threads: FramePacer(threads, share=1.0))
+    monkeypatch.setattr(
+        reply_view_module, "FramePacer", lambda threads: FramePacer(threads, share=1.0)
+    )
     async with chat_app(small_model, n_ctx=4096, max_tokens=3000) as ui:
         app = ui.app
         await ui.pilot.press(*"story", "enter")
@@ -131,7 +134,9 @@ async def test_text_held_back_by_the_pacer_is_drawn_when_the_reply_ends(
 ) -> None:
     """A pacer that allows no frame while streaming (a slow machine, a fast model): the whole
     reply still appears once generation ends."""
-    monkeypatch.setattr(turns_module, "FramePacer", lambda threads: FramePacer(threads, share=0.0))
+    monkeypatch.setattr(
+        reply_view_module, "FramePacer", lambda threads: FramePacer(threads, share=0.0)
+    )
     async with chat_app(small_model, n_ctx=1024, max_tokens=300) as ui:
         await ui.say("tell me more")
         reply = ui.app.query_one(AssistantMessage)
@@ -263,12 +268,24 @@ async def test_after_demo_a_plain_start_reopens_the_demo_model(
         assert app.conversation is not None and len(app.conversation.exchanges) == 2
 
 
-async def test_reply_messages_carry_copies_of_the_stats(tiny_model: Path) -> None:
+async def test_reply_messages_carry_copies_of_the_stats(
+    tiny_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     async with chat_app(tiny_model, n_ctx=512, max_tokens=24) as ui:
+        conversation = ui.app.conversation
+        assert conversation is not None
+        turns: list[ConversationTurn] = []  # the live turn the worker iterates
+        real_send = conversation.send
+
+        def send(*args: object, **kwargs: object) -> ConversationTurn:
+            turns.append(real_send(*args, **kwargs))  # type: ignore[arg-type]
+            return turns[-1]
+
+        monkeypatch.setattr(conversation, "send", send)
         finished = await ui.say("hello there")
         chunks = ui.posted(ReplyChunk)
         assert chunks
-        live = finished.turn.stats
+        live = turns[-1].stats
         assert all(c.stats is not live for c in chunks) and finished.stats is not live
         assert len({id(c.stats) for c in chunks}) == len(chunks)
         assert finished.stats == live  # a copy of what the turn ended with

@@ -60,7 +60,7 @@ async def test_a_selected_message_is_edited_into_a_branch_and_switched_back(
         await pilot.press("e")
         assert box.text == "first question"
         await pilot.press("escape")
-        assert box.text == "a draft" and app.chat.editing is None
+        assert box.text == "a draft" and app.chat.composer.editing is None
 
 
 async def test_a_pinned_message_stays_in_the_window_the_others_are_dimmed(
@@ -88,7 +88,7 @@ async def test_a_pinned_message_stays_in_the_window_the_others_are_dimmed(
         # The model still reads the pinned exchange; a message that left is dimmed.
         ids = [e.record.id for e in conversation.exchanges[:3]]
         assert [conversation.sees(i) for i in ids] == [True, True, False]
-        prompt_text = conversation.backend.detokenize(moved.turn.prompt.tokens)
+        prompt_text = conversation.backend.detokenize(moved.turn.prompt_tokens)
         assert "falcon" in prompt_text
         entries = list(app.query(ChatEntry))
         assert not entries[1].has_class("out-of-window") and entries[2].has_class("out-of-window")
@@ -125,16 +125,16 @@ async def test_a_file_is_attached_to_the_next_message(tiny_model: Path, tmp_path
         await attach(notes)
         await ui.notice("Attached notes.md:")
         finished = await ui.say("what do my notes say")
-        sent = finished.turn.user.record.content
+        sent = finished.turn.user_text
         assert sent.startswith("File: notes.md\n```markdown\n# Notes") and sent.endswith(
             "\n\nwhat do my notes say"
         )
-        assert not app.chat.attachments  # they went with that message
+        assert not app.chat.composer.attachments  # they went with that message
         big = tmp_path / "big.log"
         big.write_text("line of a long log file\n" * 400)
         await attach(big)
         await ui.notice("use --ctx", "big.log")
-        assert not app.chat.attachments
+        assert not app.chat.composer.attachments
 
 
 async def test_code_blocks_and_selected_text_are_copied(tiny_model: Path) -> None:
@@ -210,8 +210,9 @@ async def test_an_edit_left_for_another_conversation_gives_the_box_back(
         old = app.conversation
         await ui.pilot.press("ctrl+n")  # a new conversation: the edit does not follow
         await ui.opened(before=old)
-        assert app.chat.editing is None and box.text == "my draft"
+        assert app.chat.composer.editing is None and box.text == "my draft"
         box.focus()
         finished = await ui.say(" and more")
-        assert finished.turn.user.record.content == "my draft and more"
-        assert len(finished.turn.conversation.exchanges) == 2
+        assert finished.turn.user_text == "my draft and more"
+        assert finished.turn.conversation_id == app.conversation.record.id
+        assert len(app.conversation.exchanges) == 2

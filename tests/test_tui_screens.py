@@ -140,7 +140,8 @@ async def test_models_screen_downloads_with_progress_and_switches(
         # Same conversation, now on the new model; the tiny model's state file is kept.
         assert app.conversation.record.name == name
         finished_turn = await ui.say("hello on small")
-        assert finished_turn.turn.conversation.backend.model_path == finished.path
+        assert finished_turn.turn.conversation_id == app.conversation.record.id
+        assert app.conversation.backend.model_path == finished.path
         assert app.conversation.wait_saved() is None  # the new model's state is written
         states = list(app_paths().states_dir.glob(f"{app.conversation.record.id}.*.lckv"))
         assert len(states) == 2

@@ -50,9 +50,9 @@ async def test_typed_slowly_fast_or_pasted_the_reply_is_the_same(smollm2: Path) 
                 finished = await _send_pasted(ui, QUESTION)
             else:
                 finished = await _send_typed(ui, QUESTION, 0.03 if way == "slowly" else 0)
-            assert finished.turn.user.record.content == QUESTION
-            stats = finished.turn.stats_dict() | {"prompt": finished.turn.prompt.tokens}
-            results[way] = (finished.turn.generation.text, stats)
+            assert finished.turn.user_text == QUESTION
+            stats = finished.turn.stats_dict() | {"prompt": finished.turn.prompt_tokens}
+            results[way] = (finished.turn.reply_text, stats)
             if way == "slowly":
                 panel = ui.text("#turn-start")
                 speed = ui.text("#speed")
@@ -100,7 +100,7 @@ async def test_reading_ahead_that_fails_says_nothing_and_the_turn_says_why(
     async with chat_app(
         tiny_model, size=(120, 36), n_ctx=64, max_tokens=8, system_prompt="rule " * 80
     ) as ui:
-        box, reader = ui.app.query_one(PromptInput), ui.app.chat.reader
+        box, reader = ui.app.query_one(PromptInput), ui.app.chat.composer.reader
         for key in _keys("tell me about caches"):
             await ui.pilot.press(key)
         await ui.until(

@@ -68,9 +68,10 @@ async def until(
 
 
 def transcript_shown(app: LocalChatApp) -> bool:
-    """The open conversation's messages are the ones drawn on the chat screen."""
+    """The open conversation's messages are the ones drawn on the chat screen (drawn for it:
+    an empty log is not yet an empty conversation drawn)."""
     conversation = app.conversation
-    if conversation is None:
+    if conversation is None or app.chat.transcript.conversation is not conversation:
         return False
     stored = [e.record.id for e in conversation.exchanges if e.record.role in ("user", "assistant")]
     return [entry.message_id for entry in app.chat.query(ChatEntry)] == stored

@@ -6,13 +6,17 @@ message's report all read the same objects).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from dataclasses import dataclass, field
+import contextlib
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field, replace
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 from localchat.backends.base import Reply, TokenDelta, TurnStats
 from localchat.chat.prompt import BuiltPrompt
 from localchat.chat.template import ChatMessage
+from localchat.chat.tools import ToolCall
+from localchat.errors import LocalchatError
 from localchat.state.store import MessageRecord
 
 if TYPE_CHECKING:
@@ -114,6 +118,60 @@ class ConversationTurn:
         stats = turn_stats_dict(self.generation.stats, self.restore, self.window, self.prompt)
         stats["sent_ttft_s"] = round(self.sent_ttft_s, 6)
         return stats
+
+    def finished(self, branches: bool = True) -> FinishedTurn:
+        """The turn once iterated, as data: built where it ran (on the compute thread), so
+        that whoever reads it later (the app's thread) reads neither the database nor the
+        model. ``branches``: look up the user's message's place among its branches."""
+        place = None
+        if branches:
+            with contextlib.suppress(LocalchatError):  # no longer in view
+                place = self.conversation.branches_at(self.user.record.id)
+        return FinishedTurn(
+            conversation_id=self.conversation.record.id,
+            stats=replace(self.stats),
+            restore=replace(self.restore),
+            window=self.window,
+            prompt_tokens=tuple(self.prompt.tokens),
+            history_reread=self.prompt.discarded,
+            user_id=self.user.record.id,
+            user_text=self.user.record.content,
+            user_branches=place,
+            reply_id=None if self.reply is None else self.reply.record.id,
+            reply_text=self.generation.text,
+            notices=tuple(self.notices),
+            tool_calls=tuple(self.generation.tool_calls),
+            sent_ttft_s=self.sent_ttft_s,
+            resume_ttft_s=self.resume_ttft_s,
+            report=MappingProxyType(self.stats_dict()),
+        )
+
+
+@dataclass(frozen=True)
+class FinishedTurn:
+    """A turn that ended, as the app's thread reads it: copies, ids and counts, nothing that
+    reaches back into the conversation (see ``ConversationTurn.finished``)."""
+
+    conversation_id: str
+    stats: TurnStats  # a copy of the figures it ended with
+    restore: RestoreReport  # a copy
+    window: WindowReport
+    prompt_tokens: tuple[int, ...]
+    history_reread: int  # history tokens the template rewrote (the prompt's ``discarded``)
+    user_id: int  # the stored message the turn answered (a results turn: the last result)
+    user_text: str
+    user_branches: tuple[int, int] | None  # (which, how many) at the user's message
+    reply_id: int | None  # the stored reply (None: nothing was committed)
+    reply_text: str
+    notices: tuple[str, ...]
+    tool_calls: tuple[ToolCall, ...]  # the calls the reply made
+    sent_ttft_s: float
+    resume_ttft_s: float
+    report: Mapping[str, Any]  # ``stats_dict`` as the turn ended
+
+    def stats_dict(self) -> dict[str, Any]:
+        """The figures as ``ask --json`` reports them (a copy)."""
+        return dict(self.report)
 
 
 @dataclass(frozen=True)

@@ -44,13 +44,13 @@ from localchat.tui.screens.help import HelpScreen
 from localchat.tui.screens.no_model import NoModelScreen
 from localchat.tui.screens.startup import StartupScreen
 from localchat.tui.screens.tools import ToolsScreen
+from localchat.tui.state import AppState
 from localchat.tui.widgets.chat_message import (
     AssistantMessage,
     ChatEntry,
     UserMessage,
     warm_up_markdown,
 )
-from localchat.tui.widgets.stats_panel import StatsPanel
 from localchat.tui.worker_failures import ReportsWorkerFailures
 
 if TYPE_CHECKING:  # llama.cpp and the hub client: imported in workers, after the first frame
@@ -95,23 +95,35 @@ class LocalChatApp(ReportsWorkerFailures, App[int]):
         self.model_name = model_name
         self.demo = demo
         self.n_ctx = n_ctx
-        self.settings = Settings()
-        self.max_tokens = max_tokens
-        self.sampling = sampling
         self.conversation_name = conversation_name
-        self.system_prompt = system_prompt
-        # The lifecycle (backend, stores, the open conversation): the screens draw it.
-        self.session: Session | None = None
+        # The session (the lifecycle: backend, stores, the open conversation), the settings
+        # and the options the chat screen reads: one object, handed to it.
+        self.state = AppState(sampling=sampling, max_tokens=max_tokens, system_prompt=system_prompt)
         self._startup_cancel = threading.Event()
         self._startup_skip = threading.Event()  # Esc during the speed calibration
         self._heap_frozen = False
         self._startup_screen: StartupScreen | None = None
-        self.quitting = False
         self._chat: ChatScreen | None = None
 
     def get_default_screen(self) -> Screen[Any]:
-        self._chat = ChatScreen()
+        self._chat = ChatScreen(self.state)
         return self._chat
+
+    @property
+    def session(self) -> Session | None:
+        return self.state.session
+
+    @property
+    def settings(self) -> Settings:
+        return self.state.settings
+
+    @settings.setter
+    def settings(self, settings: Settings) -> None:
+        self.state.settings = settings
+
+    @property
+    def quitting(self) -> bool:
+        return self.state.quitting
 
     @property
     def chat(self) -> ChatScreen:
@@ -167,15 +179,16 @@ class LocalChatApp(ReportsWorkerFailures, App[int]):
         if self.quitting:  # gone before it opened: nothing is kept open
             message.session.close()
             return
-        self.session, self.settings = message.session, message.settings
+        self.state.session, self.state.settings = message.session, message.settings
         if message.error is not None:
             self.notify(
                 message.error, title="Conversations unavailable", severity="error", timeout=30
             )
-        if self.max_tokens is None:
-            self.max_tokens = self.settings.max_tokens
-        if self.sampling is None:
-            self.sampling = Sampling(temperature=self.settings.temperature)
+        state = self.state
+        if state.max_tokens is None:
+            state.max_tokens = state.settings.max_tokens
+        if state.sampling is None:
+            state.sampling = Sampling(temperature=state.settings.temperature)
         if self.server is not None:
             self.connect_server(self.server, self.n_ctx)
         else:
@@ -350,7 +363,7 @@ class LocalChatApp(ReportsWorkerFailures, App[int]):
             await asyncio.to_thread(run_compute, old.close)
         if self.chat.torn_down():
             return
-        panel = self.query_one(StatsPanel)
+        panel = self.chat.panel
         view = message.backend.describe()
         self.sub_title = view.title
         panel.show_backend(view)
@@ -439,7 +452,7 @@ class LocalChatApp(ReportsWorkerFailures, App[int]):
     def exit(self, *args: Any, **kwargs: Any) -> None:
         """Quitting stops a reply at once (the turn then commits what was written), and a
         first start's calibration or download at its next step."""
-        self.quitting = True
+        self.state.quitting = True
         if self._chat is not None:
             self._chat.quit_turn(0)
         self._startup_cancel.set()
@@ -451,7 +464,7 @@ class LocalChatApp(ReportsWorkerFailures, App[int]):
         # turn commit the partial reply before the conversation closes (bounded wait).
         if self._chat is not None and not self._chat.quit_turn(QUIT_WAIT_S):
             self.log.warning("the reply did not stop in time; it may be incomplete")
-        self.quitting = True
+        self.state.quitting = True
         wait_idle(QUIT_WAIT_S)  # a step of reading ahead ends before the stores close
         # A conversation still to open in a thread is not opened; one in flight is waited for.
         if self.session is not None:

@@ -10,7 +10,7 @@ from textual.message import Message
 
 from localchat.backends.base import Backend, TurnStats
 from localchat.chat.attachments import Attachment
-from localchat.conversation.turn import ConversationTurn
+from localchat.conversation.turn import FinishedTurn
 from localchat.progress import Progress, StepProgress
 
 if TYPE_CHECKING:  # the session is imported in a worker, after the first frame
@@ -55,11 +55,16 @@ class ReplyChunk(Message, bubble=False):  # the chat screen's own
 
 @dataclass
 class ReplyFinished(Message, bubble=False):  # the chat screen's own
-    """The turn is over; ``stats`` is a copy taken when it ended."""
+    """The turn is over: ``turn`` is what it came to, built on the compute thread where it
+    ran (the app's thread reads it, never the conversation's database)."""
 
-    stats: TurnStats
+    turn: FinishedTurn
     kv_tokens: int
-    turn: ConversationTurn
+
+    @property
+    def stats(self) -> TurnStats:
+        """A copy of the figures the turn ended with."""
+        return self.turn.stats
 
 
 @dataclass
@@ -113,7 +118,7 @@ class StartupStep(Message):
 
 
 @dataclass
-class ReadAhead(Message, bubble=False):  # the chat screen's own
+class ReadAhead(Message):  # from the composer, up to the chat screen
     """The message being typed in conversation ``conversation_id`` is read ahead: ``tokens``
     of it are in the cache, which holds ``kv_tokens`` in all."""
 
@@ -123,13 +128,16 @@ class ReadAhead(Message, bubble=False):  # the chat screen's own
 
 
 @dataclass
-class AttachmentReady(Message, bubble=False):  # the chat screen's own
+class AttachmentReady(Message, bubble=False):  # the composer's own
     """A file read for the next message: ``tokens`` is what it costs in the context,
-    ``head_tokens`` what the system prompt takes."""
+    ``head_tokens`` what the system prompt takes; ``n_ctx`` the context, and ``max_tokens``
+    the room a reply needs in it."""
 
     attachment: Attachment
     tokens: int
     head_tokens: int
+    n_ctx: int | None
+    max_tokens: int
 
 
 @dataclass

@@ -1,2 +1,2 @@
-"""The chat screen's parts: its state and transcript, a turn streaming in, branches,
-attachments."""
+"""The chat screen's parts that are not widgets: a turn as its worker runs it, and the
+tool round between replies."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import ClassVar
 
 import psutil
@@ -13,6 +14,9 @@ from textual.widgets import Label, Sparkline, Static
 
 from localchat.backends.base import BackendView, CacheView, TurnStats
 from localchat.units import format_bytes
+
+# While a reply streams, the speed and cache lines change at most this often.
+LIVE_INTERVAL_S = 0.5
 
 
 class FillBar(Widget):
@@ -52,6 +56,7 @@ class StatsPanel(Vertical):
         super().__init__(id="stats")
         self._speeds: list[float] = []
         self._process = psutil.Process()
+        self._live_shown_at = 0.0
 
     def compose(self) -> ComposeResult:
         yield Label("Model", classes="heading")
@@ -95,6 +100,15 @@ class StatsPanel(Vertical):
         about = "" if view.counted else "≈"
         limit = f" / {view.n_ctx:,}" if view.n_ctx else ""
         self._set("ctx-tokens", f"{about}{view.tokens:,}{limit} tokens")
+
+    def live_due(self) -> bool:
+        """Whether the live lines (speed, cache) are due for a change while a reply streams
+        (True: counted as shown now)."""
+        now = time.perf_counter()
+        if now - self._live_shown_at < LIVE_INTERVAL_S:
+            return False
+        self._live_shown_at = now
+        return True
 
     def show_speed(self, stats: TurnStats, ttft_s: float, final: bool = False) -> None:
         """``ttft_s``: from the message being sent (Enter) to its first token."""
