@@ -17,6 +17,7 @@ Layers, lowest first (README, Development):
 from __future__ import annotations
 
 import ast
+import importlib.util
 import json
 import subprocess
 import sys
@@ -240,3 +241,65 @@ def test_only_the_remote_backend_speaks_http_to_servers_and_a_local_start_never_
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.stdout.strip() == "[]"  # a local start never pays for the wire or serve
+
+
+def _llama_cpp_private_names() -> set[str]:
+    """The private attributes llama-cpp-python's ``Llama`` and its wrappers of llama.cpp's
+    model, context and batch set on themselves (read from its installed source)."""
+    spec = importlib.util.find_spec("llama_cpp")
+    assert spec is not None and spec.origin is not None
+    folder = Path(spec.origin).parent
+    names: set[str] = set()
+    for source in ("llama.py", "_internals.py"):
+        for node in ast.walk(ast.parse((folder / source).read_text())):
+            if (
+                isinstance(node, ast.Attribute)
+                and isinstance(node.ctx, ast.Store)
+                and isinstance(node.value, ast.Name)
+                and node.value.id == "self"
+                and node.attr.startswith("_")
+                and not node.attr.startswith("__")
+            ):
+                names.add(node.attr)
+    return names
+
+
+class _PrivateReads(ast.NodeVisitor):
+    """Where a module reaches into llama-cpp-python's private attributes: ``x._ctx`` on any
+    object but ``self``, and ``self._ctx`` too inside a class built on llama-cpp-python's
+    (``RecordingLlama(llama_cpp.Llama)``); a class of localchat's own may name its own
+    attributes as it likes."""
+
+    def __init__(self, private: set[str]) -> None:
+        self.private = private
+        self.llama_class = [False]
+        self.found: list[tuple[int, str]] = []
+
+    def visit_ClassDef(self, node: ast.ClassDef) -> None:
+        bases = " ".join(ast.unparse(base) for base in node.bases)
+        self.llama_class.append("llama_cpp" in bases or "Llama" in bases)
+        self.generic_visit(node)
+        self.llama_class.pop()
+
+    def visit_Attribute(self, node: ast.Attribute) -> None:
+        own = isinstance(node.value, ast.Name) and node.value.id == "self"
+        if node.attr in self.private and (not own or self.llama_class[-1]):
+            self.found.append((node.lineno, ast.unparse(node)))
+        self.generic_visit(node)
+
+
+def test_only_the_internals_module_touches_llama_cpp_private_attributes() -> None:
+    # One module holds every use of llama-cpp-python's private attributes (each a small
+    # function saying what public API is missing): a release that renames one breaks it alone.
+    private = _llama_cpp_private_names()
+    assert {"_model", "_ctx", "_batch", "_requires_eval"} <= private
+    internals = PACKAGE / "backends" / "llama" / "internals.py"
+    offenders: list[str] = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        reads = _PrivateReads(private)
+        reads.visit(ast.parse(path.read_text()))
+        if path != internals:
+            offenders += [f"{path.relative_to(PACKAGE)}:{n}: {text}" for n, text in reads.found]
+        else:
+            assert reads.found, "the internals module is where they are read"
+    assert offenders == []

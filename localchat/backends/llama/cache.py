@@ -14,6 +14,7 @@ from typing import Any
 import llama_cpp
 import numpy as np
 
+from localchat.backends.llama.internals import drop_cells_from, logits_stale, set_logits_stale
 from localchat.backends.llama.recording import RecordingLlama
 from localchat.chat.prompt import common_prefix
 from localchat.errors import ModelLoadError
@@ -77,7 +78,7 @@ class KVCache:
             return
         held = self.cached_tokens
         shared = common_prefix(held, prompt)
-        if shared == cached == len(prompt) and not self._llm._requires_eval:
+        if shared == cached == len(prompt) and not logits_stale(self._llm):
             return  # the prompt is the cache: generation samples at once
         keep = shared - 1 if shared == len(prompt) else shared  # what llama-cpp-python keeps
         if keep < cached and not self.keeps(keep):
@@ -106,7 +107,7 @@ class KVCache:
     def reset(self) -> None:
         """Forget the cache: the next generation evaluates its whole prompt."""
         self._llm.reset()
-        self._llm._ctx.kv_cache_seq_rm(-1, 0, -1)
+        drop_cells_from(self._llm, 0)
         self._llm.batch_starts = []
         self.cache_owner = None
         self.committed = 0
@@ -195,7 +196,7 @@ class KVCache:
                 self._llm.n_tokens = n
                 # llama.cpp's last logits belong to a later position now: a prompt equal to
                 # the cache must evaluate its last token again, not sample from them.
-                self._llm._requires_eval = True
+                set_logits_stale(self._llm, True)
                 self.committed = min(self.committed, n)
                 starts = self._llm.batch_starts
                 if starts is not None:
@@ -228,6 +229,6 @@ class KVCache:
         self._llm.input_ids[: len(tokens)] = list(tokens)
         self._llm.n_tokens = len(tokens)
         self.committed = len(tokens)
-        self._llm._requires_eval = True
+        set_logits_stale(self._llm, True)
         self._llm.batch_starts = None if batch_starts is None else list(batch_starts)
         return True

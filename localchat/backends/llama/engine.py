@@ -29,6 +29,7 @@ from localchat.backends.llama.grammar import (
     format_grammar,
     tool_call_grammar,
 )
+from localchat.backends.llama.internals import vocab_of
 from localchat.backends.llama.recording import RecordingLlama
 from localchat.backends.llama.runtime import (
     abort_requested,
@@ -366,12 +367,12 @@ class Engine(KVCache):
     def has_control_token(self, text: str) -> bool:
         """Whether ``text`` is one control token of this vocabulary."""
         ids = self.tokenize(text, special=True)
-        vocab = self._llm._model.vocab
+        vocab = vocab_of(self._llm)
         return len(ids) == 1 and bool(llama_cpp.llama_vocab_is_control(vocab, ids[0]))
 
     def strips_reply_space(self, last_prompt_token: int) -> bool:
         """Whether a reply's first space is the tokenizer's own (after a control token)."""
-        vocab = self._llm._model.vocab
+        vocab = vocab_of(self._llm)
         return self.add_space_prefix and bool(
             llama_cpp.llama_vocab_is_control(vocab, last_prompt_token)
         )
@@ -379,7 +380,7 @@ class Engine(KVCache):
     def token_bytes(self, token: int) -> bytes:
         """The bytes a token stands for, control tokens spelled out: the prompt builder
         compares token sequences by what they say."""
-        vocab = self._llm._model.vocab
+        vocab = vocab_of(self._llm)
         size = 64
         while True:
             buffer = ctypes.create_string_buffer(size)
@@ -433,7 +434,7 @@ class Engine(KVCache):
         return self.generate(tokens, sampling, max_tokens, cancel, tool_use)
 
     def is_end_of_generation(self, token: int) -> bool:
-        return bool(llama_cpp.llama_vocab_is_eog(self._llm._model.vocab, token))
+        return bool(llama_cpp.llama_vocab_is_eog(vocab_of(self._llm), token))
 
     def token_text(self, token: int) -> str:
         """A token's text as the model sees it, specials included (for templates and debugging)."""
@@ -538,7 +539,7 @@ class Engine(KVCache):
         family = self.template.tool_family
         try:
             rules = tool_call_grammar(family, list(tool_use.tools), tool_use.forced_name)
-            checked_grammar(self._llm._model.vocab, rules)
+            checked_grammar(vocab_of(self._llm), rules)
         except GrammarError as exc:
             raise UsageError(str(exc)) from None
         return rules
@@ -548,7 +549,7 @@ class Engine(KVCache):
         llama.cpp cannot follow is a one-line error."""
         try:
             rules = format_grammar(schema)
-            checked_grammar(self._llm._model.vocab, rules)
+            checked_grammar(vocab_of(self._llm), rules)
         except GrammarError as exc:
             raise UsageError(str(exc)) from None
         return rules
@@ -556,7 +557,7 @@ class Engine(KVCache):
     def given_grammar(self, rules: str) -> str:
         """A client's own GBNF, where llama.cpp parses it; else a one-line error."""
         try:
-            checked_grammar(self._llm._model.vocab, rules)
+            checked_grammar(vocab_of(self._llm), rules)
         except GrammarError as exc:
             raise UsageError(f"grammar: {exc}") from None
         return rules
