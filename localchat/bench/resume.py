@@ -61,7 +61,7 @@ def bench_resume(model_path: Path, progress: Progress = None) -> dict[str, Any]:
         conversation = Conversation.open(store, StateStore(data / "states"), "bench", engine)
         build_history(conversation, progress)
         conversation.wait_saved()
-        history_tokens = len(engine.cached_tokens)
+        history_tokens = len(engine.cache.cached_tokens)
         kv_bytes_used = engine.kv_bytes_used
         state_files = list((data / "states").glob("*.lckv"))
         state_bytes = sum(p.stat().st_size for p in state_files)
@@ -74,7 +74,7 @@ def bench_resume(model_path: Path, progress: Progress = None) -> dict[str, Any]:
             shutil.rmtree(child_home, ignore_errors=True)
             shutil.copytree(backup, child_home / "data")
 
-        history = list(engine.cached_tokens)
+        history = list(engine.cache.cached_tokens)
         warm_ttfts: list[float] = []
         resumed_runs: list[dict[str, Any]] = []
         for index in range(RESUME_ROUNDS):  # in pairs, the order alternating: drift cancels
@@ -86,7 +86,7 @@ def bench_resume(model_path: Path, progress: Progress = None) -> dict[str, Any]:
                     warm_ttfts.append(turn.resume_ttft_s)
                     warm_reply = turn.generation.text
                     conversation.take_back_last_exchange()
-                    engine.hold(history)  # the new message is read again in the next round
+                    engine.cache.hold(history)  # the new message is read again in the next round
                     conversation.wait_saved()  # not written while a new process is timed
                 else:
                     reset_child()

@@ -190,7 +190,7 @@ class SequenceBatch:
     def cut(self, seq: int, keep: int) -> bool:
         """Keep the first ``keep`` positions of ``seq``; False where that cannot continue
         exactly (a window cache that dropped positions the next token would look at, as
-        ``Engine.keeps`` says for one sequence): then the sequence is emptied."""
+        ``KVCache.keeps`` says for one sequence): then the sequence is emptied."""
         held = len(self.tokens[seq])
         window = self.engine.n_swa if self.engine.windowed else 0
         if keep < held and window:

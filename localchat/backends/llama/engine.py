@@ -107,8 +107,9 @@ class LoadOptions:
     own_cells: int | None = None
 
 
-class Engine(KVCache):
-    """A loaded model with its context: the only owner of llama.cpp objects."""
+class Engine:
+    """A loaded model with its context: the only owner of llama.cpp objects. Its KV cache
+    is a part it holds (``cache``), leased to one conversation at a time."""
 
     def __init__(self, model_path: Path, options: LoadOptions | None = None) -> None:
         self.options = options or LoadOptions()
@@ -225,12 +226,7 @@ class Engine(KVCache):
         # Whether a step's tokens can leave a sequence's cache exactly (a rejected draft, a
         # step given up midway): not a recurrent state, nor a window that dropped old cells.
         self.cuts_back = not self.recurrent and not self.windowed
-        # Which conversation the cache holds now (set by the conversation layer), and how
-        # many of its tokens that conversation's turns (or a restore, a replay) put there:
-        # tokens past ``committed`` were read ahead of a message still being typed, and count
-        # for the next prompt only where they are its exact ids.
-        self.cache_owner: str | None = None
-        self.committed = 0
+        self.cache = KVCache(self._llm, self.n_swa, self.windowed)
         try:
             self.template = self._chat_template()
         except ModelFileError as exc:  # a template that does not compile, or runs away probed
@@ -277,7 +273,7 @@ class Engine(KVCache):
         """One throwaway decode at load, as llama.cpp's own tools do: it faults in the mapped
         weights and sets up compute buffers, so the first real turn does not pay for that."""
         self._llm.eval([self.bos_token])
-        self.reset()
+        self.cache.reset()
         self._fingerprint: str | None = None
 
     @property
@@ -307,6 +303,16 @@ class Engine(KVCache):
     @property
     def context_size(self) -> int:
         return self.n_ctx
+
+    @property
+    def n_ctx(self) -> int:
+        """The context size asked for: how many tokens a prompt plus reply may hold."""
+        return self.cache.n_ctx
+
+    @property
+    def n_batch(self) -> int:
+        """Tokens one evaluation batch holds: a cold prompt is read in batches of this."""
+        return self.cache.n_batch
 
     @property
     def kv_cells(self) -> int:

@@ -162,7 +162,7 @@ class Generation:
         llm.set_seed(self._sampling.seed)
         counted_before = llm.tokens_evaluated
         start = time.perf_counter()
-        engine.prepare_prefix(self._tokens)
+        engine.cache.prepare_prefix(self._tokens)
         first_at = last_at = start
         first_cpu = last_cpu = 0.0
         # A grammar's state follows every sampled token: drafts it would reject are not
@@ -243,11 +243,11 @@ class Generation:
                 # A reply that ended on a token its draft did not have leaves that draft in
                 # the cache (it is checked only when the next token is asked for): cut back
                 # to what the reply shares with the cache, then hold the reply.
-                shared = common_prefix(engine.cached_tokens, sequence)
+                shared = common_prefix(engine.cache.cached_tokens, sequence)
                 if shared < llm.n_tokens:
-                    engine.hold(sequence[:shared])
-            engine.hold(sequence)
-            engine.committed = len(engine.cached_tokens)  # the prompt and the reply as held
+                    engine.cache.hold(sequence[:shared])
+            engine.cache.hold(sequence)
+            engine.cache.commit()  # the prompt and the reply as held
             stats.kv_bytes_used = engine.kv_bytes_used
             stats.kv_bytes_allocated = engine.kv_bytes_allocated
 
