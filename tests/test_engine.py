@@ -223,3 +223,27 @@ def test_replay_refuses_batches_that_do_not_fit(engine: Engine) -> None:
     assert not engine.cache.replay([1, 2, 3], [1])
     assert not engine.cache.replay([1, 2, 3], [])
     assert not engine.cache.replay(list(range(300, 1000)), [0])  # one batch larger than n_batch
+
+
+def test_the_cache_is_leased_by_a_claim_and_its_history_committed(engine: Engine) -> None:
+    cache = engine.cache
+    cache.reset()
+    assert cache.owner is None and cache.committed == 0
+    generation, _ = _run(engine, _prompt(engine, "Who holds the cache?"), max_tokens=4)
+    # A generation commits what it put there: the prompt and the reply as held.
+    assert (
+        cache.committed
+        == len(cache.cached_tokens)
+        == len(generation._tokens) + len(generation.tokens)
+    )
+    cache.claim("a")
+    assert cache.held_by("a") and not cache.held_by("b") and cache.owner == "a"
+    history = cache.cached_tokens
+    cache.extend(engine.tokenize(" read ahead"))  # past ``committed``: not the history
+    assert cache.committed_tokens == history and len(cache.cached_tokens) > len(history)
+    cache.hold(history[:-2])  # cut back under the history: the commit follows the cut
+    assert cache.committed == len(history) - 2 and cache.held_by("a")
+    cache.claim("b")
+    assert cache.held_by("b") and not cache.held_by("a")
+    cache.reset()  # the lease ends with the cache
+    assert cache.owner is None and not cache.held_by("b") and cache.committed == 0
