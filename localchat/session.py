@@ -477,7 +477,7 @@ class Session:
         prompt = builder.build(messages)
         states = self.states or StateStore(self.paths.states_dir, self.settings.state_budget_bytes)
         prefix = start_from_prefix(
-            backend,
+            backend.cache,
             states,
             backend.state_key,
             prompt.tokens,

@@ -128,7 +128,7 @@ def test_a_new_conversation_opening_with_the_same_file_restores_it(
     try:
         replies = []
         for name in ("first", "second"):
-            engine.reset()
+            engine.cache.reset()
             conversation = Conversation.open(store, states, name, engine)
             if name == "second":  # typed after attaching: the file is read meanwhile
                 conversation.read_ahead(message[:-4], 12, lambda: False)

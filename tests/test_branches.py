@@ -73,7 +73,7 @@ def test_editing_message_k_evaluates_only_from_k_and_continues_as_a_fresh_read(
         2,
     )  # the old question is kept beside it
     # A fresh read of the edited branch: from nothing, in one go.
-    engine.reset()
+    engine.cache.reset()
     fresh = engine.generate(turn.prompt.tokens, GREEDY, 16)
     assert "".join(d.text for d in fresh) == turn.generation.text
 
@@ -136,7 +136,7 @@ def test_an_edit_in_a_shifted_window_reads_the_new_branch_exactly(tiny_model: Pa
         assert stats["window_mode"] == "none"
         # Nothing of the shifted cache was cut and kept: the window was read again.
         assert stats["prompt_tokens_evaluated"] == stats["prompt_tokens"]
-        engine.reset()
+        engine.cache.reset()
         fresh = engine.generate(edited.prompt.tokens, GREEDY, 16)
         assert "".join(d.text for d in fresh) == edited.generation.text
     finally:
@@ -152,7 +152,7 @@ def test_branch_forks_a_conversation_that_starts_from_the_saved_cache(
     assert main(["branch", "long", "--at", "8", "--as", "fork"]) == 0
     assert "into 'fork'" in capsys.readouterr().out
     store, states = _stores()
-    engine.reset()  # a new process would start with nothing in memory
+    engine.cache.reset()  # a new process would start with nothing in memory
     fork = Conversation.open(store, states, "fork", engine)
     assert [e.record.content for e in fork.exchanges] == [e.record.content for e in held[:8]]
     assert fork.record.system_prompt == "Be brief."
@@ -161,7 +161,7 @@ def test_branch_forks_a_conversation_that_starts_from_the_saved_cache(
     assert stats["restored_from_state"] and stats["restored_tokens"] > 200
     assert stats["prompt_tokens_evaluated"] < 30
     # The same turn read from nothing continues the same way.
-    engine.reset()
+    engine.cache.reset()
     fresh = engine.generate(turn.prompt.tokens, GREEDY, 16)
     assert "".join(d.text for d in fresh) == turn.generation.text
     assert len(Store(app_paths().database).messages(fork.record.id)) == 10
@@ -240,7 +240,7 @@ def test_a_pinned_message_never_leaves_the_window(tiny_model: Path) -> None:
         conversation.pin(_id(conversation, 0), pinned=False)
         after = _say(conversation, "and one more question")
         assert "falcon" not in engine.detokenize(after.prompt.tokens)
-        engine.reset()
+        engine.cache.reset()
         fresh = engine.generate(after.prompt.tokens, GREEDY, 16)
         assert "".join(d.text for d in fresh) == after.generation.text
     finally:
@@ -315,11 +315,11 @@ def test_an_edit_into_a_shifted_cache_reads_exactly_after_a_reopen(tiny_model: P
         conversation.saver.wait()
         conversation.branch_before(_id(conversation, len(conversation.exchanges) - 2))
         conversation.close()
-        engine.reset()
+        engine.cache.reset()
         reopened = Conversation.open(store, states, "shift-reopen", engine, window_mode="shift")
         reopened.restore_now()  # as the app does on opening: nothing inexact is restored
         edited = _say(reopened, EDITED)
-        engine.reset()
+        engine.cache.reset()
         fresh = engine.generate(edited.prompt.tokens, GREEDY, 16)
         assert "".join(d.text for d in fresh) == edited.generation.text
         assert (

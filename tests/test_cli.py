@@ -250,7 +250,7 @@ def test_an_aborted_prompt_keeps_whole_batches_and_goes_on_exactly(small_model: 
         prompt = engine.tokenize("the quick brown fox " * 600, add_bos=True)[:2000]
 
         def abort_after_the_first_batch() -> None:
-            while not engine.cached_tokens:
+            while not engine.cache.cached_tokens:
                 time.sleep(0.002)
             runtime.request_abort()
 
@@ -262,16 +262,16 @@ def test_an_aborted_prompt_keeps_whole_batches_and_goes_on_exactly(small_model: 
         finally:
             watcher.join()
             runtime.clear_abort()
-        kept = len(engine.cached_tokens)
+        kept = len(engine.cache.cached_tokens)
         assert 0 < kept < len(prompt) and kept % engine.n_batch == 0
-        assert engine.cached_tokens == prompt[:kept]
-        assert engine.batch_starts == list(range(0, kept, engine.n_batch))
+        assert engine.cache.cached_tokens == prompt[:kept]
+        assert engine.cache.batch_starts == list(range(0, kept, engine.n_batch))
         # Going on from the kept batches evaluates the rest in the batches a fresh prompt
         # would: the reply is the one an uninterrupted evaluation gives.
         resumed = engine.generate(prompt, GREEDY, 8)
         list(resumed)
         assert resumed.stats.prompt_tokens_evaluated == len(prompt) - kept
-        engine.reset()
+        engine.cache.reset()
         fresh = engine.generate(prompt, GREEDY, 8)
         list(fresh)
         assert resumed.tokens == fresh.tokens

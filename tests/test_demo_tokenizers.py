@@ -182,7 +182,7 @@ def test_greedy_generation_runs_and_repeats(kind_engine: tuple[str, Engine]) -> 
         prompt = [engine.bos_token, *prompt]
     replies: list[list[int]] = []
     for _ in range(2):
-        engine.reset()
+        engine.cache.reset()
         deltas = engine.generate(prompt, GREEDY, 8)
         # A None token is held-back text released at the end, not a generated token.
         replies.append([d.token for d in deltas if d.token is not None])

@@ -92,7 +92,7 @@ def test_a_draft_model_never_changes_a_reply(smollm2: Path) -> None:
         assert with_drafts == tokens
         assert drafted_n > 20 and accepted > 0.7 * drafted_n
         prompt = drafted.prompt_tokens([ChatMessage("user", COPY_PROMPT)])
-        assert drafted.cached_tokens == prompt + with_drafts  # rejected drafts removed
+        assert drafted.cache.cached_tokens == prompt + with_drafts  # rejected drafts removed
         assert "draft model: SmolLM2" in drafted.describe().panel
     finally:
         plain.close()
@@ -166,7 +166,9 @@ def _turns(model: Path, home: Path, draft: Path | None) -> tuple[list[str], list
             before = engine.draft_model.evaluated if engine.draft_model else 0
             replies.append(_said(conversation, text))
             if engine.draft_model is not None:
-                reads.append((engine.draft_model.evaluated - before, len(engine.cached_tokens)))
+                reads.append(
+                    (engine.draft_model.evaluated - before, len(engine.cache.cached_tokens))
+                )
                 assert engine.draft_model.rebuilds == 1  # built once per engine, then followed
         conversation.wait_saved()
         conversation.close()

@@ -34,9 +34,9 @@ def _prompt(engine: Engine, text: str) -> list[int]:
 
 def test_greedy_output_is_deterministic_across_engines(engine: Engine, tiny_model: Path) -> None:
     prompt = _prompt(engine, "Tell me about the cache")
-    engine.reset()
+    engine.cache.reset()
     first, _ = _run(engine, prompt)
-    engine.reset()
+    engine.cache.reset()
     second, _ = _run(engine, prompt)
     other = Engine(tiny_model, LoadOptions(n_ctx=512))
     third, _ = _run(other, prompt)
@@ -47,9 +47,9 @@ def test_greedy_output_is_deterministic_across_engines(engine: Engine, tiny_mode
 
 
 def test_reply_depends_on_the_prompt(engine: Engine) -> None:
-    engine.reset()
+    engine.cache.reset()
     a, _ = _run(engine, _prompt(engine, "hello world"))
-    engine.reset()
+    engine.cache.reset()
     b, _ = _run(engine, _prompt(engine, "what is the model"))
     assert a.tokens != b.tokens
 
@@ -58,7 +58,7 @@ def test_sampling_seed_controls_randomness(engine: Engine) -> None:
     prompt = _prompt(engine, "hello")
     runs = []
     for seed in (1, 1, 2):
-        engine.reset()
+        engine.cache.reset()
         generation, _ = _run(engine, prompt, sampling=Sampling(temperature=1.0, seed=seed))
         runs.append(generation.tokens)
     assert runs[0] == runs[1]
@@ -67,7 +67,7 @@ def test_sampling_seed_controls_randomness(engine: Engine) -> None:
 
 def test_cancel_stops_within_one_token(engine: Engine) -> None:
     cancel = threading.Event()
-    engine.reset()
+    engine.cache.reset()
     generation = engine.generate(_prompt(engine, "go on"), GREEDY, 200, cancel)
     seen = 0
     for _delta in generation:
@@ -81,7 +81,7 @@ def test_cancel_stops_within_one_token(engine: Engine) -> None:
 
 def test_stats_count_tokens_like_the_tokenizer(engine: Engine) -> None:
     prompt = _prompt(engine, "count these tokens please")
-    engine.reset()
+    engine.cache.reset()
     generation, deltas = _run(engine, prompt, max_tokens=10)
     stats = generation.stats
     assert stats.prompt_tokens == len(prompt)
@@ -93,7 +93,7 @@ def test_stats_count_tokens_like_the_tokenizer(engine: Engine) -> None:
 
 
 def test_a_longer_prompt_reuses_the_cached_prefix(engine: Engine) -> None:
-    engine.reset()
+    engine.cache.reset()
     first_prompt = _prompt(engine, "first message")
     first, _ = _run(engine, first_prompt, max_tokens=8)
     follow_up = first_prompt + first.tokens + engine.tokenize(" and more words", special=True)
@@ -109,9 +109,9 @@ def test_kv_bytes_follow_tokens_times_per_token_bytes(engine: Engine, tiny_model
     shape = SHAPES["tiny"]
     per_token = shape.n_layer * shape.n_head_kv * shape.head_dim * 2 * 2  # K+V, f16
     assert engine.kv_bytes_per_token == per_token == kv_bytes_per_token(read_gguf(tiny_model))
-    engine.reset()
+    engine.cache.reset()
     generation, _ = _run(engine, _prompt(engine, "measure the cache"), max_tokens=12)
-    cached = len(engine.cached_tokens)
+    cached = len(engine.cache.cached_tokens)
     # The reply's last token is evaluated too: the cache holds the whole reply.
     assert cached == generation.stats.prompt_tokens + 12
     assert generation.stats.kv_bytes_used == cached * per_token
@@ -124,10 +124,10 @@ def test_kv_bytes_agree_with_llama_cpp_state_size(tiny_model: Path, kv_type: str
     engine = Engine(tiny_model, LoadOptions(n_ctx=256, kv_type=kv_type))
     sizes = {}
     for n in (20, 60, 140):
-        engine.reset()
+        engine.cache.reset()
         _run(engine, list(range(300, 300 + n)), max_tokens=1)
-        assert len(engine.cached_tokens) == n + 1
-        sizes[n] = len(engine.save_sequence_state())
+        assert len(engine.cache.cached_tokens) == n + 1
+        sizes[n] = len(engine.cache.save_sequence_state())
     growth = [(sizes[60] - sizes[20]) / 40, (sizes[140] - sizes[60]) / 80]
     assert growth[0] == growth[1]
     cell_metadata = growth[0] - engine.kv_bytes_per_token
@@ -158,14 +158,14 @@ def test_chat_template_from_the_model_is_applied(engine: Engine) -> None:
 
 def test_state_round_trip_continues_identically(engine: Engine, tiny_model: Path) -> None:
     prompt = _prompt(engine, "remember this")
-    engine.reset()
+    engine.cache.reset()
     _run(engine, prompt, max_tokens=6)
-    held = engine.cached_tokens
-    blob = engine.save_sequence_state()
+    held = engine.cache.cached_tokens
+    blob = engine.cache.save_sequence_state()
     follow = [*held, *engine.tokenize(" next", special=True)]
     expected, _ = _run(engine, follow, max_tokens=10)
     other = Engine(tiny_model, LoadOptions(n_ctx=512))
-    assert other.load_sequence_state(blob, held)
+    assert other.cache.load_sequence_state(blob, held)
     restored, _ = _run(other, follow, max_tokens=10)
     assert restored.stats.prompt_tokens_evaluated == len(follow) - len(held)
     assert restored.tokens == expected.tokens
@@ -205,21 +205,45 @@ def test_replaying_recorded_batches_rebuilds_the_cache_bit_for_bit(small_model: 
     generation = engine.generate(prompt, GREEDY, 40)
     for _ in generation:
         pass
-    follow = engine.generate([*engine.cached_tokens, *engine.tokenize(" more")], GREEDY, 5)
+    follow = engine.generate([*engine.cache.cached_tokens, *engine.tokenize(" more")], GREEDY, 5)
     for _ in follow:
         pass
-    tokens, starts = engine.cached_tokens, engine.batch_starts
+    tokens, starts = engine.cache.cached_tokens, engine.cache.batch_starts
     assert starts is not None
     # One batch for the prompt, one per generated token, one for the follow-up's new tokens.
     assert starts[:2] == [0, len(prompt)]
-    original = engine.save_sequence_state()
-    assert engine.replay(tokens, starts)
-    assert engine.cached_tokens == tokens
-    assert engine.save_sequence_state() == original
+    original = engine.cache.save_sequence_state()
+    assert engine.cache.replay(tokens, starts)
+    assert engine.cache.cached_tokens == tokens
+    assert engine.cache.save_sequence_state() == original
     engine.close()
 
 
 def test_replay_refuses_batches_that_do_not_fit(engine: Engine) -> None:
-    assert not engine.replay([1, 2, 3], [1])
-    assert not engine.replay([1, 2, 3], [])
-    assert not engine.replay(list(range(300, 1000)), [0])  # one batch larger than n_batch
+    assert not engine.cache.replay([1, 2, 3], [1])
+    assert not engine.cache.replay([1, 2, 3], [])
+    assert not engine.cache.replay(list(range(300, 1000)), [0])  # one batch larger than n_batch
+
+
+def test_the_cache_is_leased_by_a_claim_and_its_history_committed(engine: Engine) -> None:
+    cache = engine.cache
+    cache.reset()
+    assert cache.owner is None and cache.committed == 0
+    generation, _ = _run(engine, _prompt(engine, "Who holds the cache?"), max_tokens=4)
+    # A generation commits what it put there: the prompt and the reply as held.
+    assert (
+        cache.committed
+        == len(cache.cached_tokens)
+        == len(generation._tokens) + len(generation.tokens)
+    )
+    cache.claim("a")
+    assert cache.held_by("a") and not cache.held_by("b") and cache.owner == "a"
+    history = cache.cached_tokens
+    cache.extend(engine.tokenize(" read ahead"))  # past ``committed``: not the history
+    assert cache.committed_tokens == history and len(cache.cached_tokens) > len(history)
+    cache.hold(history[:-2])  # cut back under the history: the commit follows the cut
+    assert cache.committed == len(history) - 2 and cache.held_by("a")
+    cache.claim("b")
+    assert cache.held_by("b") and not cache.held_by("a")
+    cache.reset()  # the lease ends with the cache
+    assert cache.owner is None and not cache.held_by("b") and cache.committed == 0

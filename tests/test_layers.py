@@ -22,6 +22,7 @@ app's own measurements, which the bench imports only when it measures the app) a
 from __future__ import annotations
 
 import ast
+import importlib.util
 import json
 import subprocess
 import sys
@@ -72,18 +73,17 @@ BELOW |= {
     "bench": RUNTIME - {"server"} | {"tui", "cli"},
     "__main__": {"cli"},  # ``python -m localchat``
 }
-# The app's own floors (tui/): its leaf modules, widgets, the chat screen's mixins (chat/),
-# the screens, and the app on top. chat/ and screens/ import each other: the chat screen is
-# made of chat/'s mixins, and the mixins open dialogs from screens/ (ToolConsentScreen,
-# TextPromptScreen). That floor cannot be drawn until those dialogs sit below both (the chat
-# screen is being rebuilt); no module imports one that imports it back (test_no_import_cycles).
-TUI_LEAVES = {"bindings", "messages", "pacing", "process", "worker_failures"}
+# The app's own floors (tui/), lowest first: its leaf modules (messages, pacing, ...), the
+# widgets that own their state (composer, transcript, reply view, ...), the chat screen's
+# parts (chat/: the turn worker, the tool round), the screens, and the app on top. Type-only
+# imports count too: a widget never names a screen.
+TUI_LEAVES = {"bindings", "messages", "pacing", "process", "worker_failures", "state"}
 TUI_BELOW: dict[str, set[str]] = {
     "leaves": set(),
-    "widgets": set(),
-    "chat": {"leaves", "widgets", "screens"},
+    "widgets": {"leaves"},
+    "chat": {"leaves", "widgets"},
     "screens": {"leaves", "widgets", "chat"},
-    "app": {"leaves", "widgets", "screens"},
+    "app": {"leaves", "widgets", "chat", "screens"},
 }
 
 
@@ -197,7 +197,7 @@ def test_the_apps_floors_import_only_the_floors_below_them() -> None:
     upward = sorted(f"{a} -> {b}" for a, b in crossings if b not in TUI_BELOW[a])
     assert upward == []
     assert {("app", "screens"), ("app", "leaves"), ("screens", "widgets"),
-            ("chat", "widgets")} <= crossings  # fmt: skip
+            ("screens", "chat"), ("widgets", "leaves"), ("chat", "leaves")} <= crossings  # fmt: skip
 
 
 def test_only_backends_llama_imports_llama_cpp() -> None:
@@ -275,9 +275,8 @@ def test_each_runtime_module_loads_only_what_its_layer_allows() -> None:
     assert "llama_cpp" in {m.split(".")[0] for m in loaded["localchat.backends.llama.engine"]}
 
 
-def test_no_import_cycles() -> None:
-    # A generation names its engine in type hints only: that is no cycle when run.
-    graph = _graph(typing_too=False)
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Every import cycle a depth-first walk of ``graph`` meets, each as a trail of modules."""
     cycles: list[list[str]] = []
     state: dict[str, str] = {}
 
@@ -293,8 +292,37 @@ def test_no_import_cycles() -> None:
     for start in sorted(graph):
         if start not in state:
             visit(start, [start])
-    assert cycles == [], f"import cycles: {cycles}"
+    return cycles
+
+
+def test_no_import_cycles() -> None:
+    # Imports for type hints only are left out here: no cycle when run (the next test).
+    graph = _graph(typing_too=False)
+    assert _cycles(graph) == [], f"import cycles: {_cycles(graph)}"
     assert "localchat.models.hardware" in graph["localchat.models.planner"]
+
+
+# Pairs that still name each other in type hints only (a parent and its child part): they
+# run without a cycle, but neither can be read, or moved, without the other.
+TYPING_CYCLES_LEFT = [
+    {"localchat.backends.remote", "localchat.backends.remote_reply"},
+    {"localchat.conversation.base", "localchat.conversation.turn"},
+]
+
+
+def test_no_import_cycles_with_type_hints_in_the_llama_backend() -> None:
+    # The llama backend's parts are handed what they read (a generation its cache, context
+    # and vocabulary), so none names its parent even in a type hint; elsewhere, only the
+    # pairs listed above still do.
+    graph = _graph(typing_too=True)
+    llama = "localchat.backends.llama."
+    inside = {
+        m: {t for t in ts if t.startswith(llama)} for m, ts in graph.items() if m.startswith(llama)
+    }
+    assert _cycles(inside) == [], f"type-only cycles in backends/llama: {_cycles(inside)}"
+    assert "localchat.backends.llama.cache" in inside["localchat.backends.llama.generation"]
+    left = [set(cycle) for cycle in _cycles(graph)]
+    assert all(cycle in TYPING_CYCLES_LEFT for cycle in left), f"new type-only cycles: {left}"
 
 
 def test_only_the_remote_backend_speaks_http_to_servers_and_a_local_start_never_loads_it() -> None:
@@ -317,3 +345,65 @@ def test_only_the_remote_backend_speaks_http_to_servers_and_a_local_start_never_
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.stdout.strip() == "[]"  # a local start never pays for the wire or serve
+
+
+def _llama_cpp_private_names() -> set[str]:
+    """The private attributes llama-cpp-python's ``Llama`` and its wrappers of llama.cpp's
+    model, context and batch set on themselves (read from its installed source)."""
+    spec = importlib.util.find_spec("llama_cpp")
+    assert spec is not None and spec.origin is not None
+    folder = Path(spec.origin).parent
+    names: set[str] = set()
+    for source in ("llama.py", "_internals.py"):
+        for node in ast.walk(ast.parse((folder / source).read_text())):
+            if (
+                isinstance(node, ast.Attribute)
+                and isinstance(node.ctx, ast.Store)
+                and isinstance(node.value, ast.Name)
+                and node.value.id == "self"
+                and node.attr.startswith("_")
+                and not node.attr.startswith("__")
+            ):
+                names.add(node.attr)
+    return names
+
+
+class _PrivateReads(ast.NodeVisitor):
+    """Where a module reaches into llama-cpp-python's private attributes: ``x._ctx`` on any
+    object but ``self``, and ``self._ctx`` too inside a class built on llama-cpp-python's
+    (``RecordingLlama(llama_cpp.Llama)``); a class of localchat's own may name its own
+    attributes as it likes."""
+
+    def __init__(self, private: set[str]) -> None:
+        self.private = private
+        self.llama_class = [False]
+        self.found: list[tuple[int, str]] = []
+
+    def visit_ClassDef(self, node: ast.ClassDef) -> None:
+        bases = " ".join(ast.unparse(base) for base in node.bases)
+        self.llama_class.append("llama_cpp" in bases or "Llama" in bases)
+        self.generic_visit(node)
+        self.llama_class.pop()
+
+    def visit_Attribute(self, node: ast.Attribute) -> None:
+        own = isinstance(node.value, ast.Name) and node.value.id == "self"
+        if node.attr in self.private and (not own or self.llama_class[-1]):
+            self.found.append((node.lineno, ast.unparse(node)))
+        self.generic_visit(node)
+
+
+def test_only_the_internals_module_touches_llama_cpp_private_attributes() -> None:
+    # One module holds every use of llama-cpp-python's private attributes (each a small
+    # function saying what public API is missing): a release that renames one breaks it alone.
+    private = _llama_cpp_private_names()
+    assert {"_model", "_ctx", "_batch", "_requires_eval"} <= private
+    internals = PACKAGE / "backends" / "llama" / "internals.py"
+    offenders: list[str] = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        reads = _PrivateReads(private)
+        reads.visit(ast.parse(path.read_text()))
+        if path != internals:
+            offenders += [f"{path.relative_to(PACKAGE)}:{n}: {text}" for n, text in reads.found]
+        else:
+            assert reads.found, "the internals module is where they are read"
+    assert offenders == []

@@ -44,7 +44,7 @@ def _turn(
     conversation.saver.wait()
     conversation.close()
     store.close()
-    engine.reset()  # the next conversation starts from nothing in memory
+    engine.cache.reset()  # the next conversation starts from nothing in memory
     return turn.generation.text, turn.stats_dict()
 
 

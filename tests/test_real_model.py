@@ -108,7 +108,7 @@ def test_the_window_moves_and_the_conversation_goes_on(smollm2: Path, tmp_path: 
         for _ in turn:
             pass
         assert turn.generation.text.strip()
-        assert len(engine.cached_tokens) < 384
+        assert len(engine.cache.cached_tokens) < 384
         if turn.window.dropped_messages:
             moved.append(turn)
     assert moved and all(t.window.mode == "shift" for t in moved)

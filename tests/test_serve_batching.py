@@ -181,7 +181,7 @@ def test_a_step_stopped_in_a_later_micro_batch_keeps_none_of_it(smollm2: Path) -
     try:
         prompts = [engine.prompt_tokens([ChatMessage("user", q)]) for q in QUESTIONS[:2]]
         batch.decode([Chunk(seq, prompt) for seq, prompt in enumerate(prompts)])
-        llama_cpp.llama_set_abort_callback(batch._ctx, counting, None)
+        llama_cpp.llama_set_abort_callback(batch._context, counting, None)
         sampler = batch.sampler(Sampling(temperature=0.0))
         held = [len(tokens) for tokens in batch.tokens]
 

@@ -200,13 +200,13 @@ def test_a_copy_reply_accepts_most_drafts(smollm2: Path) -> None:
         # What the cache holds is exactly the prompt and the reply (the last token evaluated),
         # also where the reply ends on a token its draft did not have (drafts past it left).
         prompt = engine.prompt_tokens([ChatMessage("user", COPY_REQUEST)])
-        assert engine.cached_tokens == prompt + generation.tokens
+        assert engine.cache.cached_tokens == prompt + generation.tokens
         for limit in range(60, 80):
             cut = engine.generate(prompt, GREEDY, limit)
             for _ in cut:
                 pass
             assert cut.tokens == generation.tokens[:limit]
-            assert engine.cached_tokens == prompt + cut.tokens, limit
+            assert engine.cache.cached_tokens == prompt + cut.tokens, limit
     finally:
         engine.close()
 
@@ -258,7 +258,7 @@ def test_a_stop_string_inside_a_drafted_run_ends_the_reply_where_it_would(
         assert cut_on.stats.accepted_tokens > 0  # drafted up to the stop (and past it)
         # The cache keeps only the reply as cut, no draft past the stop string.
         prompt = on.prompt_tokens([ChatMessage("user", COPY_REQUEST)])
-        assert on.cached_tokens == prompt + cut_on.tokens
+        assert on.cache.cached_tokens == prompt + cut_on.tokens
     finally:
         off.close()
         on.close()

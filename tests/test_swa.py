@@ -60,13 +60,13 @@ def test_a_window_cache_cannot_be_cut_back_past_its_window(swa_model: Path) -> N
     engine = _engine(swa_model, "window")
     try:
         prompt = engine.tokenize(_text(0, 1400), add_bos=True)[:1500]
-        engine.hold(prompt)
-        assert engine.cached_tokens == prompt
-        assert engine.keeps(len(prompt) - 10)
-        assert not engine.keeps(200), "those positions left the sliding-window cache"
+        engine.cache.hold(prompt)
+        assert engine.cache.cached_tokens == prompt
+        assert engine.cache.keeps(len(prompt) - 10)
+        assert not engine.cache.keeps(200), "those positions left the sliding-window cache"
         # hold() to a short prefix rebuilds (replays) instead of cutting.
-        engine.hold(prompt[:200])
-        assert engine.cached_tokens == prompt[:200] or engine.cached_tokens == []
+        engine.cache.hold(prompt[:200])
+        assert engine.cache.cached_tokens == prompt[:200] or engine.cache.cached_tokens == []
     finally:
         engine.close()
 
@@ -93,7 +93,7 @@ def test_turns_regenerate_and_resume_match_the_full_cache(swa_model: Path) -> No
     for mode in ("full", "window"):
         conversation, engine = _conversation(swa_model, mode, "long")
         out = [_reply(conversation, _text(turn)) for turn in range(4)]  # past 768 cells
-        assert len(engine.cached_tokens) > 1000
+        assert len(engine.cache.cached_tokens) > 1000
         # Regenerate: the last exchange goes, the same question is asked again.
         question = conversation.take_back_last_exchange()
         assert question is not None

@@ -245,7 +245,7 @@ def test_a_transcript_model_stops_where_the_users_next_turn_begins(
         if turn.stats.stop_reason == "stop":
             stopped.append(turn)
             # The cache holds the reply up to the stop, not the tokens that spelled it.
-            held = conversation.backend.cached_tokens
+            held = conversation.backend.cache.cached_tokens
             assert held == turn.prompt.tokens + turn.generation.tokens
             assert turn.stats.generated_tokens >= len(turn.generation.tokens)
         assert "\nUser:" not in turn.generation.text

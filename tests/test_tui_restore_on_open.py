@@ -23,7 +23,7 @@ def _saved_conversation(model: Path, name: str) -> int:
         for _ in conversation.send(text, GREEDY, 24):
             pass
     conversation.saver.wait()
-    held = len(engine.cached_tokens)
+    held = len(engine.cache.cached_tokens)
     conversation.close()
     store.close()
     engine.close()

@@ -96,7 +96,7 @@ def test_typed_and_pasted_give_the_same_prompt_and_reply(kind_model: Path) -> No
         assert spent == ahead  # nothing read ahead had to be thrown away
         evaluated = typed_stats["prompt_tokens_evaluated"]
         assert evaluated == pasted_stats["prompt_tokens_evaluated"] - ahead
-        assert engine.cached_tokens[: len(typed_stats["prompt"])] == typed_stats["prompt"]
+        assert engine.cache.cached_tokens[: len(typed_stats["prompt"])] == typed_stats["prompt"]
 
 
 def test_edits_fall_back_to_what_still_agrees(engine: Engine) -> None:
@@ -123,18 +123,18 @@ def test_a_message_that_would_move_the_window_waits_for_enter(tiny_model: Path) 
         conversation = _open(engine, "full", system=None)
         for text in ("One two three four five.", "Six seven eight nine ten."):
             _reply(conversation, text, 24)
-        held = engine.cached_tokens
+        held = engine.cache.cached_tokens
         before = engine._llm.tokens_evaluated
         long_message = " ".join(["word"] * 120)
         assert conversation.read_ahead(long_message, 24, _never) == ReadAheadResult(0)
-        assert engine._llm.tokens_evaluated == before and engine.cached_tokens == held
+        assert engine._llm.tokens_evaluated == before and engine.cache.cached_tokens == held
         _reply_text, stats = _reply(conversation, long_message, 24)
         assert stats["window_dropped_messages"] > 0 and stats["read_ahead_tokens"] == 0
 
 
 def test_reading_ahead_gives_way_between_small_steps(engine: Engine) -> None:
     conversation = _with_history(engine, "busy")
-    base = len(engine.cached_tokens)
+    base = len(engine.cache.cached_tokens)
     calls = 0
 
     def after_one_step() -> bool:
@@ -144,7 +144,7 @@ def test_reading_ahead_gives_way_between_small_steps(engine: Engine) -> None:
 
     ahead = conversation.read_ahead(MESSAGE, 16, after_one_step)
     assert ahead == ReadAheadResult(READ_AHEAD_BATCH, finished=False)
-    assert len(engine.cached_tokens) - base == READ_AHEAD_BATCH
+    assert len(engine.cache.cached_tokens) - base == READ_AHEAD_BATCH
     again = conversation.read_ahead(MESSAGE, 16, _never)  # and goes on
     assert again.finished and again.tokens > READ_AHEAD_BATCH
 
@@ -157,7 +157,7 @@ def test_a_new_conversation_reads_its_known_system_prompt_from_disk_while_typing
     cold_reply, cold = _reply(first, MESSAGE)
     first.saver.wait()
     first.close()
-    engine.reset()
+    engine.cache.reset()
     prefix_files = [p for p in StateStore(app_paths().states_dir).files() if ID_PREFIX in p.name]
     assert len(prefix_files) == 1
     second = _open(engine, "second", system=persona)
@@ -171,12 +171,12 @@ def test_a_new_conversation_reads_its_known_system_prompt_from_disk_while_typing
 
 def test_a_closed_conversation_or_an_empty_box_reads_nothing(engine: Engine) -> None:
     conversation = _with_history(engine, "quiet")
-    held = engine.cached_tokens
+    held = engine.cache.cached_tokens
     assert conversation.read_ahead("   \n", 16, _never) == ReadAheadResult(0)
-    assert engine.cached_tokens == held
+    assert engine.cache.cached_tokens == held
     conversation.close()
     assert conversation.read_ahead(MESSAGE, 16, _never) == ReadAheadResult(0)
-    assert engine.cached_tokens == held
+    assert engine.cache.cached_tokens == held
 
 
 @pytest.mark.parametrize(
@@ -204,16 +204,16 @@ def test_read_ahead_tokens_count_only_where_they_are_the_prompts_exact_ids(
     _reference_reply, reference_stats = _reply(reference, final)
     reference.close()
     odd = _with_history(engine, "odd")
-    base = len(engine.cached_tokens)
+    base = len(engine.cache.cached_tokens)
     _type(odd, _typed("Tell me about "))
     # What was read of the message (after the template's "<|im_start|>user\n"), then the
     # text that follows it in the final message, one token per character.
-    read = engine.detokenize(engine.cached_tokens[base:], special=True).split("user\n", 1)[1]
+    read = engine.detokenize(engine.cache.cached_tokens[base:], special=True).split("user\n", 1)[1]
     assert final.startswith(read) and read
     rest = final[len(read) : len(read) + 12]
     spelled = [t for ch in rest for t in engine.tokenize(ch)]
     assert engine.detokenize(spelled) == rest and len(spelled) == len(rest)
-    engine.extend(spelled)
+    engine.cache.extend(spelled)
     _reply_text, stats = _reply(odd, final)
     assert stats["prompt"] == reference_stats["prompt"]
     assert stats["history_reevaluated_tokens"] == 0
@@ -263,10 +263,12 @@ def test_a_rebuild_that_gives_way_leaves_the_prompt_as_it_would_be(engine: Engin
         expected = _reference_prompt(
             small_batches, [], MESSAGE, system=persona, prefix_min_tokens=0
         )
-        small_batches.reset()
+        small_batches.cache.reset()
         fresh = _open(small_batches, "stopped", system=persona)
         result = fresh.read_ahead(MESSAGE, 16, lambda: True)
-        assert result == ReadAheadResult(0, finished=False) and not small_batches.cached_tokens
+        assert (
+            result == ReadAheadResult(0, finished=False) and not small_batches.cache.cached_tokens
+        )
         _text, stats = _reply(fresh, MESSAGE)
         assert stats["prompt"] == expected and len(expected) > 2 * 256
         assert stats["restored_prefix_tokens"] == 0 and stats["read_ahead_tokens"] == 0
@@ -280,10 +282,10 @@ def test_a_history_without_its_saved_state_is_left_to_the_turn(engine: Engine) -
     conversation.close()
     states = StateStore(app_paths().states_dir)
     states.discard(conversation.record.id, engine.fingerprint)
-    engine.reset()
+    engine.cache.reset()
     reopened = _open(engine, "evicted")
     assert reopened.read_ahead(MESSAGE, 16, _never) == ReadAheadResult(0)
-    assert not engine.cached_tokens  # nothing read: the turn replays its recorded batches
+    assert not engine.cache.cached_tokens  # nothing read: the turn replays its recorded batches
     _text, stats = _reply(reopened, MESSAGE)
     assert stats["prompt"] == _reference_prompt(engine, ["Hello there."], MESSAGE)
 

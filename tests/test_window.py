@@ -65,7 +65,7 @@ def test_a_conversation_of_five_contexts_runs_to_the_end(tmp_path: Path, tiny_mo
         total += turn.stats.prompt_tokens_evaluated + turn.stats.generated_tokens
         if turn.window.dropped_messages:
             moves.append(turn)
-        cached = engine.cached_tokens
+        cached = engine.cache.cached_tokens
         # The system prompt stays at the head of the window after every move.
         assert cached[: len(head)] == head
         # The cache is exactly the window's messages as the template renders them, then the
@@ -126,7 +126,7 @@ def test_a_resumed_conversation_past_the_window_restores_and_continues(
     # And it keeps shifting correctly afterwards.
     for j in range(12):
         turn = _turn(reopened, _message(100 + j))
-        assert len(reopened.backend.cached_tokens) < CTX
+        assert len(reopened.backend.cache.cached_tokens) < CTX
     reopened.close()
 
 
@@ -199,7 +199,7 @@ def test_a_turn_that_fails_after_the_window_moved_leaves_everything_as_it_was(
         if a.window.dropped_messages:
             break
     failing.saver.wait(30)  # the last turn's state is on disk, as seconds after a reply
-    before = (failing.window_first, len(failing.exchanges), failing.backend.cached_tokens)
+    before = (failing.window_first, len(failing.exchanges), failing.backend.cache.cached_tokens)
     stored = [m.content for m in failing.store.messages(failing.record.id)]
     calls = {"n": 0}
     real_generate = failing.backend.generate

@@ -41,7 +41,7 @@ def bench_branch(model_path: Path, progress: Progress = None) -> dict[str, Any]:
             text = filler_text(turn_no, BRANCH_TURN_WORDS)
             for _ in conversation.send(text, greedy, REPLY_TOKENS):
                 pass
-        history = len(engine.cached_tokens)
+        history = len(engine.cache.cached_tokens)
         say(progress, f"branch: a {BRANCH_TURNS}-turn conversation of {history} tokens")
         edit_at = 2 * BRANCH_EDIT_AT
         conversation.branch_before(conversation.exchanges[edit_at].record.id)
@@ -53,7 +53,7 @@ def bench_branch(model_path: Path, progress: Progress = None) -> dict[str, Any]:
         conversation.wait_saved()
         conversation.close()
         store.close()
-        engine.reset()
+        engine.cache.reset()
         fresh = engine.generate(turn.prompt.tokens, greedy, REPLY_TOKENS)
         fresh_text = "".join(delta.text for delta in fresh)
         fresh_ttft = fresh.stats.ttft_s

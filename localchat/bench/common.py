@@ -88,7 +88,7 @@ def greedy_turn(engine: Engine, prompt: list[int], max_tokens: int, cold: bool =
     from localchat.backends.base import Sampling
 
     if cold:
-        engine.reset()
+        engine.cache.reset()
     generation = engine.generate(prompt, Sampling(temperature=0.0), max_tokens)
     for _ in generation:
         pass
@@ -112,9 +112,9 @@ def build_history(
     from localchat.backends.base import Sampling
 
     turn_no = 0
-    while len(conversation.backend.cached_tokens) < HISTORY_TOKENS:
+    while len(conversation.backend.cache.cached_tokens) < HISTORY_TOKENS:
         text = filler_text(turn_no, HISTORY_TURN_WORDS)
         for _ in conversation.send(text, Sampling(temperature=0.0), REPLY_TOKENS):
             pass
         turn_no += 1
-        say(progress, f"{label}: history at {len(conversation.backend.cached_tokens)} tokens")
+        say(progress, f"{label}: history at {len(conversation.backend.cache.cached_tokens)} tokens")

@@ -165,13 +165,13 @@ def _timed_models(
             engine = Engine(path, LoadOptions(n_ctx=PLAN_CTX, n_threads=physical_cores()))
             try:
                 prompt = synthetic_prompt(engine.bos_token, engine.n_vocab, PLAN_PROMPT_TOKENS)
-                if name in states and engine.load_sequence_state(*states[name]):
+                if name in states and engine.cache.load_sequence_state(*states[name]):
                     speeds.append(greedy_turn(engine, prompt, PLAN_GEN_TOKENS, cold=False).gen_tps)
                     continue
                 first = greedy_turn(engine, prompt, PLAN_GEN_TOKENS)
                 speeds.append(first.gen_tps)
                 prompt_tps[name] = first.prompt_tps
-                states[name] = (engine.save_sequence_state(), engine.cached_tokens)
+                states[name] = (engine.cache.save_sequence_state(), engine.cache.cached_tokens)
             finally:
                 engine.close()
     return {name: (gen[name], prompt_tps[name]) for name in files}, drifts

@@ -91,7 +91,7 @@ def bench_resume(model_path: Path, progress: Progress = None) -> dict[str, Any]:
         conversation = Conversation.open(store, StateStore(data / "states"), "bench", engine)
         build_history(conversation, progress)
         conversation.wait_saved()
-        history_tokens = len(engine.cached_tokens)
+        history_tokens = len(engine.cache.cached_tokens)
         kv_bytes_used = engine.kv_bytes_used
         state_bytes = sum(p.stat().st_size for p in (data / "states").glob("*.lckv"))
         shutil.copytree(data, home / "backup")
@@ -117,7 +117,7 @@ def _paired_rounds(
     from localchat.backends.base import Sampling
 
     greedy = Sampling(temperature=0.0)
-    history = list(engine.cached_tokens)
+    history = list(engine.cache.cached_tokens)
     rounds = _Rounds()
     for index in range(RESUME_ROUNDS):
         for side in ("warm", "resumed") if index % 2 == 0 else ("resumed", "warm"):
@@ -128,7 +128,7 @@ def _paired_rounds(
                 rounds.warm_ttfts.append(turn.resume_ttft_s)
                 rounds.warm_reply = turn.generation.text
                 conversation.take_back_last_exchange()
-                engine.hold(history)  # the new message is read again in the next round
+                engine.cache.hold(history)  # the new message is read again in the next round
                 conversation.wait_saved()  # not written while a new process is timed
             else:
                 child.reset()

@@ -84,7 +84,7 @@ def measure_rss_growth(
         "rss_growth": after - before,
         "rss_peak": peak,
         "rss_peak_source": source,
-        "cached_tokens": len(engine.cached_tokens),
+        "cached_tokens": len(engine.cache.cached_tokens),
         "weights_bytes": sum(buffers.weights.values()),
         "kv_bytes": buffers.kv_bytes,
         "compute_bytes": sum(buffers.compute.values()),

@@ -97,7 +97,7 @@ def _turn(engine: Engine, prompt: str, max_tokens: int) -> tuple[str, TurnStats]
     from localchat.backends.base import Sampling
     from localchat.chat.template import ChatMessage
 
-    engine.reset()
+    engine.cache.reset()
     generation = engine.generate(
         engine.prompt_tokens([ChatMessage("user", prompt)]), Sampling(temperature=0.0), max_tokens
     )

@@ -41,14 +41,17 @@ def _app_resume(engine: Engine, progress: Progress) -> dict[str, Any]:
     with scratch_dir() as tmp:
         home = tmp / "home"
         data = home / "data"
-        engine.reset()
+        engine.cache.reset()
         store = Store(data / "conversations.sqlite3")
         conversation = Conversation.open(store, StateStore(data / "states"), "long", engine)
         build_history(conversation)
         conversation.wait_saved()
         conversation.close()
         store.close()
-        say(progress, f"zerowait: the app opens a {len(engine.cached_tokens)}-token conversation")
+        say(
+            progress,
+            f"zerowait: the app opens a {len(engine.cache.cached_tokens)}-token conversation",
+        )
         messages = (filler_text(900, 30), filler_text(901, 30))
         return app_resume_vs_warm(
             engine.model_path, home, "long", messages, engine.n_ctx, ZEROWAIT_ROUNDS
@@ -79,7 +82,7 @@ def bench_zerowait(model_path: Path, progress: Progress = None) -> dict[str, Any
         store = Store(tmp / "db.sqlite3")
         states = StateStore(tmp / "states")
         for index in range(1 + PREFIX_RESTORES):  # read cold, then restored each time
-            engine.reset()
+            engine.cache.reset()
             conversation = Conversation.open(store, states, f"chat {index}", engine, system)
             turn = conversation.send(ZEROWAIT_MESSAGE, greedy, 8)
             for _ in turn:

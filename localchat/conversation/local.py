@@ -49,7 +49,7 @@ READ_AHEAD_BATCH = 16
 class _ReadAhead:
     """A message being read ahead: how the cache was prepared for it (a restore, a known
     system prompt: already paid for when it is sent), and what the last full read covered.
-    The tokens read are the cache's past ``Engine.committed``."""
+    The tokens read are the cache's past ``KVCache.committed``."""
 
     report: RestoreReport = field(default_factory=RestoreReport)
     settled: tuple[str, str | None, int | None, int] | None = None
@@ -131,10 +131,10 @@ class Conversation(ConversationBase):
         """What this conversation's cache holds as evaluated: the warm cache, else the saved
         state (kept for the restore that follows), else the record a replay rebuilds from."""
         self._loaded = None
-        if self.backend.cache_owner == self.record.id and not fresh:
+        if self.backend.cache.held_by(self.record.id) and not fresh:
             # Tokens read ahead of a message being typed are no history: they count for
             # the prompt only where they are its exact ids (llama.cpp's prefix reuse).
-            return self.backend.cached_tokens[: self.backend.committed]
+            return self.backend.cache.committed_tokens
         if not fresh:
             self._loaded = self._load_state()
         if self._loaded is not None and isinstance(self._loaded[0], SavedState):
@@ -152,23 +152,23 @@ class Conversation(ConversationBase):
         return self.saver.last_error
 
     def context_tokens(self, turn: ConversationTurn | None = None) -> int:
-        return len(self.backend.cached_tokens)
+        return len(self.backend.cache.cached_tokens)
 
     def restore_now(self) -> RestoreReport:
         """Restore the saved state into the model at once (the app does it when it opens a
         conversation, on the compute thread), so the first turn costs what a warm one does.
         Nothing happens without a valid state; the turn then restores or re-reads as ever."""
         engine = self.backend
-        if engine.cache_owner == self.record.id and engine.cached_tokens:
+        if engine.cache.held_by(self.record.id) and engine.cache.cached_tokens:
             return RestoreReport()
         loaded, load_seconds = self._load_state()
         if not isinstance(loaded, SavedState) or len(loaded.tokens) >= engine.n_ctx:
             return RestoreReport()
         start = time.perf_counter()
         starts = self._batch_starts_of(list(loaded.tokens))
-        if not engine.load_sequence_state(loaded.payload, loaded.tokens, starts):
+        if not engine.cache.load_sequence_state(loaded.payload, loaded.tokens, starts):
             return RestoreReport()
-        engine.cache_owner = self.record.id
+        engine.cache.claim(self.record.id)
         seconds = load_seconds + time.perf_counter() - start
         return RestoreReport(True, len(loaded.tokens), seconds)
 
@@ -204,11 +204,11 @@ class Conversation(ConversationBase):
         if not (plan.moved or plan.cut_tokens):
             window = WindowReport()
             restore = self._prepare_cache(prompt.tokens, fresh)
-            if engine.cache_owner == self.record.id:
+            if engine.cache.held_by(self.record.id):
                 restore = self._with_read_ahead(restore, ahead, prompt.tokens)
         else:
-            if engine.cache_owner == self.record.id:  # what was read ahead goes
-                engine.hold(engine.cached_tokens[: engine.committed])
+            if engine.cache.held_by(self.record.id):  # what was read ahead goes
+                engine.cache.hold(engine.cache.committed_tokens)
             messages, prompt, window, restore = self._move_window(prompt, plan, fresh, held)
         generation = engine.generate(prompt.tokens, sampling, max_tokens, cancel, self.tool_use)
         self.branched = False
@@ -219,7 +219,7 @@ class Conversation(ConversationBase):
         dropped (the saved state still holds the last turn, so the next one restores it)."""
         self._loaded = None
         if window_moved:
-            self.backend.reset()
+            self.backend.cache.reset()
 
     # -- reading a message ahead while it is typed ----------------------------------------
     def read_ahead(self, draft: str, max_tokens: int, stop: Callable[[], bool]) -> ReadAheadResult:
@@ -228,7 +228,7 @@ class Conversation(ConversationBase):
         last word, in small steps, until done or ``stop()`` says to give way. An edit falls
         back to the longest common prefix; a message that would move the window waits for
         ``send``, and so does a cut the cache cannot make exactly. The tokens read are the
-        cache's past ``Engine.committed``: they count for the prompt ``send`` builds only
+        cache's past ``KVCache.committed``: they count for the prompt ``send`` builds only
         where they are its exact ids, so that prompt is the one it would be without this."""
         engine = self.backend
         if self.closed or not draft.strip():
@@ -241,7 +241,7 @@ class Conversation(ConversationBase):
             self.window_first,
         )
         messages = [*self.window_messages(), ChatMessage("user", draft)]
-        if engine.cache_owner != self.record.id:
+        if not engine.cache.held_by(self.record.id):
             self._ahead = None
             try:
                 self._ahead = self._start_reading(messages, max_tokens, stop)
@@ -254,25 +254,27 @@ class Conversation(ConversationBase):
         ahead = self._ahead
         if ahead.settled == settled_key:
             return ReadAheadResult(self._ahead_tokens())
-        committed = engine.committed
-        prompt, settled = self.builder.build_draft(messages, engine.cached_tokens[:committed])
+        committed = engine.cache.committed
+        prompt, settled = self.builder.build_draft(messages, engine.cache.cached_tokens[:committed])
         plan = self._plan(prompt, messages, max_tokens)
         if plan.moved or plan.cut_tokens:
             return ReadAheadResult(self._ahead_tokens())
         target = prompt.tokens[:settled]
-        cached = engine.cached_tokens
+        cached = engine.cache.cached_tokens
         keep = common_prefix(cached, target)
         if keep < len(target) and keep < len(cached):  # an edit: back to what still agrees
-            exact = keep >= committed or self._cut_is_exact(keep, committed, engine.batch_starts)
-            if not (exact and engine.keeps(keep)):
+            exact = keep >= committed or self._cut_is_exact(
+                keep, committed, engine.cache.batch_starts
+            )
+            if not (exact and engine.cache.keeps(keep)):
                 return ReadAheadResult(self._ahead_tokens())  # the turn makes that cut
-            engine.hold(target[:keep])
-            if engine.cached_tokens != target[:keep]:
+            engine.cache.hold(target[:keep])
+            if engine.cache.cached_tokens != target[:keep]:
                 return ReadAheadResult(self._ahead_tokens())
         for start in range(keep, len(target), READ_AHEAD_BATCH):
             if stop() or self.closed:
                 return ReadAheadResult(self._ahead_tokens(), finished=False)
-            engine.extend(target[start : start + READ_AHEAD_BATCH])
+            engine.cache.extend(target[start : start + READ_AHEAD_BATCH])
         ahead.settled = settled_key
         return ReadAheadResult(self._ahead_tokens())
 
@@ -289,13 +291,13 @@ class Conversation(ConversationBase):
         if self.exchanges:
             return None
         engine = self.backend
-        engine.reset()
+        engine.cache.reset()
         prompt = self.builder.build(messages)
         if self._plan(prompt, messages, max_tokens).moved:
             return None
         spans = prefix_spans(self.builder, messages, prompt, len(self.system_messages()))
         prefix = start_from_prefix(
-            engine,
+            engine.cache,
             self.states,
             self.key,
             prompt.tokens,
@@ -304,15 +306,15 @@ class Conversation(ConversationBase):
             self.saver,
             stop,
         )
-        engine.cache_owner = self.record.id
+        engine.cache.claim(self.record.id)
         return _ReadAhead(replace(RestoreReport.from_prefix(prefix), seconds=0.0))
 
     def _ahead_tokens(self) -> int:
         """Tokens the cache holds past the conversation (read ahead), if it is this one's."""
         engine = self.backend
-        if engine.cache_owner != self.record.id:
+        if not engine.cache.held_by(self.record.id):
             return 0
-        return len(engine.cached_tokens) - engine.committed
+        return len(engine.cache.cached_tokens) - engine.cache.committed
 
     def _with_read_ahead(
         self, restore: RestoreReport, ahead: _ReadAhead | None, prompt: list[int]
@@ -320,7 +322,7 @@ class Conversation(ConversationBase):
         """The turn's report with what was done while the message was typed: how the cache
         was prepared then (already paid for) and how many of the prompt's tokens were read."""
         engine = self.backend
-        read = max(0, common_prefix(engine.cached_tokens, prompt) - engine.committed)
+        read = max(0, common_prefix(engine.cache.cached_tokens, prompt) - engine.cache.committed)
         before = restore
         if ahead is not None and ahead.report != RestoreReport():
             before = ahead.report
@@ -364,7 +366,7 @@ class Conversation(ConversationBase):
         if plan.cut_tokens:
             messages[-1] = self._cut_message(messages[-1], plan.cut_tokens)
         info = engine.info
-        safe = shift_is_safe(info.architecture, info.sliding_window, engine.can_shift())
+        safe = shift_is_safe(info.architecture, info.sliding_window, engine.cache.can_shift())
         # Pinned messages among those passed: what leaves is not one span to shift out.
         passed = self.exchanges[self.window_first : new_first]
         safe = safe and not any(e.record.pinned for e in passed)
@@ -375,14 +377,14 @@ class Conversation(ConversationBase):
             restore = self._prepare_cache(old_prompt.tokens, fresh=False)
             head = old_prompt.spans[self.head_count()][0]
             span = old_prompt.tokens[head : head + plan.dropped_tokens]
-            if engine.cached_tokens[head : head + plan.dropped_tokens] == span:
-                engine.drop_span(head, plan.dropped_tokens)
-                held = engine.cached_tokens
+            if engine.cache.cached_tokens[head : head + plan.dropped_tokens] == span:
+                engine.cache.drop_span(head, plan.dropped_tokens)
+                held = engine.cache.cached_tokens
             else:  # the cache does not hold the old window: nothing to shift
                 mode = "exact"
         if mode == "exact" or (mode == "shift" and fresh):
             mode = "exact"
-            engine.reset()
+            engine.cache.reset()
             self._loaded = None  # re-evaluated from the text: the saved state is not needed
         elif mode == "none":
             held = old_held
@@ -407,9 +409,9 @@ class Conversation(ConversationBase):
         engine = self.backend
         if fresh:
             return self._replay(prompt, from_prefix=False)
-        held = common_prefix(engine.cached_tokens, prompt)
-        if engine.cache_owner == self.record.id and held > 0:
-            if not self._cut_is_exact(held, engine.committed, engine.batch_starts):
+        held = common_prefix(engine.cache.cached_tokens, prompt)
+        if engine.cache.held_by(self.record.id) and held > 0:
+            if not self._cut_is_exact(held, engine.cache.committed, engine.cache.batch_starts):
                 return self._replay(prompt)
             return RestoreReport()  # warm: this process's cache already holds the conversation
         loaded, load_seconds = self._loaded or self._load_state()
@@ -436,12 +438,12 @@ class Conversation(ConversationBase):
         starts = self._batch_starts_of(state.tokens)
         if not self._cut_is_exact(usable, len(state.tokens), starts):
             return self._replay(prompt)
-        if not engine.load_sequence_state(state.payload, state.tokens, starts):
+        if not engine.cache.load_sequence_state(state.payload, state.tokens, starts):
             self.states.discard(self.record.id, self.fingerprint)
             return self._replay(
                 prompt, "saved KV cache dropped (llama.cpp rejected it); re-evaluating"
             )
-        engine.cache_owner = self.record.id
+        engine.cache.claim(self.record.id)
         return RestoreReport(True, usable, time.perf_counter() - start)
 
     def _cut_is_exact(self, keep: int, held: int, starts: list[int] | None) -> bool:
@@ -475,7 +477,7 @@ class Conversation(ConversationBase):
         simply evaluated by the turn.
         """
         start = time.perf_counter()
-        self.backend.reset()
+        self.backend.cache.reset()
         record = self.store.eval_batches(self.record.id, self.fingerprint)
         if record is not None:
             tokens, starts = record
@@ -485,8 +487,8 @@ class Conversation(ConversationBase):
             else:  # stop at a batch boundary: a cut batch would not give the same bits
                 cut = max((s for s in starts if s <= shared), default=0)
             batches = [s for s in starts if s < cut]
-            if cut > 0 and self.backend.replay(prompt[:cut], batches):
-                self.backend.cache_owner = self.record.id
+            if cut > 0 and self.backend.cache.replay(prompt[:cut], batches):
+                self.backend.cache.claim(self.record.id)
                 return RestoreReport(
                     tokens=0, seconds=time.perf_counter() - start, notice=notice, replayed=cut
                 )
@@ -494,7 +496,7 @@ class Conversation(ConversationBase):
             return RestoreReport(notice=notice)
         # A new (or unrecorded) conversation: a known system prompt is restored.
         prefix = start_from_prefix(
-            self.backend,
+            self.backend.cache,
             self.states,
             self.key,
             prompt,
@@ -506,7 +508,7 @@ class Conversation(ConversationBase):
 
     def _reply_committed(self, turn: ConversationTurn) -> None:
         """The cache is this conversation's: how it was built is recorded, and it is saved."""
-        self.backend.cache_owner = self.record.id
+        self.backend.cache.claim(self.record.id)
         try:
             self._record_cache_bookkeeping()
         except sqlite3.Error as exc:  # the reply is committed; only resume speed is at stake
@@ -517,14 +519,14 @@ class Conversation(ConversationBase):
         """How this model's cache was built and where its window starts, for the next open."""
         engine = self.backend
         self.store.set_eval_batches(
-            self.record.id, self.fingerprint, engine.cached_tokens, engine.batch_starts
+            self.record.id, self.fingerprint, engine.cache.cached_tokens, engine.cache.batch_starts
         )
         self._record_window_start()
 
     def save_state(self) -> None:
         """Snapshot the cache now (fast) and write it in the background."""
-        tokens = self.backend.cached_tokens
+        tokens = self.backend.cache.cached_tokens
         if not tokens:
             return
-        state = SavedState(self.key, tokens, self.backend.save_sequence_state())
+        state = SavedState(self.key, tokens, self.backend.cache.save_sequence_state())
         self.saver.save(self.record.id, state)

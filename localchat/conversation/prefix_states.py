@@ -20,8 +20,7 @@ from array import array
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from localchat.backends.llama.cache import ReplayStopped
-from localchat.backends.llama.engine import Engine
+from localchat.backends.llama.cache import KVCache, ReplayStopped
 from localchat.chat.attachments import attachments_end
 from localchat.chat.prompt import BuiltPrompt, PromptBuilder
 from localchat.chat.template import ChatMessage
@@ -78,7 +77,7 @@ def _batch_starts(spans: Sequence[int], n_batch: int) -> list[int]:
 
 
 def start_from_prefix(
-    engine: Engine,
+    cache: KVCache,
     states: StateStore,
     key: StateKey,
     prompt: Sequence[int],
@@ -93,7 +92,7 @@ def start_from_prefix(
     off, a cache already in use, a prefix as long as the prompt). ``stop`` is asked between
     batches: ``ReplayStopped`` if it says to give way (nothing is kept)."""
     ends = sorted({s for s in spans if min_tokens <= s < len(prompt)})
-    if min_tokens <= 0 or not ends or engine.cached_tokens:
+    if min_tokens <= 0 or not ends or cache.cached_tokens:
         return None
     began = time.perf_counter()
     restored = 0
@@ -103,8 +102,8 @@ def start_from_prefix(
             saved = states.load(prefix_id(prefix), key)
         except StateRejected:
             continue
-        starts = _batch_starts([e for e in ends if e <= span], engine.n_batch)
-        if list(saved.tokens) == prefix and engine.load_sequence_state(
+        starts = _batch_starts([e for e in ends if e <= span], cache.n_batch)
+        if list(saved.tokens) == prefix and cache.load_sequence_state(
             saved.payload, prefix, starts
         ):
             restored = span
@@ -115,19 +114,19 @@ def start_from_prefix(
         for span in ends:
             if span <= done:
                 continue
-            for start in range(done, span, engine.n_batch):
+            for start in range(done, span, cache.n_batch):
                 if stop is not None and start > 0 and stop():
                     raise ReplayStopped
-                engine.extend(prompt[start : min(span, start + engine.n_batch)])
-            engine.committed = span
+                cache.extend(prompt[start : min(span, start + cache.n_batch)])
+            cache.commit(span)
             done = span
-            state = SavedState(key, list(prompt[:span]), engine.save_sequence_state())
+            state = SavedState(key, list(prompt[:span]), cache.save_sequence_state())
             if saver is not None:
                 saver.save(prefix_id(state.tokens), state)  # in the background, like a chat's
             else:
                 states.save(prefix_id(state.tokens), state)
     except ReplayStopped:
-        engine.reset()
+        cache.reset()
         raise
     return PrefixStart(
         restored=restored, evaluated=done - restored, seconds=time.perf_counter() - began

@@ -30,7 +30,6 @@ from localchat.backends.llama.batch import (
 )
 from localchat.backends.llama.draft_policy import Draft, DraftPolicy
 from localchat.backends.llama.drafting import lookup_draft
-from localchat.backends.llama.generation import ReplyText
 from localchat.backends.llama.grammar import GrammarError
 from localchat.chat.prompt import common_prefix
 from localchat.chat.stops import StopFilter
@@ -286,7 +285,7 @@ class Scheduler:
         stats.prompt_tokens_evaluated = len(prompt) - len(batch.tokens[seq])
         stats.stop_reason = "length"
         self._running[seq] = Slot(
-            job, seq, ReplyText(self.engine, prompt, job.spelled), StopFilter(job.request.stop), sampler,
+            job, seq, self.engine.reply_text(prompt, job.spelled), StopFilter(job.request.stop), sampler,
             continues, time.perf_counter(), len(batch.tokens[seq]),
             policy=self._sequence_policy() if self.drafting else None,
             calls=self._calls_stream(request),

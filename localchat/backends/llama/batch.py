@@ -81,16 +81,16 @@ class SequenceBatch:
         self.n_seq = n_seq
         self.n_ctx_seq = n_ctx_seq
         self.engine = engine
-        self._ctx = llama_cpp.llama_init_from_model(engine.llm.model, params)
-        if not self._ctx:
+        self._context = llama_cpp.llama_init_from_model(engine.llm.model, params)
+        if not self._context:
             raise ModelLoadError(
                 f"{engine.model_path}: llama.cpp could not make a context for {n_seq} sequences"
                 f" of {n_ctx_seq} tokens: {last_error_line()}; try a smaller --parallel or --ctx"
             )
         self._stop = DecodeStop()
-        watch_abort(self._ctx, self._stop)
-        self._memory = llama_cpp.llama_get_memory(self._ctx)
-        self._batch = llama_cpp.llama_batch_init(self.capacity, 0, 1)
+        watch_abort(self._context, self._stop)
+        self._memory = llama_cpp.llama_get_memory(self._context)
+        self._step_batch = llama_cpp.llama_batch_init(self.capacity, 0, 1)
         self._n_vocab = engine.n_vocab
         self.tokens: list[list[int]] = [[] for _ in range(n_seq)]
 
@@ -98,7 +98,7 @@ class SequenceBatch:
     def decode(self, chunks: Sequence[Chunk]) -> dict[int, list[int]]:
         """Evaluate every chunk in one ``llama_decode``: {seq: the batch rows whose logits
         are sampled, in order}. ``BatchFull`` where a sequence has no room left."""
-        batch = self._batch
+        batch = self._step_batch
         rows: dict[int, list[int]] = {}
         total = sum(len(chunk.tokens) for chunk in chunks)
         if total > self.capacity:  # checked before llama.cpp's arrays are written
@@ -120,7 +120,7 @@ class SequenceBatch:
                 rows[chunk.seq] = [n - 1]
         batch.n_tokens = n
         logged = log_position()
-        status = llama_cpp.llama_decode(self._ctx, batch)
+        status = llama_cpp.llama_decode(self._context, batch)
         if status != 0:
             if abort_requested():
                 raise KeyboardInterrupt
@@ -170,12 +170,12 @@ class SequenceBatch:
 
     def sample(self, sampler: SequenceSampler, row: int) -> int:
         """The next token from ``row``'s logits (the sampler remembers it for penalties)."""
-        return sampler.sample(self._ctx, row)
+        return sampler.sample(self._context, row)
 
     def logprobs(self, row: int, token: int, top: int) -> tuple[float, list[tuple[int, float]]]:
         """``token``'s log probability in ``row``'s distribution (the model's own, before
         any sampler), and the ``top`` most likely tokens' (OpenAI's ``logprobs``)."""
-        pointer = llama_cpp.llama_get_logits_ith(self._ctx, row)
+        pointer = llama_cpp.llama_get_logits_ith(self._context, row)
         logits = np.ctypeslib.as_array(pointer, shape=(self._n_vocab,)).astype(np.float64)
         peak = logits.max()
         total = peak + np.log(np.exp(logits - peak).sum())
@@ -190,7 +190,7 @@ class SequenceBatch:
     def cut(self, seq: int, keep: int) -> bool:
         """Keep the first ``keep`` positions of ``seq``; False where that cannot continue
         exactly (a window cache that dropped positions the next token would look at, as
-        ``Engine.keeps`` says for one sequence): then the sequence is emptied."""
+        ``KVCache.keeps`` says for one sequence): then the sequence is emptied."""
         held = len(self.tokens[seq])
         window = self.engine.n_swa if self.engine.windowed else 0
         if keep < held and window:
@@ -214,9 +214,9 @@ class SequenceBatch:
 
     def save(self, seq: int) -> bytes:
         """The raw KV state of ``seq``: the bytes a state file stores."""
-        size = llama_cpp.llama_state_seq_get_size(self._ctx, seq)
+        size = llama_cpp.llama_state_seq_get_size(self._context, seq)
         buffer = (ctypes.c_uint8 * size)()
-        written = llama_cpp.llama_state_seq_get_data(self._ctx, buffer, size, seq)
+        written = llama_cpp.llama_state_seq_get_data(self._context, buffer, size, seq)
         return bytes(memoryview(buffer)[:written])
 
     def load(self, seq: int, data: bytes | memoryview, tokens: Sequence[int]) -> bool:
@@ -224,7 +224,9 @@ class SequenceBatch:
         self.cut(seq, 0)
         if len(tokens) > self.n_ctx_seq:
             return False
-        read = llama_cpp.llama_state_seq_set_data(self._ctx, state_pointer(data), len(data), seq)
+        read = llama_cpp.llama_state_seq_set_data(
+            self._context, state_pointer(data), len(data), seq
+        )
         if read != len(data):
             self.cut(seq, 0)
             return False
@@ -236,10 +238,10 @@ class SequenceBatch:
         return sum(len(t) for t in self.tokens)
 
     def close(self) -> None:
-        if self._batch is not None:
+        if self._step_batch is not None:
             with contextlib.suppress(Exception):
-                llama_cpp.llama_batch_free(self._batch)
-            self._batch = None
-        if self._ctx:
-            llama_cpp.llama_free(self._ctx)
-            self._ctx = None
+                llama_cpp.llama_batch_free(self._step_batch)
+            self._step_batch = None
+        if self._context:
+            llama_cpp.llama_free(self._context)
+            self._context = None

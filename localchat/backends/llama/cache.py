@@ -1,7 +1,14 @@
-"""The engine's KV cache: what it holds, cutting it back (exactly, or by replaying the
-batches that built it), shifting a span out in place, reading ahead, and its saved state.
-Split from the engine (``Engine`` inherits it); it works on llama-cpp-python's ``Llama``
-and the batch record ``RecordingLlama`` keeps."""
+"""The engine's KV cache, a part the engine holds (``Engine.cache``): what it holds and for
+whom, cutting it back (exactly, or by replaying the batches that built it), shifting a span
+out in place, reading ahead, and its saved state. It works on llama-cpp-python's ``Llama``
+and the batch record ``RecordingLlama`` keeps.
+
+Whose tokens the cache holds is a lease, as a paged cache's manager keeps one per request:
+a conversation ``claim``s the cache when it puts its tokens there (a restore, a replay, a
+turn), and whatever put tokens there as that conversation's history ``commit``s them (a
+generation its prompt and reply, a restore its state, a prefix its span). Past
+``committed`` the cache holds tokens read ahead of a message still being typed: they count
+for the next prompt only where they are its exact ids. A ``reset`` ends the lease."""
 
 from __future__ import annotations
 
@@ -14,6 +21,7 @@ from typing import Any
 import llama_cpp
 import numpy as np
 
+from localchat.backends.llama.internals import drop_cells_from, logits_stale, set_logits_stale
 from localchat.backends.llama.recording import RecordingLlama
 from localchat.chat.prompt import common_prefix
 from localchat.errors import ModelLoadError
@@ -29,20 +37,55 @@ def state_pointer(data: bytes | memoryview) -> Any:
 
 
 class ReplayStopped(Exception):
-    """A replay gave way between two batches (``Engine.replay``'s ``stop``); the cache is
+    """A replay gave way between two batches (``KVCache.replay``'s ``stop``); the cache is
     empty."""
 
 
 class KVCache:
-    """The cache operations of ``Engine``: it sets these attributes when it loads."""
+    """The KV cache of one loaded context (sequence 0 of ``llm``), and whose tokens it holds.
 
-    _llm: RecordingLlama
-    windowed: bool  # sliding-window layers keep only their window (``keeps``)
-    n_swa: int  # the window, in positions
-    # Which conversation the cache holds, and how many of its tokens that conversation's
-    # turns (or a restore, a replay) put there: past ``committed`` it was read ahead.
-    cache_owner: str | None
-    committed: int
+    ``n_swa`` is the window of the model's sliding-window layers, in positions; ``windowed``
+    says their cache keeps only that window, so it cannot be cut back far (``keeps``).
+    """
+
+    def __init__(self, llm: RecordingLlama, n_swa: int, windowed: bool) -> None:
+        self._llm = llm
+        self.n_swa = n_swa
+        self.windowed = windowed
+        self._owner: str | None = None
+        self._committed = 0
+
+    # -- the lease: whose tokens these are -------------------------------------------------
+    def claim(self, owner: str) -> None:
+        """The cache holds ``owner``'s tokens now (it restored, replayed or read them): its
+        first ``committed`` tokens are that conversation's history, until a ``reset`` or
+        another owner's claim."""
+        self._owner = owner
+
+    def held_by(self, owner: str) -> bool:
+        """Whether the cache holds ``owner``'s tokens (its claim stands)."""
+        return self._owner == owner
+
+    @property
+    def owner(self) -> str | None:
+        """Who claimed the cache last (None: no one since it was reset)."""
+        return self._owner
+
+    def commit(self, n_tokens: int | None = None) -> None:
+        """The first ``n_tokens`` cached (None: all of them) are the owner's history, put
+        there by its turns, a restore or a replay: what the cache holds past them was read
+        ahead, and goes where the next prompt differs."""
+        self._committed = int(self._llm.n_tokens) if n_tokens is None else n_tokens
+
+    @property
+    def committed(self) -> int:
+        """How many cached tokens are the owner's history (``commit``)."""
+        return self._committed
+
+    @property
+    def committed_tokens(self) -> list[int]:
+        """The owner's history as cached, without what was read ahead past it."""
+        return self.cached_tokens[: self._committed]
 
     @property
     def n_ctx(self) -> int:
@@ -77,7 +120,7 @@ class KVCache:
             return
         held = self.cached_tokens
         shared = common_prefix(held, prompt)
-        if shared == cached == len(prompt) and not self._llm._requires_eval:
+        if shared == cached == len(prompt) and not logits_stale(self._llm):
             return  # the prompt is the cache: generation samples at once
         keep = shared - 1 if shared == len(prompt) else shared  # what llama-cpp-python keeps
         if keep < cached and not self.keeps(keep):
@@ -106,10 +149,10 @@ class KVCache:
     def reset(self) -> None:
         """Forget the cache: the next generation evaluates its whole prompt."""
         self._llm.reset()
-        self._llm._ctx.kv_cache_seq_rm(-1, 0, -1)
+        drop_cells_from(self._llm, 0)
         self._llm.batch_starts = []
-        self.cache_owner = None
-        self.committed = 0
+        self._owner = None
+        self._committed = 0
 
     def can_shift(self) -> bool:
         """Whether llama.cpp can move cached positions for this model (RoPE re-rotation)."""
@@ -136,7 +179,7 @@ class KVCache:
         ids[start : n_tokens - count] = ids[start + count : n_tokens].copy()
         self._llm.n_tokens = n_tokens - count
         self._llm.batch_starts = None
-        self.committed = max(0, self.committed - count)
+        self._committed = max(0, self._committed - count)
 
     def replay(
         self,
@@ -162,7 +205,7 @@ class KVCache:
                 self.reset()
                 raise ReplayStopped
             self._llm.eval(list(tokens[a:b]))
-        self.committed = len(tokens)
+        self.commit(len(tokens))
         return True
 
     def extend(self, tokens: Sequence[int]) -> None:
@@ -195,8 +238,8 @@ class KVCache:
                 self._llm.n_tokens = n
                 # llama.cpp's last logits belong to a later position now: a prompt equal to
                 # the cache must evaluate its last token again, not sample from them.
-                self._llm._requires_eval = True
-                self.committed = min(self.committed, n)
+                set_logits_stale(self._llm, True)
+                self._committed = min(self._committed, n)
                 starts = self._llm.batch_starts
                 if starts is not None:
                     del starts[bisect.bisect_left(starts, n) :]
@@ -227,7 +270,7 @@ class KVCache:
             return False
         self._llm.input_ids[: len(tokens)] = list(tokens)
         self._llm.n_tokens = len(tokens)
-        self.committed = len(tokens)
-        self._llm._requires_eval = True
+        self.commit(len(tokens))
+        set_logits_stale(self._llm, True)
         self._llm.batch_starts = None if batch_starts is None else list(batch_starts)
         return True

@@ -20,6 +20,7 @@ import numpy as np
 import numpy.typing as npt
 
 from localchat.backends.llama.draft_policy import DRAFT_CTX
+from localchat.backends.llama.internals import last_logits
 from localchat.backends.llama.runtime import last_error_line
 from localchat.chat.prompt import common_prefix
 from localchat.errors import ModelLoadError, UsageError
@@ -111,8 +112,7 @@ class DraftModel:
         self._follow(context)
         tokens: list[int] = []
         while len(tokens) < limit:
-            logits = np.ctypeslib.as_array(self.llm._ctx.get_logits_ith(-1), shape=(self.n_vocab,))
-            logits = logits[: self.usable_vocab]
+            logits = last_logits(self.llm, self.n_vocab)[: self.usable_vocab]
             best = int(np.argmax(logits))
             if 1.0 / float(np.exp(logits - logits[best]).sum()) < MIN_CONFIDENCE:
                 break

@@ -1,5 +1,8 @@
-"""A loaded model and its context: load, tokenize, the chat template, KV cache surgery and
-sequence state. With the rest of ``backends/llama`` the only code that touches llama_cpp:
+"""A loaded model and its context: the load (as ``context_plan`` decided it), the chat
+template, grammars, drafting, and generations. Its parts are objects of their own: the KV
+cache (``cache.py``: surgery, sequence state, whose tokens it holds) and the vocabulary
+(``vocab.py``); a generation is handed those parts, not the engine (``generation.py``).
+With the rest of ``backends/llama`` the only code that touches llama_cpp:
 everything above works with token ids, dataclasses and plain bytes, so the rest of
 localchat (and its tests) never depend on llama-cpp-python's objects.
 """
@@ -7,22 +10,24 @@ localchat (and its tests) never depend on llama-cpp-python's objects.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 import llama_cpp
 
-from localchat.backends.base import SPECULATIVE_MODES, BackendView, CacheView, Sampling
+from localchat.backends.base import BackendView, CacheView, Sampling
 from localchat.backends.llama.buffers import parse_buffers
 from localchat.backends.llama.cache import KVCache
+from localchat.backends.llama.context_plan import DEFAULT_CTX as DEFAULT_CTX
+from localchat.backends.llama.context_plan import KV_TYPES as KV_TYPES
+from localchat.backends.llama.context_plan import MIN_CTX as MIN_CTX
+from localchat.backends.llama.context_plan import ContextPlan, LoadOptions, plan_context
 from localchat.backends.llama.draft_model import DraftModel
 from localchat.backends.llama.drafting import Drafter, DraftPolicy
-from localchat.backends.llama.generation import Generation
+from localchat.backends.llama.generation import Generation, GenerationParts, ReplyText
 from localchat.backends.llama.grammar import (
     GrammarError,
     checked_grammar,
@@ -38,6 +43,7 @@ from localchat.backends.llama.runtime import (
     start_capture,
     watch_abort,
 )
+from localchat.backends.llama.vocab import Vocabulary
 from localchat.chat.formats import (
     PLAIN,
     ChatFormat,
@@ -49,155 +55,82 @@ from localchat.chat.prompt import PromptBuilder
 from localchat.chat.reasoning import CLOSE, opens_reasoning
 from localchat.chat.template import ChatMessage, ChatTemplate
 from localchat.chat.tools import ToolSpec, ToolUse
-from localchat.cpu import physical_cores
 from localchat.errors import LocalchatError, ModelFileError, ModelLoadError, UsageError
-from localchat.gguf.estimate import ModelDims, kv_bytes_per_token, preferred_flash_attn
+from localchat.gguf.estimate import ModelDims, kv_bytes_per_token
 from localchat.gguf.info import file_fingerprint, read_gguf
-from localchat.gguf.quants import SWA_CACHE_MODES
 from localchat.state.kvstate import StateKey
 from localchat.units import format_bytes
 
 LLAMA_CPP_VERSION: str = llama_cpp.__version__
 
-KV_TYPES: dict[str, int] = {
-    "f16": llama_cpp.GGML_TYPE_F16,
-    "q8_0": llama_cpp.GGML_TYPE_Q8_0,
-    "q4_0": llama_cpp.GGML_TYPE_Q4_0,
-}
 
-MIN_CTX = 32
-# The context used when none is asked for (capped at the model's trained context).
-DEFAULT_CTX = 4096
-
-
-@dataclass(frozen=True)
-class LoadOptions:
-    """How to load a model: context size, threads, GPU layers, the KV cache type, and the
-    chat template (``None``: the model's own, else one chosen from what the file says)."""
-
-    n_ctx: int | None = None  # None: DEFAULT_CTX, capped at the model's trained context
-    n_threads: int | None = None
-    n_gpu_layers: int = 0
-    kv_type: str = "f16"
-    n_batch: int = 512
-    template: str | None = None  # a built-in format name or a .jinja file
-    swa_cache: str = "window"  # sliding-window layers: "window" (their window) or "full"
-    flash_attn: bool | None = None  # None: where it costs nothing (``preferred_flash_attn``)
-    n_ubatch: int = 512  # the micro-batch: the compute buffer grows with it
-    # Speculative decoding (drafting.py): "auto" drafts by prompt lookup and with the draft
-    # model, if one is given, where a batch's logits equal single steps'
-    # (``Engine.batch_invariant``), so replies stay exactly the same; "ngram" (prompt
-    # lookup) and "draft" (the draft model) draft anyway, accepting llama.cpp's batch
-    # rounding; "off" never.
-    speculative: str = "auto"
-    draft_model: Path | None = None  # a smaller model of the same family (draft_model.py)
-    # False: a draft model that cannot draft for this one (another vocabulary, a file
-    # llama.cpp refuses) is left out with the reason in ``draft_model_unused``, not an error.
-    draft_required: bool = True
-    # This machine's calibration, where there is one: what a step of n tokens costs this
-    # model (in single steps, by n: ``SpeedModel.step_costs``) and a draft model's step
-    # against the model's; the drafting policy starts from these until it has timed steps
-    # of its own.
-    step_costs: dict[int, float] | None = None
-    draft_step_cost: float | None = None
-    # Where another context on these weights does the work (serve's sequences): the cells
-    # of the engine's own, which then only warms the model up. The plan (flash attention,
-    # ``planned_ctx``) is still made for ``n_ctx``.
-    own_cells: int | None = None
-
-
-class Engine(KVCache):
-    """A loaded model with its context: the only owner of llama.cpp objects."""
+class Engine:
+    """A loaded model with its context: the only owner of llama.cpp objects. Its parts: the
+    KV cache (``cache``, leased to one conversation at a time) and the vocabulary
+    (``vocab``); a generation is handed those, not the engine."""
 
     def __init__(self, model_path: Path, options: LoadOptions | None = None) -> None:
         self.options = options or LoadOptions()
         self.model_path = Path(model_path)
         self.info = read_gguf(self.model_path)
-        if self.options.kv_type not in KV_TYPES:
-            raise UsageError(
-                f"unknown KV cache type {self.options.kv_type!r}; choose one of {', '.join(KV_TYPES)}"
-            )
-        trained = self.info.context_length
-        n_ctx = self.options.n_ctx or (min(DEFAULT_CTX, trained) if trained else DEFAULT_CTX)
-        if n_ctx < MIN_CTX:
-            raise UsageError(f"context size {n_ctx} is too small; use at least {MIN_CTX}")
-        if trained and n_ctx > trained:
-            raise UsageError(
-                f"{self.model_path}: context size {n_ctx} is larger than the model's trained"
-                f" context {trained}; use --ctx {trained} or less"
-            )
-        self.planned_ctx = n_ctx  # the context the plan is for (``own_cells`` aside)
-        own = min(self.options.own_cells or n_ctx, n_ctx)
-        threads = self.options.n_threads or physical_cores()
+        plan = plan_context(self.options, self.info, self.model_path)
+        self.planned_ctx = plan.n_ctx  # the context the plan is for (``own_cells`` aside)
         # How many threads generate: the app sizes its own CPU budget by it.
-        self.threads = threads
-        kv_id = self.kv_type_id = KV_TYPES[self.options.kv_type]  # llama.cpp's ggml type
-        # Quantized V caches need flash attention in llama.cpp; elsewhere the plan's rule.
-        self.flash_attn = self.options.kv_type != "f16" or (
-            self.options.flash_attn
-            if self.options.flash_attn is not None
-            else preferred_flash_attn(n_ctx, self.options.kv_type, self.options.n_gpu_layers > 0)
-        )
-        if self.options.speculative not in SPECULATIVE_MODES:
-            raise UsageError(
-                f"unknown speculative mode {self.options.speculative!r}; choose one of"
-                f" {', '.join(SPECULATIVE_MODES)}"
-            )
-        # Drafts verified in batches change nothing where the kernels give a batch the
-        # logits single steps would. On llama.cpp's CPU backend that holds with flash
-        # attention over a quantized KV cache (one kernel for any batch: measured
-        # bit-identical at 700 cached tokens). With an F16 cache a single token past 512
-        # cells takes a split-KV path of its own, and without flash attention the KQ
-        # products differ by batch size: a logit moves by up to ~1.2, enough to flip a
-        # greedy pick. GPU kernels also differ by batch size (not measured here).
-        self.batch_invariant = (
-            self.flash_attn and self.options.kv_type != "f16" and not self.options.n_gpu_layers
-        )
-        mode = self.options.speculative
-        if mode == "draft" and self.options.draft_model is None:
-            raise UsageError(
-                "speculative mode 'draft' needs a draft model: give --draft-model NAME|FILE"
-                " (a smaller model of the same family)"
-            )
+        self.threads = plan.threads
+        self.kv_type_id = plan.kv_type_id  # llama.cpp's ggml type
+        self.flash_attn = plan.flash_attn
+        self.batch_invariant = plan.batch_invariant
         # Whether generations draft; switched off between turns, the same engine runs plain
         # (the bench compares the two that way: the same weights and caches on both sides).
-        self.drafting = mode in ("ngram", "draft") or (mode == "auto" and self.batch_invariant)
-        self._draft_policy = DraftPolicy()
-        if self.options.step_costs is not None:
-            self._draft_policy.prior_costs = dict(self.options.step_costs)
-        if self.options.draft_step_cost is not None:
-            self._draft_policy.prior_model_step = self.options.draft_step_cost
+        self.drafting = plan.drafting
+        self._draft_policy = self._new_draft_policy()
         self.draft_model: DraftModel | None = None
         self._draft_refused: str | None = None  # why an optional draft model was left out
-        if self.options.swa_cache not in SWA_CACHE_MODES:
-            raise UsageError(
-                f"unknown swa_cache {self.options.swa_cache!r}; choose one of"
-                f" {', '.join(SWA_CACHE_MODES)}"
-            )
+        self._llm = self._load(plan)
+        self._measure_cache()
+        self.cache = KVCache(self._llm, self.n_swa, self.windowed)
+        self.vocab = Vocabulary(self._llm, self.add_space_prefix)
+        self.template = self._load_template()
+        self._load_draft_model(plan)
+        self._fingerprint: str | None = None
+        self._warm_up()
+
+    def _new_draft_policy(self) -> DraftPolicy:
+        """The drafting policy, starting from this machine's calibration where there is one."""
+        policy = DraftPolicy()
+        if self.options.step_costs is not None:
+            policy.prior_costs = dict(self.options.step_costs)
+        if self.options.draft_step_cost is not None:
+            policy.prior_model_step = self.options.draft_step_cost
+        return policy
+
+    def _load(self, plan: ContextPlan) -> RecordingLlama:
+        """Load the model and its context as ``plan`` says; a model whose state is recurrent
+        stops drafting. An interrupt stays one; any other failure names llama.cpp's cause."""
         prepare()
         start_capture()
         try:
-            self._llm = RecordingLlama(
+            llm = RecordingLlama(
                 model_path=str(self.model_path),
-                n_ctx=own,
-                n_batch=min(self.options.n_batch, own),
-                n_threads=threads,
-                n_threads_batch=threads,
+                n_ctx=plan.own_cells,
+                n_batch=min(self.options.n_batch, plan.own_cells),
+                n_threads=plan.threads,
+                n_threads_batch=plan.threads,
                 n_gpu_layers=self.options.n_gpu_layers,
-                type_k=kv_id,
-                type_v=kv_id,
-                flash_attn=self.flash_attn,
+                type_k=plan.kv_type_id,
+                type_v=plan.kv_type_id,
+                flash_attn=plan.flash_attn,
                 n_ubatch=self.options.n_ubatch,
                 # Sliding-window layers keep only their window (as llama-server runs them):
                 # a fraction of the full-size cache that llama.cpp's library default is.
                 swa_full=self.options.swa_cache == "full",
                 verbose=False,
             )
-            watch_abort(self._llm.ctx)  # decodes stop midway on request (the warm-up's too)
-            self._llm.batch_invariant = self.batch_invariant
+            watch_abort(llm.ctx)  # decodes stop midway on request (the warm-up's too)
+            llm.batch_invariant = self.batch_invariant
             # A recurrent state cannot drop rejected drafts (llama.cpp's partial removal
             # fails there): Mamba, RWKV and hybrids such as LFM2 or Jamba never draft.
-            model = self._llm.model
+            model = llm.model
             self.recurrent = bool(
                 llama_cpp.llama_model_is_recurrent(model) or llama_cpp.llama_model_is_hybrid(model)
             )
@@ -209,6 +142,11 @@ class Engine(KVCache):
             raise ModelLoadError(
                 f"{self.model_path}: llama.cpp could not load it: {last_error_line()}"
             ) from exc
+        return llm
+
+    def _measure_cache(self) -> None:
+        """What the loaded cache takes (from llama.cpp's log of its buffers) and how it can
+        be cut: its sliding window, and whether a step's tokens can leave it exactly."""
         # K and V bytes one token occupies across all layers: the KV cache's unit of growth.
         self.kv_bytes_per_token = kv_bytes_per_token(
             ModelDims.from_gguf(self.info), self.options.kv_type
@@ -218,36 +156,42 @@ class Engine(KVCache):
         # layer takes (its log rounds sizes to 0.01 MiB).
         self.buffers = parse_buffers(lines, self.kv_bytes_per_token // max(1, self.info.n_layer))
         # Positions a sliding-window layer looks back; its cache keeps only those when the
-        # window cache is in use, so the cache cannot be cut back far (see ``keeps``).
+        # window cache is in use, so the cache cannot be cut back far (``KVCache.keeps``).
         self.n_swa = int(llama_cpp.llama_model_n_swa(self._llm.model))
         self.windowed = self.n_swa > 0 and self.options.swa_cache == "window"
         # Whether a step's tokens can leave a sequence's cache exactly (a rejected draft, a
         # step given up midway): not a recurrent state, nor a window that dropped old cells.
         self.cuts_back = not self.recurrent and not self.windowed
-        # Which conversation the cache holds now (set by the conversation layer), and how
-        # many of its tokens that conversation's turns (or a restore, a replay) put there:
-        # tokens past ``committed`` were read ahead of a message still being typed, and count
-        # for the next prompt only where they are its exact ids.
-        self.cache_owner: str | None = None
-        self.committed = 0
+
+    def _load_template(self) -> ChatTemplate:
+        """The chat template in use; one that does not compile (or runs away probed) frees
+        the model and names the file."""
         try:
-            self.template = self._chat_template()
-        except ModelFileError as exc:  # a template that does not compile, or runs away probed
+            template = self._chat_template()
+        except ModelFileError as exc:
             self.close()
             raise type(exc)(f"{self.model_path}: {exc}") from None  # a runaway stays one
-        self.template.model = str(self.model_path)  # a turn's runaway names the file too
-        if self.drafting and mode in ("auto", "draft") and self.options.draft_model:
-            try:  # after the buffers were read from the log: the draft's would join them
-                self.draft_model = DraftModel(self.options.draft_model, self._llm, n_ctx, threads)
-            except LocalchatError as exc:
-                if self.options.draft_required:
-                    self.close()
-                    raise
-                self._draft_refused = str(exc)
-            except BaseException:  # Ctrl+C while it loads: the model is freed all the same
+        template.model = str(self.model_path)  # a turn's runaway names the file too
+        return template
+
+    def _load_draft_model(self, plan: ContextPlan) -> None:
+        """Load the draft model where this engine drafts with one; one that cannot draft
+        here is an error where it was required, else left out with the reason."""
+        mode = self.options.speculative
+        if not (self.drafting and mode in ("auto", "draft") and self.options.draft_model):
+            return
+        try:  # after the buffers were read from the log: the draft's would join them
+            self.draft_model = DraftModel(
+                self.options.draft_model, self._llm, plan.n_ctx, plan.threads
+            )
+        except LocalchatError as exc:
+            if self.options.draft_required:
                 self.close()
                 raise
-        self._warm_up()
+            self._draft_refused = str(exc)
+        except BaseException:  # Ctrl+C while it loads: the model is freed all the same
+            self.close()
+            raise
 
     @property
     def draft_model_unused(self) -> str | None:
@@ -276,8 +220,7 @@ class Engine(KVCache):
         """One throwaway decode at load, as llama.cpp's own tools do: it faults in the mapped
         weights and sets up compute buffers, so the first real turn does not pay for that."""
         self._llm.eval([self.bos_token])
-        self.reset()
-        self._fingerprint: str | None = None
+        self.cache.reset()
 
     @property
     def fingerprint(self) -> str:
@@ -306,6 +249,16 @@ class Engine(KVCache):
     @property
     def context_size(self) -> int:
         return self.n_ctx
+
+    @property
+    def n_ctx(self) -> int:
+        """The context size asked for: how many tokens a prompt plus reply may hold."""
+        return self.cache.n_ctx
+
+    @property
+    def n_batch(self) -> int:
+        """Tokens one evaluation batch holds: a cold prompt is read in batches of this."""
+        return self.cache.n_batch
 
     @property
     def kv_cells(self) -> int:
@@ -365,28 +318,15 @@ class Engine(KVCache):
 
     def has_control_token(self, text: str) -> bool:
         """Whether ``text`` is one control token of this vocabulary."""
-        ids = self.tokenize(text, special=True)
-        vocab = self._llm._model.vocab
-        return len(ids) == 1 and bool(llama_cpp.llama_vocab_is_control(vocab, ids[0]))
+        return self.vocab.has_control_token(text)
 
     def strips_reply_space(self, last_prompt_token: int) -> bool:
         """Whether a reply's first space is the tokenizer's own (after a control token)."""
-        vocab = self._llm._model.vocab
-        return self.add_space_prefix and bool(
-            llama_cpp.llama_vocab_is_control(vocab, last_prompt_token)
-        )
+        return self.vocab.strips_reply_space(last_prompt_token)
 
     def token_bytes(self, token: int) -> bytes:
-        """The bytes a token stands for, control tokens spelled out: the prompt builder
-        compares token sequences by what they say."""
-        vocab = self._llm._model.vocab
-        size = 64
-        while True:
-            buffer = ctypes.create_string_buffer(size)
-            n = llama_cpp.llama_token_to_piece(vocab, token, buffer, size, 0, True)
-            if n >= 0:
-                return buffer.raw[:n]
-            size = -n
+        """The bytes a token stands for, control tokens spelled out (``Vocabulary``)."""
+        return self.vocab.token_bytes(token)
 
     def prompt_builder(
         self, now: datetime | None = None, tools: list[ToolSpec] | None = None
@@ -396,9 +336,9 @@ class Engine(KVCache):
         the functions it may call."""
         return PromptBuilder(
             self.template,
-            lambda text: self.tokenize(text, special=True),
+            lambda text: self.vocab.tokenize(text, special=True),
             [self.bos_token] if self.add_bos else [],
-            self.token_bytes,
+            self.vocab.token_bytes,
             now,
             tools,
         )
@@ -410,10 +350,8 @@ class Engine(KVCache):
         return self.prompt_builder(tools=tools).build(messages).tokens
 
     def spelled_tokens(self, texts: Sequence[str]) -> frozenset[int]:
-        """The tokens that are each of ``texts`` whole (a tool call's markers, often control
-        tokens a reply's text leaves out): a reply keeps them, so its calls can be read."""
-        tokens = (self.tokenize(text, special=True) for text in texts)
-        return frozenset(ids[0] for ids in tokens if len(ids) == 1)
+        """The tokens that are each of ``texts`` whole (a tool call's markers)."""
+        return self.vocab.spelled_tokens(texts)
 
     def count_tokens(self, text: str) -> int:
         return len(self.tokenize(text))
@@ -433,28 +371,26 @@ class Engine(KVCache):
         return self.generate(tokens, sampling, max_tokens, cancel, tool_use)
 
     def is_end_of_generation(self, token: int) -> bool:
-        return bool(llama_cpp.llama_vocab_is_eog(self._llm._model.vocab, token))
+        return self.vocab.is_end_of_generation(token)
 
     def token_text(self, token: int) -> str:
         """A token's text as the model sees it, specials included (for templates and debugging)."""
-        return bytes(self._llm.detokenize([token], special=True)).decode("utf-8", errors="replace")
+        return self.vocab.token_text(token)
 
     # -- tokens ------------------------------------------------------------------------
     def reply_bytes(self, token: int) -> bytes:
-        """A reply token's bytes, control tokens silent (a character may span tokens: join
-        them before decoding)."""
-        return bytes(self._llm.detokenize([token]))
+        """A reply token's bytes, control tokens silent."""
+        return self.vocab.reply_bytes(token)
 
     def tokenize(self, text: str, *, add_bos: bool = False, special: bool = False) -> list[int]:
         """Token ids of ``text``; ``special`` parses control tokens such as ``<|im_end|>``."""
-        return list(self._llm.tokenize(text.encode("utf-8"), add_bos=add_bos, special=special))
+        return self.vocab.tokenize(text, add_bos=add_bos, special=special)
 
     def detokenize(self, tokens: Sequence[int], special: bool = False) -> str:
         """Text of ``tokens``; ``special`` spells control tokens out."""
-        data = self._llm.detokenize(list(tokens), special=special)
-        return bytes(data).decode("utf-8", errors="replace")
+        return self.vocab.detokenize(tokens, special)
 
-    # -- the KV cache ------------------------------------------------------------------
+    # -- the KV cache's bytes (its operations: ``self.cache``) ---------------------------
     @property
     def kv_bytes_used(self) -> int:
         return self.kv_bytes_for(int(self._llm.n_tokens))
@@ -525,12 +461,35 @@ class Engine(KVCache):
                 " use a larger --ctx or a shorter message"
             )
         room = self.n_ctx - len(tokens)
-        generation = Generation(self, tokens, sampling or Sampling(), min(max_tokens, room), cancel)
-        if tool_use is not None and tool_use.reads_calls:
-            generation._tool_use = tool_use
-            if tool_use.forced:
-                generation._grammar = self.call_grammar(tool_use)
-        return generation
+        calls = tool_use if tool_use is not None and tool_use.reads_calls else None
+        return Generation(
+            self._generation_parts(),
+            tokens,
+            sampling or Sampling(),
+            min(max_tokens, room),
+            cancel,
+            _tool_use=calls,
+            _grammar=self.call_grammar(calls) if calls is not None and calls.forced else None,
+        )
+
+    def reply_text(self, prompt: Sequence[int], spelled: frozenset[int] = frozenset()) -> ReplyText:
+        """What turns a reply to ``prompt`` into text deltas, with this model's vocabulary and
+        template (a server's sequences read their replies with it)."""
+        return ReplyText(self.vocab, self.template.stop, prompt, spelled)
+
+    def _generation_parts(self) -> GenerationParts:
+        """What a generation is handed: the context, the cache, the vocabulary, the template
+        in use, and the figures its stats need."""
+        return GenerationParts(
+            llm=self._llm,
+            cache=self.cache,
+            vocab=self.vocab,
+            template=self.template,
+            threads=self.threads,
+            drafter=self.drafter,
+            kv_bytes_for=self.kv_bytes_for,
+            kv_bytes_allocated=self.kv_bytes_allocated,
+        )
 
     def call_grammar(self, tool_use: ToolUse) -> str:
         """The grammar that holds a reply to one call of ``tool_use``'s tools, in this
@@ -538,7 +497,7 @@ class Engine(KVCache):
         family = self.template.tool_family
         try:
             rules = tool_call_grammar(family, list(tool_use.tools), tool_use.forced_name)
-            checked_grammar(self._llm._model.vocab, rules)
+            checked_grammar(self.vocab.pointer, rules)
         except GrammarError as exc:
             raise UsageError(str(exc)) from None
         return rules
@@ -548,7 +507,7 @@ class Engine(KVCache):
         llama.cpp cannot follow is a one-line error."""
         try:
             rules = format_grammar(schema)
-            checked_grammar(self._llm._model.vocab, rules)
+            checked_grammar(self.vocab.pointer, rules)
         except GrammarError as exc:
             raise UsageError(str(exc)) from None
         return rules
@@ -556,7 +515,7 @@ class Engine(KVCache):
     def given_grammar(self, rules: str) -> str:
         """A client's own GBNF, where llama.cpp parses it; else a one-line error."""
         try:
-            checked_grammar(self._llm._model.vocab, rules)
+            checked_grammar(self.vocab.pointer, rules)
         except GrammarError as exc:
             raise UsageError(f"grammar: {exc}") from None
         return rules

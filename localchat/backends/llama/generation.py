@@ -7,21 +7,22 @@ import bisect
 import codecs
 import threading
 import time
-from collections.abc import Generator, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from llama_cpp.llama_grammar import LlamaGrammar
 
 from localchat.backends.base import Sampling, TokenDelta, TurnStats
+from localchat.backends.llama.cache import KVCache
+from localchat.backends.llama.drafting import Drafter
+from localchat.backends.llama.recording import RecordingLlama
+from localchat.backends.llama.vocab import Vocabulary
 from localchat.chat.prompt import common_prefix
 from localchat.chat.reasoning import ReasoningStream, opens_reasoning, split_reasoning
 from localchat.chat.stops import StopFilter
+from localchat.chat.template import ChatTemplate
 from localchat.chat.tool_stream import ToolCallStream
 from localchat.chat.tools import ToolCall, ToolUse, markers, parse_tool_calls
-
-if TYPE_CHECKING:  # the engine makes generations; they read its model and cache
-    from localchat.backends.llama.engine import Engine
 
 
 class ReplyText:
@@ -31,15 +32,21 @@ class ReplyText:
     one of a server's batch, the same text."""
 
     def __init__(
-        self, engine: Engine, prompt: Sequence[int], spelled: frozenset[int] = frozenset()
+        self,
+        vocab: Vocabulary,
+        stop: tuple[str, ...],
+        prompt: Sequence[int],
+        spelled: frozenset[int] = frozenset(),
     ) -> None:
-        self._engine = engine
-        self._spelled = spelled  # control tokens kept in the text (tool-call markers)
+        """``stop``: the template's stop strings; ``spelled``: control tokens kept in the
+        text (a tool call's markers)."""
+        self._vocab = vocab
+        self._spelled = spelled
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        self._stops = StopFilter(engine.template.stop)
-        self.opened_reasoning = opens_reasoning(engine.detokenize(prompt[-8:], special=True))
+        self._stops = StopFilter(stop)
+        self.opened_reasoning = opens_reasoning(vocab.detokenize(prompt[-8:], special=True))
         self._reasoning = ReasoningStream(self.opened_reasoning)
-        self._strip_space = bool(prompt) and engine.strips_reply_space(prompt[-1])
+        self._strip_space = bool(prompt) and vocab.strips_reply_space(prompt[-1])
         self._raw_ends: list[int] = []  # the reply's length in characters after each token
         self.tokens: list[int] = []
         self.generated = 0  # tokens fed, those a stop string cut off included
@@ -51,10 +58,10 @@ class ReplyText:
         reply's tokens are those whose text came before it."""
         self.tokens.append(token)
         self.generated += 1
-        engine = self._engine
+        vocab = self._vocab
         spelled = token in self._spelled
         piece = self._decoder.decode(
-            engine.token_bytes(token) if spelled else engine.reply_bytes(token)
+            vocab.token_bytes(token) if spelled else vocab.reply_bytes(token)
         )
         if self._strip_space and piece:
             # SentencePiece writes a space after a control token that the reply's text does
@@ -88,19 +95,59 @@ class ReplyText:
         return deltas
 
 
+@dataclass(frozen=True)
+class GenerationParts:
+    """What a generation reads and works on, handed over by the engine that starts it: the
+    model's context, its KV cache (prepared before the reply, held and committed after it),
+    the vocabulary and template the reply's text is read with, and the figures its stats
+    need. Nothing of the engine itself: a generation writes nothing back into it."""
+
+    llm: RecordingLlama  # evaluates and samples (llama-cpp-python's generation loop)
+    cache: KVCache
+    vocab: Vocabulary
+    template: ChatTemplate  # stop strings, the tool-call format
+    threads: int  # the threads generating: what the CPU share is counted against
+    drafter: Callable[[int], Drafter | None]  # drafts for a reply ending at that length
+    kv_bytes_for: Callable[[int], int]  # the cache's bytes for that many positions
+    kv_bytes_allocated: int
+
+
+@dataclass
+class _Clock:
+    """When a reply's first and latest tokens came (wall and CPU time), for its stats."""
+
+    start: float
+    counted_before: int  # tokens the context had evaluated before this prompt
+    first_at: float
+    last_at: float
+    first_cpu: float = 0.0
+    last_cpu: float = 0.0
+
+
+@dataclass
+class _Pass:
+    """One run through a generation: llama-cpp-python's token stream and what reads it."""
+
+    stream: Generator[int, Sequence[int] | None, None]
+    reply: ReplyText
+    calls: ToolCallStream | None  # where the reply is read for tool calls
+    drafter: Drafter | None
+    clock: _Clock
+
+
 @dataclass
 class Generation:
     """An in-progress generation: iterate it for ``TokenDelta``s; ``stats`` fills as it runs."""
 
-    _engine: Engine
+    _parts: GenerationParts
     _tokens: list[int]
     _sampling: Sampling
     _max_tokens: int
     _cancel: threading.Event | None
-    stats: TurnStats = field(default_factory=TurnStats)
-    _reply: ReplyText | None = None
     _tool_use: ToolUse | None = None  # tools offered: the reply is read for calls
     _grammar: str | None = None  # GBNF the reply must follow (a required call)
+    stats: TurnStats = field(default_factory=TurnStats)
+    _reply: ReplyText | None = None
     # The calls the reply made (read at its end), and its text without them.
     tool_calls: list[ToolCall] = field(default_factory=list)
     _content: str | None = None
@@ -128,7 +175,7 @@ class Generation:
     @property
     def opened_reasoning(self) -> bool:
         """Whether the prompt itself opened a reasoning block (the reply starts inside it)."""
-        return opens_reasoning(self._engine.detokenize(self._tokens[-8:], special=True))
+        return opens_reasoning(self._parts.vocab.detokenize(self._tokens[-8:], special=True))
 
     @property
     def reasoning(self) -> str:
@@ -146,29 +193,45 @@ class Generation:
         use = self._tool_use
         if use is None or not use.reads_calls:
             return None
-        return ToolCallStream(self._engine.template.tool_family, use.names)
+        return ToolCallStream(self._parts.template.tool_family, use.names)
 
     def _reply_text_without_calls(self, text: str) -> str:
         """The reply's text with its calls taken out (what the transcript keeps as content)."""
         assert self._tool_use is not None
-        family = self._engine.template.tool_family
+        family = self._parts.template.tool_family
         return parse_tool_calls(text, family, self._tool_use.names)[0].strip()
 
     def _run(self) -> Generator[TokenDelta, None, None]:
-        engine = self._engine
-        llm = engine.llm
-        stats = self.stats
+        """Start the reply, read its tokens until one of the stops, then settle the cache:
+        it holds the prompt and the reply as kept, committed, however the reply ended."""
+        run = self._begin()
+        try:
+            for token in run.stream:
+                deltas = self._take(run, token)
+                if deltas is None:
+                    break
+                yield from deltas if run.calls is None else _shown(deltas, run.calls)
+                if self._ends_after(run):
+                    break
+            yield from self._close_reply(run)
+        finally:
+            self._settle(run)
+
+    def _begin(self) -> _Pass:
+        """Prepare the cache for the prompt and start llama-cpp-python's loop over it (with
+        a drafter where this reply drafts, a grammar where one holds it)."""
+        parts, stats = self._parts, self.stats
+        llm = parts.llm
         stats.prompt_tokens = len(self._tokens)
         llm.set_seed(self._sampling.seed)
         counted_before = llm.tokens_evaluated
         start = time.perf_counter()
-        engine.prepare_prefix(self._tokens)
-        first_at = last_at = start
-        first_cpu = last_cpu = 0.0
+        parts.cache.prepare_prefix(self._tokens)
+        clock = _Clock(start, counted_before, first_at=start, last_at=start)
         # A grammar's state follows every sampled token: drafts it would reject are not
         # taken back from it, so a held reply is never drafted.
         grammar = None if self._grammar is None else LlamaGrammar.from_string(self._grammar, False)
-        drafter = None if grammar else engine.drafter(len(self._tokens) + self._max_tokens)
+        drafter = None if grammar else parts.drafter(len(self._tokens) + self._max_tokens)
         llm.draft_model = drafter
         stream = llm.generate(
             self._tokens,
@@ -181,75 +244,103 @@ class Generation:
         )
         stats.stop_reason = "length"
         calls = self._call_stream()
-        spelled = engine.spelled_tokens(markers(calls.family)) if calls else frozenset()
-        reply = self._reply = ReplyText(engine, self._tokens, spelled)
-        try:
-            for token in stream:
-                now = time.perf_counter()
-                if not reply.tokens:
-                    first_at = stats.first_token_at = now
-                    first_cpu = time.process_time()
-                    stats.ttft_s = now - start
-                    stats.prompt_tokens_evaluated = llm.tokens_evaluated - counted_before
-                    if stats.ttft_s > 0:
-                        stats.prompt_tps = stats.prompt_tokens_evaluated / stats.ttft_s
-                if self._cancel is not None and self._cancel.is_set():
-                    stats.stop_reason = "cancelled"
-                    break
-                if engine.is_end_of_generation(token):
-                    stats.stop_reason = "eos"
-                    break
-                deltas = reply.feed(token)
-                stats.generated_tokens = reply.generated
-                if reply.generated > 1 and now > first_at:
-                    stats.gen_tps = (reply.generated - 1) / (now - first_at)
-                    last_at, last_cpu = now, time.process_time()
-                if reply.stopped:  # said before the last deltas: a reader may stop at them
-                    stats.stop_reason = "stop"
-                yield from deltas if calls is None else _shown(deltas, calls)
-                if reply.stopped:
-                    break
-                if self._cancel is not None and self._cancel.is_set():
-                    stats.stop_reason = "cancelled"
-                    break
-                if len(reply.tokens) >= self._max_tokens:
-                    break
-                # The prompt and the reply (drafts in the cache past them are not the reply).
-                if len(self._tokens) + len(reply.tokens) >= engine.n_ctx:
-                    stats.stop_reason = "context"
-                    break
-            yield from _shown(reply.flush(), calls)
-            if calls is not None and stats.stop_reason != "cancelled":  # stopped: no calls
-                rest, self.tool_calls = calls.finish()
-                if rest:
-                    yield TokenDelta(None, rest)
-                if self.tool_calls:
-                    self._content = self._reply_text_without_calls(reply.text)
-        finally:
-            if last_at > first_at:
-                stats.gen_cpu_share = (last_cpu - first_cpu) / (
-                    (last_at - first_at) * engine.threads
-                )
-            reply.close()
-            stream.close()
-            llm.draft_model = None
-            llm.verify_next = 0
-            sequence = self._tokens + self.tokens
-            if drafter is not None:
-                drafter.finish(sequence)
-                stats.drafted_tokens, stats.accepted_tokens = drafter.drafted, drafter.accepted
-                stats.draft_steps = drafter.steps
-                stats.speculative_speedup = drafter.speedup(stats.gen_tps)
-                # A reply that ended on a token its draft did not have leaves that draft in
-                # the cache (it is checked only when the next token is asked for): cut back
-                # to what the reply shares with the cache, then hold the reply.
-                shared = common_prefix(engine.cached_tokens, sequence)
-                if shared < llm.n_tokens:
-                    engine.hold(sequence[:shared])
-            engine.hold(sequence)
-            engine.committed = len(engine.cached_tokens)  # the prompt and the reply as held
-            stats.kv_bytes_used = engine.kv_bytes_used
-            stats.kv_bytes_allocated = engine.kv_bytes_allocated
+        spelled = parts.vocab.spelled_tokens(markers(calls.family)) if calls else frozenset()
+        reply = self._reply = ReplyText(parts.vocab, parts.template.stop, self._tokens, spelled)
+        return _Pass(stream, reply, calls, drafter, clock)
+
+    def _take(self, run: _Pass, token: int) -> list[TokenDelta] | None:
+        """The deltas ``token`` adds to the reply, its figures counted; None where the reply
+        ends before it (cancelled, or the end of generation)."""
+        now = time.perf_counter()
+        stats, reply, clock = self.stats, run.reply, run.clock
+        if not reply.tokens:
+            self._first_token(clock, now)
+        if self._cancel is not None and self._cancel.is_set():
+            stats.stop_reason = "cancelled"
+            return None
+        if self._parts.vocab.is_end_of_generation(token):
+            stats.stop_reason = "eos"
+            return None
+        deltas = reply.feed(token)
+        stats.generated_tokens = reply.generated
+        if reply.generated > 1 and now > clock.first_at:
+            stats.gen_tps = (reply.generated - 1) / (now - clock.first_at)
+            clock.last_at, clock.last_cpu = now, time.process_time()
+        if reply.stopped:  # said before the last deltas: a reader may stop at them
+            stats.stop_reason = "stop"
+        return deltas
+
+    def _first_token(self, clock: _Clock, now: float) -> None:
+        """The prompt's figures, at the reply's first token."""
+        stats = self.stats
+        clock.first_at = stats.first_token_at = now
+        clock.first_cpu = time.process_time()
+        stats.ttft_s = now - clock.start
+        stats.prompt_tokens_evaluated = self._parts.llm.tokens_evaluated - clock.counted_before
+        if stats.ttft_s > 0:
+            stats.prompt_tps = stats.prompt_tokens_evaluated / stats.ttft_s
+
+    def _ends_after(self, run: _Pass) -> bool:
+        """Whether the reply ends after the token just taken: a stop string, a cancel, its
+        token budget or the context's end."""
+        reply = run.reply
+        if reply.stopped:
+            return True
+        if self._cancel is not None and self._cancel.is_set():
+            self.stats.stop_reason = "cancelled"
+            return True
+        if len(reply.tokens) >= self._max_tokens:
+            return True
+        # The prompt and the reply (drafts in the cache past them are not the reply).
+        if len(self._tokens) + len(reply.tokens) >= self._parts.cache.n_ctx:
+            self.stats.stop_reason = "context"
+            return True
+        return False
+
+    def _close_reply(self, run: _Pass) -> Iterator[TokenDelta]:
+        """What the reply held back, and the calls it made (none once it was cancelled)."""
+        yield from _shown(run.reply.flush(), run.calls)
+        if run.calls is not None and self.stats.stop_reason != "cancelled":
+            rest, self.tool_calls = run.calls.finish()
+            if rest:
+                yield TokenDelta(None, rest)
+            if self.tool_calls:
+                self._content = self._reply_text_without_calls(run.reply.text)
+
+    def _settle(self, run: _Pass) -> None:
+        """However the reply ended: its last figures, the loop closed, and the cache holding
+        the prompt and the reply as kept, committed as the owner's history."""
+        parts, stats, clock = self._parts, self.stats, run.clock
+        llm = parts.llm
+        if clock.last_at > clock.first_at:
+            stats.gen_cpu_share = (clock.last_cpu - clock.first_cpu) / (
+                (clock.last_at - clock.first_at) * parts.threads
+            )
+        run.reply.close()
+        run.stream.close()
+        llm.draft_model = None
+        llm.verify_next = 0
+        sequence = self._tokens + self.tokens
+        if run.drafter is not None:
+            self._settle_drafts(run.drafter, sequence)
+        parts.cache.hold(sequence)
+        parts.cache.commit()  # the prompt and the reply as held
+        stats.kv_bytes_used = parts.kv_bytes_for(int(llm.n_tokens))
+        stats.kv_bytes_allocated = parts.kv_bytes_allocated
+
+    def _settle_drafts(self, drafter: Drafter, sequence: list[int]) -> None:
+        """The drafts' figures, and a last draft the reply did not take out of the cache."""
+        stats, cache = self.stats, self._parts.cache
+        drafter.finish(sequence)
+        stats.drafted_tokens, stats.accepted_tokens = drafter.drafted, drafter.accepted
+        stats.draft_steps = drafter.steps
+        stats.speculative_speedup = drafter.speedup(stats.gen_tps)
+        # A reply that ended on a token its draft did not have leaves that draft in the
+        # cache (it is checked only when the next token is asked for): cut back to what the
+        # reply shares with the cache, then hold the reply.
+        shared = common_prefix(cache.cached_tokens, sequence)
+        if shared < self._parts.llm.n_tokens:
+            cache.hold(sequence[:shared])
 
 
 def _shown(deltas: list[TokenDelta], calls: ToolCallStream | None) -> Iterator[TokenDelta]:

@@ -9,6 +9,12 @@ from collections.abc import Sequence
 
 import llama_cpp
 
+from localchat.backends.llama.internals import (
+    decode_filled_batch,
+    drop_cells_from,
+    fill_batch_every_position,
+    set_logits_stale,
+)
 from localchat.backends.llama.runtime import abort_requested
 
 
@@ -71,18 +77,18 @@ class RecordingLlama(llama_cpp.Llama):
         every position: llama-cpp-python asks only for a batch's last unless ``logits_all``,
         which keeps n_ctx x n_vocab floats for the whole context. Sampling then reads each
         position's logits from llama.cpp (``llama_get_logits_ith``)."""
-        self._ctx.kv_cache_seq_rm(-1, self.n_tokens, -1)
+        drop_cells_from(self, self.n_tokens)
         n_past = self.n_tokens
-        self._batch.set_batch(batch=list(tokens), n_past=n_past, logits_all=True)
-        self._ctx.decode(self._batch)
+        fill_batch_every_position(self, tokens, n_past)
+        decode_filled_batch(self)
         self.input_ids[n_past : n_past + len(tokens)] = tokens
         self.n_tokens += len(tokens)
-        self._requires_eval = False
+        set_logits_stale(self, False)
 
     def _forget_unfinished(self, end: int) -> None:
         """After an aborted evaluation: the cache and the records end where the last whole
         batch did (llama.cpp keeps an aborted batch's finished micro-batches)."""
-        self._ctx.kv_cache_seq_rm(-1, self.n_tokens, -1)
+        drop_cells_from(self, self.n_tokens)
         self.tokens_evaluated -= end - self.n_tokens
         starts = self.batch_starts
         if starts is not None:

@@ -11,6 +11,11 @@ from typing import Any
 
 import llama_cpp
 
+from localchat.backends.llama.internals import (
+    decode_filled_batch,
+    drop_cells_from,
+    fill_batch_every_position,
+)
 from localchat.backends.llama.runtime import last_error_line, prepare
 from localchat.errors import ModelLoadError, UsageError
 
@@ -179,12 +184,12 @@ def _time_steps(
     best = [float("inf")] * len(sizes)
     for _ in range(repeats):
         for index, n_tokens in enumerate(sizes):
-            llm._ctx.kv_cache_seq_rm(-1, n_past, -1)
-            llm._batch.set_batch(batch=tokens[1 : 1 + n_tokens], n_past=n_past, logits_all=True)
+            drop_cells_from(llm, n_past)
+            fill_batch_every_position(llm, tokens[1 : 1 + n_tokens], n_past)
             started = time.perf_counter()
-            llm._ctx.decode(llm._batch)
+            decode_filled_batch(llm)
             best[index] = min(best[index], time.perf_counter() - started)
-    llm._ctx.kv_cache_seq_rm(-1, n_past, -1)
+    drop_cells_from(llm, n_past)
     return best
 
 
