@@ -143,3 +143,28 @@ async def test_the_tools_screen_turns_a_tool_off(tiny_model: Path, isolated_home
             "ping to be turned off",
         )
         await ui.notice("reads the conversation again")
+
+
+async def test_quitting_while_a_call_waits_for_consent_answers_it_before_the_app_is_gone(
+    tiny_model: Path, isolated_home: Path
+) -> None:
+    """The loop's thread waits on the dialog: quitting answers the dialog "deny", the call
+    is answered as stopped (the model never reads a call without a result), and the app
+    does not hang on a dialog that is gone."""
+    from localchat.paths import app_paths
+    from localchat.state.store import Store
+
+    write_settings(isolated_home, mcp_settings())
+    async with chat_app(tiny_model, max_tokens=150) as ui:
+        conversation = await _tools_offered(ui)
+        await _require(conversation, "ping")
+        await ui.pilot.press(*"ping", "enter")
+        await ui.shown(ToolConsentScreen)
+        name = conversation.record.name
+        await ui.pilot.press("ctrl+q")
+    store = Store(app_paths().database)
+    messages = store.messages(store.get(name).id)
+    store.close()
+    assert [m.role for m in messages] == ["user", "assistant", "tool"]
+    assert messages[-1].content.startswith("error:")
+    assert messages[1].tool_calls and messages[1].tool_calls[0].id == messages[-1].tool_call_id

@@ -1,94 +1,124 @@
-"""The app's tool round: the calls a reply made are shown, asked about (unless the user
-allowed the tool for the conversation), run, and answered; the chat screen then starts the
-reply that reads the results.
+"""The app's hooks into the runtime's one tool loop (``localchat.tools.loop``): the loop runs
+in a thread worker, as ``ask``'s does on its thread; what it shows and asks (a call drawn,
+the consent dialog, a result) happens on the app's thread through ``call_from_thread``.
 
-Its interface is narrow on purpose (a runtime tool loop shared with the CLI is to take its
-place): calls in, result messages out, the user's consent asked through one function."""
+The rules (the round limit, every call answered once and in order, a stop answering what
+is left) are the loop's; this module only supplies the app's side of each hook."""
 
 from __future__ import annotations
 
+import contextlib
+import threading
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from concurrent.futures import Future, InvalidStateError
+from dataclasses import dataclass, field
+from typing import ParamSpec, TypeVar, cast
 
-from localchat.chat.template import ChatMessage, results_saying
+from textual.app import App
+
 from localchat.chat.tools import ToolCall
-from localchat.conversation.base import NOT_RUN
-from localchat.tools.consent import DENIED_RESULT, MAX_ROUNDS, STOPPED_RESULT, Consent
-from localchat.tools.results import ToolResult, failure
+from localchat.tools.consent import DENIED_RESULT, DENY, Consent
+from localchat.tools.loop import ToolLoop
+from localchat.tools.results import ToolResult
+from localchat.tui.widgets.chat_message import ToolCallView
+
+T = TypeVar("T")
+P = ParamSpec("P")
 
 
-@dataclass(frozen=True)
-class ToolHooks:
-    """What a round asks of the app."""
+def on_app_thread(
+    app: App[object], work: Callable[P, Awaitable[T]], *args: P.args, **kwargs: P.kwargs
+) -> T:
+    """Await ``work`` on the app's thread from another thread, and give back its result
+    (``App.call_from_thread``, typed for a coroutine; RuntimeError once the app has quit)."""
+    call: Callable[..., object] = app.call_from_thread  # its stub cannot say "a coroutine's T"
+    return cast(T, call(work, *args, **kwargs))
 
-    ask: Callable[[ToolCall], Awaitable[str]]  # the user's choice (consent's RUN_ONCE...)
-    run: Callable[[ToolCall], Awaitable[ToolResult]]  # run an allowed call
-    shown: Callable[[ToolCall], Awaitable[Callable[[ToolResult], None]]]  # draw it; its result
-    stopped: Callable[[], bool]  # the user stopped the reply
+
+@dataclass
+class AppToolHooks:
+    """The loop's hooks in the app: a call is drawn as it comes, asked about in a dialog
+    unless the user allowed its tool for the conversation, and its result drawn on it. A
+    refused call's result tells the model so, and the model reads on. Once the app quits
+    (``gone``) nothing more is drawn or asked: the loop answers the calls on its own."""
+
+    app: App[object]
+    consent: Consent
+    show_call: Callable[[ToolCall], Awaitable[ToolCallView]]  # on the app's thread
+    ask: Callable[[ToolCall], str]  # the dialog's answer (consent.RUN_ONCE, ...), waited for
+    run_call: Callable[[ToolCall], ToolResult]  # on the loop's thread
+    gone: Callable[[], bool]
+    refusal_ends: bool = False
+    views: dict[str, ToolCallView] = field(default_factory=dict)
+
+    def allow(self, call: ToolCall) -> bool:
+        if self.gone():
+            return False
+        self.views[call.id] = on_app_thread(self.app, self.show_call, call)
+        return self.consent.allows(call) or self.consent.answer(call, self.ask(call))
+
+    def run(self, call: ToolCall) -> ToolResult:
+        return self.run_call(call)
+
+    def answered(self, call: ToolCall, result: ToolResult | None) -> None:
+        if not self.gone():
+            on_app_thread(self.app, self._show_result, call, result)
+
+    def stopped(self, line: str) -> None:
+        self.app.notify(line, title="Tools")  # Textual's notify is thread-safe
+
+    async def _show_result(self, call: ToolCall, result: ToolResult | None) -> None:
+        view = self.views.get(call.id) or await self.show_call(call)  # stopped before asked
+        if result is None:
+            result = ToolResult(DENIED_RESULT, is_error=True)
+        view.show_result(result.text, result.is_error)
 
 
-class ToolRound:
-    """One round: ``calls`` in, ``results()`` out (one message per call, in their order)."""
+class PendingAnswer:
+    """The consent dialog's answer, waited for on the loop's thread (not on the app's loop:
+    quitting blocks that loop while it waits for the round to end). A stop (Esc, the app
+    quitting) answers it "deny", so the thread never waits on a dialog that is gone."""
 
-    def __init__(self, calls: list[ToolCall], consent: Consent, hooks: ToolHooks) -> None:
-        self.calls = calls
-        self._consent = consent
-        self._hooks = hooks
-        self._results: list[ChatMessage] = []
+    def __init__(self, stop: threading.Event) -> None:
+        self._stop = stop
+        self._future: Future[str] | None = None
 
-    async def run(self) -> None:
-        """Each call shown, and run where the user allows it; a denied call's result tells
-        the model so. Stopped or failed part way, the calls left are answered by
-        ``results``."""
-        hooks = self._hooks
-        for call in self.calls:
-            show_result = await hooks.shown(call)
-            allowed = self._consent.allows(call)
-            if not allowed and not hooks.stopped():
-                allowed = self._consent.answer(call, await hooks.ask(call))
-            if hooks.stopped():
-                result = failure("the user stopped the reply")
-            elif allowed:
-                result = await hooks.run(call)
-            else:
-                result = ToolResult(DENIED_RESULT, is_error=True)
-            show_result(result)
-            self._results.append(ChatMessage("tool", result.text, tool_call_id=call.id))
+    def wait(self, open_dialog: Callable[[Callable[[str | None], None]], object]) -> str:
+        """``open_dialog(done)`` shows the dialog (from this thread), which calls ``done``
+        with the answer."""
+        future: Future[str] = Future()
+        self._future = future
+        if self._stop.is_set():  # stopped before the dialog could open
+            return DENY
+        try:
+            open_dialog(lambda choice: _settle(future, choice or DENY))
+            return future.result()
+        finally:
+            self._future = None
 
-    def stop_all(self) -> None:
-        """Too many rounds since the user's message: no call of this one runs."""
-        self._results = results_saying(self.calls, STOPPED_RESULT)
+    def deny(self) -> None:
+        """Called after ``stop`` is set."""
+        future = self._future
+        if future is not None:
+            _settle(future, DENY)
 
-    def results(self) -> list[ChatMessage]:
-        """A result for every call: the ones run, and "not run" for the others."""
-        answered = {m.tool_call_id for m in self._results}
-        return self._results + results_saying(
-            [c for c in self.calls if c.id not in answered], NOT_RUN
-        )
+
+def _settle(future: Future[str], choice: str) -> None:
+    with contextlib.suppress(InvalidStateError):  # answered already (a click, then a stop)
+        future.set_result(choice)
 
 
 class ToolRounds:
-    """The rounds of one chat: the tools allowed for good in each conversation, and the
-    rounds since the user's last message (a model that keeps calling stops at
-    ``MAX_ROUNDS``)."""
+    """The chat's tool loops: the tools each conversation allowed for good, and the loop of
+    the message being answered (its rounds count toward the limit until it is answered)."""
 
     def __init__(self) -> None:
         self._consents: dict[str, Consent] = {}
-        self.count = 0
+        self.loop: ToolLoop | None = None
 
-    def next_round(
-        self, conversation_id: str, calls: list[ToolCall], hooks: ToolHooks
-    ) -> ToolRound:
-        """The round for ``calls``: counted, with the conversation's consents."""
-        self.count += 1
-        consent = self._consents.setdefault(conversation_id, Consent())
-        return ToolRound(calls, consent, hooks)
-
-    @property
-    def over(self) -> bool:
-        """More rounds than a message may lead to."""
-        return self.count > MAX_ROUNDS
+    def consent(self, conversation_id: str) -> Consent:
+        return self._consents.setdefault(conversation_id, Consent())
 
     def reset(self) -> None:
-        """The user's message is answered (or the round ended short)."""
-        self.count = 0
+        """The user's message is answered (or its rounds ended short)."""
+        self.loop = None

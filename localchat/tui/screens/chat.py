@@ -30,10 +30,16 @@ from localchat.chat.template import ChatMessage
 from localchat.chat.tools import ToolCall
 from localchat.conversation.base import ConversationBase
 from localchat.errors import LocalchatError
-from localchat.tools.consent import DENIED_RESULT, STOPPED
+from localchat.tools.consent import DENIED_RESULT
+from localchat.tools.loop import ToolLoop
 from localchat.tools.results import ToolResult
 from localchat.tui.bindings import CHAT_BINDINGS
-from localchat.tui.chat.tool_round import ToolHooks, ToolRound, ToolRounds
+from localchat.tui.chat.tool_round import (
+    AppToolHooks,
+    PendingAnswer,
+    ToolRounds,
+    on_app_thread,
+)
 from localchat.tui.chat.turns import TurnRequest, describe_turn_start, stream_turn
 from localchat.tui.messages import (
     ConversationRestored,
@@ -81,6 +87,7 @@ class ChatScreen(Screen[None], ReportsWorkerFailures):
         self.turn_idle.set()
         self._reply: ReplyView | None = None  # the reply being streamed
         self.tools = ToolRounds()
+        self._consent_answer = PendingAnswer(self._cancel)
 
     def compose(self) -> ComposeResult:
         yield Header()
@@ -290,8 +297,10 @@ class ChatScreen(Screen[None], ReportsWorkerFailures):
         self.generate(self.session, request)
 
     def stop_turn(self) -> None:
-        """Stop the reply being written (the turn commits what was written)."""
+        """Stop the reply being written (the turn commits what was written), or the tool
+        round under way (a dialog waiting for consent is answered "deny")."""
         self._cancel.set()
+        self._consent_answer.deny()
 
     @work(thread=True, exit_on_error=False, exclusive=True, group="generate")
     def generate(self, session: Session | None, request: TurnRequest) -> None:
@@ -370,59 +379,65 @@ class ChatScreen(Screen[None], ReportsWorkerFailures):
         self.composer.reader.stop()
         return self.turn_idle.wait(wait_s)
 
-    # -- the tool round (localchat.tui.chat.tool_round) ----------------------------------
+    # -- the tool round (the runtime's loop; the app's hooks: tui.chat.tool_round) -----
     def _start_tool_round(self, conversation: ConversationBase, calls: list[ToolCall]) -> None:
-        round_ = self.tools.next_round(conversation.record.id, calls, self._tool_hooks())
-        self.run_worker(
-            self._tool_round(conversation, round_),
-            group="tools",
-            exclusive=True,
-            exit_on_error=False,
+        if self.tools.loop is None:  # the first calls since the user's message
+            hooks = AppToolHooks(
+                self.app,
+                self.tools.consent(conversation.record.id),
+                self.transcript.add_call,
+                self._ask_consent,
+                self._run_call,
+                self.torn_down,
+            )
+            self.tools.loop = ToolLoop(hooks, self._cancel)
+        self.turn_idle.clear()  # quitting waits for the round to answer its calls
+        self._tool_round(conversation, self.tools.loop, calls)
+
+    @work(thread=True, exit_on_error=False, exclusive=True, group="tools")
+    def _tool_round(
+        self, conversation: ConversationBase, loop: ToolLoop, calls: list[ToolCall]
+    ) -> None:
+        """One round of the loop, then the reply that reads its results. However it ends
+        (stopped, failed, the app quitting), every call is answered."""
+        started = False
+        try:
+            answer = loop.answer(calls)
+            if answer.go_on and not self.torn_down() and conversation is self.conversation:
+                with contextlib.suppress(RuntimeError):  # the app quit meanwhile
+                    on_app_thread(self.app, self.start_results_turn, answer.results)
+                    started = True  # its worker says when it is idle
+            if not started:
+                with contextlib.suppress(Exception):  # quitting: the next send answers them
+                    run_compute(conversation.record_results, answer.results)
+                with contextlib.suppress(RuntimeError):
+                    self.app.call_from_thread(self._tool_rounds_ended)
+            if answer.error is not None:
+                raise answer.error
+        finally:
+            if not started:
+                self.turn_idle.set()
+
+    def _tool_rounds_ended(self) -> None:
+        self.tools.reset()
+        self.generating = False
+
+    def _ask_consent(self, call: ToolCall) -> str:
+        """The consent dialog for ``call`` (the one place the app asks it); on the loop's
+        thread, which waits for the answer."""
+        session = self.session
+        tools = session.tools if session is not None else None
+        server = tools.server_of(call.name) if tools is not None else None
+        dialog = ToolConsentScreen(call, server)
+        return self._consent_answer.wait(
+            lambda done: self.app.call_from_thread(self.app.push_screen, dialog, done)
         )
 
-    async def _tool_round(self, conversation: ConversationBase, round_: ToolRound) -> None:
-        """The round, then the reply that reads its results. However it ends (stopped,
-        failed, the app quitting), every call is answered (as not run where it did not)."""
-        go_on = False
-        try:
-            if self.tools.over:
-                round_.stop_all()
-                self.notify(STOPPED, title="Tools")
-                return
-            await round_.run()
-            go_on = not (
-                self._cancel.is_set() or self.torn_down() or conversation is not self.conversation
-            )
-        finally:
-            results = round_.results()
-            if go_on:
-                await self.start_results_turn(results)
-            else:
-                self.tools.reset()
-                self.generating = False
-                with contextlib.suppress(Exception):  # quitting: the next send answers them
-                    await asyncio.to_thread(run_compute, conversation.record_results, results)
-
-    def _tool_hooks(self) -> ToolHooks:
-        """The round's ways into the app: the consent dialog (the one place consent is
-        asked), the session running a call off the event loop, the call drawn."""
-        session, cancel = self.session, self._cancel
-
-        async def ask(call: ToolCall) -> str:
-            tools = session.tools if session is not None else None
-            server = tools.server_of(call.name) if tools is not None else None
-            return await self.app.push_screen_wait(ToolConsentScreen(call, server))
-
-        async def run(call: ToolCall) -> ToolResult:
-            if session is None:
-                return ToolResult(DENIED_RESULT, is_error=True)
-            return await asyncio.to_thread(session.run_tool, call, cancel)
-
-        async def shown(call: ToolCall) -> Callable[[ToolResult], None]:
-            view = await self.transcript.add_call(call)
-            return lambda result: view.show_result(result.text, result.is_error)
-
-        return ToolHooks(ask, run, shown, cancel.is_set)
+    def _run_call(self, call: ToolCall) -> ToolResult:
+        session = self.session
+        if session is None:
+            return ToolResult(DENIED_RESULT, is_error=True)
+        return session.run_tool(call, self._cancel)
 
     # -- actions ---------------------------------------------------------------------------
     def action_stop(self) -> None:
