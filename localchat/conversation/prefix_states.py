@@ -14,9 +14,7 @@ prompt's: the same files opening another conversation are restored, not read aga
 
 from __future__ import annotations
 
-import hashlib
 import time
-from array import array
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -24,7 +22,14 @@ from localchat.backends.llama.cache import KVCache, ReplayStopped
 from localchat.chat.attachments import attachments_end
 from localchat.chat.prompt import BuiltPrompt, PromptBuilder
 from localchat.chat.template import ChatMessage
-from localchat.state.kvstate import BackgroundSaver, SavedState, StateKey, StateRejected, StateStore
+from localchat.state.kvstate import (
+    BackgroundSaver,
+    SavedState,
+    StateKey,
+    StateRejected,
+    StateStore,
+    tokens_state_id,
+)
 
 ID_PREFIX = "prefix-"
 DEFAULT_MIN_TOKENS = 256
@@ -42,8 +47,7 @@ class PrefixStart:
 
 def prefix_id(tokens: Sequence[int]) -> str:
     """The state's name: a hash of the exact token ids (the file holds them to compare)."""
-    digest = hashlib.sha256(array("i", tokens).tobytes()).hexdigest()
-    return f"{ID_PREFIX}{digest[:32]}"
+    return tokens_state_id(ID_PREFIX, tokens)
 
 
 def system_span(prompt: BuiltPrompt, n_system: int) -> int:

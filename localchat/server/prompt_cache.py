@@ -33,6 +33,7 @@ from localchat.state.kvstate import (
     StateRejected,
     StateStore,
     read_state_tokens,
+    tokens_state_id,
 )
 
 BLOCK = 64  # tokens a hash names; a shorter match is not worth a file read
@@ -51,7 +52,8 @@ def block_hashes(tokens: Sequence[int]) -> list[str]:
 
 
 def state_id(tokens: Sequence[int]) -> str:
-    return ID_PREFIX + hashlib.sha256(array("i", tokens).tobytes()).hexdigest()[:32]
+    """The name of the saved state that holds exactly ``tokens``."""
+    return tokens_state_id(ID_PREFIX, tokens)
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,7 @@ the transcript: a bad file costs time, never a wrong continuation.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import mmap
 import os
@@ -26,7 +27,7 @@ import threading
 import time
 import zlib
 from array import array
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -62,6 +63,13 @@ class SavedState:
 
 class StateRejected(Exception):
     """A state file that cannot be used; ``str()`` says why in a few words."""
+
+
+def tokens_state_id(prefix: str, tokens: Sequence[int]) -> str:
+    """The name of a state that holds exactly ``tokens``: ``prefix`` (whose states these
+    are) and a hash of the ids (the file holds the ids too, so a hit is compared, not
+    trusted)."""
+    return prefix + hashlib.sha256(array("i", tokens).tobytes()).hexdigest()[:32]
 
 
 def _checksum(tokens_bytes: bytes | memoryview, payload: bytes | memoryview) -> str:
