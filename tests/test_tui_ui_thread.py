@@ -73,3 +73,47 @@ async def test_a_message_edited_switched_and_pinned_and_a_new_chat_read_the_data
             await pilot.press("ctrl+n")
             await ui.opened(before=before)
         assert on_app_thread == []
+
+
+async def test_the_conversations_screen_lists_searches_renames_exports_and_deletes_off_it(
+    tiny_model: Path,
+) -> None:
+    from textual.widgets import DataTable, Input, TextArea
+
+    from localchat.paths import app_paths
+    from localchat.tui.screens.conversations import ConversationsScreen
+    from localchat.tui.screens.text_prompt import TextPromptScreen
+
+    async with chat_app(tiny_model, size=(120, 40), n_ctx=1024, max_tokens=8) as ui:
+        app, pilot = ui.app, ui.pilot
+        await ui.say("about the garden")
+        store = app.store
+        assert store is not None
+        for name in ("groceries", "kv cache notes"):
+            store.create_conversation(name, model="tiny")
+        with statements_on_this_thread(app) as on_app_thread:
+            await pilot.press("ctrl+l")
+            screen = await ui.shown(ConversationsScreen)
+            table = screen.query_one(DataTable)
+            await ui.until(lambda: table.row_count == 3, "the conversations to be listed")
+            await pilot.press(*"groceries")
+            await ui.until(lambda: table.row_count == 1, "the search to narrow the list")
+            await pilot.press("ctrl+e")
+            exported = app_paths().data_dir / "exports" / "groceries.md"
+            await ui.until(exported.exists, "the export to be written")
+            await pilot.press("ctrl+r")
+            prompt = await ui.shown(TextPromptScreen)
+            prompt.query_one(TextArea).text = "shopping"
+            await pilot.press("ctrl+s")
+            search = screen.query_one("#conversation-search", Input)
+            search.value = "kv cache"  # the rename lands before this search's rows
+            await ui.until(
+                lambda: table.row_count == 1 and "kv cache" in str(table.get_row_at(0)[0]),
+                "the search for the other one",
+            )
+            await pilot.press("ctrl+d")
+            await ui.until(lambda: table.row_count == 0, "the deleted conversation to go")
+        assert on_app_thread == []
+        assert store.get("groceries").title == "shopping"
+        assert "kv cache notes" not in {r.name for r in store.conversations()}
+        assert exported.read_text().startswith("#")
