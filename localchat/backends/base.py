@@ -128,8 +128,8 @@ class CacheView:
 class Backend(Protocol):
     """What the conversation layer, the CLI and the app ask of either backend: who answers,
     how many tokens a text takes, a reply to messages (streamed, cancellable). The local
-    engine also saves and restores its KV cache (``save_sequence_state`` and
-    ``load_sequence_state``); a server keeps its own."""
+    engine also saves and restores its KV cache (``Engine.cache``: ``save_sequence_state``
+    and ``load_sequence_state``); a server keeps its own."""
 
     @property
     def model_name(self) -> str:
