@@ -13,16 +13,13 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 from localchat.backends.base import TokenDelta, TurnStats
 from localchat.backends.remote_errors import ERROR_TEXT_LIMIT, RemoteError
 from localchat.chat.reasoning import CLOSE, OPEN, ReasoningStream, split_reasoning
 from localchat.chat.tools import ToolCall, new_call_id
 from localchat.text import shown
-
-if TYPE_CHECKING:
-    from localchat.backends.remote import RemoteBackend
 
 # How often a waiting stream looks at the cancel flag (a slow first token is cancellable).
 CANCEL_POLL_S = 0.05
@@ -42,12 +39,22 @@ class EventStream(Protocol):
     def close(self) -> None: ...
 
 
+class ReplyServer(Protocol):
+    """What a reply reads of the backend that opened it (``RemoteBackend``): the server's
+    name for its errors, and its cache's fill after the reply."""
+
+    @property
+    def server(self) -> str: ...
+
+    def cache_usage(self) -> float | None: ...
+
+
 @dataclass
 class RemoteReply:
     """A reply streaming from the server: iterate for deltas; the stream is closed however
     iteration ends, and a cancel closes the connection so the server stops generating."""
 
-    backend: RemoteBackend
+    backend: ReplyServer
     _connection: EventStream
     _sent_at: float
     _cancel: threading.Event | None

@@ -10,7 +10,7 @@ import contextlib
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from localchat.backends.base import Reply, TokenDelta, TurnStats
 from localchat.chat.prompt import BuiltPrompt
@@ -20,8 +20,21 @@ from localchat.errors import LocalchatError
 from localchat.state.store import MessageRecord
 
 if TYPE_CHECKING:
-    from localchat.conversation.base import ConversationBase
     from localchat.conversation.prefix_states import PrefixStart
+    from localchat.state.store import ConversationRecord
+
+
+class TurnOwner(Protocol):
+    """What a turn asks of its conversation (``ConversationBase``): the record, where the
+    finished reply is committed, and the branches its message has. A protocol, so the
+    conversation imports the turn and not the other way round."""
+
+    @property
+    def record(self) -> ConversationRecord: ...
+
+    def commit_reply(self, turn: ConversationTurn) -> Exchange: ...
+
+    def branches_at(self, message_id: int) -> tuple[int, int]: ...
 
 
 @dataclass
@@ -76,7 +89,7 @@ class ConversationTurn:
     """A turn in progress; iterate for deltas. The reply is committed and the state saved when
     iteration ends, however it ends (finished, cancelled, interrupted)."""
 
-    conversation: ConversationBase
+    conversation: TurnOwner
     user: Exchange
     prompt: BuiltPrompt
     generation: Reply
