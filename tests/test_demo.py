@@ -10,7 +10,8 @@ import pytest
 from localchat.backends.llama.engine import Engine, LoadOptions
 from localchat.errors import UsageError
 from localchat.gguf.info import read_gguf
-from localchat.models.demo import QUANTS, SHAPES, build_vocab, make_demo_model
+from localchat.models.demo import QUANTS, SHAPES, make_demo_model
+from localchat.models.demo_vocab import build_vocab
 
 
 def _digest(path: Path) -> str:

@@ -20,13 +20,11 @@ from localchat.gguf.info import read_gguf
 from localchat.models.demo import (
     SHAPES,
     TOKENIZERS,
-    bpe_split,
-    build_bpe_vocab,
-    bytes_to_unicode,
     demo_model_path,
     ensure_demo_model,
     make_demo_model,
 )
+from localchat.models.demo_vocab import bpe_split, build_bpe_vocab, bytes_to_unicode
 from tests.conftest import GREEDY
 
 BPE_KINDS = ("gpt2", "llama3", "qwen2")

@@ -13,80 +13,29 @@ import sqlite3
 import threading
 import time
 import uuid
-from array import array
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from localchat.chat.template import ChatMessage
 from localchat.chat.tools import ToolCall
 from localchat.errors import LocalchatError, UsageError
 from localchat.paths import ensure_private_dir
 from localchat.state.locks import exclusive
 from localchat.state.migrations import MIGRATIONS
+from localchat.state.records import (
+    ConversationRecord,
+    MessageRecord,
+    pack_calls,
+    pack_tokens,
+    unpack_calls,
+    unpack_tokens,
+)
 
 
 class ConversationNotFound(LocalchatError):
     """A named conversation does not exist; the message lists near names."""
-
-
-@dataclass(frozen=True)
-class ConversationRecord:
-    id: str
-    name: str
-    title: str
-    created_at: float
-    updated_at: float
-    model: str | None
-    system_prompt: str | None
-    message_count: int = 0
-
-
-@dataclass
-class MessageRecord:
-    id: int
-    conversation_id: str
-    seq: int
-    role: str
-    content: str
-    token_count: int | None
-    created_at: float
-    status: str  # "complete" | "partial" (a cancelled or interrupted reply)
-    stats: dict[str, Any] = field(default_factory=dict)
-    parent_id: int | None = None  # the message it follows (None: the first of its branch)
-    pinned: bool = False  # never leaves the context window
-    system_prompt: str | None = None  # a first message's: the system prompt of its branches
-    tool_calls: tuple[ToolCall, ...] = ()  # an assistant's calls to tools
-    tool_call_id: str = ""  # a tool result's: the call it answers
-
-    @property
-    def chat_message(self) -> ChatMessage:
-        """The message as a template renders it."""
-        return ChatMessage(self.role, self.content, self.tool_calls, self.tool_call_id)
-
-
-def _pack_calls(calls: Sequence[ToolCall]) -> str | None:
-    if not calls:
-        return None
-    return json.dumps([{"id": c.id, "name": c.name, "arguments": c.arguments} for c in calls])
-
-
-def _unpack_calls(text: str | None) -> tuple[ToolCall, ...]:
-    if not text:
-        return ()
-    return tuple(ToolCall(c["name"], c["arguments"], c["id"]) for c in json.loads(text))
-
-
-def _pack_tokens(tokens: Sequence[int]) -> bytes:
-    return array("i", tokens).tobytes()
-
-
-def _unpack_tokens(blob: bytes) -> list[int]:
-    values = array("i")
-    values.frombytes(blob)
-    return values.tolist()
 
 
 class Store:
@@ -260,7 +209,7 @@ class Store:
                         parent,
                         int(message.pinned),
                         source.system_prompt if parent is None else None,
-                        _pack_calls(message.tool_calls),
+                        pack_calls(message.tool_calls),
                         message.tool_call_id or None,
                     ),
                 )
@@ -348,7 +297,7 @@ class Store:
             if tokens is not None and model_fingerprint:
                 db.execute(
                     "INSERT INTO message_tokens VALUES (?, ?, ?)",
-                    (message_id, model_fingerprint, _pack_tokens(tokens)),
+                    (message_id, model_fingerprint, pack_tokens(tokens)),
                 )
             db.execute(
                 "UPDATE conversations SET updated_at = ?, head_id = ? WHERE id = ?",
@@ -371,7 +320,7 @@ class Store:
             row["parent_id"],
             bool(row["pinned"]),
             row["system_prompt"],
-            _unpack_calls(row["tool_calls"]),
+            unpack_calls(row["tool_calls"]),
             row["tool_call_id"] or "",
         )
 
@@ -465,7 +414,7 @@ class Store:
                WHERE m.conversation_id = ? AND t.model_fingerprint = ?""",
             (conversation_id, model_fingerprint),
         )
-        return {row["message_id"]: _unpack_tokens(row["tokens"]) for row in rows}
+        return {row["message_id"]: unpack_tokens(row["tokens"]) for row in rows}
 
     def set_eval_batches(
         self,
@@ -487,8 +436,8 @@ class Store:
                 (
                     conversation_id,
                     model_fingerprint,
-                    _pack_tokens(tokens),
-                    _pack_tokens(batch_starts),
+                    pack_tokens(tokens),
+                    pack_tokens(batch_starts),
                 ),
             )
 
@@ -502,7 +451,7 @@ class Store:
         )
         if not rows:
             return None
-        return _unpack_tokens(rows[0]["tokens"]), _unpack_tokens(rows[0]["batch_starts"])
+        return unpack_tokens(rows[0]["tokens"]), unpack_tokens(rows[0]["batch_starts"])
 
     def window_start(self, conversation_id: str, model_fingerprint: str) -> int:
         """The seq of the oldest message in this model's window (0: nothing has left it)."""
@@ -589,7 +538,7 @@ def _insert_message(db: sqlite3.Connection, record: MessageRecord, token_count: 
             record.parent_id,
             int(record.pinned),
             record.system_prompt,
-            _pack_calls(record.tool_calls),
+            pack_calls(record.tool_calls),
             record.tool_call_id or None,
         ),
     )

@@ -12,7 +12,7 @@ import threading
 from collections.abc import Awaitable, Callable
 from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
-from typing import ParamSpec, TypeVar, cast
+from typing import TYPE_CHECKING, ParamSpec, TypeVar, cast
 
 from textual.app import App
 
@@ -21,6 +21,9 @@ from localchat.tools.consent import DENIED_RESULT, DENY, Consent
 from localchat.tools.loop import ToolLoop
 from localchat.tools.results import ToolResult
 from localchat.tui.widgets.chat_message import ToolCallView
+
+if TYPE_CHECKING:
+    from localchat.session import Session
 
 T = TypeVar("T")
 P = ParamSpec("P")
@@ -45,9 +48,13 @@ class AppToolHooks:
     app: App[object]
     consent: Consent
     show_call: Callable[[ToolCall], Awaitable[ToolCallView]]  # on the app's thread
-    ask: Callable[[ToolCall], str]  # the dialog's answer (consent.RUN_ONCE, ...), waited for
-    run_call: Callable[[ToolCall], ToolResult]  # on the loop's thread
+    # Shows the consent dialog for a call (and its server) on the app's thread; the dialog
+    # gives its answer to the callback.
+    open_dialog: Callable[[ToolCall, str | None, Callable[[str | None], None]], object]
+    session: Session | None
+    stop: threading.Event  # the user stopped the reply
     gone: Callable[[], bool]
+    pending: PendingAnswer
     refusal_ends: bool = False
     views: dict[str, ToolCallView] = field(default_factory=dict)
 
@@ -55,10 +62,12 @@ class AppToolHooks:
         if self.gone():
             return False
         self.views[call.id] = on_app_thread(self.app, self.show_call, call)
-        return self.consent.allows(call) or self.consent.answer(call, self.ask(call))
+        return self.consent.allows(call) or self.consent.answer(call, self._ask(call))
 
     def run(self, call: ToolCall) -> ToolResult:
-        return self.run_call(call)
+        if self.session is None:
+            return ToolResult(DENIED_RESULT, is_error=True)
+        return self.session.run_tool(call, self.stop)
 
     def answered(self, call: ToolCall, result: ToolResult | None) -> None:
         if not self.gone():
@@ -66,6 +75,14 @@ class AppToolHooks:
 
     def stopped(self, line: str) -> None:
         self.app.notify(line, title="Tools")  # Textual's notify is thread-safe
+
+    def _ask(self, call: ToolCall) -> str:
+        """The user's answer, waited for on this (the loop's) thread."""
+        tools = self.session.tools if self.session is not None else None
+        server = tools.server_of(call.name) if tools is not None else None
+        return self.pending.wait(
+            lambda done: self.app.call_from_thread(self.open_dialog, call, server, done)
+        )
 
     async def _show_result(self, call: ToolCall, result: ToolResult | None) -> None:
         view = self.views.get(call.id) or await self.show_call(call)  # stopped before asked

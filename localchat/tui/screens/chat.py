@@ -30,9 +30,7 @@ from localchat.chat.template import ChatMessage
 from localchat.chat.tools import ToolCall
 from localchat.conversation.base import ConversationBase
 from localchat.errors import LocalchatError
-from localchat.tools.consent import DENIED_RESULT
 from localchat.tools.loop import ToolLoop
-from localchat.tools.results import ToolResult
 from localchat.tui.bindings import CHAT_BINDINGS
 from localchat.tui.chat.tool_round import (
     AppToolHooks,
@@ -382,13 +380,18 @@ class ChatScreen(Screen[None], ReportsWorkerFailures):
     # -- the tool round (the runtime's loop; the app's hooks: tui.chat.tool_round) -----
     def _start_tool_round(self, conversation: ConversationBase, calls: list[ToolCall]) -> None:
         if self.tools.loop is None:  # the first calls since the user's message
+            consent = self.tools.consent(conversation.record.id)
             hooks = AppToolHooks(
                 self.app,
-                self.tools.consent(conversation.record.id),
+                consent,
                 self.transcript.add_call,
-                self._ask_consent,
-                self._run_call,
+                lambda call, server, done: self.app.push_screen(
+                    ToolConsentScreen(call, server), done
+                ),
+                self.session,
+                self._cancel,
                 self.torn_down,
+                self._consent_answer,
             )
             self.tools.loop = ToolLoop(hooks, self._cancel)
         self.turn_idle.clear()  # quitting waits for the round to answer its calls
@@ -421,23 +424,6 @@ class ChatScreen(Screen[None], ReportsWorkerFailures):
     def _tool_rounds_ended(self) -> None:
         self.tools.reset()
         self.generating = False
-
-    def _ask_consent(self, call: ToolCall) -> str:
-        """The consent dialog for ``call`` (the one place the app asks it); on the loop's
-        thread, which waits for the answer."""
-        session = self.session
-        tools = session.tools if session is not None else None
-        server = tools.server_of(call.name) if tools is not None else None
-        dialog = ToolConsentScreen(call, server)
-        return self._consent_answer.wait(
-            lambda done: self.app.call_from_thread(self.app.push_screen, dialog, done)
-        )
-
-    def _run_call(self, call: ToolCall) -> ToolResult:
-        session = self.session
-        if session is None:
-            return ToolResult(DENIED_RESULT, is_error=True)
-        return session.run_tool(call, self._cancel)
 
     # -- actions ---------------------------------------------------------------------------
     def action_stop(self) -> None:
