@@ -145,9 +145,9 @@ class ConversationsScreen(ModalScreen[str | None], ReportsWorkerFailures):
         try:
             delete_conversation(self.store, self.states, name)
         except LocalchatError as exc:
-            self.notify(str(exc), severity="error")  # notify is thread-safe
+            self.notify(str(exc), severity="error", markup=False)  # thread-safe
             return
-        self.notify(f"Deleted “{name}”.")
+        self.notify(f"Deleted “{name}”.", markup=False)  # a name is the user's text
         self.app.call_from_thread(self.refresh_rows)
 
     def action_export(self) -> None:
@@ -159,4 +159,4 @@ class ConversationsScreen(ModalScreen[str | None], ReportsWorkerFailures):
     def _export(self, record: ConversationRecord) -> None:
         target = app_paths().data_dir / "exports" / f"{record.name}.md"
         write_atomic(target, export_markdown(record, self.store.messages(record.id)).encode())
-        self.notify(f"Exported to {target}")
+        self.notify(f"Exported to {target}", markup=False)

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
 
+from rich.cells import cell_len
 from rich.text import Text
 from textual import work
 from textual.app import ComposeResult
@@ -34,6 +35,28 @@ from localchat.settings import ServerConfig
 from localchat.tui.screens.text_prompt import TextPromptScreen
 from localchat.tui.worker_failures import ReportsWorkerFailures
 from localchat.units import format_bytes
+
+COLUMNS = ("Model", "Quant", "Size", "Needs", "Speed", "Fit", "On disk")
+
+
+def _model_cells(row: ModelRow) -> tuple[str | Text, ...]:
+    """A model's row: file facts, the plan's figures, and whether it is here."""
+    needs = format_bytes(row.estimated_bytes) if row.estimated_bytes else "-"
+    on_disk: str | Text = "✓" if row.downloaded else ""
+    if row.source in ("local", "demo"):
+        on_disk = "added" if row.source == "local" else "demo"
+    if row.problem:
+        on_disk = Text(f"unusable: {row.problem}")  # a file name is never markup
+    speed = f"~{format_tps(row.predicted_gen_tps)} tok/s" if row.predicted_gen_tps else "-"
+    quant = f"{row.quant} ★" if row.planned else row.quant  # the planner's pick here
+    return (row.model, quant, format_bytes(row.size_bytes), needs, speed, row.fit, on_disk)
+
+
+def _server_cells(row: ServerModelRow) -> tuple[str | Text, ...]:
+    """A configured server's model (names are never markup)."""
+    context = f"ctx {row.context_size}" if row.context_size else "-"
+    where = Text(f"server {row.server}" + (f": {row.problem}" if row.problem else ""))
+    return (Text(row.model or "(unreachable)"), "server", "-", context, "-", "remote", where)
 
 
 @dataclass
@@ -98,7 +121,7 @@ class ModelsScreen(ReportsWorkerFailures, ModalScreen[Path | ServerChoice | None
 
     def on_mount(self) -> None:
         table = self.query_one(DataTable)
-        table.add_columns("Model", "Quant", "Size", "Needs", "Speed", "Fit", "On disk")
+        table.add_columns(*COLUMNS)
         self.query_one("#download-bar").display = False
         table.focus()
         self.load_rows()
@@ -118,41 +141,19 @@ class ModelsScreen(ReportsWorkerFailures, ModalScreen[Path | ServerChoice | None
     def on_rows_loaded(self, message: RowsLoaded) -> None:
         self.rows = message.rows
         self.server_rows = message.server_rows
+        cells = [_model_cells(row) for row in self.rows]
+        cells += [_server_cells(row) for row in self.server_rows]
+        keys = [str(i) for i in range(len(self.rows))]
+        keys += [f"server-{i}" for i in range(len(self.server_rows))]
         table = self.query_one(DataTable)
-        table.clear()
-        for index, row in enumerate(self.rows):
-            needs = format_bytes(row.estimated_bytes) if row.estimated_bytes else "-"
-            on_disk: str | Text = "✓" if row.downloaded else ""
-            if row.source in ("local", "demo"):
-                on_disk = "added" if row.source == "local" else "demo"
-            if row.problem:
-                on_disk = Text(f"unusable: {row.problem}")  # a file name is never markup
-            speed = f"~{format_tps(row.predicted_gen_tps)} tok/s" if row.predicted_gen_tps else "-"
-            table.add_row(
-                row.model,
-                f"{row.quant} ★" if row.planned else row.quant,  # the planner's pick here
-                format_bytes(row.size_bytes),
-                needs,
-                speed,
-                row.fit,
-                on_disk,
-                key=str(index),
-            )
-        for index, server_row in enumerate(self.server_rows):
-            context = f"ctx {server_row.context_size}" if server_row.context_size else "-"
-            where: Text = Text(f"server {server_row.server}")  # names are never markup
-            if server_row.problem:
-                where = Text(f"server {server_row.server}: {server_row.problem}")
-            table.add_row(
-                Text(server_row.model or "(unreachable)"),
-                "server",
-                "-",
-                context,
-                "-",
-                "remote",
-                where,
-                key=f"server-{index}",
-            )
+        # Each column as wide as its widest cell, set with the rows: sized on idle instead,
+        # the table could be drawn with its header's widths first (a flaky snapshot).
+        table.clear(columns=True)
+        for index, label in enumerate(COLUMNS):
+            widest = max((cell_len(str(row[index])) for row in cells), default=0)
+            table.add_column(label, width=max(widest, len(label)))
+        for key, row in zip(keys, cells, strict=True):
+            table.add_row(*row, key=key)
 
     def on_data_table_row_highlighted(self, event: DataTable.RowHighlighted) -> None:
         """The highlighted model's plan here, and why, under the table."""
