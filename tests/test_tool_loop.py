@@ -103,7 +103,8 @@ class Replies:
     def calls(self, reply: int) -> Sequence[ToolCall]:
         return _calls(*self.script[reply]) if reply < len(self.script) else []
 
-    def next_reply(self, results: list[ChatMessage]) -> int:
+    def next_reply(self, reply: int, results: list[ChatMessage]) -> int:
+        assert reply == len(self.read)  # the reply whose calls these answer
         self.read.append(results)
         return len(self.read)
 

@@ -110,7 +110,7 @@ class ConversationReplies:
     def calls(self, reply: AskTurn) -> Sequence[ToolCall]:
         return reply.generation.tool_calls
 
-    def next_reply(self, results: list[ChatMessage]) -> ConversationTurn:
+    def next_reply(self, reply: AskTurn, results: list[ChatMessage]) -> ConversationTurn:
         return self.conversation.send_results(results, self.sampling, self.max_tokens, self.cancel)
 
     def keep(self, results: list[ChatMessage]) -> None:
@@ -128,18 +128,15 @@ class OneOffReplies:
     max_tokens: int
     cancel: threading.Event
     tool_use: ToolUse | None
-    last: AskTurn | None = None
 
     def first(self) -> OneOffTurn:
         return self._ask()
 
     def calls(self, reply: AskTurn) -> Sequence[ToolCall]:
-        self.last = reply
         return reply.generation.tool_calls
 
-    def next_reply(self, results: list[ChatMessage]) -> OneOffTurn:
-        assert self.last is not None
-        generation = self.last.generation
+    def next_reply(self, reply: AskTurn, results: list[ChatMessage]) -> OneOffTurn:
+        generation = reply.generation
         self.messages += [ChatMessage("assistant", generation.text, tuple(generation.tool_calls))]
         self.messages += results
         if self.tool_use is not None:

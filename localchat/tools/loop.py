@@ -56,7 +56,9 @@ class ToolTurns(Protocol[R]):
 
     def calls(self, reply: R) -> Sequence[ToolCall]: ...
 
-    def next_reply(self, results: list[ChatMessage]) -> R: ...
+    def next_reply(self, reply: R, results: list[ChatMessage]) -> R:
+        """The reply that reads ``results``, the answers to ``reply``'s calls."""
+        ...
 
     def keep(self, results: list[ChatMessage]) -> None: ...
 
@@ -158,4 +160,4 @@ def chain(loop: ToolLoop, turns: ToolTurns[R], first: R) -> Iterator[R]:
             if answer.error is not None:
                 raise answer.error
             return
-        reply = turns.next_reply(answer.results)
+        reply = turns.next_reply(reply, answer.results)
