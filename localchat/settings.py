@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import tomllib
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
 from localchat.backends.base import SPECULATIVE_MODES
@@ -11,11 +11,12 @@ from localchat.chat.window import WINDOW_MODES
 from localchat.errors import UsageError
 from localchat.gguf.estimate import KV_BYTES_PER_VALUE
 from localchat.gguf.quants import SWA_CACHE_MODES
+from localchat.models.launch import LaunchOptions
 from localchat.models.planner import MIN_TOKENS_PER_S
 from localchat.state.kvstate import DEFAULT_BUDGET_BYTES
 from localchat.tools.config import McpServerConfig, parse_mcp_servers
 from localchat.tools.results import DEFAULT_RESULT_CHARS
-from localchat.units import parse_size
+from localchat.units import parse_duration, parse_size
 
 KV_CACHE_TYPES = tuple(KV_BYTES_PER_VALUE)
 
@@ -61,6 +62,10 @@ class ServeConfig:
     parallel: int | None = None  # None: what memory allows (at most 4)
     log_format: str = "text"
     api_key_env: str | None = None
+    # How long a model loaded on demand stays loaded once idle ("10m", "1h", 0: unloaded
+    # after each reply, -1: until room is needed); Ollama's ``keep_alive`` overrides it.
+    keep_alive: str | int = "30m"
+    max_models: int | None = None  # models loaded at once (None: what memory allows)
 
 
 def _serve(path: Path, value: object) -> ServeConfig:
@@ -93,6 +98,13 @@ def _serve(path: Path, value: object) -> ServeConfig:
         )
     if config.api_key_env is not None and not isinstance(config.api_key_env, str):
         raise UsageError(f"{path}: [serve] api_key_env must name an environment variable")
+    try:
+        parse_duration(config.keep_alive)
+    except UsageError as exc:
+        raise UsageError(f"{path}: [serve] keep_alive: {exc}") from None
+    max_models = config.max_models
+    if max_models is not None and (not isinstance(max_models, int) or max_models < 1):
+        raise UsageError(f"{path}: [serve] max_models must be a number from 1, not {max_models!r}")
     return config
 
 
@@ -165,6 +177,17 @@ class Settings:
 
     tool_result_chars: int = DEFAULT_RESULT_CHARS
     """Longest tool result the model reads, in characters; a longer one is cut, saying so."""
+
+    def launch(self, flags: LaunchOptions) -> LaunchOptions:
+        """The launch options with what the flags left unset taken from here."""
+        return replace(
+            flags,
+            kv_type=flags.kv_type or self.kv_type,
+            swa_cache=flags.swa_cache or self.swa_cache,
+            speculative=flags.speculative or self.speculative,
+            draft_model=flags.draft_model or self.draft_model or None,
+            draft_required=flags.draft_required or flags.draft_model is not None,
+        )
 
     def server(self, spec: str) -> ServerConfig:
         """A server by its configured name, or a URL given as is."""

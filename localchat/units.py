@@ -50,3 +50,27 @@ def parse_size(text: str) -> int:
 def count(n: int, noun: str) -> str:
     """``1, "token"`` → ``1 token``; ``2013, "token"`` → ``2,013 tokens``."""
     return f"{n:,} {noun}" if n == 1 else f"{n:,} {noun}s"
+
+
+_DURATION_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
+
+
+def parse_duration(value: str | float) -> float:
+    """A keep-alive as Ollama takes it: seconds as a number, or ``"10m"``, ``"1h30m"``,
+    ``"45s"`` (Go's duration units ms, s, m, h; a bare number is seconds). Negative: forever
+    (returned as -1); 0: at once."""
+    if isinstance(value, bool):
+        raise UsageError(f"{value!r} is not a duration; write it like 10m, 1h, 30s, 0 or -1")
+    if isinstance(value, int | float):
+        return -1.0 if value < 0 else float(value)
+    text = value.strip()
+    sign = -1.0 if text.startswith("-") else 1.0
+    body = text.lstrip("+-")
+    if re.fullmatch(r"\d+(\.\d+)?", body):
+        seconds = float(body)
+    else:
+        parts = re.findall(r"(\d+(?:\.\d+)?)(ms|s|m|h)", body)
+        if not parts or "".join(n + u for n, u in parts) != body:
+            raise UsageError(f"{value!r} is not a duration; write it like 10m, 1h, 30s, 0 or -1")
+        seconds = sum(float(n) * _DURATION_UNITS[u] for n, u in parts)
+    return -1.0 if sign < 0 and seconds > 0 else seconds

@@ -10,6 +10,7 @@ import json
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -24,10 +25,11 @@ from localchat.errors import UsageError
 from localchat.models.catalog import CatalogError, catalog_draft, load_catalog
 from localchat.models.draft_plan import plan_draft, predicted_gain
 from localchat.models.hardware import Hardware
+from localchat.models.launch import LaunchOptions
 from localchat.models.library import Library
+from localchat.models.loader import ModelLoader
 from localchat.models.speed import STEP_SIZES, SpeedModel, SpeedPrediction, machine_name
 from localchat.paths import app_paths
-from localchat.session import Session
 from localchat.settings import Settings
 from localchat.state.kvstate import StateStore
 from localchat.state.store import Store
@@ -275,35 +277,35 @@ def test_the_session_takes_the_catalog_draft_once_downloaded_and_where_it_pays(
     isolated_home: Path, smol_hub: None, speed_calibration: SpeedModel, tiny_model: Path
 ) -> None:
     speed_calibration.save(app_paths().speed_calibration)
-    session = Session(app_paths(), Settings(kv_type="q8_0"), open_stores=False)
+    settings, loader = Settings(kv_type="q8_0"), ModelLoader(app_paths())
+
+    def load(settings: Settings = settings, warn: Any = None, **flags: Any) -> Engine:
+        launch = settings.launch(LaunchOptions(n_ctx=1024, **flags))
+        return loader.load(big, launch, warn, on_this_thread=True)
+
     library = Library(app_paths(), Hardware(16 * GIB, 16 * GIB, 2))
     big = library.pull(library.request("smol"))
     with pytest.raises(UsageError, match="'draft' needs a draft model"):  # not downloaded yet
-        session.load_model(big, 1024, speculative="draft", on_this_thread=True)
+        load(speculative="draft")
     with pytest.raises(
         UsageError, match="draft model smol-draft is not downloaded; `localchat pull"
     ):
         library.draft_path("smol-draft")
     library.pull(library.request("smol-draft"))
-    engine = session.load_model(big, 1024, speculative="draft", on_this_thread=True)
+    engine = load(speculative="draft")
     assert engine.draft_model is not None and engine.draft_model.name == "smol-draft-Q4_1.gguf"
     engine.close()
     # A draft as big as the model never pays: auto does not load it.
-    engine = session.load_model(big, 1024, speculative="auto", on_this_thread=True)
+    engine = load(speculative="auto")
     assert engine.draft_model is None and engine.drafting  # prompt lookup still drafts
     engine.close()
     warned: list[str] = []
-    engine = session.load_model(
-        big, 1024, kv_type="f16", draft_model="smol-draft", warn=warned.append,
-        on_this_thread=True,
-    )  # fmt: skip
+    engine = load(kv_type="f16", draft_model="smol-draft", warn=warned.append)
     assert engine.draft_model is None and "smol-draft-Q4_1.gguf is not used" in warned[0]
     engine.close()
     # The setting's draft model, of another family than the model loaded: left out, said.
-    other = Session(
-        app_paths(), Settings(kv_type="q8_0", draft_model=str(tiny_model)), open_stores=False
-    )
-    engine = other.load_model(big, 1024, warn=warned.append, on_this_thread=True)
+    other = Settings(kv_type="q8_0", draft_model=str(tiny_model))
+    engine = load(other, warn=warned.append)
     assert engine.draft_model is None and "cannot draft for" in warned[-1]
     engine.close()
 

@@ -46,7 +46,7 @@ RUNTIME_MODULES = sorted(
     for p in PACKAGE.rglob("*.py")
     if p.name != "__init__.py" and not _is_app(p)
 )
-LEAVES = {"errors", "atomic", "paths", "units", "text", "cpu", "progress"}
+LEAVES = {"errors", "atomic", "paths", "units", "text", "cpu", "progress", "heap"}
 # What each part of the runtime may import from localchat (besides itself).
 BELOW: dict[str, set[str]] = {
     "leaves": {"leaves"},

@@ -33,6 +33,7 @@ from localchat.cli.main import main
 from localchat.errors import UsageError
 from localchat.paths import app_paths
 from localchat.server.app import BackgroundServer
+from localchat.server.router import Router
 from localchat.server.runner import ModelRunner
 from localchat.settings import load_settings
 from localchat.state.kvstate import StateStore
@@ -60,7 +61,8 @@ class Served:
             self.engine, StateStore(states), NAME, parallel=parallel, aliases=aliases
         )
         self.restored = self.runner.restore_newest() if restore else 0  # as `serve` does
-        self.server = BackgroundServer(self.runner, api_key, cors_origins)
+        self.models = Router.of_one(self.runner)
+        self.server = BackgroundServer(self.models, api_key, cors_origins)
         self.root = self.server.root
 
     def close(self) -> None:
@@ -426,13 +428,13 @@ def test_a_terminal_shows_one_status_line_redrawn_in_place(served: Served) -> No
             return True
 
     terminal = Terminal()
-    log = ServerLog(served.runner, terminal)
+    log = ServerLog(served.models, terminal)
     body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "temperature": 0}
     httpx.post(f"{served.root}/v1/chat/completions", json=body, timeout=60)
     time.sleep(2.5 * REDRAW_S)
     log.close()
     shown = terminal.getvalue()
-    assert shown.startswith("\r\x1b[2Krunning 0/1 · waiting 0 · last ")
+    assert shown.startswith(f"\r\x1b[2K{NAME}: running 0/1 · waiting 0 · last ")
     assert "KV " in shown and "evaluated · 0 saved states" in shown  # under a block: none
     assert "\n" not in shown.rstrip("\n")  # redrawn in place, not scrolled
 

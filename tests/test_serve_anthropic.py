@@ -18,6 +18,7 @@ import pytest
 from localchat.backends.llama.engine import Engine, LoadOptions
 from localchat.chat.template import ChatMessage
 from localchat.server.app import BackgroundServer
+from localchat.server.router import Router
 from localchat.server.runner import ModelRunner
 from localchat.state.kvstate import StateStore
 from tests.test_serve import NAME, QUESTION, Served, _client, _plain_reply
@@ -216,7 +217,7 @@ def test_a_reasoning_models_thinking_comes_as_thinking_blocks(tiny_model: Path) 
     template = str(TEMPLATES / "deepseek-r1-distill-qwen.jinja")
     engine = Engine(tiny_model, LoadOptions(n_ctx=512, n_threads=2, template=template))
     runner = ModelRunner(engine, StateStore(Path(tempfile.mkdtemp())), "tiny")
-    server = BackgroundServer(runner)
+    server = BackgroundServer(Router.of_one(runner))
     try:
         client = anthropic.Anthropic(base_url=server.root, api_key="none", max_retries=0)
         asked = {"model": "tiny", "max_tokens": 12, "extra_body": {"temperature": 0},

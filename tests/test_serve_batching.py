@@ -23,6 +23,7 @@ from localchat.backends.llama.engine import Engine, LoadOptions
 from localchat.backends.llama.runtime import last_error_line
 from localchat.chat.template import ChatMessage
 from localchat.server.app import BackgroundServer
+from localchat.server.router import Router
 from localchat.server.runner import ModelRunner
 from localchat.server.scheduler import COPY_MIN_TOKENS, PREPARE_WAIT_S
 from localchat.state.kvstate import StateStore
@@ -358,7 +359,7 @@ def test_a_generated_model_served_side_by_side_writes_asks_replies(
     engine = Engine(tiny_model, options)
     assert not engine.flash_attn and engine.options.kv_type == "f16"
     runner = ModelRunner(engine, StateStore(tmp_path / "states"), "tiny", parallel=2)
-    server = BackgroundServer(runner)
+    server = BackgroundServer(Router.of_one(runner))
     try:
         replies: dict[int, dict] = {}
 
@@ -396,7 +397,7 @@ def test_the_engines_own_context_holds_no_sequence_when_serving(
     options = LoadOptions(n_ctx=2048, n_threads=2, kv_type="q8_0", own_cells=256)
     engine = Engine(smollm2, options)
     runner = ModelRunner(engine, StateStore(tmp_path / "states"), NAME, parallel=2)
-    server = BackgroundServer(runner)
+    server = BackgroundServer(Router.of_one(runner))
     try:
         assert engine.n_ctx == 256 and engine.planned_ctx == 2048
         assert runner.batch.n_ctx_seq == 2048

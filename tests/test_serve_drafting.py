@@ -14,6 +14,7 @@ import pytest
 
 from localchat.backends.llama.engine import Engine, LoadOptions
 from localchat.server.app import BackgroundServer
+from localchat.server.router import Router
 from localchat.server.runner import ModelRunner
 from localchat.state.kvstate import StateStore
 from tests.test_serve import NAME
@@ -30,7 +31,7 @@ class Drafting:
         options = LoadOptions(n_ctx=2048, n_threads=2, kv_type="q8_0", speculative=speculative)
         self.engine = Engine(model, options)
         self.runner = ModelRunner(self.engine, StateStore(states), NAME, parallel=parallel)
-        self.server = BackgroundServer(self.runner, None)
+        self.server = BackgroundServer(Router.of_one(self.runner), None)
 
     def ask(self, question: str, **extra: object) -> dict:
         body = {"model": NAME, "messages": [{"role": "user", "content": question}],

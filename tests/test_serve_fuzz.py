@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 
 from localchat.backends.llama.engine import Engine, LoadOptions
 from localchat.server.app import BackgroundServer
+from localchat.server.router import Router
 from localchat.server.runner import ModelRunner
 from localchat.state.kvstate import StateStore
 from tests.test_serve import NAME, Served
@@ -72,7 +73,7 @@ def fuzzed(tmp_path_factory: pytest.TempPathFactory, models_dir: Path) -> Iterat
     model = make_demo_model(models_dir / "fuzz-tiny.gguf", "tiny", "Q4_K_M", seed=3)
     engine = Engine(model, LoadOptions(n_ctx=256, n_threads=2))
     runner = ModelRunner(engine, StateStore(Path(tempfile.mkdtemp())), "tiny", parallel=2)
-    server = BackgroundServer(runner)
+    server = BackgroundServer(Router.of_one(runner))
     yield server.root
     assert runner.counters.queued == 0 and runner.counters.running == 0
     server.close()

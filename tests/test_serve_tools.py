@@ -16,6 +16,7 @@ import pytest
 from localchat.backends.llama.engine import Engine, LoadOptions
 from localchat.chat.tool_stream import ToolCallStream
 from localchat.server.app import BackgroundServer
+from localchat.server.router import Router
 from localchat.server.runner import ModelRunner
 from localchat.state.kvstate import StateStore
 from tests.test_serve import NAME, Served, _client
@@ -57,7 +58,7 @@ def served(smollm2: Path, tmp_path: Path) -> Iterator[Served]:
 def test_a_required_call_then_its_result_continue_from_the_cache(served: Served) -> None:
     client = _client(served.root)
     logged: list = []
-    served.runner.on_turn = logged.append  # what the request log writes
+    served.models.on_turn = logged.append  # what the request log writes
     cities = {"type": "string", "enum": ["Oslo", "Rome", "Paris"]}  # not left to the build
     weather = {"type": "function", "function": {**WEATHER["function"], "parameters": {  # type: ignore[dict-item]
         "type": "object", "properties": {"city": cities}, "required": ["city"]}}}  # fmt: skip
@@ -160,7 +161,7 @@ def test_a_generated_model_with_a_real_template_calls_in_its_format(
     options = LoadOptions(n_ctx=1024, n_threads=2, template=str(TEMPLATES / f"{template}.jinja"))
     engine = Engine(tiny_model, options)
     runner = ModelRunner(engine, StateStore(Path(tempfile.mkdtemp())), "tiny")
-    server = BackgroundServer(runner)
+    server = BackgroundServer(Router.of_one(runner))
     try:
         # Random weights would fill a free string to the end: the city is one of two.
         cities = {"type": "string", "enum": ["Oslo", "Rome"]}

@@ -16,6 +16,7 @@ from textual.widgets import DataTable, Sparkline, Static
 
 from localchat.backends.llama.engine import Engine
 from localchat.models.hardware import Hardware
+from localchat.models.launch import LaunchOptions
 from localchat.tui.app import LocalChatApp
 from localchat.tui.screens.conversations import ConversationsScreen
 from localchat.tui.screens.models import ModelsScreen
@@ -71,7 +72,9 @@ def _fixed_memory_figures(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def _app(model: Path, name: str = "snapshot") -> LocalChatApp:
-    return LocalChatApp(model, n_ctx=512, max_tokens=24, sampling=GREEDY, conversation_name=name)
+    return LocalChatApp(
+        model, LaunchOptions(n_ctx=512), max_tokens=24, sampling=GREEDY, conversation_name=name
+    )
 
 
 def test_chat_screen(snap_compare, tiny_model: Path) -> None:

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from textual.widgets import Label, TextArea
 
+from localchat.models.launch import LaunchOptions
 from localchat.tui.app import LocalChatApp
 from localchat.tui.widgets.chat_message import AssistantMessage, ChatEntry, UserMessage
 from localchat.tui.widgets.prompt_input import PromptInput
@@ -96,7 +97,7 @@ async def test_a_pinned_message_stays_in_the_window_the_others_are_dimmed(
 
 
 async def test_a_selected_message_is_copied(tiny_model: Path) -> None:
-    app = LocalChatApp(tiny_model, n_ctx=512, max_tokens=8, sampling=GREEDY)
+    app = LocalChatApp(tiny_model, LaunchOptions(n_ctx=512), max_tokens=8, sampling=GREEDY)
     copied: list[str] = []
     app.copy_to_clipboard = copied.append  # type: ignore[method-assign]
     async with running(app, SIZE) as ui:
@@ -142,7 +143,7 @@ async def test_code_blocks_and_selected_text_are_copied(tiny_model: Path) -> Non
 
     reply = "Two ways:\n\n```python\nprint(1)\n```\n\nor\n\n```sh\necho 1\n```\n"
     assert code_blocks(reply) == [("python", "print(1)\n"), ("sh", "echo 1\n")]
-    app = LocalChatApp(tiny_model, n_ctx=512, max_tokens=8, sampling=GREEDY)
+    app = LocalChatApp(tiny_model, LaunchOptions(n_ctx=512), max_tokens=8, sampling=GREEDY)
     copied: list[str] = []
     app.copy_to_clipboard = copied.append  # type: ignore[method-assign]
     async with running(app, SIZE) as ui:

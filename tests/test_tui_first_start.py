@@ -31,7 +31,7 @@ def default_model_hub(
     """The hub serving the first-start default model's repo (small-model bytes under every
     catalog file name, so whichever quant the planner picks here exists)."""
     from localchat.models.catalog import find_model, load_catalog
-    from localchat.session import DEFAULT_MODEL
+    from localchat.models.start_model import DEFAULT_MODEL
 
     entry = find_model(load_catalog(), DEFAULT_MODEL)
     repo = tmp_path / "hub" / entry.repo

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -23,6 +23,7 @@ from textual.screen import Screen
 from textual.widgets import Static
 
 from localchat.conversation.base import ConversationBase
+from localchat.models.launch import LaunchOptions
 from localchat.tui.app import LocalChatApp
 from localchat.tui.messages import ModelLoaded, ReplyFinished
 from localchat.tui.widgets.chat_message import ChatEntry
@@ -201,6 +202,9 @@ async def running(
         yield ui
 
 
+LAUNCH_FIELDS = {f.name for f in fields(LaunchOptions)}
+
+
 @asynccontextmanager
 async def chat_app(
     model: Path | None = None,
@@ -209,8 +213,10 @@ async def chat_app(
     ready: bool = True,
     **options: Any,
 ) -> AsyncIterator[ChatUI]:
-    """Run ``LocalChatApp(model, **options)``, greedy unless ``sampling`` is given (see
-    ``running`` for ``size`` and ``ready``)."""
-    app = LocalChatApp(model, **{"sampling": GREEDY, **options})
+    """Run ``LocalChatApp(model, **options)``, greedy unless ``sampling`` is given, the
+    launch options (``n_ctx``, ``template``, ...) gathered into one (see ``running`` for
+    ``size`` and ``ready``)."""
+    launch = {k: options.pop(k) for k in LAUNCH_FIELDS & options.keys()}
+    app = LocalChatApp(model, LaunchOptions(**launch), **{"sampling": GREEDY, **options})
     async with running(app, size, ready) as ui:
         yield ui

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 from localchat.chat.attachments import check_fits, read_attachment, with_attachments
 from localchat.cli.interrupt import EXIT_INTERRUPTED
 from localchat.cli.models import default_model, library, pull
-from localchat.cli.parser import EXIT_USAGE
+from localchat.cli.parser import EXIT_USAGE, launch_flags
 from localchat.errors import UsageError
 from localchat.paths import app_paths
 from localchat.text import printable
@@ -106,7 +106,7 @@ def _tool_use(args: argparse.Namespace, session: Session) -> ToolUse | None:
     are offered."""
     for problem in session.start_tools():
         print(f"localchat: {problem}", file=sys.stderr)
-    return session.tool_use(args.tool_choice)
+    return session.tools.use(args.tool_choice)
 
 
 def _refuse_local_flags(args: argparse.Namespace) -> None:
@@ -136,14 +136,11 @@ def _backend(args: argparse.Namespace, session: Session, model_path: Path | None
     evaluates it; kv_type and threads default to the settings)."""
     if model_path is None:
         return session.connect(args.server, args.model, args.ctx)
-    return session.load_model(
+    from localchat.models.loader import ModelLoader
+
+    return ModelLoader(session.paths).load(
         model_path,
-        args.ctx,
-        args.template,
-        n_threads=args.threads,
-        kv_type=args.kv_type,
-        speculative=args.speculative,
-        draft_model=args.draft_model,
+        session.settings.launch(launch_flags(args)),
         warn=lambda line: print(f"localchat: {line}", file=sys.stderr),
         on_this_thread=True,
     )

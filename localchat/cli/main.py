@@ -30,7 +30,7 @@ from localchat.cli.models import (
     cmd_pull,
     cmd_rm,
 )
-from localchat.cli.parser import EXIT_USAGE, EXIT_WORLD, build_parser
+from localchat.cli.parser import EXIT_USAGE, EXIT_WORLD, build_parser, launch_flags
 from localchat.cli.progress import line_progress
 from localchat.cli.serve import cmd_serve
 from localchat.cli.tools import cmd_tools
@@ -64,13 +64,10 @@ def cmd_app(args: argparse.Namespace, out: TextIO) -> int:
     interrupt.uninstall()  # the app handles Ctrl+C as a key, and its loop the signal
     return run_app(
         args.model_path,
-        n_ctx=args.ctx,
+        launch_flags(args),
         model_name=args.model,
         demo=args.demo,
-        template=args.template,
         server=args.server,
-        speculative=args.speculative,
-        draft_model=args.draft_model,
     )
 
 

@@ -10,6 +10,7 @@ from localchat import __version__
 from localchat.backends.base import SPECULATIVE_MODES
 from localchat.errors import UsageError
 from localchat.models.demo_shapes import QUANTS, SHAPES, TOKENIZERS
+from localchat.models.launch import LaunchOptions
 
 EXIT_USAGE = 2  # the user's mistake: a bad flag, an unknown name, an unusable file
 EXIT_WORLD = 1  # the world failed: network, server, disk
@@ -72,6 +73,11 @@ def _model_flags(parser: argparse.ArgumentParser, default: Any = None) -> None:
         " http://gpu-box:8000/v1, or a [[servers]] name from settings.toml); the key comes"
         " from LOCALCHAT_API_KEY or OPENAI_API_KEY",
     )
+    _load_flags(parser, default)
+
+
+def _load_flags(parser: argparse.ArgumentParser, default: Any = None) -> None:
+    """The flags that say how a model runs (``launch_flags`` gathers them)."""
     parser.add_argument(
         "--ctx",
         type=_positive_int,
@@ -137,7 +143,28 @@ def _port(text: str) -> int:
 
 
 def _serve_flags(serve: argparse.ArgumentParser) -> None:
-    _model_flags(serve, default=argparse.SUPPRESS)
+    serve.add_argument(
+        "--model-path", type=Path, action="append", default=[],
+        help="a local GGUF file to serve (repeatable)",
+    )  # fmt: skip
+    serve.add_argument(
+        "--model", metavar="NAME[:QUANT]", action="append", default=[],
+        help="a catalog or hub model to serve (repeatable; the first is loaded at start and"
+        " answers requests that name none); none given: every model `localchat models`"
+        " lists, each loaded when a request asks for it",
+    )  # fmt: skip
+    serve.add_argument("--server", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+    _load_flags(serve, default=argparse.SUPPRESS)
+    serve.add_argument(
+        "--max-models", type=_positive_int, default=None,
+        help="models loaded at once (default: [serve] max_models, else what memory allows);"
+        " the least recently used idle one is unloaded first, its states saved",
+    )  # fmt: skip
+    serve.add_argument(
+        "--keep-alive", metavar="DURATION", default=None,
+        help="how long a model loaded on demand stays loaded once idle: 10m, 1h, 0 (unload"
+        " after each reply), -1 (until room is needed); default: [serve] keep_alive, 30m",
+    )  # fmt: skip
     serve.add_argument(
         "--host", default=None, help="address to bind (default: [serve] host, else loopback)"
     )
@@ -366,3 +393,15 @@ def _model_commands(sub: argparse._SubParsersAction[_Parser]) -> None:
     add = sub.add_parser("add", help="register a local GGUF file")
     add.add_argument("path", type=Path)
     add.add_argument("--name", help="the name to list it under (default: the file name)")
+
+
+def launch_flags(args: argparse.Namespace) -> LaunchOptions:
+    """The launch options the flags give (the settings fill the rest: ``Settings.launch``)."""
+    return LaunchOptions(
+        n_ctx=getattr(args, "ctx", None),
+        n_threads=getattr(args, "threads", None),
+        template=getattr(args, "template", None),
+        kv_type=getattr(args, "kv_type", None),
+        speculative=getattr(args, "speculative", None),
+        draft_model=getattr(args, "draft_model", None),
+    )

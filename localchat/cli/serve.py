@@ -8,24 +8,23 @@ import argparse
 import os
 import signal
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, TextIO
 
+from localchat.cli.parser import launch_flags
 from localchat.errors import UsageError
 
 if TYPE_CHECKING:
     import uvicorn
 
-    from localchat.backends.llama.engine import Engine
-    from localchat.server.runner import ModelRunner
-    from localchat.session import Session
-    from localchat.settings import ServeConfig
+    from localchat.paths import AppPaths
+    from localchat.server.router import Router, ServedEntry
+    from localchat.settings import ServeConfig, Settings
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 KEY_ENV = "LOCALCHAT_API_KEY"
 STOP_GRACE_S = 20  # replies under way get this long to end when the server is stopped
-OWN_CELLS = 256  # the engine's own context: it only warms the model up
 
 
 def check_exposure(host: str, api_key: str | None, no_auth: bool) -> None:
@@ -67,14 +66,9 @@ def _endpoint(args: argparse.Namespace, config: ServeConfig) -> _Endpoint:
 
 
 def cmd_serve(args: argparse.Namespace, out: TextIO) -> int:
-    from localchat.cli.ask import resolve_model_path
-    from localchat.models.hardware import detect_hardware
     from localchat.paths import app_paths
     from localchat.server.live import ServerLog
-    from localchat.server.runner import ModelRunner, default_parallel
-    from localchat.session import Session
     from localchat.settings import load_settings
-    from localchat.state.kvstate import StateStore
 
     if getattr(args, "server", None):
         raise UsageError("--server chats through another server; serve runs a model here")
@@ -82,66 +76,91 @@ def cmd_serve(args: argparse.Namespace, out: TextIO) -> int:
     settings = load_settings(paths.settings_file)
     config = settings.serve
     endpoint = _endpoint(args, config)
-    model_path = resolve_model_path(args)
-    engine = _load_engine(Session(paths, settings, open_stores=False), args, config, model_path)
-    name = args.model or Path(model_path).stem
-    parallel = args.parallel or config.parallel
-    if parallel is None:
-        parallel = default_parallel(engine, detect_hardware().ram_available_bytes)
-    states = StateStore(paths.states_dir, settings.state_budget_bytes)
-    runner = ModelRunner(engine, states, name, parallel=parallel, aliases=tuple(args.alias))
-    back = runner.restore_newest()  # the conversations answered last continue from memory
-    server = _http_server(runner, endpoint, tuple(args.cors_origin))
-    print(
-        f"localchat: serving {name} (context {runner.batch.n_ctx_seq} × {parallel}"
-        f" sequence{'s' if parallel != 1 else ''}) at {endpoint.url}"
-        f" · {len(runner.cache)} saved prompt states ({back} back in memory) · Ctrl+C stops",
-        file=out,
-        flush=True,
-    )
-    log = ServerLog(runner, sys.stderr, args.log_format or config.log_format)
+    router, served, states = _router(args, settings, paths)
+    server = _http_server(router, endpoint, tuple(args.cors_origin))
+    print(f"localchat: {served} at {endpoint.url}{states} · Ctrl+C stops", file=out, flush=True)
+    log = ServerLog(router, sys.stderr, args.log_format or config.log_format)
     _prepare_to_run()
     try:
         server.run()  # until Ctrl+C or SIGTERM
     finally:
         log.close()
-        runner.close()
-        engine.close()
+        router.close()
     return 0
 
 
-def _load_engine(
-    session: Session, args: argparse.Namespace, config: ServeConfig, model_path: Path
-) -> Engine:
-    """The model, loaded to serve: replies are decoded side by side, each drafting by
-    prompt lookup where it pays (a draft model is not used there yet)."""
+def _router(
+    args: argparse.Namespace, settings: Settings, paths: AppPaths
+) -> tuple[Router, str, str]:
+    """The models to serve: those named (the first loaded now, kept loaded), else the
+    library's (each loaded on demand). What the banner says is served, and of its states."""
+    from localchat.models.hardware import detect_hardware
+    from localchat.models.library import Library
+    from localchat.server.model_source import LibrarySource, library_entries
+    from localchat.server.router import FOREVER, Router
+    from localchat.state.kvstate import StateStore
+    from localchat.units import parse_duration
+
+    config = settings.serve
+    named = _named_entries(args)
+    if not named:
+        named = library_entries(Library(paths, detect_hardware()))
+        if not named:  # nothing downloaded yet: the starter model
+            named = _named_entries(args, starter=True)
     if args.draft_model or args.speculative == "draft":
         print("localchat: serve drafts by prompt lookup only (a draft model is not used"
               " there yet)", file=sys.stderr)  # fmt: skip
-    return session.load_model(
-        model_path,
-        args.ctx or config.ctx,
-        args.template,
-        n_threads=args.threads,
-        kv_type=args.kv_type,
-        speculative="ngram" if args.speculative == "draft" else args.speculative,
-        lookup_only=True,
-        own_cells=OWN_CELLS,  # the sequences' context holds the KV: none wasted here
-        warn=lambda line: print(f"localchat: {line}", file=sys.stderr),
+    flags = replace(launch_flags(args), n_ctx=args.ctx or config.ctx,
+                    speculative="ngram" if args.speculative == "draft" else args.speculative)  # fmt: skip
+    states = StateStore(paths.states_dir, settings.state_budget_bytes)
+    source = LibrarySource(paths, settings.launch(flags), states, args.parallel or config.parallel,
+                           warn=lambda line: print(f"localchat: {line}", file=sys.stderr))  # fmt: skip
+    keep_alive = parse_duration(args.keep_alive or config.keep_alive)
+    router = Router(named, source, keep_alive, args.max_models or config.max_models,
+                    any_name=len(named) == 1)  # fmt: skip
+    if not (args.model or args.model_path) and len(named) > 1:
+        return router, f"serving {len(named)} models, each loaded when asked for", ""
+    runner = source.load(named[0])
+    router.adopt(named[0].name, runner, keep_alive_s=FOREVER)
+    back = runner.restore_newest()  # the conversations answered last continue from memory
+    more = f" (and {len(named) - 1} more on demand)" if len(named) > 1 else ""
+    served = (
+        f"serving {named[0].name} (context {runner.batch.n_ctx_seq} × {runner.parallel}"
+        f" sequence{'s' if runner.parallel != 1 else ''}){more}"
     )
+    return router, served, f" · {len(runner.cache)} saved prompt states ({back} back in memory)"
+
+
+def _named_entries(args: argparse.Namespace, starter: bool = False) -> list[ServedEntry]:
+    """The models the flags name (files, then names; the aliases go with the first), or
+    the starter model."""
+    from localchat.cli.ask import resolve_model_path
+    from localchat.server.router import ServedEntry
+
+    asked: list[tuple[str | None, Path | None]] = [(None, Path(p)) for p in args.model_path]
+    asked += [(name, None) for name in args.model]
+    if starter:
+        asked = [(None, None)]
+    entries = []
+    for index, (name, path) in enumerate(asked):
+        one = argparse.Namespace(model=name, model_path=path)
+        found = resolve_model_path(one)
+        aliases = tuple(args.alias) if index == 0 else ()
+        entries.append(ServedEntry(name or found.stem, found, aliases))
+    return entries
 
 
 def _http_server(
-    runner: ModelRunner, endpoint: _Endpoint, cors_origins: tuple[str, ...]
+    models: Router, endpoint: _Endpoint, cors_origins: tuple[str, ...]
 ) -> uvicorn.Server:
-    """The API over the runner, served by uvicorn (replies under way get ``STOP_GRACE_S``
+    """The API over the models, served by uvicorn (replies under way get ``STOP_GRACE_S``
     to end when it is stopped)."""
     import uvicorn
 
     from localchat.server.app import create_app
 
     app = create_app(
-        runner, endpoint.api_key, loopback=endpoint.host in LOOPBACK, cors_origins=cors_origins
+        models, endpoint.api_key, loopback=endpoint.host in LOOPBACK, cors_origins=cors_origins
     )
     config = uvicorn.Config(
         app,

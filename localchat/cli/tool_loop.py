@@ -66,7 +66,7 @@ class AskHooks:
 
     def run(self, call: ToolCall) -> ToolResult:
         self._say(f"running {_spelled(call)}")
-        return self.session.run_tool(call)
+        return self.session.tools.run(call)
 
     def answered(self, call: ToolCall, result: ToolResult | None) -> None:
         if result is not None:

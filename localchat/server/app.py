@@ -22,9 +22,8 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from localchat.server.adapters import anthropic, llama_server, ollama, openai_chat, responses
-from localchat.server.model_facts import served_model
 from localchat.server.requests import ApiError
-from localchat.server.runner import ModelRunner
+from localchat.server.router import Router
 from localchat.server.wire import Endpoint
 from localchat.state.responses import ResponseStore
 
@@ -133,21 +132,21 @@ async def _http_error(request: Request, exc: Exception) -> Response:
 
 
 def create_app(
-    runner: ModelRunner,
+    models: Router,
     api_key: str | None = None,
     loopback: bool = True,
     kept: ResponseStore | None = None,
     cors_origins: tuple[str, ...] = (),
 ) -> Starlette:
-    """The server's routes over ``runner``; with ``api_key``, every route but /health asks
+    """The server's routes over ``models``; with ``api_key``, every route but /health asks
     for it (``Authorization: Bearer <key>`` or ``x-api-key: <key>``); without, browsers'
     requests are refused (on ``loopback``, also any for another host name). A request for a
-    model by a name this server does not know is answered by its model, whose name the
-    response gives (clients that hard-code a model's name just work). ``kept``: where the
+    model by a name this server does not know is answered by its default model where the
+    router says so (a server of one model: clients that hard-code a model's name just
+    work), else a 404 names the models. ``kept``: where the
     Responses API keeps responses (the conversation database, opened at first use).
     ``cors_origins``: pages a browser may let call the API (none by default); their
     requests still pass the key and browser checks (a JSON body, this host's name)."""
-    model = served_model(runner)
     stores = [kept] if kept is not None else []
 
     def response_store() -> ResponseStore:
@@ -156,11 +155,11 @@ def create_app(
         return stores[0]
 
     endpoints = [
-        *llama_server.routes(runner, model),
-        *openai_chat.routes(runner),
-        *responses.routes(runner, response_store),
-        *anthropic.routes(runner),
-        *ollama.routes(runner, model),
+        *llama_server.routes(models),
+        *openai_chat.routes(models),
+        *responses.routes(models, response_store),
+        *anthropic.routes(models),
+        *ollama.routes(models),
     ]
     guard = _Guard(api_key, loopback)
     routes = []
@@ -181,16 +180,16 @@ def create_app(
 
 
 class BackgroundServer:
-    """``runner`` served by uvicorn on a free loopback port, in a thread of this process:
+    """``models`` served by uvicorn on a free loopback port, in a thread of this process:
     what the tests and the bench talk to through real clients. ``close()`` stops it (the
-    runner is the caller's)."""
+    models are the caller's)."""
 
     def __init__(
-        self, runner: ModelRunner, api_key: str | None = None, cors_origins: tuple[str, ...] = ()
+        self, models: Router, api_key: str | None = None, cors_origins: tuple[str, ...] = ()
     ) -> None:
         import uvicorn
 
-        app = create_app(runner, api_key, cors_origins=cors_origins)
+        app = create_app(models, api_key, cors_origins=cors_origins)
         config = uvicorn.Config(app, "127.0.0.1", 0, log_level="warning")
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, name="serve", daemon=True)

@@ -14,22 +14,24 @@ import time
 from dataclasses import asdict
 from typing import TextIO
 
-from localchat.server.runner import ModelRunner, TurnRecord
+from localchat.server.router import ModelStatus, Router
+from localchat.server.runner import TurnRecord
 
 REDRAW_S = 1.0
 
 
 class ServerLog:
-    """The status line or the per-request lines of ``runner``, written to ``stream``."""
+    """The status line or the per-request lines of the models served, written to
+    ``stream``."""
 
-    def __init__(self, runner: ModelRunner, stream: TextIO, log_format: str = "text") -> None:
-        self.runner = runner
+    def __init__(self, models: Router, stream: TextIO, log_format: str = "text") -> None:
+        self.models = models
         self.stream = stream
         self.json = log_format == "json"
         self.live = not self.json and stream.isatty()
         self._lock = threading.Lock()
         self._stop = threading.Event()
-        runner.on_turn = self.turn
+        models.on_turn = self.turn
         self._thread: threading.Thread | None = None
         if self.live:
             self._thread = threading.Thread(target=self._redraw, name="serve-status", daemon=True)
@@ -49,18 +51,34 @@ class ServerLog:
             self.stream.flush()
 
     def status(self) -> str:
-        """The status line: what runs, how fast, how full the cache is, where prompts came from."""
-        counters = self.runner.counters
-        batch = self.runner.batch
+        """The status line: each loaded model's requests, speed, cache fill and where its
+        prompts came from; how many models are served."""
+        statuses = self.models.statuses()
+        loaded = [self._model_status(s) for s in statuses if s.runner is not None]
+        if not loaded:
+            return f"no model loaded · {len(statuses)} served, each loaded when asked for"
+        return (
+            " | ".join(loaded)
+            if len(statuses) == 1
+            else (f"{len(loaded)}/{len(statuses)} loaded: " + " | ".join(loaded))
+        )
+
+    @staticmethod
+    def _model_status(status: ModelStatus) -> str:
+        runner = status.runner
+        assert runner is not None
+        counters, batch = runner.counters, runner.batch
         held, cells = batch.cells_used, batch.n_ctx_seq * batch.n_seq
         last = counters.last.get("gen_tps", 0.0)
-        rates = self.runner.scheduler.rates()
+        rates = runner.scheduler.rates()
         each = f" ({', '.join(f'{r:.1f}' for r in rates)} tok/s)" if rates else ""
+        idle = f" · idle {status.idle_s:.0f} s" if status.idle_s and status.idle_s >= 1 else ""
         return (
-            f"running {counters.running}/{batch.n_seq}{each} · waiting {counters.queued}"
-            f" · last {last:.1f} tok/s · KV {held}/{cells} ({held / max(1, cells):.0%}) · prompt tokens"
-            f" {counters.reused_tokens} cached, {counters.restored_tokens} from disk,"
-            f" {counters.evaluated_tokens} evaluated · {len(self.runner.cache)} saved states"
+            f"{runner.model_name}: running {counters.running}/{batch.n_seq}{each} · waiting"
+            f" {counters.queued} · last {last:.1f} tok/s · KV {held}/{cells}"
+            f" ({held / max(1, cells):.0%}) · prompt tokens {counters.reused_tokens} cached,"
+            f" {counters.restored_tokens} from disk, {counters.evaluated_tokens} evaluated ·"
+            f" {len(runner.cache)} saved states{idle}"
         )
 
     def _redraw(self) -> None:

@@ -1,19 +1,23 @@
-"""What clients read about the served model before they send anything — its context,
-size, quantization, template and capabilities — gathered once, for every API's listing
-(``/v1/models``, llama-server's ``/props``, Ollama's ``/api/tags``, ``/api/show``,
-``/api/ps``)."""
+"""What clients read about the served models before they send anything — context, size,
+quantization, template and capabilities — for every API's listing (``/v1/models``,
+llama-server's ``/props`` and ``/models``, Ollama's ``/api/tags``, ``/api/show``,
+``/api/ps``). A loaded model is described by its engine; one not loaded by its file's
+header (read once)."""
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
+from pathlib import Path
 
 from localchat.chat.reasoning import OPEN
-from localchat.server.runner import ModelRunner
+from localchat.gguf.info import file_fingerprint, read_gguf
+from localchat.server.router import ModelStatus, Router
 
 
 @dataclass(frozen=True)
 class ServedModel:
-    """The model behind the server, as its listings describe it."""
+    """A model the server serves, as its listings describe it."""
 
     name: str
     names: tuple[str, ...]  # the name and its aliases, each listed
@@ -21,14 +25,18 @@ class ServedModel:
     parameters: int
     size_bytes: int
     quantization: str  # the file's type: Q4_K_M, Q8_0, F16, …
-    n_ctx: int  # what one request may hold (a sequence's context)
+    n_ctx: int  # what one request may hold (a sequence's context; not loaded: trained)
     n_ctx_train: int
     n_vocab: int
-    slots: int
+    slots: int  # sequences answered side by side (0: not loaded)
     template: str  # the chat template's source
     capabilities: tuple[str, ...]  # Ollama's words: completion, tools, thinking
     digest: str  # the file's fingerprint (sampled, not a hash of every byte)
     modified_at: float  # the file's mtime
+    path: Path
+    status: str = "loaded"  # "loaded", "loading" or "unloaded"
+    idle_s: float | None = None  # since its last request (None: answering, or not loaded)
+    expires_in_s: float | None = None  # until keep_alive unloads it (None: never)
 
     @property
     def parameter_label(self) -> str:
@@ -39,29 +47,55 @@ class ServedModel:
         return str(self.parameters)
 
 
-def served_model(runner: ModelRunner) -> ServedModel:
-    engine = runner.engine
-    info = engine.info
-    source = engine.template.source
+def _capabilities(template: str) -> tuple[str, ...]:
     capabilities = ["completion"]
-    if "tools" in source:
+    if "tools" in template:
         capabilities.append("tools")
-    if OPEN in source:
+    if OPEN in template:
         capabilities.append("thinking")
-    path = engine.model_path
+    return tuple(capabilities)
+
+
+@functools.lru_cache(maxsize=256)
+def _file_facts(path: Path, mtime: float) -> tuple[str, int, str, int, int, str, str]:
+    """A model file's facts from its header: (architecture, parameters, quantization,
+    trained context, vocabulary, template, fingerprint); read once per file version."""
+    info = read_gguf(path)
+    template = info.chat_template or ""
+    return (info.architecture, info.parameter_count, info.file_type, info.context_length,
+            info.n_vocab, template, file_fingerprint(path))  # fmt: skip
+
+
+def described(status: ModelStatus) -> ServedModel:
+    """One model of ``Router.statuses()`` as the listings describe it."""
+    entry, runner = status.entry, status.runner
+    stat = entry.path.stat()
+    if runner is not None:
+        engine, info = runner.engine, runner.engine.info
+        arch, params, quant = info.architecture, info.parameter_count, info.file_type
+        n_ctx, trained, vocab = runner.batch.n_ctx_seq, info.context_length, engine.n_vocab
+        slots, template, digest = runner.batch.n_seq, engine.template.source, engine.fingerprint
+    else:
+        arch, params, quant, trained, vocab, template, digest = _file_facts(
+            entry.path, stat.st_mtime
+        )
+        n_ctx, slots = trained, 0
     return ServedModel(
-        name=runner.model_name,
-        names=runner.names,
-        architecture=info.architecture,
-        parameters=info.parameter_count,
-        size_bytes=path.stat().st_size,
-        quantization=info.file_type,
-        n_ctx=runner.batch.n_ctx_seq,
-        n_ctx_train=info.context_length,
-        n_vocab=engine.n_vocab,
-        slots=runner.batch.n_seq,
-        template=source,
-        capabilities=tuple(capabilities),
-        digest=engine.fingerprint,
-        modified_at=path.stat().st_mtime,
-    )
+        name=entry.name, names=entry.names, architecture=arch, parameters=params,
+        size_bytes=stat.st_size, quantization=quant, n_ctx=n_ctx, n_ctx_train=trained,
+        n_vocab=vocab, slots=slots, template=template, capabilities=_capabilities(template),
+        digest=digest, modified_at=stat.st_mtime, path=entry.path, status=status.state,
+        idle_s=status.idle_s, expires_in_s=status.expires_in_s,
+    )  # fmt: skip
+
+
+def served_models(router: Router) -> list[ServedModel]:
+    """Every model the router serves, with its status."""
+    return [described(status) for status in router.statuses()]
+
+
+def served_model(router: Router, name: str | None = None) -> ServedModel:
+    """The model ``name`` asks for (the default where none), as the listings describe it
+    (``ApiError`` 404 for an unknown name)."""
+    entry = router.entry_of(name)
+    return next(m for m in served_models(router) if m.name == entry.name)

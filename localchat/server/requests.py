@@ -65,6 +65,9 @@ class GenerationRequest:
     # Structured output: the reply is one JSON value after this schema (a grammar holds it).
     output_schema: dict[str, Any] | None = None
     endpoint: str = "chat"  # which API asked (the request log says so)
+    # How long the model stays loaded once idle (Ollama's ``keep_alive``; -1: for good;
+    # None: the server's own).
+    keep_alive_s: float | None = None
     created: int = field(default_factory=lambda: int(time.time()))
     request_id: str = field(default_factory=lambda: f"chatcmpl-{uuid.uuid4().hex[:24]}")
 

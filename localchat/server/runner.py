@@ -62,6 +62,7 @@ class Counters:
 class TurnRecord:
     """One answered request, as the log shows it."""
 
+    model: str  # the model that answered
     endpoint: str  # the API asked: "chat", "completions", "messages", …
     finish: str  # "stop", "length", "tool_calls", "cancelled"
     prompt_tokens: int
@@ -73,7 +74,7 @@ class TurnRecord:
 
     def line(self) -> str:
         return (
-            f"{self.endpoint}: {self.prompt_tokens} prompt tokens ({self.cached_tokens} cached,"
+            f"{self.model} {self.endpoint}: {self.prompt_tokens} prompt tokens ({self.cached_tokens} cached,"
             f" {self.restored_tokens} from disk), {self.completion_tokens} generated at"
             f" {self.gen_tps:.1f} tok/s, first token {self.ttft_ms:.0f} ms, {self.finish}"
         )
@@ -107,6 +108,7 @@ class ModelRunner:
         self._lock = threading.Lock()
         self.scheduler = Scheduler(self.batch, self.cache, self._started, self._finished)
         self.on_turn: Callable[[TurnRecord], None] | None = None  # each answered request
+        self.on_idle: Callable[[], None] | None = None  # the last request running ended
 
     def restore_newest(self) -> int:
         """Put the states saved last back into the sequences before serving: a restarted
@@ -135,6 +137,13 @@ class ModelRunner:
         with self._lock:
             self.counters.queued -= 1
         self.scheduler.unexpect()
+        self._maybe_idle()
+
+    def _maybe_idle(self) -> None:
+        with self._lock:
+            idle = self.counters.queued == 0 and self.counters.running == 0
+        if idle and self.on_idle is not None:
+            self.on_idle()
 
     def _started(self, _job: Job) -> None:
         with self._lock:
@@ -153,6 +162,7 @@ class ModelRunner:
             if self.on_turn is not None:
                 with contextlib.suppress(Exception):  # a log that cannot be written
                     self.on_turn(self._record(job))
+        self._maybe_idle()
 
     # -- a request -------------------------------------------------------------------------
     def prompt_ids(self, request: GenerationRequest) -> list[int]:
@@ -235,10 +245,10 @@ class ModelRunner:
         thread; how the reply ended."""
         return self.scheduler.answer(job)
 
-    @staticmethod
-    def _record(job: Job) -> TurnRecord:
+    def _record(self, job: Job) -> TurnRecord:
         stats = job.stats
         return TurnRecord(
+            self.model_name,
             job.request.endpoint,
             _LOGGED_ENDS.get(job.reason, job.reason),
             stats.prompt_tokens,

@@ -28,6 +28,7 @@ from localchat.server.events import (
     TextEnd,
 )
 from localchat.server.requests import ApiError, GenerationRequest
+from localchat.server.router import Router
 from localchat.server.runner import ModelRunner
 from localchat.server.slots import Job
 
@@ -95,13 +96,12 @@ class Turn:
         self.task.add_done_callback(_RUNNING.discard)
 
 
-async def start_turn(
-    runner: ModelRunner, request: GenerationRequest, after: Job | None = None
-) -> Turn:
-    """Admit ``request`` (503 where the queue is full) and make its prompt: an error in it
-    (too long, a template's refusal) is raised here, before any response starts. ``after``:
-    a job whose prompt this one shares (it starts once that one has read it)."""
-    runner.admit()
+async def start_turn(models: Router, request: GenerationRequest, after: Job | None = None) -> Turn:
+    """Admit ``request`` to the model it names (loaded if it is not; 503 where the queue
+    is full or no room can be made) and make its prompt: an error in it (too long, a
+    template's refusal) is raised here, before any response starts. ``after``: a job whose
+    prompt this one shares (it starts once that one has read it)."""
+    runner = await models.admit(request.model, request.keep_alive_s)
     name = request.model if request.model in runner.names else runner.model_name
     turn = Turn(runner, replace(request, model=name), after)
     try:
@@ -172,15 +172,16 @@ async def stream_bytes(
         turn.stop()  # the turn stops at its next token; its task ends on its own
 
 
-async def start_choices(runner: ModelRunner, request: GenerationRequest, n: int) -> list[Turn]:
+async def start_choices(models: Router, request: GenerationRequest, n: int) -> list[Turn]:
     """``n`` replies to one request: the first reads the prompt, the others start from its
     cells (copied, not evaluated again), each with its own seed."""
-    first = await start_turn(runner, request)
+    first = await start_turn(models, request)
     turns = [first]
     try:
         for index in range(1, n):
             sampling = replace(request.sampling, seed=request.sampling.seed + index)
-            turns.append(await start_turn(runner, replace(request, sampling=sampling), first.job))
+            again = replace(request, sampling=sampling, model=first.request.model)
+            turns.append(await start_turn(models, again, first.job))
     except BaseException:
         for turn in turns:
             turn.stop()

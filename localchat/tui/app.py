@@ -24,6 +24,7 @@ from localchat.backends.base import Backend, Sampling
 from localchat.backends.compute_thread import run_compute, wait_idle
 from localchat.conversation.base import ConversationBase
 from localchat.errors import LocalchatError, one_line
+from localchat.models.launch import LaunchOptions
 from localchat.paths import app_paths
 from localchat.settings import Settings, load_settings
 from localchat.tui.bindings import CHAT_APP_ACTIONS, CHAT_BINDINGS, QUIT_BINDING
@@ -59,6 +60,8 @@ if TYPE_CHECKING:  # llama.cpp and the hub client: imported in workers, after th
     from localchat.state.store import Store
     from localchat.tui.screens.models import ServerChoice
 
+# No launch flags: the model runs as settings.toml says.
+FROM_SETTINGS = LaunchOptions()
 # How long quitting waits for a reply being written to stop and be committed.
 QUIT_WAIT_S = 10.0
 
@@ -71,30 +74,24 @@ class LocalChatApp(ReportsWorkerFailures, App[int]):
     def __init__(
         self,
         model_path: Path | None = None,
-        n_ctx: int | None = None,
+        launch: LaunchOptions = FROM_SETTINGS,
         max_tokens: int | None = None,
         sampling: Sampling | None = None,
         conversation_name: str | None = None,
         system_prompt: str | None = None,
         model_name: str | None = None,
         demo: bool = False,
-        template: str | None = None,
         server: str | None = None,
-        speculative: str | None = None,
-        draft_model: str | None = None,
     ) -> None:
-        """``server``: chat through this OpenAI-compatible server (URL or settings name);
-        ``model_name`` is then one of its models. ``speculative``, ``draft_model``: the
-        settings unless given."""
+        """``launch``: how a local model runs (the settings fill what it leaves unset);
+        ``server``: chat through this OpenAI-compatible server (URL or settings name), and
+        ``model_name`` is then one of its models."""
         super().__init__()
         self.server = server
         self.model_path = model_path
-        self.template = template
-        self.speculative = speculative  # None: the setting
-        self.draft_model = draft_model  # None: the setting
+        self.launch = launch
         self.model_name = model_name
         self.demo = demo
-        self.n_ctx = n_ctx
         self.conversation_name = conversation_name
         # The session (the lifecycle: backend, stores, the open conversation), the settings
         # and the options the chat screen reads: one object, handed to it.
@@ -190,7 +187,7 @@ class LocalChatApp(ReportsWorkerFailures, App[int]):
         if state.sampling is None:
             state.sampling = Sampling(temperature=state.settings.temperature)
         if self.server is not None:
-            self.connect_server(self.server, self.n_ctx)
+            self.connect_server(self.server, self.launch.n_ctx)
         else:
             self.choose_model()
         if self.settings.mcp:
@@ -212,15 +209,15 @@ class LocalChatApp(ReportsWorkerFailures, App[int]):
         session = self.session
         if session is None:
             return
-        statuses = session.tools.statuses if session.tools is not None else []
+        statuses = session.tools.statuses
 
         def chosen(states: dict[str, bool] | None) -> None:
-            changed = {n: on for n, on in (states or {}).items() if on == (n in session.tools_off)}
+            changed = {n: on for n, on in (states or {}).items() if on == (n in session.tools.off)}
             if changed:
                 self.turn_tools(session, changed)
                 self.notify("The next reply reads the conversation again (the tools changed).")
 
-        self.push_screen(ToolsScreen(statuses, set(session.tools_off)), chosen)
+        self.push_screen(ToolsScreen(statuses, set(session.tools.off)), chosen)
 
     @work(thread=True, exit_on_error=False, group="tools")
     def turn_tools(self, session: Session, changed: dict[str, bool]) -> None:
@@ -248,15 +245,14 @@ class LocalChatApp(ReportsWorkerFailures, App[int]):
     def choose_model(self) -> None:
         """Find the model to run: the one asked for, the last one used, or a first download."""
         from localchat.models.hub import DownloadCancelled, HubError  # loaded with the session
+        from localchat.models.start_model import StartAsked, StartHooks, start_model
 
         assert self.session is not None
         self._startup_cancel.clear()  # an Esc of an earlier start does not stop this one
         self._startup_skip.clear()
         try:
-            path = self.session.startup_model(
-                self.model_path,
-                self.model_name,
-                self.demo,
+            asked = StartAsked(self.model_path, self.model_name, self.demo, self._last_model())
+            hooks = StartHooks(
                 notice=lambda text: self.post_message(StartupNotice(text)),
                 warn=lambda text: self.post_message(StartupWarning(text)),
                 progress=lambda p: self.post_message(StartupProgress(p)),
@@ -264,6 +260,7 @@ class LocalChatApp(ReportsWorkerFailures, App[int]):
                 steps=lambda step: self.post_message(StartupStep(step)),
                 skip=self._startup_skip,
             )
+            path = start_model(self.session.paths, self.settings.min_tokens_per_s, asked, hooks)
         except (HubError, DownloadCancelled) as exc:
             self.post_message(ModelMissing(str(exc)))
             return
@@ -274,6 +271,12 @@ class LocalChatApp(ReportsWorkerFailures, App[int]):
             self.post_message(ModelLoadFailed(f"the start failed: {one_line(exc)}"))
             return
         self.post_message(ModelChosen(path))
+
+    def _last_model(self) -> str | None:
+        """The file the newest conversation used (a plain start reopens it)."""
+        store = self.store
+        recent = store.conversations() if store is not None else []
+        return recent[0].model if recent else None
 
     @work(thread=True, exit_on_error=False, exclusive=True, group="model")
     def connect_server(self, spec: str, context_size: int | None = None) -> None:
@@ -290,15 +293,14 @@ class LocalChatApp(ReportsWorkerFailures, App[int]):
 
     @work(thread=True, exit_on_error=False, exclusive=True, group="model")
     def load_model(self, path: Path) -> None:
+        from localchat.models.loader import ModelLoader  # loaded with the session
+
         assert self.session is not None
         start = time.perf_counter()
         try:
-            engine = self.session.load_model(
+            engine = ModelLoader(self.session.paths).load(
                 path,
-                self.n_ctx,
-                self.template,
-                speculative=self.speculative,
-                draft_model=self.draft_model,
+                self.settings.launch(self.launch),
                 warn=lambda text: self.post_message(StartupWarning(text)),
             )
         except (LocalchatError, OSError) as exc:  # a broken catalog, an unreadable file
@@ -473,25 +475,19 @@ class LocalChatApp(ReportsWorkerFailures, App[int]):
 
 def run_app(
     model_path: Path | None = None,
-    n_ctx: int | None = None,
+    launch: LaunchOptions = FROM_SETTINGS,
     conversation: str | None = None,
     model_name: str | None = None,
     demo: bool = False,
-    template: str | None = None,
     server: str | None = None,
-    speculative: str | None = None,
-    draft_model: str | None = None,
 ) -> int:
     app = LocalChatApp(
         model_path,
-        n_ctx=n_ctx,
+        launch,
         conversation_name=conversation,
         model_name=model_name,
         demo=demo,
-        template=template,
         server=server,
-        speculative=speculative,
-        draft_model=draft_model,
     )
     exit_on_signals(app.exit)
     app.run()

@@ -41,6 +41,7 @@ from localchat.backends.compute_thread import COMPUTE_THREAD_PREFIX, run_compute
 from localchat.backends.llama.engine import Engine, LoadOptions
 from localchat.bench.common import steady_least
 from localchat.conversation.local import Conversation
+from localchat.models.launch import LaunchOptions
 from localchat.paths import HOME_ENV
 from localchat.state.kvstate import StateStore
 from localchat.state.store import Store
@@ -133,7 +134,10 @@ async def _app_cpu(model_path: Path, max_tokens: int) -> tuple[CpuSplit, float, 
     to the reply drawn; the app has settled after loading before the clock starts. The test
     side waits on events, not by polling the pilot (each poll visits every widget)."""
     app = LocalChatApp(
-        model_path, n_ctx=UI_CTX, max_tokens=max_tokens, sampling=Sampling(temperature=0.0)
+        model_path,
+        LaunchOptions(n_ctx=UI_CTX),
+        max_tokens=max_tokens,
+        sampling=Sampling(temperature=0.0),
     )
     watch = _AppEvents()
     done, finished = watch.done, watch.finished
@@ -215,7 +219,7 @@ async def _first_turns_after_open(
     saved conversation ``name``: the first right after the restore on open, the second warm."""
     app = LocalChatApp(
         model_path,
-        n_ctx=n_ctx,
+        LaunchOptions(n_ctx=n_ctx),
         max_tokens=8,
         sampling=Sampling(temperature=0.0),
         conversation_name=name,
@@ -284,7 +288,9 @@ async def _type_ahead_turns(
     """Enter-to-first-token in one app session, per kind of turn: a one-word message, a long
     message typed at ``TYPING_CHARS_PER_S`` (read ahead while typed), and the same long
     message with reading ahead off (typed or pasted is then the same: it is put in at once)."""
-    app = LocalChatApp(model_path, n_ctx=n_ctx, max_tokens=8, sampling=Sampling(temperature=0.0))
+    app = LocalChatApp(
+        model_path, LaunchOptions(n_ctx=n_ctx), max_tokens=8, sampling=Sampling(temperature=0.0)
+    )
     watch = _AppEvents()
     done, finished = watch.done, watch.finished
     times: dict[str, list[float]] = {"one_word": [], "typed": [], "cold": [], "read_ahead": []}

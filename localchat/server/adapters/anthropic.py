@@ -37,7 +37,7 @@ from localchat.server.requests import (
     strings,
     text_field,
 )
-from localchat.server.runner import ModelRunner
+from localchat.server.router import Router
 from localchat.server.tool_api import TOOL_NAME
 from localchat.server.turns import Turn, failure, start_turn, stream_bytes, whole_reply
 from localchat.server.wire import Endpoint, read_json
@@ -446,10 +446,10 @@ def _ping() -> ServerSentEvent:
     return ServerSentEvent(json.dumps({"type": "ping"}), event="ping")
 
 
-async def respond(runner: ModelRunner, request: GenerationRequest, http: Request) -> Response:
+async def respond(models: Router, request: GenerationRequest, http: Request) -> Response:
     """Admit, tokenize (a prompt past the context is refused before any stream starts),
     then stream the reply or return it whole."""
-    turn = await start_turn(runner, request)
+    turn = await start_turn(models, request)
     if turn.request.stream:
         stream = _Stream(turn)
         return EventSourceResponse(
@@ -462,18 +462,19 @@ async def respond(runner: ModelRunner, request: GenerationRequest, http: Request
     return JSONResponse(body)
 
 
-async def count_tokens(runner: ModelRunner, request: GenerationRequest) -> Response:
+async def count_tokens(models: Router, request: GenerationRequest) -> Response:
     """``{"input_tokens": N}``: the prompt as this model reads it (not behind a running
     reply: the template and the tokenizer run on a worker thread)."""
-    prompt = await run_in_threadpool(runner.prompt_ids, request)
+    async with models.hold(request.model) as runner:
+        prompt = await run_in_threadpool(runner.prompt_ids, request)
     return JSONResponse({"input_tokens": len(prompt)})
 
 
-def routes(runner: ModelRunner) -> list[Endpoint]:
+def routes(models: Router) -> list[Endpoint]:
     async def messages(request: Request) -> Response:
-        return await respond(runner, parse_request(await read_json(request)), request)
+        return await respond(models, parse_request(await read_json(request)), request)
 
     async def counted(request: Request) -> Response:
-        return await count_tokens(runner, parse_count(await read_json(request)))
+        return await count_tokens(models, parse_count(await read_json(request)))
 
     return [Endpoint("/messages", messages), Endpoint("/messages/count_tokens", counted)]

@@ -12,9 +12,9 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 
-from localchat.server.model_facts import ServedModel
+from localchat.server.model_facts import ServedModel, served_model, served_models
 from localchat.server.requests import ApiError
-from localchat.server.runner import ModelRunner
+from localchat.server.router import Router
 from localchat.server.wire import Endpoint, read_json
 
 if TYPE_CHECKING:
@@ -30,26 +30,41 @@ def piece(data: bytes) -> str | list[int]:
         return list(data)
 
 
-def routes(runner: ModelRunner, model: ServedModel) -> list[Endpoint]:
-    engine = runner.engine
-
+def routes(models: Router) -> list[Endpoint]:
     async def health(_request: Request) -> Response:
         return JSONResponse({"status": "ok"})
 
     async def metrics(_request: Request) -> Response:
-        return PlainTextResponse(runner.metrics(), media_type="text/plain; version=0.0.4")
+        loaded = models.loaded()
+        text = loaded[0].metrics() if len(loaded) == 1 else _models_metrics(models)
+        return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
-    async def models(_request: Request) -> Response:
-        return JSONResponse(_models_body(model))
+    async def listed(_request: Request) -> Response:
+        return JSONResponse(_models_body(served_models(models)))
 
-    async def props(_request: Request) -> Response:
-        return JSONResponse(_props_body(model, engine))
+    async def props(request: Request) -> Response:
+        async with models.hold(request.query_params.get("model")) as runner:
+            return JSONResponse(_props_body(served_model(models, runner.model_name), runner.engine))
 
     async def tokenize(request: Request) -> Response:
-        return await _tokenize(engine, request)
+        body = await read_json(request)
+        async with models.hold(_model_field(body)) as runner:
+            return await _tokenize(runner.engine, body)
 
     async def detokenize(request: Request) -> Response:
-        return await _detokenize(engine, request)
+        body = await read_json(request)
+        async with models.hold(_model_field(body)) as runner:
+            return await _detokenize(runner.engine, body)
+
+    async def load(request: Request) -> Response:
+        name = _named_model(await read_json(request))
+        async with models.hold(name):
+            return JSONResponse({"success": True})
+
+    async def unload(request: Request) -> Response:
+        name = _named_model(await read_json(request))
+        unloaded = await run_in_threadpool(models.unload, name)
+        return JSONResponse({"success": True, "unloaded": unloaded})
 
     return [
         Endpoint("/health", health, ("GET",), versioned=False),
@@ -57,17 +72,44 @@ def routes(runner: ModelRunner, model: ServedModel) -> list[Endpoint]:
         Endpoint("/tokenize", tokenize, versioned=False),
         Endpoint("/detokenize", detokenize, versioned=False),
         Endpoint("/props", props, ("GET",), versioned=False),
-        Endpoint("/models", models, ("GET",)),
+        Endpoint("/models", listed, ("GET",)),
+        Endpoint("/models/load", load, versioned=False),
+        Endpoint("/models/unload", unload, versioned=False),
     ]
 
 
-def _models_body(model: ServedModel) -> dict[str, Any]:
+def _model_field(body: Any) -> str | None:
+    """A body's optional ``model`` (llama-server's router reads it on every endpoint)."""
+    model = body.get("model") if isinstance(body, dict) else None
+    return model if isinstance(model, str) else None
+
+
+def _named_model(body: Any) -> str:
+    """``/models/load`` and ``/models/unload`` name their model: ``{"model": NAME}``."""
+    name = _model_field(body)
+    if not name:
+        raise ApiError(400, 'name the model: {"model": NAME}', code="invalid_value")
+    return name
+
+
+def _models_metrics(models: Router) -> str:
+    """Several models (or none) loaded: how many are, as a gauge."""
+    count = len(models.loaded())
+    return ("# HELP localchat:models_loaded models in memory\n"
+            f"# TYPE localchat:models_loaded gauge\nlocalchat:models_loaded {count}\n")  # fmt: skip
+
+
+def _models_body(served: list[ServedModel]) -> dict[str, Any]:
     """``/v1/models`` with llama-server's ``meta`` on each name (what its clients read the
-    context and size from)."""
-    meta = {"n_ctx": model.n_ctx, "n_ctx_train": model.n_ctx_train, "n_vocab": model.n_vocab,
-            "n_params": model.parameters, "size": model.size_bytes}  # fmt: skip
-    entries = [{"id": name, "object": "model", "created": int(model.modified_at),
-                "owned_by": "localchat", "meta": meta} for name in model.names]  # fmt: skip
+    context and size from) and its router's ``status`` (loaded, loading, unloaded)."""
+    entries = []
+    for model in served:
+        meta = {"n_ctx": model.n_ctx, "n_ctx_train": model.n_ctx_train,
+                "n_vocab": model.n_vocab, "n_params": model.parameters,
+                "size": model.size_bytes}  # fmt: skip
+        entries += [{"id": name, "object": "model", "created": int(model.modified_at),
+                     "owned_by": "localchat", "meta": meta, "path": str(model.path),
+                     "status": {"value": model.status}} for name in model.names]  # fmt: skip
     return {"object": "list", "data": entries}
 
 
@@ -85,9 +127,8 @@ def _props_body(model: ServedModel, engine: Engine) -> dict[str, Any]:
     }  # fmt: skip
 
 
-async def _tokenize(engine: Engine, request: Request) -> Response:
+async def _tokenize(engine: Engine, body: Any) -> Response:
     """``/tokenize``: the content's token ids (``with_pieces``: each with its piece)."""
-    body = await read_json(request)
     content = body.get("content") if isinstance(body, dict) else None
     if not isinstance(content, str):
         raise ApiError(400, "content must be a string", code="invalid_type")
@@ -106,9 +147,8 @@ async def _tokenize(engine: Engine, request: Request) -> Response:
     return JSONResponse({"tokens": await run_in_threadpool(pieces)})
 
 
-async def _detokenize(engine: Engine, request: Request) -> Response:
+async def _detokenize(engine: Engine, body: Any) -> Response:
     """``/detokenize``: the ids' text; an id outside the vocabulary is refused."""
-    body = await read_json(request)
     tokens = body.get("tokens") if isinstance(body, dict) else None
     n_vocab = engine.n_vocab
     if not isinstance(tokens, list) or not all(

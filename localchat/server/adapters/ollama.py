@@ -13,15 +13,18 @@ import time
 from datetime import UTC, datetime
 from typing import Any
 
+from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
 from localchat.backends.base import Sampling
 from localchat.chat.template import ChatMessage
 from localchat.chat.tools import ID_ALPHABET, ID_LENGTH, ToolCall, ToolSpec, ToolUse
+from localchat.errors import UsageError
+from localchat.server.adapters.ollama_models import running, show, show_request, tags
 from localchat.server.adapters.openai_chat import format_schema
 from localchat.server.events import Called, Event, Failed, Finished, Reasoning, Text
-from localchat.server.model_facts import ServedModel
+from localchat.server.model_facts import served_model, served_models
 from localchat.server.requests import (
     ApiError,
     GenerationRequest,
@@ -34,10 +37,11 @@ from localchat.server.requests import (
     strings,
     text_field,
 )
-from localchat.server.runner import ModelRunner
+from localchat.server.router import Router
 from localchat.server.tool_api import ToolRequestError, parse_tools
 from localchat.server.turns import failure, start_turn, stream_bytes, whole_reply
 from localchat.server.wire import Endpoint, read_json
+from localchat.units import parse_duration
 
 API = "Ollama's API"
 # The version clients are told: some check for a minimum before they use newer fields.
@@ -152,8 +156,8 @@ def _calls(item: dict[str, Any], where: str, at: int) -> tuple[ToolCall, ...]:
 
 def _messages(body: dict[str, Any]) -> list[ChatMessage]:
     raw = body.get("messages")
-    if not isinstance(raw, list) or not raw:
-        raise bad("messages must be a non-empty list of {role, content}", "invalid_type")
+    if not isinstance(raw, list):  # none at all: the model is only loaded (or unloaded)
+        raise bad("messages must be a list of {role, content}", "invalid_type")
     messages: list[ChatMessage] = []
     open_calls: list[ToolCall] = []  # the last assistant's calls not yet answered
     for index, item in enumerate(raw):
@@ -199,6 +203,21 @@ def _tools(body: dict[str, Any]) -> tuple[ToolSpec, ...]:
     return tools
 
 
+def keep_alive(body: dict[str, Any]) -> float | None:
+    """``keep_alive``: how long the model stays loaded after this request (None: the
+    server's own)."""
+    value = body.get("keep_alive")
+    if value is None:
+        return None
+    if not isinstance(value, str | int | float):
+        raise bad(f"keep_alive must be a duration like \"10m\" or seconds, not {value!r}",
+                  "invalid_type")  # fmt: skip
+    try:
+        return parse_duration(value)
+    except UsageError as exc:
+        raise bad(f"keep_alive: {exc}") from None
+
+
 def parse_chat(body: Any) -> GenerationRequest:
     """An ``/api/chat`` request, checked; ``ApiError`` names what is wrong."""
     if not isinstance(body, dict):
@@ -218,6 +237,7 @@ def parse_chat(body: Any) -> GenerationRequest:
         context_limit=integer(options, "num_ctx", 1),
         output_schema=_format(body.get("format")),
         endpoint="ollama_chat",
+        keep_alive_s=keep_alive(body),
     )
 
 
@@ -252,6 +272,7 @@ def parse_generate(body: Any) -> GenerationRequest:
         context_limit=integer(options, "num_ctx", 1),
         output_schema=_format(body.get("format")),
         endpoint="ollama_generate",
+        keep_alive_s=keep_alive(body),
     )
 
 
@@ -332,17 +353,16 @@ class _Reply:
 
 
 async def respond(
-    runner: ModelRunner, request: GenerationRequest, http: Request, chat: bool
+    models: Router, request: GenerationRequest, http: Request, chat: bool
 ) -> Response:
-    """Stream NDJSON (Ollama's default) or return the reply whole; a generate request with
-    no prompt only asks for the model to be loaded (it is)."""
+    """Stream NDJSON (Ollama's default) or return the reply whole. A request with nothing
+    to answer (no prompt, no messages) only loads the model, or with ``keep_alive`` 0
+    unloads it, as Ollama's clients ask."""
     started = time.perf_counter()
-    asked = request.prompt if request.messages is None else request.messages[-1].content
-    if not chat and not asked:
-        body = {"model": runner.model_name, "created_at": _now(), "response": "", "done": True,
-                "done_reason": "load"}  # fmt: skip
-        return JSONResponse(body)
-    turn = await start_turn(runner, request)
+    asked = request.messages[-1].content if request.messages else request.prompt
+    if not (request.messages if chat else asked):
+        return await _load_or_unload(models, request, chat)
+    turn = await start_turn(models, request)
     reply = _Reply(turn.request, chat, started)
     if turn.request.stream:
         return StreamingResponse(
@@ -352,74 +372,22 @@ async def respond(
     return JSONResponse(reply.whole(whole.text, whole.reasoning, whole.calls, whole.finished))
 
 
-def _details(model: ServedModel) -> dict[str, Any]:
-    return {
-        "parent_model": "",
-        "format": "gguf",
-        "family": model.architecture,
-        "families": [model.architecture],
-        "parameter_size": model.parameter_label,
-        "quantization_level": model.quantization,
-    }
+async def _load_or_unload(models: Router, request: GenerationRequest, chat: bool) -> Response:
+    name = models.entry_of(request.model).name
+    if request.keep_alive_s == 0:
+        await run_in_threadpool(models.unload, name)
+        reason = "unload"
+    else:
+        async with models.hold(name):
+            models.keep(name, request.keep_alive_s)
+        reason = "load"
+    body: dict[str, Any] = {"model": name, "created_at": _now(), "done": True,
+                            "done_reason": reason}  # fmt: skip
+    body.update({"message": {"role": "assistant", "content": ""}} if chat else {"response": ""})
+    return JSONResponse(body)
 
 
-def _tagged(name: str) -> str:
-    return name if ":" in name else f"{name}:latest"
-
-
-def _stamp(seconds: float) -> str:
-    return datetime.fromtimestamp(seconds, UTC).isoformat().replace("+00:00", "Z")
-
-
-def tags(model: ServedModel) -> dict[str, Any]:
-    """``/api/tags``: the model served, under each of its names."""
-    entries = [{"name": _tagged(name), "model": _tagged(name),
-                "modified_at": _stamp(model.modified_at), "size": model.size_bytes,
-                "digest": model.digest, "details": _details(model)}
-               for name in model.names]  # fmt: skip
-    return {"models": entries}
-
-
-def show(model: ServedModel) -> dict[str, Any]:
-    """``/api/show``: details, ``model_info`` (the context length is what one request may
-    hold here), ``capabilities`` and the chat template."""
-    arch = model.architecture
-    info = {
-        "general.architecture": arch,
-        "general.parameter_count": model.parameters,
-        f"{arch}.context_length": model.n_ctx,
-        "general.file_type": model.quantization,
-    }
-    return {
-        "modelfile": f"# served by localchat\nFROM {model.name}\nPARAMETER num_ctx {model.n_ctx}\n",
-        "parameters": f"num_ctx {model.n_ctx}",
-        "template": model.template,
-        "details": _details(model),
-        "model_info": info,
-        "capabilities": list(model.capabilities),
-        "modified_at": _stamp(model.modified_at),
-    }
-
-
-def running(model: ServedModel) -> dict[str, Any]:
-    """``/api/ps``: the model, loaded for as long as the server runs."""
-    entry = {"name": _tagged(model.name), "model": _tagged(model.name), "size": model.size_bytes,
-             "digest": model.digest, "details": _details(model),
-             "expires_at": "2318-01-01T00:00:00Z", "size_vram": 0,
-             "context_length": model.n_ctx}  # fmt: skip
-    return {"models": [entry]}
-
-
-def show_request(body: Any) -> None:
-    """Check an ``/api/show`` body: ``model`` (or the older ``name``); any name is this
-    server's model."""
-    if not isinstance(body, dict):
-        raise bad("the body must be a JSON object", "invalid_type")
-    if not isinstance(body.get("model", body.get("name")), str):
-        raise bad("model must name a model", "invalid_type")
-
-
-def routes(runner: ModelRunner, model: ServedModel) -> list[Endpoint]:
+def routes(models: Router) -> list[Endpoint]:
     async def root(_request: Request) -> Response:
         return PlainTextResponse("Ollama is running")  # what Ollama's clients probe for
 
@@ -427,21 +395,21 @@ def routes(runner: ModelRunner, model: ServedModel) -> list[Endpoint]:
         return JSONResponse({"version": OLLAMA_VERSION})
 
     async def listed(_request: Request) -> Response:
-        return JSONResponse(tags(model))
+        return JSONResponse(tags(served_models(models)))
 
     async def loaded(_request: Request) -> Response:
-        return JSONResponse(running(model))
+        return JSONResponse(running(served_models(models)))
 
     async def shown(request: Request) -> Response:
-        show_request(await read_json(request))
-        return JSONResponse(show(model))
+        name = show_request(await read_json(request))
+        return JSONResponse(show(served_model(models, name)))
 
     async def chat(request: Request) -> Response:
-        return await respond(runner, parse_chat(await read_json(request)), request, chat=True)
+        return await respond(models, parse_chat(await read_json(request)), request, chat=True)
 
     async def generate(request: Request) -> Response:
         parsed = parse_generate(await read_json(request))
-        return await respond(runner, parsed, request, chat=False)
+        return await respond(models, parsed, request, chat=False)
 
     return [
         Endpoint("/", root, ("GET", "HEAD"), versioned=False),

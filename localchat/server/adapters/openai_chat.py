@@ -28,7 +28,7 @@ from localchat.server.requests import (
     strings,
     text_field,
 )
-from localchat.server.runner import ModelRunner
+from localchat.server.router import Router
 from localchat.server.tool_api import ToolRequestError, parse_tools, tool_message
 from localchat.server.turns import start_choices, stream_choices, whole_reply
 from localchat.server.wire import Endpoint, read_json
@@ -239,10 +239,10 @@ def _output_schema(body: dict[str, Any]) -> dict[str, Any] | None:
     return format_schema(body.get("response_format"), "response_format")
 
 
-async def respond(runner: ModelRunner, request: GenerationRequest, http: Request) -> Response:
+async def respond(models: Router, request: GenerationRequest, http: Request) -> Response:
     """Admit, tokenize (a prompt the context cannot hold is refused before any stream
     starts), then stream the replies or return them whole."""
-    turns = await start_choices(runner, request, request.n)
+    turns = await start_choices(models, request, request.n)
     request = turns[0].request
     if request.stream:
         stream = ChunkStream(request, len(turns))
@@ -251,13 +251,13 @@ async def respond(runner: ModelRunner, request: GenerationRequest, http: Request
     return JSONResponse(completion_body(request, list(replies)))
 
 
-def routes(runner: ModelRunner) -> list[Endpoint]:
+def routes(models: Router) -> list[Endpoint]:
     async def chat(request: Request) -> Response:
         parsed = parse_request(await read_json(request), chat=True)
-        return await respond(runner, parsed, request)
+        return await respond(models, parsed, request)
 
     async def complete(request: Request) -> Response:
         parsed = parse_request(await read_json(request), chat=False)
-        return await respond(runner, parsed, request)
+        return await respond(models, parsed, request)
 
     return [Endpoint("/chat/completions", chat), Endpoint("/completions", complete)]

@@ -36,7 +36,7 @@ from localchat.server.requests import (
     only_known,
     text_field,
 )
-from localchat.server.runner import ModelRunner
+from localchat.server.router import Router
 from localchat.server.tool_api import TOOL_NAME
 from localchat.server.turns import failure, start_turn, stream_bytes, whole_reply
 from localchat.server.wire import Endpoint, read_json
@@ -441,11 +441,11 @@ def deleted_body(response_id: str) -> dict[str, Any]:
 
 
 async def respond(
-    runner: ModelRunner, asked: ResponsesRequest, http: Request, kept: ResponseStore | None
+    models: Router, asked: ResponsesRequest, http: Request, kept: ResponseStore | None
 ) -> Response:
     """Admit, tokenize (a prompt past the context is refused before any stream starts),
     then stream the events or return the response whole; kept where ``store`` asks."""
-    turn = await start_turn(runner, asked.request)
+    turn = await start_turn(models, asked.request)
     outcome = Outcome(replace(asked, request=turn.request))
     if turn.request.stream:
         stream = Stream(outcome, kept)
@@ -458,7 +458,7 @@ async def respond(
     return JSONResponse(body)
 
 
-def routes(runner: ModelRunner, store: Callable[[], ResponseStore]) -> list[Endpoint]:
+def routes(models: Router, store: Callable[[], ResponseStore]) -> list[Endpoint]:
     """The Responses API's routes; ``store`` opens the response store at its first use."""
 
     async def asked_of(request: Request, streamable: bool = True) -> ResponsesRequest:
@@ -469,11 +469,12 @@ def routes(runner: ModelRunner, store: Callable[[], ResponseStore]) -> list[Endp
 
     async def create(request: Request) -> Response:
         asked = await asked_of(request)
-        return await respond(runner, asked, request, await run_in_threadpool(store))
+        return await respond(models, asked, request, await run_in_threadpool(store))
 
     async def counted(request: Request) -> Response:
         asked = await asked_of(request, streamable=False)
-        prompt = await run_in_threadpool(runner.prompt_ids, asked.request)
+        async with models.hold(asked.request.model) as runner:
+            prompt = await run_in_threadpool(runner.prompt_ids, asked.request)
         return JSONResponse(input_tokens_body(len(prompt)))
 
     async def read(request: Request) -> Response:

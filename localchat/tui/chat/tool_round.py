@@ -67,7 +67,7 @@ class AppToolHooks:
     def run(self, call: ToolCall) -> ToolResult:
         if self.session is None:
             return ToolResult(DENIED_RESULT, is_error=True)
-        return self.session.run_tool(call, self.stop)
+        return self.session.tools.run(call, self.stop)
 
     def answered(self, call: ToolCall, result: ToolResult | None) -> None:
         if not self.gone():
@@ -78,8 +78,7 @@ class AppToolHooks:
 
     def _ask(self, call: ToolCall) -> str:
         """The user's answer, waited for on this (the loop's) thread."""
-        tools = self.session.tools if self.session is not None else None
-        server = tools.server_of(call.name) if tools is not None else None
+        server = self.session.tools.server_of(call.name) if self.session is not None else None
         return self.pending.wait(
             lambda done: self.app.call_from_thread(self.open_dialog, call, server, done)
         )

@@ -1,0 +1,380 @@
+"""Many models behind one server: which are loaded, loading one on demand (once, however
+many requests ask for it at the same time), making room by unloading the least recently
+used idle model, and unloading a model that stayed idle past its ``keep_alive``. Before a
+model's memory is freed its sequences' states are saved (``ModelRunner.close``), so a
+conversation that comes back restores them from disk instead of reading its history
+again. A model answering a request is never unloaded: a request that cannot be placed
+waits (bounded), then gets a 503 with ``Retry-After``.
+
+Loads and unloads run one at a time on their own thread (the model's own work goes to the
+compute thread), so memory freed by an unload is free before the next load begins.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import asynccontextmanager, suppress
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+from localchat.backends.compute_thread import run_compute
+from localchat.errors import LocalchatError, UsageError, one_line
+from localchat.heap import release_free_heap
+from localchat.server.requests import ApiError
+from localchat.server.runner import ModelRunner, TurnRecord
+
+FOREVER = -1.0  # a keep_alive that never unloads
+WAIT_S = 30.0  # how long a request waits for room before its 503
+POLL_S = 0.05  # how often a waiting request looks again
+REAP_S = 0.5  # how often idle models are checked against their keep_alive
+
+
+@dataclass(frozen=True)
+class ServedEntry:
+    """A model the server can serve: the name it is listed and answered under, its file,
+    and other names a request may give for it."""
+
+    name: str
+    path: Path
+    aliases: tuple[str, ...] = ()
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return (self.name, *(a for a in self.aliases if a != self.name))
+
+
+class RunnerSource(Protocol):
+    """How the router loads a model and knows what one takes."""
+
+    def load(self, entry: ServedEntry) -> ModelRunner:
+        """The model loaded and ready to serve (blocking; ``LocalchatError`` says why not)."""
+        ...
+
+    def needed_bytes(self, entry: ServedEntry) -> int:
+        """Memory the model will take once loaded, from the same estimate ``hw`` makes."""
+        ...
+
+    def free_bytes(self) -> int:
+        """Memory free on the machine now."""
+        ...
+
+
+@dataclass
+class _Slot:
+    entry: ServedEntry
+    runner: ModelRunner | None = None
+    loading: Future[ModelRunner] | None = None
+    last_used: float = field(default_factory=time.monotonic)
+    keep_alive_s: float | None = None  # None: the router's
+    held: int = 0  # requests holding it without a turn (counting tokens, a load request)
+    needed: int | None = None  # bytes, once estimated
+
+    @property
+    def busy(self) -> bool:
+        runner = self.runner
+        if runner is None:
+            return False
+        counters = runner.counters
+        return self.held > 0 or counters.queued > 0 or counters.running > 0
+
+
+@dataclass(frozen=True)
+class ModelStatus:
+    """One model as the listings show it."""
+
+    entry: ServedEntry
+    state: str  # "loaded", "loading" or "unloaded"
+    runner: ModelRunner | None
+    idle_s: float | None  # since its last request ended (None: answering, or not loaded)
+    expires_in_s: float | None  # until keep_alive unloads it (None: never, or not loaded)
+
+
+class Router:
+    """The models a server serves, loaded on demand (``source``) within memory and
+    ``max_models``; ``keep_alive_s``: how long an idle model stays loaded (``FOREVER``:
+    until room is needed). ``any_name``: a request naming a model this server does not
+    know gets the default one (a server of one model answers clients that hard-code
+    another's name); else a 404 lists the names."""
+
+    def __init__(
+        self,
+        entries: list[ServedEntry],
+        source: RunnerSource | None,
+        keep_alive_s: float = FOREVER,
+        max_models: int | None = None,
+        any_name: bool = False,
+        wait_s: float = WAIT_S,
+    ) -> None:
+        if not entries:
+            raise UsageError("no model to serve: `localchat pull` one, or give --model")
+        self.source = source
+        self.keep_alive_s = keep_alive_s
+        self.max_models = max_models
+        self.any_name = any_name
+        self.wait_s = wait_s
+        self._slots = {entry.name: _Slot(entry) for entry in entries}
+        self._lock = threading.Lock()
+        self._loads = ThreadPoolExecutor(1, thread_name_prefix="model-loads")
+        self._closed = threading.Event()
+        self.on_turn: Callable[[TurnRecord], None] | None = None  # each answered request
+        self._reaper = threading.Thread(target=self._reap, name="keep-alive", daemon=True)
+        self._reaper.start()
+
+    @classmethod
+    def of_one(cls, runner: ModelRunner) -> Router:
+        """A router over one model already loaded, kept loaded, answering any name."""
+        entry = ServedEntry(runner.model_name, runner.engine.model_path, runner.names[1:])
+        router = cls([entry], None, any_name=True)
+        router.adopt(entry.name, runner)
+        return router
+
+    def adopt(self, name: str, runner: ModelRunner, keep_alive_s: float | None = None) -> None:
+        """``runner``, loaded by the caller, serves ``name`` from now on."""
+        with self._lock:
+            slot = self._slots[name]
+            slot.runner, slot.keep_alive_s = runner, keep_alive_s
+            slot.last_used = time.monotonic()
+        self._watch(name, runner)
+
+    def _watch(self, name: str, runner: ModelRunner) -> None:
+        runner.on_idle = lambda: self._went_idle(name)
+        runner.on_turn = lambda record: self.on_turn(record) if self.on_turn else None
+
+    # -- names ------------------------------------------------------------------------------
+    @property
+    def entries(self) -> list[ServedEntry]:
+        return [slot.entry for slot in self._slots.values()]
+
+    @property
+    def default(self) -> ServedEntry:
+        """What a request that names no model gets: the model used last, else the first."""
+        with self._lock:
+            loaded = [s for s in self._slots.values() if s.runner is not None]
+            if loaded:
+                return max(loaded, key=lambda s: s.last_used).entry
+        return next(iter(self._slots.values())).entry
+
+    def entry_of(self, name: str | None) -> ServedEntry:
+        """The model a request names (by a listed name or alias, with or without Ollama's
+        ``:latest``); no name: the default. ``ApiError`` 404 names the models there are."""
+        if not name:
+            return self.default
+        for wanted in (name, name.removesuffix(":latest")):
+            for slot in self._slots.values():
+                if wanted in slot.entry.names:
+                    return slot.entry
+        if self.any_name:
+            return self.default
+        names = ", ".join(slot.entry.name for slot in self._slots.values())
+        raise ApiError(404, f"model {name!r} is not served here; the models are: {names}"
+                       " (`localchat models` lists them)", code="model_not_found")  # fmt: skip
+
+    # -- taking a model ---------------------------------------------------------------------
+    async def admit(self, name: str | None, keep_alive_s: float | None = None) -> ModelRunner:
+        """The runner of the model ``name`` asks for, loaded if it is not, with the request
+        counted in (``ModelRunner.admit``: a 503 where its queue is full), so it is not
+        unloaded under it. ``keep_alive_s``: how long it stays loaded once idle, from now."""
+        entry = self.entry_of(name)
+
+        def take(slot: _Slot, runner: ModelRunner) -> None:
+            runner.admit()
+            slot.keep_alive_s = slot.keep_alive_s if keep_alive_s is None else keep_alive_s
+
+        return await self._runner(entry, take)
+
+    @asynccontextmanager
+    async def hold(self, name: str | None) -> AsyncIterator[ModelRunner]:
+        """The model's runner (loaded if it is not), kept loaded while the block runs:
+        counting a prompt's tokens, tokenizing."""
+        entry = self.entry_of(name)
+
+        def take(slot: _Slot, _runner: ModelRunner) -> None:
+            slot.held += 1
+
+        runner = await self._runner(entry, take)
+        try:
+            yield runner
+        finally:
+            with self._lock:
+                self._slots[entry.name].held -= 1
+            self._went_idle(entry.name)
+
+    async def _runner(
+        self, entry: ServedEntry, take: Callable[[_Slot, ModelRunner], None]
+    ) -> ModelRunner:
+        deadline = time.monotonic() + self.wait_s
+        while True:
+            with self._lock:
+                slot = self._slots[entry.name]
+                if slot.runner is not None:
+                    take(slot, slot.runner)  # under the lock: never unloaded in between
+                    slot.last_used = time.monotonic()
+                    return slot.runner
+                if slot.loading is None:
+                    making_room = self._room_for(slot)
+                    if making_room is not None:
+                        slot.loading = self._loads.submit(self._load, slot, making_room)
+                loading = slot.loading
+            if loading is not None:
+                await self._loaded(entry, loading)
+                continue
+            if time.monotonic() > deadline:
+                raise ApiError(503, f"{entry.name} cannot be loaded now: the models in memory"
+                               " are answering requests; retry shortly", "server_busy",
+                               "no_room")  # fmt: skip
+            await asyncio.sleep(POLL_S)
+
+    @staticmethod
+    async def _loaded(entry: ServedEntry, loading: Future[ModelRunner]) -> None:
+        try:
+            await asyncio.wrap_future(loading)
+        except UsageError as exc:
+            raise ApiError(400, f"{entry.name} cannot be loaded: {one_line(exc)}",
+                           code="model_load_failed") from None  # fmt: skip
+        except (LocalchatError, OSError, ValueError, RuntimeError) as exc:
+            raise ApiError(500, f"{entry.path} failed to load: {one_line(exc)}",
+                           "server_error", "model_load_failed") from None  # fmt: skip
+
+    # -- room -------------------------------------------------------------------------------
+    def _room_for(self, slot: _Slot) -> list[ModelRunner] | None:
+        """The runners to unload so ``slot``'s model fits (least recently used idle ones
+        first), taken out of their slots here; None where only busy ones could make room
+        (the request waits). Under the lock."""
+        if self.source is None:
+            raise ApiError(404, f"{slot.entry.name} is not loaded", code="model_not_loaded")
+        if slot.needed is None:
+            slot.needed = self.source.needed_bytes(slot.entry)
+        loaded = [s for s in self._slots.values() if s.runner is not None]
+        idle = sorted((s for s in loaded if not s.busy), key=lambda s: s.last_used)
+        free = self.source.free_bytes()
+        victims: list[_Slot] = []
+        while self._too_many(len(loaded) - len(victims)) or (
+            slot.needed > free and len(victims) < len(loaded)
+        ):
+            if not idle:
+                return None
+            victim = idle.pop(0)
+            victims.append(victim)
+            free += victim.needed or 0
+        runners = []
+        for victim in victims:
+            assert victim.runner is not None
+            runners.append(victim.runner)
+            victim.runner = None
+        return runners
+
+    def _too_many(self, loaded: int) -> bool:
+        return self.max_models is not None and loaded >= self.max_models
+
+    def _load(self, slot: _Slot, unload_first: list[ModelRunner]) -> ModelRunner:
+        """On the loads thread: free the models making room, then load this one."""
+        try:
+            for runner in unload_first:
+                self._free(runner)
+            assert self.source is not None
+            runner = self.source.load(slot.entry)
+        except BaseException:
+            with self._lock:
+                slot.loading = None
+            raise
+        with self._lock:
+            slot.loading = None
+            slot.runner = runner
+            slot.last_used = time.monotonic()
+        self._watch(slot.entry.name, runner)
+        return runner
+
+    @staticmethod
+    def _free(runner: ModelRunner) -> None:
+        """Save the model's sequences, then free its memory (and hand freed heap back)."""
+        try:
+            runner.close()
+        finally:
+            run_compute(runner.engine.close)
+            release_free_heap()
+
+    def keep(self, name: str, keep_alive_s: float | None) -> None:
+        """``name``'s model stays loaded this long once idle (None: the router's)."""
+        if keep_alive_s is not None:
+            with self._lock:
+                self._slots[name].keep_alive_s = keep_alive_s
+
+    # -- unloading --------------------------------------------------------------------------
+    def unload(self, name: str | None, wait_s: float | None = None) -> bool:
+        """Unload ``name``'s model once it is idle (waiting at most ``wait_s``, default the
+        router's); False where it was not loaded. ``ApiError`` 409 where it stayed busy."""
+        entry = self.entry_of(name)
+        deadline = time.monotonic() + (self.wait_s if wait_s is None else wait_s)
+        while True:
+            with self._lock:
+                slot = self._slots[entry.name]
+                runner = slot.runner
+                if runner is not None and not slot.busy:
+                    slot.runner = None
+                    break
+                loading = slot.loading
+            if runner is None and loading is None:
+                return False
+            if time.monotonic() > deadline:
+                raise ApiError(409, f"{entry.name} is answering requests; unload it when"
+                               " they end", code="model_busy")  # fmt: skip
+            time.sleep(POLL_S)
+        self._loads.submit(self._free, runner).result()
+        return True
+
+    def _went_idle(self, name: str) -> None:
+        """A request on ``name`` ended: its idle time starts now."""
+        with self._lock:
+            self._slots[name].last_used = time.monotonic()
+
+    def _expired(self, now: float) -> list[str]:
+        with self._lock:
+            names = []
+            for name, slot in self._slots.items():
+                keep = self.keep_alive_s if slot.keep_alive_s is None else slot.keep_alive_s
+                if slot.runner is None or slot.busy or keep < 0:
+                    continue
+                if now - slot.last_used >= keep:
+                    names.append(name)
+            return names
+
+    def _reap(self) -> None:
+        """Unload the models idle past their keep_alive (its own thread)."""
+        while not self._closed.wait(REAP_S):
+            for name in self._expired(time.monotonic()):
+                with suppress(ApiError):
+                    self.unload(name, wait_s=0)
+
+    # -- listings ---------------------------------------------------------------------------
+    def statuses(self) -> list[ModelStatus]:
+        now = time.monotonic()
+        rows = []
+        with self._lock:
+            for slot in self._slots.values():
+                runner = slot.runner
+                state = "loaded" if runner else "loading" if slot.loading else "unloaded"
+                idle = None if runner is None or slot.busy else now - slot.last_used
+                keep = self.keep_alive_s if slot.keep_alive_s is None else slot.keep_alive_s
+                expires = None if idle is None or keep < 0 else max(0.0, keep - idle)
+                rows.append(ModelStatus(slot.entry, state, runner, idle, expires))
+        return rows
+
+    def loaded(self) -> list[ModelRunner]:
+        with self._lock:
+            return [s.runner for s in self._slots.values() if s.runner is not None]
+
+    def close(self) -> None:
+        """Save every loaded model's states and free it (the server is stopping)."""
+        self._closed.set()
+        with self._lock:
+            runners = [s.runner for s in self._slots.values() if s.runner is not None]
+            for slot in self._slots.values():
+                slot.runner = None
+        for runner in runners:
+            self._free(runner)
+        self._loads.shutdown(wait=True)
