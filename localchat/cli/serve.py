@@ -84,12 +84,15 @@ def cmd_serve(args: argparse.Namespace, out: TextIO) -> int:
     endpoint = _endpoint(args, config)
     model_path = resolve_model_path(args)
     engine = _load_engine(Session(paths, settings, open_stores=False), args, config, model_path)
-    name = args.model or Path(model_path).stem
+    # Served under the name users know the model by; the file's stem (its name before)
+    # stays an alias, so a client that sends it is answered under it as ever.
+    name = args.model or engine.info.display_name
+    aliases = (*args.alias, *([] if args.model else [Path(model_path).stem]))
     parallel = args.parallel or config.parallel
     if parallel is None:
         parallel = default_parallel(engine, detect_hardware().ram_available_bytes)
     states = StateStore(paths.states_dir, settings.state_budget_bytes)
-    runner = ModelRunner(engine, states, name, parallel=parallel, aliases=tuple(args.alias))
+    runner = ModelRunner(engine, states, name, parallel=parallel, aliases=aliases)
     back = runner.restore_newest()  # the conversations answered last continue from memory
     server = _http_server(runner, endpoint, tuple(args.cors_origin))
     print(

@@ -24,6 +24,7 @@ from localchat.backends.base import Backend, Sampling
 from localchat.backends.compute_thread import run_compute, wait_idle
 from localchat.conversation.base import ConversationBase
 from localchat.errors import LocalchatError, one_line
+from localchat.gguf.names import display_name
 from localchat.paths import app_paths
 from localchat.settings import Settings, load_settings
 from localchat.tui.bindings import CHAT_APP_ACTIONS, CHAT_BINDINGS, QUIT_BINDING
@@ -337,7 +338,7 @@ class LocalChatApp(ReportsWorkerFailures, App[int]):
 
     def on_model_chosen(self, message: ModelChosen) -> None:
         self._close_startup_screen()
-        self.sub_title = f"loading {message.path.name}…"
+        self.sub_title = f"loading {display_name(message.path)}…"
         self.load_model(message.path)
 
     def on_model_missing(self, message: ModelMissing) -> None:
@@ -398,7 +399,7 @@ class LocalChatApp(ReportsWorkerFailures, App[int]):
                 self.connect_server(choice.server)
             elif choice is not None:
                 self.server = None
-                self.sub_title = f"loading {choice.name}…"
+                self.sub_title = f"loading {display_name(choice)}…"
                 self.load_model(choice)
 
         screen = ModelsScreen(min_tps=self.settings.min_tokens_per_s, servers=self.settings.servers)
