@@ -84,3 +84,30 @@ async def test_the_app_switched_to_another_model_and_back_reads_nothing_again(
         print(
             "app: restored", restored.tokens, "evaluated", evaluated, "of", stats["prompt_tokens"]
         )
+
+
+async def test_the_models_screen_marks_the_model_loaded_now(
+    tiny_model: Path, tiny_model_other_seed: Path
+) -> None:
+    from textual.widgets import DataTable
+
+    from localchat.models.hardware import Hardware
+    from localchat.models.library import Library
+    from localchat.paths import app_paths
+    from localchat.tui.screens.models import LOADED, ModelsScreen, RowsLoaded
+
+    library = Library(app_paths(), Hardware(16 * 1024**3, 12 * 1024**3, 8))
+    for name, path in (("mine", tiny_model), ("other", tiny_model_other_seed)):
+        library.add_local(path, name)
+    async with chat_app(tiny_model, size=(120, 36), n_ctx=1024, max_tokens=8) as ui:
+        mark = len(ui.seen)
+        await ui.pilot.press("ctrl+o")
+        listed = await ui.wait_for(RowsLoaded, after=mark)
+        screen = ui.app.screen
+        assert isinstance(screen, ModelsScreen)
+        assert listed.loaded is not None and listed.rows[listed.loaded].model == "mine"
+        table = screen.query_one(DataTable)
+        await ui.until(lambda: table.row_count >= len(listed.rows), "the rows drawn")
+        on_disk = {row.model: str(table.get_row(str(i))[-1]) for i, row in enumerate(listed.rows)}
+        assert (on_disk["mine"], on_disk["other"]) == (LOADED, "added")
+        assert list(on_disk.values()).count(LOADED) == 1
