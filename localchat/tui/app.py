@@ -402,12 +402,8 @@ class LocalChatApp(ReportsWorkerFailures, App[int]):
                 self.sub_title = f"loading {display_name(choice)}…"
                 self.load_model(choice)
 
-        path = getattr(self.backend, "model_path", None)  # a model loaded here, not a server's
-        screen = ModelsScreen(
-            min_tps=self.settings.min_tokens_per_s,
-            servers=self.settings.servers,
-            loaded=path if isinstance(path, Path) else None,
-        )
+        loaded = getattr(self.backend, "model_path", None)  # None: a server's model
+        screen = ModelsScreen(None, self.settings.min_tokens_per_s, self.settings.servers, loaded)
         self.push_screen(screen, switch)
 
     def action_hardware(self) -> None:
