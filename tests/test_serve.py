@@ -331,7 +331,7 @@ def test_the_cli_serves_and_stops_on_a_signal_after_its_saves(
         banner = process.stdout.readline()
         sequences = "1 sequence" if stop == signal.SIGINT else "2 sequences"
         assert (
-            f"serving SmolLM2-135M-Instruct.Q4_1 (context 1024 × {sequences}) at"
+            f"serving SmolLM2-135M-Instruct Q4_1 (context 1024 × {sequences}) at"
             f" http://127.0.0.1:{port}/v1" in banner
         )
         for _ in range(100):
@@ -340,9 +340,14 @@ def test_the_cli_serves_and_stops_on_a_signal_after_its_saves(
                     break
             except httpx.TransportError:
                 time.sleep(0.1)
-        body = {"messages": [{"role": "user", "content": QUESTION}], "max_tokens": 80}
+        listed = [m["id"] for m in httpx.get(f"http://127.0.0.1:{port}/v1/models").json()["data"]]
+        # The file's stem, the name it was served under before, stays one a client may send.
+        assert listed == ["SmolLM2-135M-Instruct Q4_1", "SmolLM2-135M-Instruct.Q4_1"]
+        body = {"messages": [{"role": "user", "content": QUESTION}], "max_tokens": 80,
+                "model": "SmolLM2-135M-Instruct.Q4_1"}  # fmt: skip
         answer = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=body, timeout=120)
         assert answer.json()["usage"]["completion_tokens"] > 0
+        assert answer.json()["model"] == "SmolLM2-135M-Instruct.Q4_1"
         if stop == signal.SIGINT:  # Ctrl+C under a streaming reply: its client is told why
             body |= {"max_tokens": 600, "stream": True}
             with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/chat/completions",

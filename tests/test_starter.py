@@ -96,5 +96,7 @@ async def test_the_app_demo_chats_on_smollm2_and_names_it(starter_cached: Path) 
     async with chat_app(size=(120, 36), demo=True, n_ctx=1024, max_tokens=8) as ui:
         app = ui.app
         assert app.backend is not None and app.backend.model_path.name == STARTER.filename
-        assert "Smollm2 135M" in app.sub_title  # the file's own name for itself
+        # The name users know it by, not general.name ("Smollm2 135M 8k Lc100K Mix1 Ep2").
+        assert app.sub_title == "SmolLM2-135M-Instruct Q4_1"
+        assert ui.text("#model-info").startswith("SmolLM2-135M-Instruct Q4_1\n")
         assert not ui.notices()  # nothing to warn about: the real model is here

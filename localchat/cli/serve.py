@@ -135,6 +135,7 @@ def _named_entries(args: argparse.Namespace, starter: bool = False) -> list[Serv
     """The models the flags name (files, then names; the aliases go with the first), or
     the starter model."""
     from localchat.cli.ask import resolve_model_path
+    from localchat.gguf.names import display_name
     from localchat.server.router import ServedEntry
 
     asked: list[tuple[str | None, Path | None]] = [(None, Path(p)) for p in args.model_path]
@@ -146,7 +147,10 @@ def _named_entries(args: argparse.Namespace, starter: bool = False) -> list[Serv
         one = argparse.Namespace(model=name, model_path=path)
         found = resolve_model_path(one)
         aliases = tuple(args.alias) if index == 0 else ()
-        entries.append(ServedEntry(name or found.stem, found, aliases))
+        if name is None:  # served under the name users know it by; its stem (the name
+            # before) stays an alias, so a client that sends it is answered under it
+            name, aliases = display_name(found), (*aliases, found.stem)
+        entries.append(ServedEntry(name, found, aliases))
     return entries
 
 

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from localchat.errors import ModelFileError
+from localchat.gguf.names import display_name
 from localchat.gguf.quants import FILE_TYPE_IDS, GGML_BLOCKS, GGML_TYPE_IDS
 from localchat.text import shown
 
@@ -154,7 +155,14 @@ class GGUFInfo:
 
     @property
     def name(self) -> str:
+        """``general.name``: often a training run's label; shown only where a file has no
+        name of its own (``display_name``)."""
         return str(self.metadata.get("general.name", Path(self.source).stem))
+
+    @property
+    def display_name(self) -> str:
+        """The name users know the model by: its repository's or its file's."""
+        return display_name(self.source, fallback=self.name)
 
     @property
     def n_layer(self) -> int:

@@ -92,9 +92,18 @@ def parse_tag(text: str) -> QuantTag | None:
 
 def tag_of_file(filename: str) -> QuantTag | None:
     """The quant tag in a GGUF file's name (the last one that is a known tag)."""
+    found = find_tag(filename.rsplit("/", 1)[-1])
+    return found[0] if found else None
+
+
+def find_tag(name: str) -> tuple[QuantTag, int, int] | None:
+    """The last known quant tag in ``name`` and where it stands (start, end): a display
+    name is the name around it."""
     found = None
-    for match in _TAG_RE.finditer(filename.rsplit("/", 1)[-1]):
-        found = parse_tag(match.group(1)) or found
+    for match in _TAG_RE.finditer(name):
+        tag = parse_tag(match.group(1))
+        if tag is not None:
+            found = (tag, match.start(1), match.end(1))
     return found
 
 

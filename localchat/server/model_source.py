@@ -14,6 +14,7 @@ import psutil
 from localchat.backends.compute_thread import run_compute
 from localchat.gguf.estimate import LayerWeights, ModelDims, estimate_memory
 from localchat.gguf.info import read_gguf
+from localchat.gguf.names import display_name
 from localchat.models.launch import LaunchOptions
 from localchat.models.library import Library, ModelRow
 from localchat.models.loader import ModelLoader
@@ -28,23 +29,25 @@ RESERVE_BYTES = 512 * 1024 * 1024  # memory left to the rest of the machine
 
 
 def library_entries(library: Library) -> list[ServedEntry]:
-    """Every usable model in the library (projectors aside), under the names ``localchat
-    models`` shows: ``NAME:QUANT`` and, for a model's first file, the bare ``NAME``."""
+    """Every usable model in the library (projectors aside), served under the name users
+    know it by (``display_name``) and reached also by the names ``localchat models`` shows:
+    ``NAME:QUANT``, and for a model's first file the bare ``NAME``; and its file's stem."""
     entries: list[ServedEntry] = []
     taken: set[str] = set()
     for row in library.rows():
         if not row.usable or row.fit == "projector" or row.path is None:
             continue
-        name = _served_name(row)
+        name = display_name(row.path)
         if name in taken:
             continue
-        aliases = tuple(a for a in (row.model, Path(row.path).stem) if a not in taken)
+        others = (_listed_name(row), row.model, Path(row.path).stem)
+        aliases = tuple(dict.fromkeys(a for a in others if a not in taken and a != name))
         taken.update((name, *aliases))
         entries.append(ServedEntry(name, Path(row.path), aliases))
     return entries
 
 
-def _served_name(row: ModelRow) -> str:
+def _listed_name(row: ModelRow) -> str:
     return f"{row.model}:{row.quant}" if row.quant and ":" not in row.model else row.model
 
 

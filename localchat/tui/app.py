@@ -24,6 +24,7 @@ from localchat.backends.base import Backend, Sampling
 from localchat.backends.compute_thread import run_compute, wait_idle
 from localchat.conversation.base import ConversationBase
 from localchat.errors import LocalchatError, one_line
+from localchat.gguf.names import display_name
 from localchat.models.launch import LaunchOptions
 from localchat.paths import app_paths
 from localchat.settings import Settings, load_settings
@@ -339,7 +340,7 @@ class LocalChatApp(ReportsWorkerFailures, App[int]):
 
     def on_model_chosen(self, message: ModelChosen) -> None:
         self._close_startup_screen()
-        self.sub_title = f"loading {message.path.name}…"
+        self.sub_title = f"loading {display_name(message.path)}…"
         self.load_model(message.path)
 
     def on_model_missing(self, message: ModelMissing) -> None:
@@ -400,10 +401,11 @@ class LocalChatApp(ReportsWorkerFailures, App[int]):
                 self.connect_server(choice.server)
             elif choice is not None:
                 self.server = None
-                self.sub_title = f"loading {choice.name}…"
+                self.sub_title = f"loading {display_name(choice)}…"
                 self.load_model(choice)
 
-        screen = ModelsScreen(min_tps=self.settings.min_tokens_per_s, servers=self.settings.servers)
+        loaded = getattr(self.backend, "model_path", None)  # None: a server's model
+        screen = ModelsScreen(None, self.settings.min_tokens_per_s, self.settings.servers, loaded)
         self.push_screen(screen, switch)
 
     def action_hardware(self) -> None:

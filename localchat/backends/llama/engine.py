@@ -58,6 +58,7 @@ from localchat.chat.tools import ToolSpec, ToolUse
 from localchat.errors import LocalchatError, ModelFileError, ModelLoadError, UsageError
 from localchat.gguf.estimate import ModelDims, kv_bytes_per_token
 from localchat.gguf.info import file_fingerprint, read_gguf
+from localchat.gguf.quants import tag_of_file
 from localchat.state.kvstate import StateKey
 from localchat.units import format_bytes
 
@@ -407,17 +408,19 @@ class Engine:
         return self.buffers.kv_bytes or self.kv_cells * self.kv_bytes_per_token
 
     def describe(self) -> BackendView:
-        """The model panel's lines: the file's name for itself, its type, the cache, the
+        """The model panel's lines: the name users know the model by, its type, the cache, the
         context, GPU layers, the template and what llama.cpp allocated."""
         buffers = self.buffers_summary()
+        name = self.info.display_name
         panel = (
-            f"{self.info.name}\n{self.info.file_type} · KV {self.options.kv_type} ·"
+            f"{name}\n{self.info.file_type} · KV {self.options.kv_type} ·"
             f" ctx {self.n_ctx}\nGPU layers {self.options.n_gpu_layers}"
             f"\ntemplate: {self.template.name}" + (f"\n{buffers}" if buffers else "")
         )
         if self.draft_model is not None:
             panel += f"\ndraft model: {self.draft_model.name}"
-        title = f"{self.info.name} · {self.info.file_type}"
+        # The name holds the quant where the file's name does (SmolLM2-135M-Instruct Q4_1).
+        title = name if tag_of_file(name) else f"{name} · {self.info.file_type}"
         return BackendView(title, panel, self.model_name, self.template.name, None)
 
     def cache_view(self, tokens: int, server_usage: float | None = None) -> CacheView:

@@ -7,6 +7,7 @@ chat through, or None.
 
 from __future__ import annotations
 
+import os
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,14 +38,18 @@ from localchat.tui.worker_failures import ReportsWorkerFailures
 from localchat.units import format_bytes
 
 COLUMNS = ("Model", "Quant", "Size", "Needs", "Speed", "Fit", "On disk")
+LOADED = "● loaded"  # the model the app runs now
 
 
-def _model_cells(row: ModelRow) -> tuple[str | Text, ...]:
-    """A model's row: file facts, the plan's figures, and whether it is here."""
+def _model_cells(row: ModelRow, loaded: bool = False) -> tuple[str | Text, ...]:
+    """A model's row: file facts, the plan's figures, and whether it is here (``loaded``:
+    the model the app runs now, in its one engine)."""
     needs = format_bytes(row.estimated_bytes) if row.estimated_bytes else "-"
     on_disk: str | Text = "✓" if row.downloaded else ""
     if row.source in ("local", "demo"):
         on_disk = "added" if row.source == "local" else "demo"
+    if loaded:
+        on_disk = LOADED
     if row.problem:
         on_disk = Text(f"unusable: {row.problem}")  # a file name is never markup
     speed = f"~{format_tps(row.predicted_gen_tps)} tok/s" if row.predicted_gen_tps else "-"
@@ -63,6 +68,19 @@ def _server_cells(row: ServerModelRow) -> tuple[str | Text, ...]:
 class RowsLoaded(Message):
     rows: list[ModelRow]
     server_rows: list[ServerModelRow]
+    loaded: int | None = None  # the row of the model loaded now, if listed
+
+
+def loaded_row(rows: list[ModelRow], loaded: Path | None) -> int | None:
+    """The row whose file is ``loaded`` (the same file by any path: a link, a relative
+    path), if one is; read off the app's thread, it touches the disk."""
+    if loaded is None:
+        return None
+    target = os.path.realpath(loaded)
+    for index, row in enumerate(rows):
+        if row.path is not None and os.path.realpath(row.path) == target:
+            return index
+    return None
 
 
 @dataclass(frozen=True)
@@ -96,8 +114,11 @@ class ModelsScreen(ReportsWorkerFailures, ModalScreen[Path | ServerChoice | None
         hardware: Hardware | None = None,
         min_tps: float = MIN_TOKENS_PER_S,
         servers: tuple[ServerConfig, ...] = (),
+        loaded: Path | None = None,
     ) -> None:
+        """``loaded``: the model file the app runs now (None: none here, or a server's)."""
         super().__init__(classes="dialog-screen")
+        self.loaded = loaded
         self.servers = servers  # settings.toml's [[servers]]: their models are listed too
         self.server_rows: list[ServerModelRow] = []
         self.hardware = hardware  # None: detect this machine
@@ -136,12 +157,13 @@ class ModelsScreen(ReportsWorkerFailures, ModalScreen[Path | ServerChoice | None
         except LocalchatError as exc:
             self.post_message(DownloadFinished(None, str(exc)))
             return
-        self.post_message(RowsLoaded(rows, server_model_rows(self.servers)))
+        servers = server_model_rows(self.servers)
+        self.post_message(RowsLoaded(rows, servers, loaded_row(rows, self.loaded)))
 
     def on_rows_loaded(self, message: RowsLoaded) -> None:
         self.rows = message.rows
         self.server_rows = message.server_rows
-        cells = [_model_cells(row) for row in self.rows]
+        cells = [_model_cells(row, i == message.loaded) for i, row in enumerate(self.rows)]
         cells += [_server_cells(row) for row in self.server_rows]
         keys = [str(i) for i in range(len(self.rows))]
         keys += [f"server-{i}" for i in range(len(self.server_rows))]
