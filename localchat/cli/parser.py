@@ -143,6 +143,12 @@ def _port(text: str) -> int:
 
 
 def _serve_flags(serve: argparse.ArgumentParser) -> None:
+    _serve_model_flags(serve)
+    _serve_listen_flags(serve)
+
+
+def _serve_model_flags(serve: argparse.ArgumentParser) -> None:
+    """Which models ``serve`` serves, how many stay loaded, and how they run."""
     serve.add_argument(
         "--model-path", type=Path, action="append", default=[],
         help="a local GGUF file to serve (repeatable)",
@@ -165,6 +171,10 @@ def _serve_flags(serve: argparse.ArgumentParser) -> None:
         help="how long a model loaded on demand stays loaded once idle: 10m, 1h, 0 (unload"
         " after each reply), -1 (until room is needed); default: [serve] keep_alive, 30m",
     )  # fmt: skip
+
+
+def _serve_listen_flags(serve: argparse.ArgumentParser) -> None:
+    """Where ``serve`` listens, whom it answers, what it logs, and its sequences."""
     serve.add_argument(
         "--host", default=None, help="address to bind (default: [serve] host, else loopback)"
     )
