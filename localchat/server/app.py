@@ -21,7 +21,15 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from localchat.server.adapters import anthropic, llama_server, ollama, openai_chat, responses
+from localchat.server.adapters import (
+    anthropic,
+    llama_server,
+    ollama,
+    openai_chat,
+    responses,
+)
+from localchat.server.adapters import embeddings as embedding_api
+from localchat.server.embeddings import EmbeddingModels
 from localchat.server.model_facts import served_model
 from localchat.server.requests import ApiError
 from localchat.server.runner import ModelRunner
@@ -138,6 +146,7 @@ def create_app(
     loopback: bool = True,
     kept: ResponseStore | None = None,
     cors_origins: tuple[str, ...] = (),
+    embeddings: EmbeddingModels | None = None,
 ) -> Starlette:
     """The server's routes over ``runner``; with ``api_key``, every route but /health asks
     for it (``Authorization: Bearer <key>`` or ``x-api-key: <key>``); without, browsers'
@@ -146,7 +155,8 @@ def create_app(
     response gives (clients that hard-code a model's name just work). ``kept``: where the
     Responses API keeps responses (the conversation database, opened at first use).
     ``cors_origins``: pages a browser may let call the API (none by default); their
-    requests still pass the key and browser checks (a JSON body, this host's name)."""
+    requests still pass the key and browser checks (a JSON body, this host's name).
+    ``embeddings``: who answers the embeddings endpoints (None: they say none is served)."""
     model = served_model(runner)
     stores = [kept] if kept is not None else []
 
@@ -161,6 +171,7 @@ def create_app(
         *responses.routes(runner, response_store),
         *anthropic.routes(runner),
         *ollama.routes(runner, model),
+        *embedding_api.routes(embeddings),
     ]
     guard = _Guard(api_key, loopback)
     routes = []
@@ -186,11 +197,15 @@ class BackgroundServer:
     runner is the caller's)."""
 
     def __init__(
-        self, runner: ModelRunner, api_key: str | None = None, cors_origins: tuple[str, ...] = ()
+        self,
+        runner: ModelRunner,
+        api_key: str | None = None,
+        cors_origins: tuple[str, ...] = (),
+        embeddings: EmbeddingModels | None = None,
     ) -> None:
         import uvicorn
 
-        app = create_app(runner, api_key, cors_origins=cors_origins)
+        app = create_app(runner, api_key, cors_origins=cors_origins, embeddings=embeddings)
         config = uvicorn.Config(app, "127.0.0.1", 0, log_level="warning")
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, name="serve", daemon=True)
