@@ -7,7 +7,6 @@ llama-cpp-python's own ``Llama(embedding=True).embed`` of the same input, and th
 from __future__ import annotations
 
 import base64
-
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -95,7 +94,9 @@ def test_openai_client_gets_llama_cpp_pythons_own_vectors(
     served: EmbedServer, encoding: str
 ) -> None:
     reply = _client(served.root).embeddings.create(
-        model=BERT, input=TEXTS, encoding_format=encoding  # type: ignore[arg-type]
+        model=BERT,
+        input=TEXTS,
+        encoding_format=encoding,  # type: ignore[arg-type]
     )
     # Asked for by name, base64 comes back as it is sent: little-endian float32 bytes.
     vectors = [_decoded(d.embedding) for d in sorted(reply.data, key=lambda d: d.index)]

@@ -183,6 +183,13 @@ def _serve_flags(serve: argparse.ArgumentParser) -> None:
         " answered by the model too",
     )
     serve.add_argument(
+        "--embedding-model",
+        metavar="PATH_OR_NAME",
+        default=None,
+        help="also serve embeddings (/v1/embeddings, /api/embed) with this GGUF or catalog"
+        " model, e.g. nomic-embed-text-v1.5 (the chat model itself answers too, mean-pooled)",
+    )
+    serve.add_argument(
         "--cors-origin",
         metavar="ORIGIN",
         action="append",

@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     import uvicorn
 
     from localchat.backends.llama.engine import Engine
+    from localchat.server.embeddings import EmbeddingModels, OneEmbedder
     from localchat.server.runner import ModelRunner
     from localchat.session import Session
     from localchat.settings import ServeConfig
@@ -91,7 +92,8 @@ def cmd_serve(args: argparse.Namespace, out: TextIO) -> int:
     states = StateStore(paths.states_dir, settings.state_budget_bytes)
     runner = ModelRunner(engine, states, name, parallel=parallel, aliases=tuple(args.alias))
     back = runner.restore_newest()  # the conversations answered last continue from memory
-    server = _http_server(runner, endpoint, tuple(args.cors_origin))
+    embedders = _embedders(args, model_path, runner.names)
+    server = _http_server(runner, endpoint, tuple(args.cors_origin), embedders)
     print(
         f"localchat: serving {name} (context {runner.batch.n_ctx_seq} × {parallel}"
         f" sequence{'s' if parallel != 1 else ''}) at {endpoint.url}"
@@ -106,8 +108,29 @@ def cmd_serve(args: argparse.Namespace, out: TextIO) -> int:
     finally:
         log.close()
         runner.close()
+        embedders.close()
         engine.close()
     return 0
+
+
+def _embedders(args: argparse.Namespace, model_path: Path, names: tuple[str, ...]) -> OneEmbedder:
+    """Who answers the embeddings endpoints: ``--embedding-model`` (a file, or a catalog or
+    hub name, downloaded if needed) loaded now, and the chat model's own file mean-pooled
+    when a request names it (loaded then)."""
+    from localchat.backends.llama.embedder import Embedder
+    from localchat.cli.ask import pull_model_path
+    from localchat.server.embeddings import OneEmbedder
+
+    given = getattr(args, "embedding_model", None)
+    embedder = None
+    if given:
+        path = Path(given).expanduser()
+        embedder = Embedder(
+            path if path.is_file() else pull_model_path(given), n_threads=args.threads
+        )
+        print(f"localchat: embeddings by {embedder.name} ({embedder.pooling_name} pooling,"
+              f" context {embedder.n_ctx})", file=sys.stderr)  # fmt: skip
+    return OneEmbedder(embedder, (given,) if given else (), model_path, names)
 
 
 def _load_engine(
@@ -132,7 +155,10 @@ def _load_engine(
 
 
 def _http_server(
-    runner: ModelRunner, endpoint: _Endpoint, cors_origins: tuple[str, ...]
+    runner: ModelRunner,
+    endpoint: _Endpoint,
+    cors_origins: tuple[str, ...],
+    embeddings: EmbeddingModels | None = None,
 ) -> uvicorn.Server:
     """The API over the runner, served by uvicorn (replies under way get ``STOP_GRACE_S``
     to end when it is stopped)."""
@@ -141,8 +167,9 @@ def _http_server(
     from localchat.server.app import create_app
 
     app = create_app(
-        runner, endpoint.api_key, loopback=endpoint.host in LOOPBACK, cors_origins=cors_origins
-    )
+        runner, endpoint.api_key, loopback=endpoint.host in LOOPBACK, cors_origins=cors_origins,
+        embeddings=embeddings,
+    )  # fmt: skip
     config = uvicorn.Config(
         app,
         endpoint.host,

@@ -96,7 +96,9 @@ def _add_tensors(writer: GGUFWriter, shape: BertShape, rng: np.random.Generator)
 
     def vector(name: str, size: int, fill: float | None = None) -> None:
         if fill is None:
-            writer.add_tensor(name, (rng.standard_normal(size, np.float32) * 0.02).astype(np.float32))
+            writer.add_tensor(
+                name, (rng.standard_normal(size, np.float32) * 0.02).astype(np.float32)
+            )
         else:
             writer.add_tensor(name, np.full(size, fill, dtype=np.float32))
 

@@ -19,10 +19,10 @@ from typing import Protocol
 import numpy as np
 import numpy.typing as npt
 
-from localchat.backends.llama.embedder import BadEmbeddingInput, EmbeddingInputTooLong, Embedder
+from localchat.backends.llama.embedder import BadEmbeddingInput, Embedder, EmbeddingInputTooLong
 from localchat.server.requests import ApiError
 
-EmbedInputs = Sequence[str] | Sequence[Sequence[int]]
+EmbedInputs = Sequence[str | Sequence[int]]  # texts, or token-id lists
 
 
 @dataclass(frozen=True)
@@ -71,9 +71,12 @@ class OneEmbedder:
         chat_names: Sequence[str] = (),
     ) -> None:
         self.embedder = embedder
-        self.names = tuple(names) + ((embedder.name,) if embedder is not None else ())
+        own = (embedder.name,) if embedder is not None else ()
+        self.names = tuple(dict.fromkeys((*names, *own)))
         self.chat_path = chat_path
-        self.chat_names = tuple(chat_names) + ((chat_path.stem,) if chat_path else ())
+        self.chat_names = tuple(
+            dict.fromkeys((*chat_names, *((chat_path.stem,) if chat_path else ())))
+        )
         self._chat: Embedder | None = None
         self._lock = threading.Lock()
 

@@ -39,7 +39,7 @@ POOLING_NAMES = {
 # hundreds of megabytes for a 12-head model. A file trained on less gets its own length.
 EMBED_CTX_CAP = 2048
 
-Inputs = Sequence[str] | Sequence[Sequence[int]]
+Inputs = Sequence[str | Sequence[int]]  # texts, or token-id lists
 
 
 class BadEmbeddingInput(LocalchatError):
@@ -114,8 +114,7 @@ class Embedder:
         prepare()
         start_capture()
         try:
-            llm = llama_cpp.Llama(**_context_args(self.path, self.n_ctx, self.pooling),
-                                  n_threads=self.n_threads, n_threads_batch=self.n_threads)  # fmt: skip
+            llm = _open(self.path, self.n_ctx, self.pooling, self.n_threads)
         except Exception as exc:  # llama-cpp-python raises ValueError/RuntimeError
             raise ModelLoadError(
                 f"{self.path}: llama.cpp could not load it for embeddings: {last_error_line()}"
@@ -207,18 +206,21 @@ def l2_normalized(vector: npt.NDArray[np.float32]) -> npt.NDArray[np.float32]:
     return scaled
 
 
-def _context_args(path: Path, n_ctx: int, pooling: int) -> dict[str, object]:
-    """What both this embedder and the reference give llama-cpp-python: the whole context
-    one batch and one step, embeddings on, the pooling named."""
-    return {
-        "model_path": str(path),
-        "embedding": True,
-        "n_ctx": n_ctx,
-        "n_batch": n_ctx,
-        "n_ubatch": n_ctx,
-        "pooling_type": pooling,
-        "verbose": False,
-    }
+def _open(path: Path, n_ctx: int, pooling: int, n_threads: int | None = None) -> llama_cpp.Llama:
+    """What both this embedder and the reference load: the whole context one batch and one
+    step, embeddings on, the pooling named (threads: llama-cpp-python's default unless
+    given)."""
+    return llama_cpp.Llama(
+        model_path=str(path),
+        embedding=True,
+        n_ctx=n_ctx,
+        n_batch=n_ctx,
+        n_ubatch=n_ctx,
+        pooling_type=pooling,
+        n_threads=n_threads,
+        n_threads_batch=n_threads,
+        verbose=False,
+    )
 
 
 def reference_embeddings(
@@ -228,11 +230,10 @@ def reference_embeddings(
     context and pooling as an ``Embedder``), normalized: what the server's vectors are
     measured against. Loaded and freed on the compute thread."""
     info = read_gguf(Path(path))
-    args = _context_args(Path(path), embedding_ctx(info, n_ctx), pooling_of(info))
 
     def compute() -> list[npt.NDArray[np.float32]]:
         prepare()
-        llm = llama_cpp.Llama(**args)  # type: ignore[arg-type]
+        llm = _open(Path(path), embedding_ctx(info, n_ctx), pooling_of(info))
         try:
             rows = llm.embed(list(texts), normalize=False, truncate=False)
         finally:

@@ -24,9 +24,7 @@ OLLAMA_EMBED_FIELDS = frozenset(
     {"model", "input", "truncate", "options", "keep_alive", "dimensions"}
 )
 OLLAMA_EMBEDDINGS_FIELDS = frozenset({"model", "prompt", "options", "keep_alive"})
-NOT_SERVED = (
-    "this server serves no embedding model: start it with --embedding-model PATH_OR_NAME"
-)
+NOT_SERVED = "this server serves no embedding model: start it with --embedding-model PATH_OR_NAME"
 
 
 def _no_dimensions(body: dict[str, Any]) -> None:
