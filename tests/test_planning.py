@@ -19,7 +19,7 @@ from localchat.gguf.estimate import (
 )
 from localchat.gguf.info import read_gguf
 from localchat.gguf.quants import is_good_enough
-from localchat.models.catalog import CatalogError, load_catalog, load_catalog_file
+from localchat.models.catalog import CatalogError, chat_models, load_catalog, load_catalog_file
 from localchat.models.hardware import GPU_APPLE, GPU_NONE, GPU_NVIDIA, Hardware, detect_hardware
 from localchat.models.hub import HubError, list_gguf_files, remote_gguf_header
 from localchat.models.planner import plan_catalog
@@ -195,10 +195,15 @@ def test_catalog_has_the_required_models() -> None:
         "mistral-7b-instruct-v0.3",
     ):
         assert required in names
-    for model in load_catalog():
+    for model in chat_models(load_catalog()):
         assert model.quants == ["F16", "Q8_0", "Q6_K", "Q5_K_M", "Q4_K_M", "Q3_K_M", "Q2_K"]
         sizes = [f.size for f in model.files]
         assert sizes == sorted(sizes, reverse=True), model.name
+    # One small embedding model, never planned or offered as a chat.
+    embedders = [m for m in load_catalog() if m.kind == "embedding"]
+    assert [m.name for m in embedders] == ["nomic-embed-text-v1.5"]
+    plans = plan_catalog(load_catalog(), detect_hardware())
+    assert "nomic-embed-text-v1.5" not in {p.model for p in plans}
 
 
 def test_user_catalog_adds_and_overrides(tmp_path: Path) -> None:

@@ -24,6 +24,7 @@ from localchat.bench.branch import bench_branch
 from localchat.bench.calibrate import bench_calibrate
 from localchat.bench.clients import bench_clients
 from localchat.bench.common import Progress, say
+from localchat.bench.embed import bench_embed
 from localchat.bench.engine import bench_engine
 from localchat.bench.estimate import bench_estimate
 from localchat.bench.memory import bench_memory
@@ -55,6 +56,7 @@ BENCHES: dict[str, Part] = {
     "spec": bench_spec,
     "serve": bench_serve,
     "clients": bench_clients,
+    "embed": bench_embed,
 }
 PARTS: tuple[str, ...] = tuple(BENCHES)
 
@@ -102,6 +104,7 @@ TARGETS: dict[str, tuple[str, float]] = {
     "ollama_gen_ratio": (">=", 0.97),
     "structured_valid": (">=", 1.0),
     "structured_speed_ratio": (">=", 0.9),
+    "embed_cosine": (">=", 0.999),
 }
 
 

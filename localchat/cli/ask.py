@@ -125,10 +125,15 @@ def resolve_model_path(args: argparse.Namespace) -> Path:
     if args.model_path is not None:
         return Path(args.model_path)
     if args.model:
-        models = library()
-        request = models.request(args.model)
-        return models.path_of(request) or pull(models, request, json_lines=False)[0]
+        return pull_model_path(args.model)
     return default_model()
+
+
+def pull_model_path(name: str) -> Path:
+    """A catalog or hub model's file, downloaded if it is not here yet."""
+    models = library()
+    request = models.request(name)
+    return models.path_of(request) or pull(models, request, json_lines=False)[0]
 
 
 def _backend(args: argparse.Namespace, session: Session, model_path: Path | None) -> Backend:

@@ -219,6 +219,7 @@ def _serve_listen_flags(serve: argparse.ArgumentParser) -> None:
         help="another name the model is listed under (repeatable); a name not listed is"
         " answered by the model too",
     )
+    _embedding_flag(serve)
     serve.add_argument(
         "--cors-origin",
         metavar="ORIGIN",
@@ -226,6 +227,16 @@ def _serve_listen_flags(serve: argparse.ArgumentParser) -> None:
         default=[],
         help="let pages from ORIGIN (e.g. http://localhost:3000) call the API from a browser"
         " (repeatable; off by default)",
+    )
+
+
+def _embedding_flag(serve: argparse.ArgumentParser) -> None:
+    serve.add_argument(
+        "--embedding-model",
+        metavar="PATH_OR_NAME",
+        default=None,
+        help="also serve embeddings (/v1/embeddings, /api/embed) with this GGUF or catalog"
+        " model, e.g. nomic-embed-text-v1.5 (the chat model itself answers too, mean-pooled)",
     )
 
 

@@ -19,6 +19,8 @@ if TYPE_CHECKING:
     import uvicorn
 
     from localchat.paths import AppPaths
+    from localchat.server.embeddings import EmbeddingModels
+    from localchat.server.library_embeddings import LibraryEmbeddings
     from localchat.server.router import Router, ServedEntry
     from localchat.settings import ServeConfig, Settings
 
@@ -77,7 +79,8 @@ def cmd_serve(args: argparse.Namespace, out: TextIO) -> int:
     config = settings.serve
     endpoint = _endpoint(args, config)
     router, served, states = _router(args, settings, paths)
-    server = _http_server(router, endpoint, tuple(args.cors_origin))
+    embeddings = _embeddings(args, router)
+    server = _http_server(router, endpoint, tuple(args.cors_origin), embeddings)
     print(f"localchat: {served} at {endpoint.url}{states} · Ctrl+C stops", file=out, flush=True)
     log = ServerLog(router, sys.stderr, args.log_format or config.log_format)
     _prepare_to_run()
@@ -86,6 +89,7 @@ def cmd_serve(args: argparse.Namespace, out: TextIO) -> int:
     finally:
         log.close()
         router.close()
+        embeddings.close()
     return 0
 
 
@@ -104,7 +108,7 @@ def _router(
     config = settings.serve
     named = _named_entries(args)
     if not named:
-        named = library_entries(Library(paths, detect_hardware()))
+        named, _embedding = library_entries(Library(paths, detect_hardware()))
         if not named:  # nothing downloaded yet: the starter model
             named = _named_entries(args, starter=True)
     if args.draft_model or args.speculative == "draft":
@@ -131,6 +135,28 @@ def _router(
     return router, served, f" · {len(runner.cache)} saved prompt states ({back} back in memory)"
 
 
+def _embeddings(args: argparse.Namespace, router: Router) -> LibraryEmbeddings:
+    """Who answers the embeddings endpoints: ``--embedding-model`` (a file, or a catalog or
+    hub name, downloaded if needed) and the library's embedding models, the first the
+    default; any chat model served, mean-pooled. Each loaded at its first request."""
+    from localchat.cli.ask import pull_model_path
+    from localchat.models.hardware import detect_hardware
+    from localchat.models.library import Library
+    from localchat.paths import app_paths
+    from localchat.server.library_embeddings import LibraryEmbeddings
+    from localchat.server.model_source import library_entries
+    from localchat.server.router import ServedEntry
+
+    given = getattr(args, "embedding_model", None)
+    first = []
+    if given:
+        path = Path(given).expanduser()
+        found = path if path.is_file() else pull_model_path(given)
+        first = [ServedEntry(given, found, (found.stem,))]
+    _chat, library = library_entries(Library(app_paths(), detect_hardware()))
+    return LibraryEmbeddings(first + library, router)
+
+
 def _named_entries(args: argparse.Namespace, starter: bool = False) -> list[ServedEntry]:
     """The models the flags name (files, then names; the aliases go with the first), or
     the starter model."""
@@ -155,7 +181,10 @@ def _named_entries(args: argparse.Namespace, starter: bool = False) -> list[Serv
 
 
 def _http_server(
-    models: Router, endpoint: _Endpoint, cors_origins: tuple[str, ...]
+    models: Router,
+    endpoint: _Endpoint,
+    cors_origins: tuple[str, ...],
+    embeddings: EmbeddingModels | None = None,
 ) -> uvicorn.Server:
     """The API over the models, served by uvicorn (replies under way get ``STOP_GRACE_S``
     to end when it is stopped)."""
@@ -164,8 +193,9 @@ def _http_server(
     from localchat.server.app import create_app
 
     app = create_app(
-        models, endpoint.api_key, loopback=endpoint.host in LOOPBACK, cors_origins=cors_origins
-    )
+        models, endpoint.api_key, loopback=endpoint.host in LOOPBACK, cors_origins=cors_origins,
+        embeddings=embeddings,
+    )  # fmt: skip
     config = uvicorn.Config(
         app,
         endpoint.host,

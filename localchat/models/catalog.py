@@ -23,6 +23,13 @@ REPO_CATALOG = Path(str(resources.files("localchat") / "models.toml"))
 
 _INT_FIELDS = ("n_layer", "n_embd", "n_head", "n_head_kv", "head_dim", "n_vocab", "context_length")
 
+KINDS = ("chat", "embedding")
+
+
+def chat_models(models: list[CatalogModel]) -> list[CatalogModel]:
+    """The entries a chat can run (an embedding model only answers embeddings)."""
+    return [m for m in models if m.kind == "chat"]
+
 
 class CatalogError(UsageError):
     """A catalog file that cannot be used as it is."""
@@ -45,6 +52,7 @@ class CatalogModel:
     source: str
     template: str | None = None  # a built-in chat format or a .jinja file overriding the GGUF's
     draft: str | None = None  # a smaller catalog model of the same family that drafts for it
+    kind: str = "chat"  # "embedding": served for embeddings, never offered as a chat model
 
     def file_for(self, quant: str) -> QuantFile | None:
         return next((f for f in self.files if f.quant == quant), None)
@@ -90,12 +98,15 @@ def _parse_model(path: Path, index: int, raw: Any) -> CatalogModel:
         swa_pattern_of(raw["architecture"]),
     )
     template = _parse_template(path, entry, raw.get("template"))
+    kind = raw.get("kind", "chat")
+    if kind not in KINDS:
+        raise _fail(path, entry, "kind", f"must be one of {', '.join(KINDS)}")
     draft = raw.get("draft")
     if draft is not None and (not isinstance(draft, str) or not draft.strip()):
         raise _fail(path, entry, "draft", "must be the name of another catalog model")
     return CatalogModel(
         raw["name"], raw["repo"], raw["architecture"], dims, tuple(files), str(path), template,
-        draft,
+        draft, kind,
     )  # fmt: skip
 
 

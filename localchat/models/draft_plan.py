@@ -22,7 +22,7 @@ from localchat.backends.llama.draft_policy import (
 )
 from localchat.gguf.estimate import LayerWeights, ModelDims, estimate_memory
 from localchat.gguf.info import GGUFInfo, read_gguf
-from localchat.models.catalog import CatalogModel
+from localchat.models.catalog import CatalogModel, chat_models
 from localchat.models.hardware import Hardware, repacked_weight_types
 from localchat.models.planner import PREDICT_FILL, Plan
 from localchat.models.speed import SpeedModel, SpeedPrediction, TokenWork, attention_work
@@ -108,7 +108,7 @@ def with_catalog_drafts(
     quantized KV cache; ``--speculative draft`` uses them anyway)."""
     by_name = {plan.model: plan for plan in plans}
     out = []
-    for model, plan in zip(models, plans, strict=True):
+    for model, plan in zip(chat_models(models), plans, strict=True):  # as plan_catalog's
         draft = by_name.get(model.draft or "")
         if speed is None or draft is None or not plan.fits or not draft.fits:
             out.append(plan)

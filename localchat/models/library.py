@@ -106,6 +106,7 @@ class ModelRow:
     predicted_gen_tps: float | None = None  # on this machine's calibration
     planned: bool = False  # the planner's pick for its model here
     plan: str | None = None  # the planner's pick for its model and why (catalog rows)
+    kind: str = "chat"  # "embedding": a catalog embedding model (never loaded as a chat)
 
     @property
     def usable(self) -> bool:
@@ -403,6 +404,7 @@ class Library:
                         predicted_gen_tps=round(speed.gen_tps, 1) if speed else None,
                         planned=plan.fits and plan.quant == quant_file.quant,
                         plan=plan.explanation,
+                        kind=entry.kind,
                     )
                 )  # fmt: skip
         extra = [

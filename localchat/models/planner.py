@@ -35,7 +35,7 @@ from localchat.gguf.estimate import (
 )
 from localchat.gguf.info import read_gguf
 from localchat.gguf.quants import bytes_per_weight, is_good_enough, parse_tag, quality_rank
-from localchat.models.catalog import CatalogModel
+from localchat.models.catalog import CatalogModel, chat_models
 from localchat.models.hardware import GPU_NONE, Hardware, repacked_weight_types
 from localchat.models.speed import (
     SpeedModel,
@@ -465,7 +465,8 @@ def plan_catalog(
     speed: SpeedModel | None = None,
     min_tps: float = MIN_TOKENS_PER_S,
 ) -> list[Plan]:
-    """A plan for every catalog model (from catalog numbers: nothing is downloaded)."""
+    """A plan for every catalog chat model (from catalog numbers: nothing is downloaded);
+    embedding models are not run as chats, so not planned as one."""
     return [
         plan_model(
             model.name,
@@ -476,7 +477,7 @@ def plan_catalog(
             speed,
             min_tps,
         )
-        for model in models
+        for model in chat_models(models)
     ]
 
 

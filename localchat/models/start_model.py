@@ -125,7 +125,7 @@ def _model_on_disk(
     starter = starter_on_disk(paths)
     if starter is not None and last_model == starter[0].name:
         return starter[0]
-    found = [r for r in library.rows() if r.downloaded and r.path]
+    found = [r for r in library.rows() if r.downloaded and r.path and r.kind == "chat"]
     for row in found:
         if row.problem:  # one broken file never stops the start: the next one is used
             warn(f"skipped {row.model}: {row.problem}")

@@ -22,6 +22,8 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from localchat.server.adapters import anthropic, llama_server, ollama, openai_chat, responses
+from localchat.server.adapters import embeddings as embedding_api
+from localchat.server.embeddings import EmbeddingModels
 from localchat.server.requests import ApiError
 from localchat.server.router import Router
 from localchat.server.wire import Endpoint
@@ -137,6 +139,7 @@ def create_app(
     loopback: bool = True,
     kept: ResponseStore | None = None,
     cors_origins: tuple[str, ...] = (),
+    embeddings: EmbeddingModels | None = None,
 ) -> Starlette:
     """The server's routes over ``models``; with ``api_key``, every route but /health asks
     for it (``Authorization: Bearer <key>`` or ``x-api-key: <key>``); without, browsers'
@@ -146,7 +149,8 @@ def create_app(
     work), else a 404 names the models. ``kept``: where the
     Responses API keeps responses (the conversation database, opened at first use).
     ``cors_origins``: pages a browser may let call the API (none by default); their
-    requests still pass the key and browser checks (a JSON body, this host's name)."""
+    requests still pass the key and browser checks (a JSON body, this host's name).
+    ``embeddings``: who answers the embeddings endpoints (None: they say none is served)."""
     stores = [kept] if kept is not None else []
 
     def response_store() -> ResponseStore:
@@ -160,6 +164,7 @@ def create_app(
         *responses.routes(models, response_store),
         *anthropic.routes(models),
         *ollama.routes(models),
+        *embedding_api.routes(embeddings),
     ]
     guard = _Guard(api_key, loopback)
     routes = []
@@ -185,11 +190,15 @@ class BackgroundServer:
     models are the caller's)."""
 
     def __init__(
-        self, models: Router, api_key: str | None = None, cors_origins: tuple[str, ...] = ()
+        self,
+        models: Router,
+        api_key: str | None = None,
+        cors_origins: tuple[str, ...] = (),
+        embeddings: EmbeddingModels | None = None,
     ) -> None:
         import uvicorn
 
-        app = create_app(models, api_key, cors_origins=cors_origins)
+        app = create_app(models, api_key, cors_origins=cors_origins, embeddings=embeddings)
         config = uvicorn.Config(app, "127.0.0.1", 0, log_level="warning")
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, name="serve", daemon=True)

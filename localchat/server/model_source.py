@@ -12,6 +12,7 @@ from pathlib import Path
 import psutil
 
 from localchat.backends.compute_thread import run_compute
+from localchat.errors import LocalchatError
 from localchat.gguf.estimate import LayerWeights, ModelDims, estimate_memory
 from localchat.gguf.info import read_gguf
 from localchat.gguf.names import display_name
@@ -28,11 +29,13 @@ OWN_CELLS = 256  # the engine's own context: it only warms the model up
 RESERVE_BYTES = 512 * 1024 * 1024  # memory left to the rest of the machine
 
 
-def library_entries(library: Library) -> list[ServedEntry]:
+def library_entries(library: Library) -> tuple[list[ServedEntry], list[ServedEntry]]:
     """Every usable model in the library (projectors aside), served under the name users
     know it by (``display_name``) and reached also by the names ``localchat models`` shows:
-    ``NAME:QUANT``, and for a model's first file the bare ``NAME``; and its file's stem."""
+    ``NAME:QUANT``, and for a model's first file the bare ``NAME``; and its file's stem.
+    The chat models, and the embedding models (a pooling type in the file)."""
     entries: list[ServedEntry] = []
+    embedding: list[ServedEntry] = []
     taken: set[str] = set()
     for row in library.rows():
         if not row.usable or row.fit == "projector" or row.path is None:
@@ -43,8 +46,19 @@ def library_entries(library: Library) -> list[ServedEntry]:
         others = (_listed_name(row), row.model, Path(row.path).stem)
         aliases = tuple(dict.fromkeys(a for a in others if a not in taken and a != name))
         taken.update((name, *aliases))
-        entries.append(ServedEntry(name, Path(row.path), aliases))
-    return entries
+        entry = ServedEntry(name, Path(row.path), aliases)
+        (embedding if _embeds(row) else entries).append(entry)
+    return entries, embedding
+
+
+def _embeds(row: ModelRow) -> bool:
+    """An embedding model: the catalog says so, or the file has a pooling type."""
+    if row.kind == "embedding":
+        return True
+    try:
+        return read_gguf(Path(row.path or "")).arch_value("pooling_type") is not None
+    except LocalchatError:
+        return False
 
 
 def _listed_name(row: ModelRow) -> str:

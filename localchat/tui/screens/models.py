@@ -153,7 +153,7 @@ class ModelsScreen(ReportsWorkerFailures, ModalScreen[Path | ServerChoice | None
             self.library = self.library or Library(
                 app_paths(), self.hardware or detect_hardware(), min_tps=self.min_tps
             )
-            rows = self.library.rows()
+            rows = [r for r in self.library.rows() if r.kind == "chat"]  # chats only
         except LocalchatError as exc:
             self.post_message(DownloadFinished(None, str(exc)))
             return
