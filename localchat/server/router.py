@@ -32,6 +32,10 @@ FOREVER = -1.0  # a keep_alive that never unloads
 WAIT_S = 30.0  # how long a request waits for room before its 503
 POLL_S = 0.05  # how often a waiting request looks again
 REAP_S = 0.5  # how often idle models are checked against their keep_alive
+LOADS_THREAD = "model-loads"
+
+
+LOAD_ERRORS = (LocalchatError, OSError, ValueError, RuntimeError)
 
 
 @dataclass(frozen=True)
@@ -46,6 +50,17 @@ class ServedEntry:
     @property
     def names(self) -> tuple[str, ...]:
         return (self.name, *(a for a in self.aliases if a != self.name))
+
+
+def load_error(entry: ServedEntry, exc: BaseException) -> ApiError:
+    """A model that cannot be loaded, as its request's error: a 400 for an option it cannot
+    take, else a 500; one line naming the file and the cause."""
+    if isinstance(exc, UsageError):
+        return ApiError(400, f"{entry.name} cannot be loaded: {one_line(exc)}",
+                        code="model_load_failed")  # fmt: skip
+    cause = one_line(exc)
+    text = cause if str(entry.path) in cause else f"{entry.path} failed to load: {cause}"
+    return ApiError(500, text, "server_error", "model_load_failed")
 
 
 class RunnerSource(Protocol):
@@ -70,7 +85,8 @@ class _Slot:
     runner: ModelRunner | None = None
     loading: Future[ModelRunner] | None = None
     last_used: float = field(default_factory=time.monotonic)
-    keep_alive_s: float | None = None  # None: the router's
+    keep_alive_s: float | None = None  # the last request's, else ``own_keep_alive_s``
+    own_keep_alive_s: float | None = None  # the model's own (None: the router's)
     held: int = 0  # requests holding it without a turn (counting tokens, a load request)
     needed: int | None = None  # bytes, once estimated
 
@@ -119,7 +135,7 @@ class Router:
         self.wait_s = wait_s
         self._slots = {entry.name: _Slot(entry) for entry in entries}
         self._lock = threading.Lock()
-        self._loads = ThreadPoolExecutor(1, thread_name_prefix="model-loads")
+        self._loads = ThreadPoolExecutor(1, thread_name_prefix=LOADS_THREAD)
         self._closed = threading.Event()
         self.on_turn: Callable[[TurnRecord], None] | None = None  # each answered request
         self._reaper = threading.Thread(target=self._reap, name="keep-alive", daemon=True)
@@ -137,7 +153,8 @@ class Router:
         """``runner``, loaded by the caller, serves ``name`` from now on."""
         with self._lock:
             slot = self._slots[name]
-            slot.runner, slot.keep_alive_s = runner, keep_alive_s
+            slot.runner = runner
+            slot.keep_alive_s = slot.own_keep_alive_s = keep_alive_s
             slot.last_used = time.monotonic()
         self._watch(name, runner)
 
@@ -183,7 +200,7 @@ class Router:
 
         def take(slot: _Slot, runner: ModelRunner) -> None:
             runner.admit()
-            slot.keep_alive_s = slot.keep_alive_s if keep_alive_s is None else keep_alive_s
+            slot.keep_alive_s = slot.own_keep_alive_s if keep_alive_s is None else keep_alive_s
 
         return await self._runner(entry, take)
 
@@ -233,12 +250,8 @@ class Router:
     async def _loaded(entry: ServedEntry, loading: Future[ModelRunner]) -> None:
         try:
             await asyncio.wrap_future(loading)
-        except UsageError as exc:
-            raise ApiError(400, f"{entry.name} cannot be loaded: {one_line(exc)}",
-                           code="model_load_failed") from None  # fmt: skip
-        except (LocalchatError, OSError, ValueError, RuntimeError) as exc:
-            raise ApiError(500, f"{entry.path} failed to load: {one_line(exc)}",
-                           "server_error", "model_load_failed") from None  # fmt: skip
+        except LOAD_ERRORS as exc:
+            raise load_error(entry, exc) from None
 
     # -- room -------------------------------------------------------------------------------
     def _room_for(self, slot: _Slot) -> list[ModelRunner] | None:
@@ -248,7 +261,10 @@ class Router:
         if self.source is None:
             raise ApiError(404, f"{slot.entry.name} is not loaded", code="model_not_loaded")
         if slot.needed is None:
-            slot.needed = self.source.needed_bytes(slot.entry)
+            try:
+                slot.needed = self.source.needed_bytes(slot.entry)
+            except LOAD_ERRORS as exc:
+                raise load_error(slot.entry, exc) from None
         loaded = [s for s in self._slots.values() if s.runner is not None]
         idle = sorted((s for s in loaded if not s.busy), key=lambda s: s.last_used)
         free = self.source.free_bytes()
@@ -299,10 +315,10 @@ class Router:
             release_free_heap()
 
     def keep(self, name: str, keep_alive_s: float | None) -> None:
-        """``name``'s model stays loaded this long once idle (None: the router's)."""
-        if keep_alive_s is not None:
-            with self._lock:
-                self._slots[name].keep_alive_s = keep_alive_s
+        """``name``'s model stays loaded this long once idle (None: its own)."""
+        with self._lock:
+            slot = self._slots[name]
+            slot.keep_alive_s = slot.own_keep_alive_s if keep_alive_s is None else keep_alive_s
 
     # -- unloading --------------------------------------------------------------------------
     def unload(self, name: str | None, wait_s: float | None = None) -> bool:
@@ -324,13 +340,30 @@ class Router:
                 raise ApiError(409, f"{entry.name} is answering requests; unload it when"
                                " they end", code="model_busy")  # fmt: skip
             time.sleep(POLL_S)
-        self._loads.submit(self._free, runner).result()
+        if threading.current_thread().name.startswith(LOADS_THREAD):
+            self._free(runner)  # already on the loads thread (a keep_alive of 0)
+        else:
+            self._loads.submit(self._free, runner).result()
         return True
 
     def _went_idle(self, name: str) -> None:
-        """A request on ``name`` ended: its idle time starts now."""
+        """A request on ``name`` ended: its idle time starts now (a keep_alive of 0 unloads
+        it now, on the loads thread)."""
         with self._lock:
-            self._slots[name].last_used = time.monotonic()
+            slot = self._slots[name]
+            slot.last_used = time.monotonic()
+            now = slot.keep_alive_s == 0 or (slot.keep_alive_s is None and self.keep_alive_s == 0)
+        if now and not self._closed.is_set():
+            self._loads.submit(self._unload_expired)
+
+    def _unload_expired(self) -> None:
+        for name in self._expired(time.monotonic()):
+            with suppress(ApiError):
+                self.unload(name, wait_s=0)
+
+    def reap_now(self) -> None:
+        """Unload what has expired, after the loads and unloads already asked for."""
+        self._loads.submit(self._unload_expired).result()
 
     def _expired(self, now: float) -> list[str]:
         with self._lock:
@@ -346,9 +379,7 @@ class Router:
     def _reap(self) -> None:
         """Unload the models idle past their keep_alive (its own thread)."""
         while not self._closed.wait(REAP_S):
-            for name in self._expired(time.monotonic()):
-                with suppress(ApiError):
-                    self.unload(name, wait_s=0)
+            self._unload_expired()
 
     # -- listings ---------------------------------------------------------------------------
     def statuses(self) -> list[ModelStatus]:
