@@ -61,8 +61,24 @@ def run_compute(function: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> 
 
 def start_compute(function: Callable[[], None]) -> None:
     """Start ``function`` on the compute thread and return at once (a server's scheduling
-    loop, which runs while it has sequences and takes new ones between its steps)."""
-    _EXECUTOR.submit(function)
+    loop, which runs while it has sequences and takes new ones between its steps). Until it
+    starts it counts as waiting (``compute_waiting``): another model's loop gives way."""
+    global _waiting
+
+    def started() -> None:
+        global _waiting
+        with _WAITING_LOCK:
+            _waiting -= 1
+        function()
+
+    with _WAITING_LOCK:
+        _waiting += 1
+    try:
+        _EXECUTOR.submit(started)
+    except BaseException:
+        with _WAITING_LOCK:
+            _waiting -= 1
+        raise
 
 
 def wait_idle(timeout_s: float) -> bool:

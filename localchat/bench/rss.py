@@ -38,6 +38,11 @@ def high_water_bytes(pid: int | str = "self") -> int | None:
     return _status_bytes("VmHWM", pid)
 
 
+def process_resident_bytes(pid: int | str = "self") -> int:
+    """The process's resident set now (``VmRSS``; 0 where the kernel does not say)."""
+    return _status_bytes("VmRSS", pid) or 0
+
+
 def peak_rss() -> tuple[int, str]:
     """(this process's peak RSS in bytes, where it was read). Off Linux, ``ru_maxrss`` is
     the only figure there is (bytes on macOS, KiB elsewhere); there it is the best we have."""

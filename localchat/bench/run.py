@@ -31,6 +31,7 @@ from localchat.bench.memory import bench_memory
 from localchat.bench.plan import bench_plan
 from localchat.bench.remote import bench_remote
 from localchat.bench.resume import bench_resume
+from localchat.bench.router import bench_router
 from localchat.bench.serve import bench_serve
 from localchat.bench.spec import bench_spec
 from localchat.bench.ui import bench_ui
@@ -57,6 +58,7 @@ BENCHES: dict[str, Part] = {
     "serve": bench_serve,
     "clients": bench_clients,
     "embed": bench_embed,
+    "router": bench_router,
 }
 PARTS: tuple[str, ...] = tuple(BENCHES)
 
@@ -105,6 +107,9 @@ TARGETS: dict[str, tuple[str, float]] = {
     "structured_valid": (">=", 1.0),
     "structured_speed_ratio": (">=", 0.9),
     "embed_cosine": (">=", 0.999),
+    "router_switch_reread": ("<=", 0.05),
+    "router_load_ttft": ("<=", 0.5),
+    "router_unload_rss": ("<=", 100.0),
 }
 
 

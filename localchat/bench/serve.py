@@ -97,21 +97,28 @@ def wait_server_idle(root: str) -> None:
     raise RuntimeError("the server stayed busy")
 
 
-def _stream(
-    root: str, messages: list[dict[str, str]], max_tokens: int, beside: bool = False
+def stream_reply(
+    root: str,
+    messages: list[dict[str, str]],
+    max_tokens: int,
+    beside: bool = False,
+    model: str | None = None,
 ) -> dict[str, Any]:
     """One streamed greedy reply read with httpx: its first-token time, its wall time (sent
     to the last content chunk), its tokens/s between the first and the last, the chunks
-    read, its token counts (the usage chunk's), its text and its draft counts. It is sent
-    once the server is idle (``wait_server_idle``), unless it is meant to run ``beside`` others."""
+    read, its token counts (the usage chunk's, with the cached ones), its text and its draft
+    counts; to ``model`` where given. It is sent once the server is idle
+    (``wait_server_idle``), unless it is meant to run ``beside`` others."""
     if not beside:
         wait_server_idle(root)
     body = {"messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}}  # fmt: skip
+    if model is not None:
+        body["model"] = model
     sent = time.perf_counter()
     first = last = 0.0
     chunks = 0
-    prompt_tokens = completion_tokens = 0
+    prompt_tokens = completion_tokens = cached_tokens = 0
     text: list[str] = []
     timings: dict[str, Any] = {}
     with http_client().stream("POST", f"{root}/v1/chat/completions", json=body) as reply:
@@ -122,6 +129,8 @@ def _stream(
             usage = chunk.get("usage") or {}
             prompt_tokens = usage.get("prompt_tokens", prompt_tokens)
             completion_tokens = usage.get("completion_tokens", completion_tokens)
+            details = usage.get("prompt_tokens_details") or {}
+            cached_tokens = details.get("cached_tokens", cached_tokens)
             timings = chunk.get("timings") or timings
             choices = chunk.get("choices") or [{}]
             if choices[0].get("delta", {}).get("content"):
@@ -136,6 +145,7 @@ def _stream(
         "tps": (chunks - 1) / max(1e-9, last - first),
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
+        "cached_tokens": cached_tokens,
         "text": "".join(text),
         "draft_n": timings.get("draft_n", 0),
         "draft_n_accepted": timings.get("draft_n_accepted", 0),
@@ -176,7 +186,7 @@ def _gen_and_join(model: Path, home: Path, progress: Progress) -> dict[str, Any]
                         wait_server_idle(root)  # the server's last save does not slow the engine
                         tps[side] = greedy_turn(engine, prompt, GEN_TOKENS, cold=index == 0).gen_tps
                     else:  # the server keeps the prompt from the round before: same work
-                        tps[side] = _stream(root, messages, GEN_TOKENS)["tps"]
+                        tps[side] = stream_reply(root, messages, GEN_TOKENS)["tps"]
                 ratios.append(tps["server"] / tps["engine"])
                 say(progress, f"serve: round {index + 1}: {tps['server']:.1f} tok/s read over"
                      f" HTTP, {tps['engine']:.1f} in process")  # fmt: skip
@@ -205,7 +215,7 @@ def _drafting(model: Path, home: Path, progress: Progress) -> dict[str, Any]:
         roots = {"auto": on, "off": off}
         for index in range(SPEC_ROUNDS):
             for mode in ("auto", "off") if index % 2 == 0 else ("off", "auto"):
-                reply = _stream(roots[mode], messages, SPEC_TOKENS)
+                reply = stream_reply(roots[mode], messages, SPEC_TOKENS)
                 speeds[mode].append(reply["tps"])
                 texts[mode].add(str(reply["text"]))
                 if mode == "auto":
@@ -229,10 +239,10 @@ def _drafting(model: Path, home: Path, progress: Progress) -> dict[str, Any]:
 def _join(root: str, messages: list[dict[str, str]]) -> float:
     """A short request's first-token time while a long reply streams."""
     wait_server_idle(root)
-    long_reply = threading.Thread(target=_stream, args=(root, messages, JOIN_TOKENS, True))
+    long_reply = threading.Thread(target=stream_reply, args=(root, messages, JOIN_TOKENS, True))
     long_reply.start()
     time.sleep(0.5)  # the long reply streams
-    joined = _stream(root, SHORT, 8, beside=True)["ttft_s"]
+    joined = stream_reply(root, SHORT, 8, beside=True)["ttft_s"]
     long_reply.join()
     return joined
 
@@ -242,7 +252,7 @@ def _join_and_parallel(
 ) -> dict[str, Any]:
     alones, joins = [], []
     for _ in range(JOIN_ROUNDS):
-        alones.append(_stream(root, SHORT, 8)["ttft_s"])
+        alones.append(stream_reply(root, SHORT, 8)["ttft_s"])
         joins.append(_join(root, messages))
     alone, joined = statistics.median(alones), statistics.median(joins)
     ratio = statistics.median(j / a for j, a in zip(joins, alones, strict=True))
@@ -269,14 +279,16 @@ def _parallel_gain(root: str, messages: list[dict[str, str]], four_first: bool) 
     """Four concurrent streams' tokens over their wall time, over one stream's alone."""
 
     def one() -> float:
-        reply = _stream(root, messages, PARALLEL_TOKENS)
+        reply = stream_reply(root, messages, PARALLEL_TOKENS)
         return _tokens(reply) / reply["wall_s"]
 
     def four() -> float:
         replies: list[dict[str, Any]] = []
         streams = [
             threading.Thread(
-                target=lambda: replies.append(_stream(root, messages, PARALLEL_TOKENS, beside=True))
+                target=lambda: replies.append(
+                    stream_reply(root, messages, PARALLEL_TOKENS, beside=True)
+                )
             )
             for _ in range(PARALLEL)
         ]
@@ -311,18 +323,18 @@ def _restart(model: Path, home: Path, progress: Progress) -> dict[str, Any]:
         {"role": "user", "content": "And in three words?"},
     ]
     with ServeProcess(model, home) as root:
-        assert _stream(root, history, 16)["chunks"] > 0
+        assert stream_reply(root, history, 16)["chunks"] > 0
     saved = home.with_name(f"{home.name}-saved")
     shutil.copytree(home, saved)
     restored_ttfts: list[float] = []
     warms: list[float] = []
     with scratch_dir("serve-cold") as empty, ServeProcess(model, empty) as warm_root:
-        reread = _stream(warm_root, history, 16)["ttft_s"]
+        reread = stream_reply(warm_root, history, 16)["ttft_s"]
         for index in range(RESTART_ROUNDS):  # in pairs, the order alternating
             for side in ("restart", "warm") if index % 2 == 0 else ("warm", "restart"):
                 if side == "warm":
-                    _stream(warm_root, history, 16)  # it holds the history and another reply
-                    warms.append(_stream(warm_root, following, 8)["ttft_s"])
+                    stream_reply(warm_root, history, 16)  # it holds the history and another reply
+                    warms.append(stream_reply(warm_root, following, 8)["ttft_s"])
                     continue
                 wait_server_idle(
                     warm_root
@@ -330,7 +342,7 @@ def _restart(model: Path, home: Path, progress: Progress) -> dict[str, Any]:
                 shutil.rmtree(home)  # the disk as the first server left it
                 shutil.copytree(saved, home)
                 with ServeProcess(model, home) as root:  # a new process: only the disk remembers
-                    after_restart = _stream(root, following, 8)
+                    after_restart = stream_reply(root, following, 8)
                     restored_ttfts.append(after_restart["ttft_s"])
     ratio = statistics.median(r / w for r, w in zip(restored_ttfts, warms, strict=True))
     restored, warm = statistics.median(restored_ttfts), statistics.median(warms)

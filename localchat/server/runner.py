@@ -80,6 +80,13 @@ class TurnRecord:
         )
 
 
+def prometheus_text(rows: list[tuple[str, str, str, float]]) -> str:
+    lines = []
+    for name, kind, text, value in rows:
+        lines += [f"# HELP {name} {text}", f"# TYPE {name} {kind}", f"{name} {value}"]
+    return "\n".join(lines) + "\n"
+
+
 class ModelRunner:
     """One loaded model serving requests side by side, with its prompt cache on disk."""
 
@@ -273,8 +280,9 @@ class ModelRunner:
             counters.last = {"gen_tps": stats.gen_tps, "restored": restored, "at": time.time()}
 
     # -- what /metrics shows ---------------------------------------------------------------
-    def metrics(self) -> str:
-        """Prometheus text, under llama-server's names where one exists."""
+    def metric_rows(self) -> list[tuple[str, str, str, float]]:
+        """(name, kind, help, value) for ``/metrics``, under llama-server's names where one
+        exists."""
         batch = self.batch
         used = batch.cells_used
         with self._lock:
@@ -303,10 +311,11 @@ class ModelRunner:
                  "generating steps given up midway for a request that arrived",
                  self.scheduler.interrupted_steps),
             ]  # fmt: skip
-        lines = []
-        for name, kind, text, value in rows:
-            lines += [f"# HELP {name} {text}", f"# TYPE {name} {kind}", f"{name} {value}"]
-        return "\n".join(lines) + "\n"
+        return rows
+
+    def metrics(self) -> str:
+        """Prometheus text of this model's figures."""
+        return prometheus_text(self.metric_rows())
 
     def close(self) -> None:
         """Finish the saves under way (a stopped server keeps every state it promised, and

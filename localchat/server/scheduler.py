@@ -22,7 +22,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from localchat.backends.compute_thread import start_compute
+from localchat.backends.compute_thread import compute_waiting, start_compute
 from localchat.backends.llama.batch import (
     Chunk,
     SequenceBatch,
@@ -192,6 +192,9 @@ class Scheduler:
                         self._fail(job, exc)
                 if self._running:
                     self._step()
+                    if compute_waiting():  # another model's loop, a load, an embedding:
+                        start_compute(self._loop)  # a step each, in turn, on one thread
+                        return
         except BaseException as exc:  # a failed step fails the requests, not the server
             with self._lock:
                 waiting.extend(self._inbox)

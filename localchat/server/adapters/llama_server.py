@@ -15,6 +15,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 from localchat.server.model_facts import ServedModel, served_model, served_models
 from localchat.server.requests import ApiError
 from localchat.server.router import Router
+from localchat.server.runner import ModelRunner, prometheus_text
 from localchat.server.wire import Endpoint, read_json
 
 if TYPE_CHECKING:
@@ -35,8 +36,7 @@ def routes(models: Router) -> list[Endpoint]:
         return JSONResponse({"status": "ok"})
 
     async def metrics(_request: Request) -> Response:
-        loaded = models.loaded()
-        text = loaded[0].metrics() if len(loaded) == 1 else _models_metrics(models)
+        text = _models_metrics(models.loaded())
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
     async def listed(_request: Request) -> Response:
@@ -92,11 +92,18 @@ def _named_model(body: Any) -> str:
     return name
 
 
-def _models_metrics(models: Router) -> str:
-    """Several models (or none) loaded: how many are, as a gauge."""
-    count = len(models.loaded())
-    return ("# HELP localchat:models_loaded models in memory\n"
-            f"# TYPE localchat:models_loaded gauge\nlocalchat:models_loaded {count}\n")  # fmt: skip
+def _models_metrics(loaded: list[ModelRunner]) -> str:
+    """The loaded models' figures, summed (a cache's fill: the fullest model's), and how
+    many models are loaded."""
+    totals: dict[str, tuple[str, str, float]] = {}
+    for runner in loaded:
+        for name, kind, text, value in runner.metric_rows():
+            before = totals.get(name, (kind, text, 0.0))[2]
+            merged = max(before, value) if name.endswith(("_ratio", "_seconds")) else before + value
+            totals[name] = (kind, text, merged)
+    rows = [(name, kind, text, value) for name, (kind, text, value) in totals.items()]
+    rows.append(("localchat:models_loaded", "gauge", "models in memory", len(loaded)))
+    return prometheus_text(rows)
 
 
 def _models_body(served: list[ServedModel]) -> dict[str, Any]:
