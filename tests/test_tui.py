@@ -8,7 +8,7 @@ import pytest
 from textual.widgets import Collapsible, Static
 
 import localchat.models.demo as demo_module
-import localchat.session as session_module
+import localchat.models.loader as loader_module
 import localchat.tui.widgets.reply_view as reply_view_module
 from localchat.backends.compute_thread import on_compute_thread
 from localchat.backends.llama.engine import Engine
@@ -156,7 +156,7 @@ async def test_model_work_runs_on_the_compute_thread(
             where.append(("load", on_compute_thread()))
             super().__init__(*args, **kwargs)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(session_module, "Engine", RecordingEngine)  # the session loads models
+    monkeypatch.setattr(loader_module, "Engine", RecordingEngine)  # the one way models load
     async with chat_app(tiny_model, n_ctx=512, max_tokens=5) as ui:
         conversation = ui.app.conversation
         assert conversation is not None

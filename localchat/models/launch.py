@@ -28,3 +28,7 @@ class LaunchOptions:
     # context is this many cells where the sequences' contexts hold the KV.
     lookup_only: bool = False
     own_cells: int | None = None
+    # The attention kernel and micro-batch a plan chose for the memory left (None: the
+    # engine's rule; ``serve``'s router plans each model as ``hw`` would).
+    flash_attn: bool | None = None
+    n_ubatch: int | None = None

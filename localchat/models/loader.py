@@ -56,6 +56,8 @@ class ModelLoader:
             step_costs=calibrated_step_costs(self.paths.speed_calibration, path),
             draft_step_cost=draft.step_cost if draft else None,
             own_cells=launch.own_cells,
+            flash_attn=launch.flash_attn,
+            **({"n_ubatch": launch.n_ubatch} if launch.n_ubatch else {}),
         )
         engine = Engine(path, options) if on_this_thread else run_compute(Engine, path, options)
         unused = engine.draft_model_unused

@@ -5,6 +5,7 @@ their context and KV type, and the memory the same estimate as ``hw`` says it ta
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
@@ -16,9 +17,11 @@ from localchat.errors import LocalchatError
 from localchat.gguf.estimate import LayerWeights, ModelDims, estimate_memory
 from localchat.gguf.info import read_gguf
 from localchat.gguf.names import display_name
+from localchat.models.hardware import Hardware, detect_hardware
 from localchat.models.launch import LaunchOptions
 from localchat.models.library import Library, ModelRow
 from localchat.models.loader import ModelLoader
+from localchat.models.planner import Plan, plan_file
 from localchat.paths import AppPaths
 from localchat.server.router import ServedEntry
 from localchat.server.runner import ModelRunner, default_parallel
@@ -65,6 +68,12 @@ def _listed_name(row: ModelRow) -> str:
     return f"{row.model}:{row.quant}" if row.quant and ":" not in row.model else row.model
 
 
+@functools.cache
+def _hardware() -> Hardware:
+    """This machine (its GPU probed once); the memory free is read at each plan."""
+    return detect_hardware()
+
+
 class LibrarySource:
     """Loads a served model (a ``RunnerSource``): the launch options the user gave (the
     settings fill the rest), each sequence's context, and as many sequences as memory
@@ -85,15 +94,32 @@ class LibrarySource:
         self.parallel = parallel
         self.warn = warn
 
-    def _n_ctx(self, path: Path) -> int:
-        if self.launch.n_ctx:
-            return self.launch.n_ctx
+    def _plan(self, path: Path) -> Plan:
+        """What ``hw`` plans for ``path`` in the memory left now: the context (the one
+        asked, else ``DEFAULT_SERVE_CTX`` or the trained one if less, halved until it
+        fits), the KV cache's type, the attention kernel, the micro-batch."""
         trained = read_gguf(path).context_length
-        return min(DEFAULT_SERVE_CTX, trained) if trained else DEFAULT_SERVE_CTX
+        wanted = self.launch.n_ctx or (
+            min(DEFAULT_SERVE_CTX, trained) if trained else DEFAULT_SERVE_CTX
+        )
+        hardware = replace(_hardware(), ram_available_bytes=self.free_bytes() + RESERVE_BYTES)
+        return plan_file(path, hardware, wanted)
+
+    def _launch(self, plan: Plan) -> LaunchOptions:
+        """The launch options with what the plan chose: never a larger KV type than the one
+        asked (settings.toml's), the context asked where one was, else the plan's."""
+        launch = self.launch
+        if not plan.fits:  # the router made what room there is: as asked
+            return replace(launch, n_ctx=launch.n_ctx or min(plan.n_ctx, DEFAULT_SERVE_CTX))
+        frugal = launch.kv_type in (None, "f16") and plan.kv_type != "f16"
+        return replace(
+            launch, n_ctx=launch.n_ctx or plan.n_ctx,
+            kv_type=plan.kv_type if frugal else launch.kv_type,
+            flash_attn=plan.flash_attn, n_ubatch=plan.n_ubatch,
+        )  # fmt: skip
 
     def load(self, entry: ServedEntry) -> ModelRunner:
-        launch = replace(self.launch, n_ctx=self._n_ctx(entry.path))
-        engine = self.loader.load(entry.path, launch, self.warn)
+        engine = self.loader.load(entry.path, self._launch(self._plan(entry.path)), self.warn)
         try:
             parallel = self.parallel or default_parallel(engine, self.free_bytes())
             return ModelRunner(engine, self.states, entry.name, parallel=parallel,
@@ -103,10 +129,13 @@ class LibrarySource:
             raise
 
     def needed_bytes(self, entry: ServedEntry) -> int:
+        """The plan's estimate for one sequence (more only where memory allows them)."""
+        plan = self._plan(entry.path)
+        if plan.estimate is not None:
+            return plan.estimate.ram_required
         info = read_gguf(entry.path)
-        cells = self._n_ctx(entry.path) * (self.parallel or 1)
         estimate = estimate_memory(
-            ModelDims.from_gguf(info), LayerWeights.from_gguf(info), cells,
+            ModelDims.from_gguf(info), LayerWeights.from_gguf(info), plan.n_ctx,
             self.launch.kv_type or "f16",
         )  # fmt: skip
         return estimate.ram_required

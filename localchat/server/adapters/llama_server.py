@@ -95,7 +95,11 @@ def _named_model(body: Any) -> str:
 def _models_metrics(loaded: list[ModelRunner]) -> str:
     """The loaded models' figures, summed (a cache's fill: the fullest model's), and how
     many models are loaded."""
-    totals: dict[str, tuple[str, str, float]] = {}
+    totals: dict[str, tuple[str, str, float]] = {
+        "llamacpp:requests_processing": ("gauge", "requests running", 0.0),
+        "llamacpp:requests_deferred": ("gauge", "requests waiting", 0.0),
+        "localchat:saves_pending": ("gauge", "states queued or being written to disk", 0.0),
+    }  # what a server with no model loaded says too
     for runner in loaded:
         for name, kind, text, value in runner.metric_rows():
             before = totals.get(name, (kind, text, 0.0))[2]
