@@ -2,7 +2,7 @@
 the runtime never imports Textual, one package (backends/llama) touches llama_cpp, no cycles.
 
 Layers, lowest first (README, Development):
-    leaves        errors, atomic, paths, units, text, cpu, progress
+    leaves        errors, atomic, paths, units, text, cpu, progress, heap
     gguf/         facts about a file
     chat/         text and token ids
     state/        what is stored

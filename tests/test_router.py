@@ -215,3 +215,33 @@ def test_names_aliases_and_the_default(two: Routed) -> None:
     assert two.router.entry_of("smol-alias:latest").name == "smol"
     _ask(two.openai(), "tiny", [{"role": "user", "content": "hi"}])
     assert two.router.entry_of("").name == "tiny"  # the model used last
+
+
+def test_the_library_is_served_under_the_names_users_know(
+    smollm2: Path, tiny_model: Path, tmp_path: Path
+) -> None:
+    from localchat.models.demo_bert import make_embedding_model
+    from localchat.models.hardware import detect_hardware
+    from localchat.models.library import Library
+    from localchat.server.model_source import library_entries
+
+    library = Library(app_paths(), detect_hardware())
+    library.add_local(smollm2)
+    library.add_local(tiny_model)
+    library.add_local(make_embedding_model(tmp_path / "minilm.gguf", "bert-minilm"))
+    chat, embedding = library_entries(Library(app_paths(), detect_hardware()))
+    assert [e.name for e in chat] == ["SmolLM2-135M-Instruct Q4_1", "tiny Q4_K_M"]
+    assert "SmolLM2-135M-Instruct.Q4_1" in chat[0].answers_to  # the file's stem, unlisted
+    assert chat[0].names == ("SmolLM2-135M-Instruct Q4_1",)
+    assert [e.path.name for e in embedding] == ["minilm.gguf"]  # a pooling type: embeddings
+    routed = _routed(chat, tmp_path / "states")
+    try:
+        listed = [m.id for m in routed.openai().models.list()]
+        assert listed == ["SmolLM2-135M-Instruct Q4_1", "tiny Q4_K_M"]
+        reply = routed.openai().chat.completions.create(
+            model="SmolLM2-135M-Instruct.Q4_1", messages=[{"role": "user", "content": "hi"}],
+            max_tokens=4,
+        )  # fmt: skip
+        assert reply.model == "SmolLM2-135M-Instruct.Q4_1"
+    finally:
+        routed.close()

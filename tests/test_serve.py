@@ -341,8 +341,8 @@ def test_the_cli_serves_and_stops_on_a_signal_after_its_saves(
             except httpx.TransportError:
                 time.sleep(0.1)
         listed = [m["id"] for m in httpx.get(f"http://127.0.0.1:{port}/v1/models").json()["data"]]
-        # The file's stem, the name it was served under before, stays one a client may send.
-        assert listed == ["SmolLM2-135M-Instruct Q4_1", "SmolLM2-135M-Instruct.Q4_1"]
+        # The file's stem, the name it was served under before, is still answered.
+        assert listed == ["SmolLM2-135M-Instruct Q4_1"]
         body = {"messages": [{"role": "user", "content": QUESTION}], "max_tokens": 80,
                 "model": "SmolLM2-135M-Instruct.Q4_1"}  # fmt: skip
         answer = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=body, timeout=120)

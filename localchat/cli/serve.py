@@ -152,7 +152,7 @@ def _embeddings(args: argparse.Namespace, router: Router) -> LibraryEmbeddings:
     if given:
         path = Path(given).expanduser()
         found = path if path.is_file() else pull_model_path(given)
-        first = [ServedEntry(given, found, (found.stem,))]
+        first = [ServedEntry(given, found, unlisted=(found.stem,))]
     _chat, library = library_entries(Library(app_paths(), detect_hardware()))
     return LibraryEmbeddings(first + library, router)
 
@@ -173,10 +173,10 @@ def _named_entries(args: argparse.Namespace, starter: bool = False) -> list[Serv
         one = argparse.Namespace(model=name, model_path=path)
         found = resolve_model_path(one)
         aliases = tuple(args.alias) if index == 0 else ()
-        if name is None:  # served under the name users know it by; its stem (the name
-            # before) stays an alias, so a client that sends it is answered under it
-            name, aliases = display_name(found), (*aliases, found.stem)
-        entries.append(ServedEntry(name, found, aliases))
+        # Served under the name users know it by; the file's stem (the name before) is
+        # still answered (not listed), so a client that sends it is answered under it.
+        unlisted = () if name else (found.stem,)
+        entries.append(ServedEntry(name or display_name(found), found, aliases, unlisted))
     return entries
 
 

@@ -27,7 +27,8 @@ class LibraryEmbeddings:
 
     def _entry(self, model: str | None) -> ServedEntry:
         for entry in self.embedding:
-            if not model or model in entry.names or model.removesuffix(":latest") in entry.names:
+            names = entry.answers_to
+            if not model or model in names or model.removesuffix(":latest") in names:
                 return entry
         if model and self.chat is not None:
             try:

@@ -46,10 +46,10 @@ def library_entries(library: Library) -> tuple[list[ServedEntry], list[ServedEnt
         name = display_name(row.path)
         if name in taken:
             continue
-        others = (_listed_name(row), row.model, Path(row.path).stem)
-        aliases = tuple(dict.fromkeys(a for a in others if a not in taken and a != name))
-        taken.update((name, *aliases))
-        entry = ServedEntry(name, Path(row.path), aliases)
+        others = (*_catalog_names(row), row.model, Path(row.path).stem)
+        unlisted = tuple(dict.fromkeys(a for a in others if a not in taken and a != name))
+        taken.update((name, *unlisted))
+        entry = ServedEntry(name, Path(row.path), unlisted=unlisted)
         (embedding if _embeds(row) else entries).append(entry)
     return entries, embedding
 
@@ -64,8 +64,11 @@ def _embeds(row: ModelRow) -> bool:
         return False
 
 
-def _listed_name(row: ModelRow) -> str:
-    return f"{row.model}:{row.quant}" if row.quant and ":" not in row.model else row.model
+def _catalog_names(row: ModelRow) -> tuple[str, ...]:
+    """``NAME:QUANT``, as ``pull`` and ``--model`` take a catalog or hub model."""
+    if row.source in ("catalog", "hub cache") and row.quant and ":" not in row.model:
+        return (f"{row.model}:{row.quant}",)
+    return ()
 
 
 @functools.cache
@@ -123,7 +126,7 @@ class LibrarySource:
         try:
             parallel = self.parallel or default_parallel(engine, self.free_bytes())
             return ModelRunner(engine, self.states, entry.name, parallel=parallel,
-                               aliases=entry.aliases)  # fmt: skip
+                               aliases=entry.answers_to[1:])  # fmt: skip
         except BaseException:
             run_compute(engine.close)
             raise

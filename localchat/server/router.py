@@ -41,15 +41,23 @@ LOAD_ERRORS = (LocalchatError, OSError, ValueError, RuntimeError)
 @dataclass(frozen=True)
 class ServedEntry:
     """A model the server can serve: the name it is listed and answered under, its file,
-    and other names a request may give for it."""
+    other names it is listed under (``--alias``), and names a request may give for it that
+    are not listed (the catalog's ``NAME:QUANT``, the file's stem)."""
 
     name: str
     path: Path
     aliases: tuple[str, ...] = ()
+    unlisted: tuple[str, ...] = ()
 
     @property
     def names(self) -> tuple[str, ...]:
+        """The names the listings show."""
         return (self.name, *(a for a in self.aliases if a != self.name))
+
+    @property
+    def answers_to(self) -> tuple[str, ...]:
+        """Every name a request may give."""
+        return (*self.names, *(u for u in self.unlisted if u not in self.names))
 
 
 def load_error(entry: ServedEntry, exc: BaseException) -> ApiError:
@@ -183,7 +191,7 @@ class Router:
             return self.default
         for wanted in (name, name.removesuffix(":latest")):
             for slot in self._slots.values():
-                if wanted in slot.entry.names:
+                if wanted in slot.entry.answers_to:
                     return slot.entry
         if self.any_name:
             return self.default
