@@ -98,6 +98,8 @@ def test_every_model_is_listed_with_its_status_and_loaded_when_asked_for(two: Ro
     _ask(two.openai(), "tiny", [{"role": "user", "content": "hello"}])
     loaded = ollama.Client(host=two.root).ps().models
     assert [m.model for m in loaded] == ["tiny:latest"]
+    entry = two.router.entry_of("tiny")
+    assert (loaded[0].size or 0) > entry.path.stat().st_size  # weights and the KV cache
     states = httpx.get(f"{two.root}/models").json()["data"]
     assert {e["id"]: e["status"]["value"] for e in states}["tiny"] == "loaded"
     assert two.source.loads == ["tiny"]

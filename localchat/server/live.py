@@ -78,7 +78,7 @@ class ServerLog:
             f" {counters.queued} · last {last:.1f} tok/s · KV {held}/{cells}"
             f" ({held / max(1, cells):.0%}) · prompt tokens {counters.reused_tokens} cached,"
             f" {counters.restored_tokens} from disk, {counters.evaluated_tokens} evaluated ·"
-            f" {len(runner.cache)} saved states{idle}"
+            f" {len(runner.cache)} saved states · {runner.memory_bytes / 2**20:.0f} MB{idle}"
         )
 
     def _redraw(self) -> None:

@@ -117,6 +117,13 @@ class ModelRunner:
         self.on_turn: Callable[[TurnRecord], None] | None = None  # each answered request
         self.on_idle: Callable[[], None] | None = None  # the last request running ended
 
+    @property
+    def memory_bytes(self) -> int:
+        """What the model holds in memory: its weights (the file) and its sequences' KV
+        caches, allocated whole (the engine's own small context aside)."""
+        cells = self.batch.n_ctx_seq * self.batch.n_seq
+        return self.engine.model_path.stat().st_size + cells * self.engine.kv_bytes_per_token
+
     def restore_newest(self) -> int:
         """Put the states saved last back into the sequences before serving: a restarted
         server continues the conversations it answered last from memory (read on request,

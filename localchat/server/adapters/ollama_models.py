@@ -63,8 +63,9 @@ def show(model: ServedModel) -> dict[str, Any]:
 
 
 def running(served: list[ServedModel]) -> dict[str, Any]:
-    """``/api/ps``: the models loaded, each with when keep_alive unloads it (a model kept
-    for good, or answering now, says the far future as Ollama does)."""
+    """``/api/ps``: the models loaded, each with the memory it holds (weights and caches)
+    and when keep_alive unloads it (a model kept for good, or answering now, says the far
+    future as Ollama does)."""
     entries = []
     for model in served:
         if model.status != "loaded":
@@ -72,7 +73,7 @@ def running(served: list[ServedModel]) -> dict[str, Any]:
         left = model.expires_in_s
         expires = _stamp(time.time() + left) if left is not None else FOREVER_STAMP
         entries.append({"name": _tagged(model.name), "model": _tagged(model.name),
-                        "size": model.size_bytes, "digest": model.digest,
+                        "size": model.memory_bytes, "digest": model.digest,
                         "details": _details(model), "expires_at": expires, "size_vram": 0,
                         "context_length": model.n_ctx})  # fmt: skip
     return {"models": entries}
