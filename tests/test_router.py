@@ -33,9 +33,13 @@ class CountingSource(LibrarySource):
     def __init__(self, states: Path) -> None:
         super().__init__(app_paths(), LAUNCH, StateStore(states), parallel=1)
         self.loads: list[str] = []
+        self.router: Router | None = None
+        self.loaded_at_load: list[int] = []  # models in memory as each load began
 
     def load(self, entry: ServedEntry) -> ModelRunner:
         self.loads.append(entry.name)
+        if self.router is not None:
+            self.loaded_at_load.append(len(self.router.loaded()))
         return super().load(entry)
 
 
@@ -62,6 +66,7 @@ def _routed(
 ) -> Routed:
     source = CountingSource(states)
     router = Router(entries, source, max_models=max_models, **kw)  # type: ignore[arg-type]
+    source.router = router
     return Routed(router, source, BackgroundServer(router))
 
 
@@ -133,6 +138,22 @@ def test_conversations_on_two_models_with_room_for_one_restore_from_disk(two: Ro
                 assert cached >= 0.9 * prompt, (model, round_, prompt, cached)
                 assert prompt - cached <= 24  # the new message and the template around it
     assert two.source.loads == ["smol", "tiny"] * 3  # one loaded at a time, each time
+
+
+def test_requests_for_two_models_at_once_never_hold_more_than_allowed(two: Routed) -> None:
+    results: list[str] = []
+
+    def ask(model: str) -> None:
+        results.append(_ask(two.openai(), model, [{"role": "user", "content": "hi"}])[0])
+
+    threads = [threading.Thread(target=ask, args=(m,)) for m in ("smol", "tiny", "smol")]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    assert len(results) == 3
+    assert set(two.source.loads) == {"smol", "tiny"}
+    assert two.source.loaded_at_load == [0] * len(two.source.loads)  # room for one: one
 
 
 def test_two_requests_for_an_unloaded_model_load_it_once(two: Routed) -> None:

@@ -274,11 +274,13 @@ class Router:
             except LOAD_ERRORS as exc:
                 raise load_error(slot.entry, exc) from None
         loaded = [s for s in self._slots.values() if s.runner is not None]
+        # Loads under way count as loaded: their memory is not taken yet, but will be.
+        coming = [s for s in self._slots.values() if s.loading is not None]
         idle = sorted((s for s in loaded if not s.busy), key=lambda s: s.last_used)
-        free = self.source.free_bytes()
+        free = self.source.free_bytes() - sum(s.needed or 0 for s in coming)
         victims: list[_Slot] = []
-        while self._too_many(len(loaded) - len(victims)) or (
-            slot.needed > free and len(victims) < len(loaded)
+        while self._too_many(len(loaded) + len(coming) - len(victims)) or (
+            slot.needed > free and len(victims) < len(loaded) + len(coming)
         ):
             if not idle:
                 return None
