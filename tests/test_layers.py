@@ -242,7 +242,7 @@ LIGHT_MODULES = (
     "atomic", "backends.base", "models.catalog", "chat.formats", "chat.template", "cpu",
     "errors", "gguf.estimate", "gguf.info", "state.locks", "paths", "models.planner",
     "chat.prompt", "gguf.quants", "chat.reasoning", "backends.remote", "models.speed",
-    "chat.stops", "state.store", "text", "units", "chat.window",
+    "chat.stops", "state.store", "text", "units", "chat.window", "backends.servers",
 )  # fmt: skip
 
 

@@ -476,6 +476,7 @@ def test_both_backends_answer_the_same_protocol(
     for backend in (remote, local):
         assert isinstance(backend, Backend)
         assert backend.count_tokens("hello world") > 0 and backend.model_name
+        assert backend.frees_with_process == (backend is local)  # a quitting app closes a client
         reply = backend.stream(messages, GREEDY, 4)
         assert "".join(d.text for d in reply) == reply.text and reply.stats.generated_tokens > 0
         backend.close()

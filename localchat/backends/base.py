@@ -151,6 +151,12 @@ class Backend(Protocol):
         """CPU threads a reply keeps busy here (a server's: one, the reader's)."""
         ...
 
+    @property
+    def frees_with_process(self) -> bool:
+        """Whether all it holds is this process's memory, freed by exiting (a model loaded
+        here): a quitting app need not close it. A server's client is closed."""
+        ...
+
     def describe(self) -> BackendView:
         """What answers, in words for the app and ``ask --json``."""
         ...
@@ -160,7 +166,8 @@ class Backend(Protocol):
         ...
 
     def count_tokens(self, text: str) -> int:
-        """Tokens ``text`` takes (a server that cannot count: an estimate)."""
+        """Tokens ``text`` takes (a server that cannot count: an estimate); any thread may
+        ask (blocking: a local model counts on the compute thread, a server over the network)."""
         ...
 
     def stream(

@@ -251,6 +251,11 @@ class RemoteBackend:
         """A server's reply costs this machine one thread: the reader's."""
         return 1
 
+    @property
+    def frees_with_process(self) -> bool:
+        """Its client holds connections: closed, even when the app quits."""
+        return False
+
     def describe(self) -> BackendView:
         context = f"ctx {self._context}" if self._context else "ctx not published by the server"
         return BackendView(

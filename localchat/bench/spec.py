@@ -9,7 +9,7 @@ with the other's weights in the CPU's cache. It runs flash attention over a q8_0
 there llama.cpp gives a batch the logits single steps would, so ``auto`` drafts and the
 replies are exactly the same (with an F16 cache a single token past 512 cells takes another
 kernel path, and ``auto`` does not draft). The engine starts from this machine's calibrated
-step costs, as ``Session.load_model`` gives the app and ``serve`` (the calibrate part saved
+step costs, as ``ModelLoader.load`` gives the app and ``serve`` (the calibrate part saved
 them). The ceiling is what the measured acceptance and step costs allow: the reply's tokens
 over what its steps cost in single steps (plain steps, and verifications at the measured
 cost of a step of the mean draft length plus one). ``spec_copy_possible`` bounds any drafting:

@@ -34,6 +34,7 @@ LOCAL_ONLY_FLAGS = ("model_path", "template", "kv_type", "threads", "speculative
 
 def cmd_ask(args: argparse.Namespace, out: TextIO) -> int:
     from localchat.cli.tool_loop import AskHooks
+    from localchat.models.speed_feedback import note_turn_speed
     from localchat.session import Session
     from localchat.settings import load_settings
     from localchat.tools.consent import Consent
@@ -56,7 +57,7 @@ def cmd_ask(args: argparse.Namespace, out: TextIO) -> int:
             interrupted = _stream(turn, args, cancel, out)
         notices = list(turn.notices)
         save_error = replies.wait_saved()
-        speed = session.note_turn_speed(turn.generation.stats)
+        speed = note_turn_speed(session.paths, backend, turn.generation.stats)
         notices += [notice for notice in (save_error, speed) if notice]
         stats = turn.stats_dict()
         _print_result(out, args, turn.generation, backend, stats, notices, loop.records)
@@ -83,17 +84,28 @@ def _replies(
     tools), else a one-off exchange. Refuses a message the context cannot hold first."""
     from localchat.backends.base import Sampling
     from localchat.cli.tool_loop import ConversationReplies, OneOffReplies
+    from localchat.state.kvstate import StateStore
 
     temperature = settings.temperature if args.temperature is None else args.temperature
     sampling = Sampling(temperature=temperature, seed=args.seed)
     max_tokens = args.max_tokens or settings.max_tokens
     backend = session.backend
     assert backend is not None
-    _report_attachments(args, session.count_tokens, backend.context_size, max_tokens)
+    _report_attachments(args, backend.count_tokens, backend.context_size, max_tokens)
     tool_use = _tool_use(args, session)
     if not args.conversation:
         messages = _one_off_messages(args)
-        return OneOffReplies(session, messages, sampling, max_tokens, cancel, tool_use)
+        states = session.states or StateStore(session.paths.states_dir, settings.state_budget_bytes)
+        return OneOffReplies(
+            backend,
+            states,
+            settings.prefix_state_min_tokens,
+            messages,
+            sampling,
+            max_tokens,
+            cancel,
+            tool_use,
+        )
     conversation = session.open_conversation(args.conversation, args.system, args.wait, args.window)
     assert conversation is not None  # a backend and a database: it opens or raises
     if tool_use != conversation.tool_use:  # it was offered the default choice
@@ -140,7 +152,9 @@ def _backend(args: argparse.Namespace, session: Session, model_path: Path | None
     """What answers: the server asked for, else the model loaded here (on this thread, which
     evaluates it; kv_type and threads default to the settings)."""
     if model_path is None:
-        return session.connect(args.server, args.model, args.ctx)
+        from localchat.backends.servers import connect
+
+        return connect(session.settings.server(args.server), args.model, args.ctx)
     from localchat.models.loader import ModelLoader
 
     return ModelLoader(session.paths).load(

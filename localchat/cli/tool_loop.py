@@ -22,10 +22,12 @@ from localchat.tools.results import ToolResult
 if TYPE_CHECKING:
     from collections.abc import Iterator
 
-    from localchat.backends.base import Reply, Sampling, TokenDelta
+    from localchat.backends.base import Backend, Reply, Sampling, TokenDelta
     from localchat.conversation.base import ConversationBase
+    from localchat.conversation.one_off import OneOffTurn
     from localchat.conversation.turn import ConversationTurn
-    from localchat.session import OneOffTurn, Session
+    from localchat.session import Session
+    from localchat.state.kvstate import StateStore
 
 
 class AskTurn(Protocol):
@@ -122,7 +124,9 @@ class OneOffReplies:
     """A one-off ask's replies: each next reply reads the whole exchange so far (a local
     model starts it from the saved prefix state); nothing is kept."""
 
-    session: Session
+    backend: Backend
+    states: StateStore  # where the prefix states are
+    prefix_min_tokens: int
     messages: list[ChatMessage]
     sampling: Sampling
     max_tokens: int
@@ -150,8 +154,17 @@ class OneOffReplies:
         return None
 
     def _ask(self) -> OneOffTurn:
-        return self.session.ask_once(
-            self.messages, self.sampling, self.max_tokens, self.cancel, self.tool_use
+        from localchat.conversation.one_off import ask_once
+
+        return ask_once(
+            self.backend,
+            self.states,
+            self.messages,
+            self.sampling,
+            self.max_tokens,
+            self.cancel,
+            self.tool_use,
+            self.prefix_min_tokens,
         )
 
 

@@ -9,7 +9,8 @@ in, their median decides: more than ``DISAGREE`` off and the costs of the weight
 file is made of (and the fixed cost of a token) are scaled by it, so the next plan prices
 that file as it ran. A median, not a mean: one turn beside a busy neighbour cannot move it.
 A machine 15% off is corrected by its third timed turn, and within five even when two of
-them were slowed. Plain data in, a JSON file beside the calibration: no llama.cpp here.
+them were slowed. Plain data in, a JSON file beside the calibration: no llama.cpp here
+(``note_turn_speed`` reads a loaded engine's figures, handed it).
 """
 
 from __future__ import annotations
@@ -20,8 +21,11 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from localchat.atomic import write_atomic
+from localchat.backends.base import Backend, TurnStats
+from localchat.gguf.estimate import ModelDims
 from localchat.models.calibrate import MIN_CPU_SHARE
-from localchat.models.speed import SpeedModel, load_speed_model
+from localchat.models.speed import SpeedModel, attention_work, load_speed_model, token_work
+from localchat.paths import AppPaths
 
 DISAGREE = 0.10
 TURNS = 5  # the recent turns whose median is judged
@@ -41,6 +45,28 @@ class TurnSpeed:
     gen_tps: float
     threads: int  # what generated it: a turn on other threads than measured says nothing
     cpu_share: float = 1.0  # of threads x the generation's wall time, as calibration reads it
+
+
+def note_turn_speed(paths: AppPaths, backend: Backend, stats: TurnStats) -> str | None:
+    """Count a local CPU turn's speed against the calibration; a notice when the figures
+    were updated. Servers and GPU offload are not what it measures."""
+    from localchat.backends.llama.engine import Engine  # only a loaded engine gets here
+
+    if not isinstance(backend, Engine) or backend.options.n_gpu_layers:
+        return None
+    if stats.drafted_tokens:  # drafts sped it up: not what the calibration predicts
+        return None
+    filled = stats.prompt_tokens + stats.generated_tokens // 2
+    turn = TurnSpeed(
+        str(backend.model_path),
+        token_work(backend.info),
+        attention_work(ModelDims.from_gguf(backend.info), filled),
+        stats.generated_tokens,
+        stats.gen_tps,
+        backend.threads,
+        1.0 if stats.gen_cpu_share is None else stats.gen_cpu_share,
+    )
+    return note_turn(paths.speed_calibration, paths.turn_speeds, turn)
 
 
 def note_turn(calibration: Path, log: Path, turn: TurnSpeed) -> str | None:

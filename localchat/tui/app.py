@@ -22,6 +22,7 @@ from textual.screen import Screen
 
 from localchat.backends.base import Backend, Sampling
 from localchat.backends.compute_thread import run_compute, wait_idle
+from localchat.backends.servers import connect
 from localchat.conversation.base import ConversationBase
 from localchat.errors import LocalchatError, one_line
 from localchat.gguf.names import display_name
@@ -286,7 +287,8 @@ class LocalChatApp(ReportsWorkerFailures, App[int]):
         assert self.session is not None
         start = time.perf_counter()
         try:
-            backend = self.session.connect(spec, self.model_name, context_size)
+            server = self.session.settings.server(spec)
+            backend = connect(server, self.model_name, context_size)
         except LocalchatError as exc:
             self.post_message(ModelLoadFailed(str(exc)))
             return

@@ -19,6 +19,7 @@ from typing import Any
 import llama_cpp
 
 from localchat.backends.base import BackendView, CacheView, Sampling
+from localchat.backends.compute_thread import run_compute
 from localchat.backends.llama.buffers import parse_buffers
 from localchat.backends.llama.cache import KVCache
 from localchat.backends.llama.context_plan import DEFAULT_CTX as DEFAULT_CTX
@@ -252,6 +253,11 @@ class Engine:
         return self.n_ctx
 
     @property
+    def frees_with_process(self) -> bool:
+        """Its memory is this process's: a quitting app leaves it to the exit."""
+        return True
+
+    @property
     def n_ctx(self) -> int:
         """The context size asked for: how many tokens a prompt plus reply may hold."""
         return self.cache.n_ctx
@@ -355,7 +361,9 @@ class Engine:
         return self.vocab.spelled_tokens(texts)
 
     def count_tokens(self, text: str) -> int:
-        return len(self.tokenize(text))
+        """Tokens ``text`` takes, by the model's tokenizer on the compute thread (llama.cpp
+        runs there alone), so any thread may ask."""
+        return run_compute(lambda: len(self.tokenize(text)))
 
     def stream(
         self,

@@ -309,8 +309,11 @@ class ChatScreen(Screen[None], ReportsWorkerFailures):
             )
         finally:
             self.turn_idle.set()
-        if session is not None and stats is not None:  # real turns correct the calibration
-            corrected = session.note_turn_speed(stats)
+        if session is not None and session.backend is not None and stats is not None:
+            from localchat.models.speed_feedback import note_turn_speed
+
+            # Real turns correct the calibration.
+            corrected = note_turn_speed(session.paths, session.backend, stats)
             if corrected:
                 self.notify(corrected, title="Speed figures", timeout=10)
 

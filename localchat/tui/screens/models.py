@@ -23,6 +23,7 @@ from textual.message import Message
 from textual.screen import ModalScreen
 from textual.widgets import DataTable, Label, ProgressBar, Static
 
+from localchat.backends.servers import ServerModelRow, server_model_rows
 from localchat.errors import LocalchatError
 from localchat.gguf.info import is_projector
 from localchat.models.hardware import Hardware, detect_hardware
@@ -31,7 +32,6 @@ from localchat.models.library import Library, ModelRow
 from localchat.models.planner import MIN_TOKENS_PER_S, format_tps
 from localchat.paths import app_paths
 from localchat.progress import Progress
-from localchat.session import ServerModelRow, server_model_rows
 from localchat.settings import ServerConfig
 from localchat.tui.screens.text_prompt import TextPromptScreen
 from localchat.tui.worker_failures import ReportsWorkerFailures

@@ -18,7 +18,7 @@ from textual.message import Message
 from localchat.chat.attachments import Attachment, check_fits, read_attachment, with_attachments
 from localchat.conversation.base import ConversationBase
 from localchat.conversation.draft_reader import DraftReader
-from localchat.errors import LocalchatError
+from localchat.errors import LocalchatError, UsageError
 from localchat.tui.messages import AttachmentReady, ReadAhead
 from localchat.tui.widgets.prompt_input import PromptInput
 from localchat.tui.worker_failures import ReportsWorkerFailures
@@ -121,17 +121,18 @@ class Composer(ReportsWorkerFailures, Vertical):
         the system prompt's (``system``: what the conversation had when it was chosen)."""
         try:
             attachment = read_attachment(path)
-            tokens = session.count_tokens(attachment.block())
-            head = session.count_tokens(system) if system else 0
             backend = session.backend
+            if backend is None:
+                raise UsageError("no model is loaded yet")
+            tokens = backend.count_tokens(attachment.block())
+            head = backend.count_tokens(system) if system else 0
         except LocalchatError as exc:
             self.app.call_from_thread(
                 self.notify, str(exc), title="Not attached", severity="error", timeout=15
             )
             return
-        if backend is not None:  # what the context holds: decided where it is attached
-            n_ctx = backend.context_size
-            self.post_message(AttachmentReady(attachment, tokens, head, n_ctx, max_tokens))
+        n_ctx = backend.context_size  # what the context holds: decided where it is attached
+        self.post_message(AttachmentReady(attachment, tokens, head, n_ctx, max_tokens))
 
     def on_attachment_ready(self, message: AttachmentReady) -> None:
         """The file goes with the next message where the context holds it with the others,
