@@ -175,8 +175,9 @@ def test_keep_alive_zero_unloads_after_the_reply_and_the_endpoints_load_and_unlo
     two: Routed,
 ) -> None:
     client = ollama.Client(host=two.root)
-    client.chat(model="tiny", messages=[{"role": "user", "content": "hi"}], keep_alive=0,
-                options={"num_predict": 4})  # fmt: skip
+    loading = client.chat(model="tiny", messages=[{"role": "user", "content": "hi"}],
+                          keep_alive=0, options={"num_predict": 4})  # fmt: skip
+    assert (loading.load_duration or 0) > 0  # it waited for tiny to be loaded
     two.router.reap_now()
     assert client.ps().models == []
     assert httpx.post(f"{two.root}/models/load", json={"model": "smol"}).json()["success"]

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field, replace
 
@@ -58,6 +59,7 @@ class Turn:
         self.cancel = threading.Event()
         self.prompt_ready: asyncio.Future[None] = self.loop.create_future()
         self.job: Job | None = None  # once the prompt is made
+        self.load_s = 0.0  # how long it waited for its model to be loaded
         self._events = _Batches(self.loop)
         self.task = asyncio.create_task(self._run())
 
@@ -101,9 +103,11 @@ async def start_turn(models: Router, request: GenerationRequest, after: Job | No
     is full or no room can be made) and make its prompt: an error in it (too long, a
     template's refusal) is raised here, before any response starts. ``after``: a job whose
     prompt this one shares (it starts once that one has read it)."""
+    asked = time.perf_counter()
     runner = await models.admit(request.model, request.keep_alive_s)
     name = request.model if request.model in runner.names else runner.model_name
     turn = Turn(runner, replace(request, model=name), after)
+    turn.load_s = time.perf_counter() - asked  # waiting for its model: loading it, if it was not
     try:
         await turn.prompt_ready
     except BaseException:

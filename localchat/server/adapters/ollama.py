@@ -280,15 +280,16 @@ def _ns(seconds: float) -> int:
     return int(seconds * 1e9)
 
 
-def _figures(finished: Finished, started: float) -> dict[str, Any]:
+def _figures(finished: Finished, started: float, load_s: float) -> dict[str, Any]:
     """The last object's figures, as Ollama counts them: ``prompt_eval_count`` is the
-    prompt tokens evaluated now (those the cache supplied are not), in nanoseconds."""
+    prompt tokens evaluated now (those the cache supplied are not), ``load_duration`` the
+    wait for the model to be loaded (where it was not), in nanoseconds."""
     stats = finished.stats
     eval_s = stats.generated_tokens / stats.gen_tps if stats.gen_tps else 0.0
     return {
         "done_reason": DONE_REASONS.get(finished.reason, "stop"),
         "total_duration": _ns(time.perf_counter() - started),
-        "load_duration": 0,  # the model is loaded before the server starts
+        "load_duration": _ns(load_s),
         "prompt_eval_count": stats.prompt_tokens_evaluated,
         "prompt_eval_duration": _ns(stats.ttft_s),
         "eval_count": stats.generated_tokens,
@@ -306,8 +307,10 @@ class _Reply:
     """A reply's events as Ollama's objects: each piece one object (``message`` for chat,
     ``response`` for generate), the calls in one, then the last with ``done`` and figures."""
 
-    def __init__(self, request: GenerationRequest, chat: bool, started: float) -> None:
-        self.model, self.chat, self.started = request.model, chat, started
+    def __init__(
+        self, request: GenerationRequest, chat: bool, started: float, load_s: float = 0.0
+    ) -> None:
+        self.model, self.chat, self.started, self.load_s = request.model, chat, started, load_s
 
     def _object(self, text: str = "", thinking: str = "", done: bool = False) -> dict[str, Any]:
         body: dict[str, Any] = {"model": self.model, "created_at": _now()}
@@ -334,7 +337,9 @@ class _Reply:
                 called["message"]["tool_calls"] = _ollama_calls(event.calls)
                 out.append(called)
             elif isinstance(event, Finished):
-                out.append({**self._object(done=True), **_figures(event, self.started)})
+                out.append(
+                    {**self._object(done=True), **_figures(event, self.started, self.load_s)}
+                )
             elif isinstance(event, Failed):
                 out.append(error_body(failure(event.error)))
         return out
@@ -346,7 +351,10 @@ class _Reply:
 
     def whole(self, text: str, thinking: str, calls: tuple[ToolCall, ...],
               finished: Finished) -> dict[str, Any]:  # fmt: skip
-        body = {**self._object(text, thinking, done=True), **_figures(finished, self.started)}
+        body = {
+            **self._object(text, thinking, done=True),
+            **_figures(finished, self.started, self.load_s),
+        }
         if calls and self.chat:
             body["message"]["tool_calls"] = _ollama_calls(calls)
         return body
@@ -363,7 +371,7 @@ async def respond(
     if not (request.messages if chat else asked):
         return await _load_or_unload(models, request, chat)
     turn = await start_turn(models, request)
-    reply = _Reply(turn.request, chat, started)
+    reply = _Reply(turn.request, chat, started, turn.load_s)
     if turn.request.stream:
         return StreamingResponse(
             stream_bytes(turn, b"", reply.lines), media_type="application/x-ndjson"
