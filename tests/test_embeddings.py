@@ -21,8 +21,8 @@ from localchat.backends.llama.embedder import Embedder, reference_embeddings
 from localchat.backends.llama.engine import Engine
 from localchat.models.demo_bert import make_embedding_model
 from localchat.server.app import BackgroundServer
-from localchat.server.embeddings import OneEmbedder
-from localchat.server.router import Router
+from localchat.server.library_embeddings import LibraryEmbeddings
+from localchat.server.router import Router, ServedEntry
 from localchat.server.runner import ModelRunner
 from localchat.state.kvstate import StateStore
 
@@ -47,9 +47,10 @@ def served(smollm2: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
     bert_path = make_embedding_model(tmp / "bert.gguf", "bert-tiny", seed=3)
     engine = Engine(smollm2, LoadOptions(n_ctx=512, n_threads=2))
     runner = ModelRunner(engine, StateStore(tmp / "states"), CHAT)
-    bert = Embedder(bert_path, n_threads=2)
-    models = OneEmbedder(bert, (BERT,), smollm2, (CHAT,))
-    server = BackgroundServer(Router.of_one(runner), embeddings=models)
+    bert = Embedder(bert_path, n_threads=2)  # the reference the served vectors are held to
+    router = Router.of_one(runner)
+    models = LibraryEmbeddings([ServedEntry(BERT, bert_path)], router)  # as serve has it
+    server = BackgroundServer(router, embeddings=models)
     bare = BackgroundServer(Router.of_one(runner))
     try:
         yield EmbedServer(server.root, bert_path, smollm2, bert, bare.root)
@@ -57,6 +58,7 @@ def served(smollm2: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
         server.close()
         bare.close()
         models.close()
+        bert.close()
         runner.close()
         engine.close()
 

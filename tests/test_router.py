@@ -7,6 +7,7 @@ with Retry-After where no room can be made, and a model that fails to load faili
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,6 +17,7 @@ import ollama
 import openai
 import pytest
 
+from localchat.errors import ModelLoadError
 from localchat.models.launch import LaunchOptions
 from localchat.paths import app_paths
 from localchat.server.app import BackgroundServer
@@ -35,11 +37,17 @@ class CountingSource(LibrarySource):
         self.loads: list[str] = []
         self.router: Router | None = None
         self.loaded_at_load: list[int] = []  # models in memory as each load began
+        self.gate = threading.Event()  # a load waits for it (set: no wait)
+        self.gate.set()
+        self.refuse: set[str] = set()  # models whose load fails as llama.cpp's would
 
     def load(self, entry: ServedEntry) -> ModelRunner:
         self.loads.append(entry.name)
         if self.router is not None:
             self.loaded_at_load.append(len(self.router.loaded()))
+        assert self.gate.wait(60)
+        if entry.name in self.refuse:
+            raise ModelLoadError(f"{entry.path}: llama.cpp could not load the model")
         return super().load(entry)
 
 
@@ -140,31 +148,47 @@ def test_conversations_on_two_models_with_room_for_one_restore_from_disk(two: Ro
     assert two.source.loads == ["smol", "tiny"] * 3  # one loaded at a time, each time
 
 
-def test_requests_for_two_models_at_once_never_hold_more_than_allowed(two: Routed) -> None:
+def _waiting_for(routed: Routed, name: str, count: int) -> None:
+    """Until ``count`` requests wait for ``name``'s load (the gate holds it)."""
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        status = next(s for s in routed.router.statuses() if s.entry.name == name)
+        if status.waiters >= count:
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"{count} requests never waited for {name}")
+
+
+def _asking(routed: Routed, models: tuple[str, ...]) -> tuple[list[threading.Thread], list[str]]:
     results: list[str] = []
 
     def ask(model: str) -> None:
-        results.append(_ask(two.openai(), model, [{"role": "user", "content": "hi"}])[0])
+        results.append(_ask(routed.openai(), model, [{"role": "user", "content": "hi"}])[0])
 
-    threads = [threading.Thread(target=ask, args=(m,)) for m in ("smol", "tiny", "smol")]
+    threads = [threading.Thread(target=ask, args=(m,)) for m in models]
     for thread in threads:
         thread.start()
-    for thread in threads:
+    return threads, results
+
+
+def test_requests_for_two_models_at_once_never_hold_more_than_allowed(two: Routed) -> None:
+    two.source.gate.clear()
+    threads, results = _asking(two, ("smol", "smol"))
+    _waiting_for(two, "smol", 2)  # smol's load began
+    more, more_results = _asking(two, ("tiny",))  # no room while smol's load is under way
+    two.source.gate.set()
+    for thread in threads + more:
         thread.join(timeout=120)
-    assert len(results) == 3
+    assert len(results + more_results) == 3
     assert set(two.source.loads) == {"smol", "tiny"}
     assert two.source.loaded_at_load == [0] * len(two.source.loads)  # room for one: one
 
 
 def test_two_requests_for_an_unloaded_model_load_it_once(two: Routed) -> None:
-    results: list[str] = []
-
-    def ask() -> None:
-        results.append(_ask(two.openai(), "smol", [{"role": "user", "content": "hi"}])[0])
-
-    threads = [threading.Thread(target=ask) for _ in range(2)]
-    for thread in threads:
-        thread.start()
+    two.source.gate.clear()
+    threads, results = _asking(two, ("smol", "smol"))
+    _waiting_for(two, "smol", 2)  # both wait for the one load
+    two.source.gate.set()
     for thread in threads:
         thread.join(timeout=120)
     assert len(results) == 2
@@ -177,7 +201,6 @@ def test_keep_alive_zero_unloads_after_the_reply_and_the_endpoints_load_and_unlo
     client = ollama.Client(host=two.root)
     loading = client.chat(model="tiny", messages=[{"role": "user", "content": "hi"}],
                           keep_alive=0, options={"num_predict": 4})  # fmt: skip
-    assert (loading.load_duration or 0) > 0  # it waited for tiny to be loaded
     two.router.reap_now()
     assert client.ps().models == []
     assert httpx.post(f"{two.root}/models/load", json={"model": "smol"}).json()["success"]
@@ -190,6 +213,12 @@ def test_keep_alive_zero_unloads_after_the_reply_and_the_endpoints_load_and_unlo
     assert [m.model for m in client.ps().models] == ["tiny:latest"]
     assert client.generate(model="tiny", prompt="", keep_alive=0).done_reason == "unload"
     assert client.ps().models == []
+    warm = client.chat(model="smol", messages=[{"role": "user", "content": "hi"}],
+                       options={"num_predict": 2})  # fmt: skip
+    again = client.chat(model="smol", messages=[{"role": "user", "content": "hi"}],
+                        options={"num_predict": 2})  # fmt: skip
+    assert (loading.load_duration or 0) > (again.load_duration or 0)  # waited for tiny's load
+    assert (warm.load_duration or 0) > (again.load_duration or 0)  # and smol's
 
 
 def test_a_busy_model_is_never_unloaded_a_request_waits_then_gets_a_503(
@@ -199,7 +228,7 @@ def test_a_busy_model_is_never_unloaded_a_request_waits_then_gets_a_503(
     routed = _routed(entries, tmp_path / "states", max_models=1, wait_s=1.0)
     try:
         body = {"model": "smol", "messages": [{"role": "user", "content": "hi"}],
-                "max_tokens": 400, "stream": True, "logit_bias": {"0": -100, "2": -100}}  # fmt: skip
+                "max_tokens": 900, "stream": True, "logit_bias": {"0": -100, "2": -100}}  # fmt: skip
         with httpx.stream("POST", f"{routed.root}/v1/chat/completions", json=body,
                           timeout=120) as streaming:  # fmt: skip
             lines = streaming.iter_lines()
@@ -228,6 +257,10 @@ def test_a_model_that_fails_to_load_is_that_requests_error_alone(
             _ask(client, "broken", [{"role": "user", "content": "hi"}])
         message = caught.value.response.json()["error"]["message"]
         assert str(broken) in message and "\n" not in message
+        routed.source.refuse.add("tiny")  # a file that reads, that llama.cpp refuses
+        with pytest.raises(openai.InternalServerError, match="could not load the model"):
+            _ask(client, "tiny", [{"role": "user", "content": "hi"}])
+        routed.source.refuse.clear()  # nothing is left stuck: it loads when it can
         assert _ask(client, "tiny", [{"role": "user", "content": "hi"}])[1] > 0
     finally:
         routed.close()

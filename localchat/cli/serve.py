@@ -78,8 +78,8 @@ def cmd_serve(args: argparse.Namespace, out: TextIO) -> int:
     settings = load_settings(paths.settings_file)
     config = settings.serve
     endpoint = _endpoint(args, config)
-    router, served, states = _router(args, settings, paths)
-    embeddings = _embeddings(args, router)
+    router, embedding, served, states = _router(args, settings, paths)
+    embeddings = _embeddings(args, router, embedding)
     server = _http_server(router, endpoint, tuple(args.cors_origin), embeddings)
     print(f"localchat: {served} at {endpoint.url}{states} · Ctrl+C stops", file=out, flush=True)
     log = ServerLog(router, sys.stderr, args.log_format or config.log_format)
@@ -95,9 +95,10 @@ def cmd_serve(args: argparse.Namespace, out: TextIO) -> int:
 
 def _router(
     args: argparse.Namespace, settings: Settings, paths: AppPaths
-) -> tuple[Router, str, str]:
+) -> tuple[Router, list[ServedEntry], str, str]:
     """The models to serve: those named (the first loaded now, kept loaded), else the
-    library's (each loaded on demand). What the banner says is served, and of its states."""
+    library's (each loaded on demand), and the library's embedding models; what the banner
+    says is served, and of its states."""
     from localchat.models.hardware import detect_hardware
     from localchat.models.library import Library
     from localchat.server.model_source import LibrarySource, library_entries
@@ -107,8 +108,12 @@ def _router(
 
     config = settings.serve
     named = _named_entries(args)
+    embedding: list[ServedEntry] = []
+    if not named and args.alias:
+        raise UsageError("--alias names another name for a model --model (or --model-path)"
+                         " gives; with neither, serve serves the library under its own names")  # fmt: skip
     if not named:
-        named, _embedding = library_entries(Library(paths, detect_hardware()))
+        named, embedding = library_entries(Library(paths, detect_hardware()))
         if not named:  # nothing downloaded yet: the starter model
             named = _named_entries(args, starter=True)
     if args.draft_model or args.speculative == "draft":
@@ -120,10 +125,11 @@ def _router(
     source = LibrarySource(paths, settings.launch(flags), states, args.parallel or config.parallel,
                            warn=lambda line: print(f"localchat: {line}", file=sys.stderr))  # fmt: skip
     keep_alive = parse_duration(args.keep_alive or config.keep_alive)
+    library = not (args.model or args.model_path)
     router = Router(named, source, keep_alive, args.max_models or config.max_models,
-                    any_name=len(named) == 1)  # fmt: skip
-    if not (args.model or args.model_path) and len(named) > 1:
-        return router, f"serving {len(named)} models, each loaded when asked for", ""
+                    any_name=len(named) == 1, default=None if library else named[0].name)  # fmt: skip
+    if library and len(named) > 1:
+        return router, embedding, f"serving {len(named)} models, each loaded when asked for", ""
     runner = source.load(named[0])
     router.adopt(named[0].name, runner, keep_alive_s=FOREVER)
     back = runner.restore_newest()  # the conversations answered last continue from memory
@@ -132,19 +138,18 @@ def _router(
         f"serving {named[0].name} (context {runner.batch.n_ctx_seq} × {runner.parallel}"
         f" sequence{'s' if runner.parallel != 1 else ''}){more}"
     )
-    return router, served, f" · {len(runner.cache)} saved prompt states ({back} back in memory)"
+    states_line = f" · {len(runner.cache)} saved prompt states ({back} back in memory)"
+    return router, embedding, served, states_line
 
 
-def _embeddings(args: argparse.Namespace, router: Router) -> LibraryEmbeddings:
+def _embeddings(
+    args: argparse.Namespace, router: Router, library: list[ServedEntry]
+) -> LibraryEmbeddings:
     """Who answers the embeddings endpoints: ``--embedding-model`` (a file, or a catalog or
     hub name, downloaded if needed) and the library's embedding models, the first the
     default; any chat model served, mean-pooled. Each loaded at its first request."""
     from localchat.cli.ask import pull_model_path
-    from localchat.models.hardware import detect_hardware
-    from localchat.models.library import Library
-    from localchat.paths import app_paths
     from localchat.server.library_embeddings import LibraryEmbeddings
-    from localchat.server.model_source import library_entries
     from localchat.server.router import ServedEntry
 
     given = getattr(args, "embedding_model", None)
@@ -153,7 +158,6 @@ def _embeddings(args: argparse.Namespace, router: Router) -> LibraryEmbeddings:
         path = Path(given).expanduser()
         found = path if path.is_file() else pull_model_path(given)
         first = [ServedEntry(given, found, unlisted=(found.stem,))]
-    _chat, library = library_entries(Library(app_paths(), detect_hardware()))
     return LibraryEmbeddings(first + library, router)
 
 

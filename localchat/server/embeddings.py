@@ -1,19 +1,15 @@
 """What the embeddings endpoints ask of whoever holds the models (``EmbeddingModels``): one
 blocking call that embeds a batch of inputs with a model named by the request, and answers
 a name it does not serve, or an input it cannot take, with an ``ApiError``. The adapter
-(``adapters/embeddings.py``) never knows how a model is had; ``OneEmbedder`` is the simple
-holder ``serve`` uses today (one embedding model loaded at start, and the chat model's own
-file mean-pooled, loaded at its first request); a router that loads models on demand
-implements the same protocol.
+(``adapters/embeddings.py``) never knows how a model is had: ``serve`` hands it
+``library_embeddings.LibraryEmbeddings``.
 """
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Protocol
 
 import numpy as np
@@ -75,58 +71,3 @@ def embedded(
         raise ApiError(400, str(exc), code=code) from None
     total = time.perf_counter() - start
     return EmbedResult(name, found.vectors, found.total_tokens, load_s, total)
-
-
-class OneEmbedder:
-    """One embedding model loaded at start (``embedder``, answering to ``names``; also the
-    default), and the chat model's file (``chat_path``, answering to ``chat_names``) mean-
-    pooled in a context of its own, loaded at its first request and kept."""
-
-    def __init__(
-        self,
-        embedder: Embedder | None,
-        names: Sequence[str] = (),
-        chat_path: Path | None = None,
-        chat_names: Sequence[str] = (),
-    ) -> None:
-        self.embedder = embedder
-        own = (embedder.name,) if embedder is not None else ()
-        self.names = tuple(dict.fromkeys((*names, *own)))
-        self.chat_path = chat_path
-        self.chat_names = tuple(
-            dict.fromkeys((*chat_names, *((chat_path.stem,) if chat_path else ())))
-        )
-        self._chat: Embedder | None = None
-        self._lock = threading.Lock()
-
-    def _pick(self, model: str | None) -> tuple[str, Embedder | None]:
-        """The name a response gives and the embedder (None: the chat model's, not yet
-        loaded)."""
-        if self.embedder is not None and (not model or model in self.names):
-            return model or self.names[0], self.embedder
-        if self.chat_path is not None and (not model or model in self.chat_names):
-            return model or self.chat_names[0], self._chat
-        raise no_model(model, self.names + self.chat_names)
-
-    def embed(self, model: str | None, inputs: EmbedInputs, truncate: bool = False) -> EmbedResult:
-        start = time.perf_counter()
-        name, embedder = self._pick(model)
-        load_s = 0.0
-        if embedder is None:
-            embedder, load_s = self._chat_embedder()
-        return embedded(name, embedder, inputs, truncate, start, load_s)
-
-    def _chat_embedder(self) -> tuple[Embedder, float]:
-        """The chat model's mean-pooled embedder, loaded once (and how long that took)."""
-        assert self.chat_path is not None
-        with self._lock:
-            if self._chat is not None:
-                return self._chat, 0.0
-            start = time.perf_counter()
-            self._chat = Embedder(self.chat_path)
-            return self._chat, time.perf_counter() - start
-
-    def close(self) -> None:
-        for embedder in (self.embedder, self._chat):
-            if embedder is not None:
-                embedder.close()

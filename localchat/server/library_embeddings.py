@@ -1,7 +1,8 @@
 """Embeddings when ``serve`` serves the library: its embedding models (GGUFs with a pooling
 type; the first is the default) and any chat model the router serves, mean-pooled, each
 loaded at its first request beside the chat models and kept for the server's life (an
-embedding model is small: tens to hundreds of MB)."""
+embedding model is small: tens to hundreds of MB; a chat model asked for embeddings is a
+second copy of its weights, outside the router's count)."""
 
 from __future__ import annotations
 
@@ -26,18 +27,20 @@ class LibraryEmbeddings:
         self._lock = threading.Lock()
 
     def _entry(self, model: str | None) -> ServedEntry:
-        for entry in self.embedding:
+        """The embedding model asked for (none named: the first), else a chat model served
+        under that name, mean-pooled; a 404 naming what is served."""
+        chat = self.chat.entries if self.chat is not None else []
+        for entry in (*self.embedding, *chat):
             names = entry.answers_to
-            if not model or model in names or model.removesuffix(":latest") in names:
+            if not model and entry in self.embedding:
                 return entry
-        if model and self.chat is not None:
-            try:
-                return self.chat.entry_of(model)
-            except ApiError:
-                pass
-        served = [e.name for e in self.embedding]
-        served += [e.name for e in self.chat.entries] if self.chat is not None else []
-        raise no_model(model, served)
+            if model and (model in names or model.removesuffix(":latest") in names):
+                return entry
+        if not model:
+            raise ApiError(404, "no embedding model is served here: add one (`localchat pull"
+                           " nomic-embed-text-v1.5`), start serve with --embedding-model, or"
+                           " name a chat model to have it mean-pooled", code="model_not_found")  # fmt: skip
+        raise no_model(model, [e.name for e in (*self.embedding, *chat)])
 
     def _embedder(self, entry: ServedEntry) -> tuple[Embedder, float]:
         with self._lock:
@@ -47,7 +50,7 @@ class LibraryEmbeddings:
             start = time.perf_counter()
             try:
                 embedder = Embedder(entry.path)
-            except (LocalchatError, OSError, ValueError) as exc:
+            except (LocalchatError, OSError, ValueError, RuntimeError) as exc:
                 raise ApiError(500, f"{entry.path} failed to load for embeddings:"
                                f" {one_line(exc)}", "server_error", "model_load_failed") from None  # fmt: skip
             self._loaded[entry.path] = embedder

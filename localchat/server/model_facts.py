@@ -11,7 +11,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from localchat.chat.reasoning import OPEN
+from localchat.errors import LocalchatError
 from localchat.gguf.info import file_fingerprint, read_gguf
+from localchat.server.requests import ApiError
 from localchat.server.router import ModelStatus, Router
 
 
@@ -74,7 +76,8 @@ def described(status: ModelStatus) -> ServedModel:
     if runner is not None:
         engine, info = runner.engine, runner.engine.info
         arch, params, quant = info.architecture, info.parameter_count, info.file_type
-        n_ctx, trained, vocab = runner.batch.n_ctx_seq, info.context_length, engine.n_vocab
+        # The header's vocabulary: never a call into a model an unload may be freeing.
+        n_ctx, trained, vocab = runner.batch.n_ctx_seq, info.context_length, info.n_vocab
         slots, template, digest = runner.batch.n_seq, engine.template.source, engine.fingerprint
     else:
         arch, params, quant, trained, vocab, template, digest = _file_facts(
@@ -92,12 +95,23 @@ def described(status: ModelStatus) -> ServedModel:
 
 
 def served_models(router: Router) -> list[ServedModel]:
-    """Every model the router serves, with its status."""
-    return [described(status) for status in router.statuses()]
+    """Every model the router serves, with its status (blocking: headers are read once;
+    a file gone or unreadable since the start is left out, never the whole listing)."""
+    served = []
+    for status in router.statuses():
+        try:
+            served.append(described(status))
+        except (LocalchatError, OSError):
+            continue
+    return served
 
 
 def served_model(router: Router, name: str | None = None) -> ServedModel:
     """The model ``name`` asks for (the default where none), as the listings describe it
     (``ApiError`` 404 for an unknown name)."""
     entry = router.entry_of(name)
-    return next(m for m in served_models(router) if m.name == entry.name)
+    found = next((m for m in served_models(router) if m.name == entry.name), None)
+    if found is None:
+        raise ApiError(500, f"{entry.path} cannot be read: its file is gone or broken",
+                       "server_error", "model_unreadable")  # fmt: skip
+    return found

@@ -97,32 +97,37 @@ class LibrarySource:
         self.parallel = parallel
         self.warn = warn
 
-    def _plan(self, path: Path) -> Plan:
-        """What ``hw`` plans for ``path`` in the memory left now: the context (the one
-        asked, else ``DEFAULT_SERVE_CTX`` or the trained one if less, halved until it
-        fits), the KV cache's type, the attention kernel, the micro-batch."""
+    def _wanted_ctx(self, path: Path) -> int:
+        """The context asked (``--ctx``), else ``DEFAULT_SERVE_CTX``; at most the model's
+        trained context (one ``--ctx`` serves models trained for less)."""
         trained = read_gguf(path).context_length
-        wanted = self.launch.n_ctx or (
-            min(DEFAULT_SERVE_CTX, trained) if trained else DEFAULT_SERVE_CTX
-        )
-        hardware = replace(_hardware(), ram_available_bytes=self.free_bytes() + RESERVE_BYTES)
-        return plan_file(path, hardware, wanted)
+        wanted = self.launch.n_ctx or DEFAULT_SERVE_CTX
+        return min(wanted, trained) if trained else wanted
 
-    def _launch(self, plan: Plan) -> LaunchOptions:
+    def _plan(self, path: Path) -> Plan:
+        """What ``hw`` plans for ``path`` in the memory left now: the context (halved until
+        it fits where none was asked), the KV cache's type, the attention kernel, the
+        micro-batch."""
+        hardware = replace(_hardware(), ram_available_bytes=self.free_bytes() + RESERVE_BYTES)
+        return plan_file(path, hardware, self._wanted_ctx(path))
+
+    def _launch(self, path: Path, plan: Plan) -> LaunchOptions:
         """The launch options with what the plan chose: never a larger KV type than the one
         asked (settings.toml's), the context asked where one was, else the plan's."""
         launch = self.launch
+        wanted = self._wanted_ctx(path)
         if not plan.fits:  # the router made what room there is: as asked
-            return replace(launch, n_ctx=launch.n_ctx or min(plan.n_ctx, DEFAULT_SERVE_CTX))
+            return replace(launch, n_ctx=wanted)
         frugal = launch.kv_type in (None, "f16") and plan.kv_type != "f16"
         return replace(
-            launch, n_ctx=launch.n_ctx or plan.n_ctx,
+            launch, n_ctx=wanted if launch.n_ctx else plan.n_ctx,
             kv_type=plan.kv_type if frugal else launch.kv_type,
             flash_attn=plan.flash_attn, n_ubatch=plan.n_ubatch,
         )  # fmt: skip
 
     def load(self, entry: ServedEntry) -> ModelRunner:
-        engine = self.loader.load(entry.path, self._launch(self._plan(entry.path)), self.warn)
+        launch = self._launch(entry.path, self._plan(entry.path))
+        engine = self.loader.load(entry.path, launch, self.warn)
         try:
             parallel = self.parallel or default_parallel(engine, self.free_bytes())
             return ModelRunner(engine, self.states, entry.name, parallel=parallel,

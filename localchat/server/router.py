@@ -13,6 +13,7 @@ compute thread), so memory freed by an unload is free before the next load begin
 from __future__ import annotations
 
 import asyncio
+import sys
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
@@ -96,6 +97,7 @@ class _Slot:
     keep_alive_s: float | None = None  # the last request's, else ``own_keep_alive_s``
     own_keep_alive_s: float | None = None  # the model's own (None: the router's)
     held: int = 0  # requests holding it without a turn (counting tokens, a load request)
+    waiters: int = 0  # requests waiting for its load: it is theirs once loaded
     needed: int | None = None  # bytes, once estimated
 
     @property
@@ -103,8 +105,7 @@ class _Slot:
         runner = self.runner
         if runner is None:
             return False
-        counters = runner.counters
-        return self.held > 0 or counters.queued > 0 or counters.running > 0
+        return self.held > 0 or self.waiters > 0 or runner.active
 
 
 @dataclass(frozen=True)
@@ -116,6 +117,7 @@ class ModelStatus:
     runner: ModelRunner | None
     idle_s: float | None  # since its last request ended (None: answering, or not loaded)
     expires_in_s: float | None  # until keep_alive unloads it (None: never, or not loaded)
+    waiters: int = 0  # requests waiting for it to be loaded
 
 
 class Router:
@@ -123,7 +125,8 @@ class Router:
     ``max_models``; ``keep_alive_s``: how long an idle model stays loaded (``FOREVER``:
     until room is needed). ``any_name``: a request naming a model this server does not
     know gets the default one (a server of one model answers clients that hard-code
-    another's name); else a 404 lists the names."""
+    another's name); else a 404 lists the names. ``default``: the model a request that
+    names none gets (None: the one used last)."""
 
     def __init__(
         self,
@@ -133,6 +136,7 @@ class Router:
         max_models: int | None = None,
         any_name: bool = False,
         wait_s: float = WAIT_S,
+        default: str | None = None,
     ) -> None:
         if not entries:
             raise UsageError("no model to serve: `localchat pull` one, or give --model")
@@ -141,6 +145,7 @@ class Router:
         self.max_models = max_models
         self.any_name = any_name
         self.wait_s = wait_s
+        self._default = default  # None: the model used last
         self._slots = {entry.name: _Slot(entry) for entry in entries}
         self._lock = threading.Lock()
         self._loads = ThreadPoolExecutor(1, thread_name_prefix=LOADS_THREAD)
@@ -163,6 +168,7 @@ class Router:
             slot = self._slots[name]
             slot.runner = runner
             slot.keep_alive_s = slot.own_keep_alive_s = keep_alive_s
+            slot.needed = runner.memory_bytes
             slot.last_used = time.monotonic()
         self._watch(name, runner)
 
@@ -177,7 +183,10 @@ class Router:
 
     @property
     def default(self) -> ServedEntry:
-        """What a request that names no model gets: the model used last, else the first."""
+        """What a request that names no model gets: the one named first (``--model``),
+        else the model used last, else the first."""
+        if self._default is not None:
+            return self._slots[self._default].entry
         with self._lock:
             loaded = [s for s in self._slots.values() if s.runner is not None]
             if loaded:
@@ -233,9 +242,14 @@ class Router:
         self, entry: ServedEntry, take: Callable[[_Slot, ModelRunner], None]
     ) -> ModelRunner:
         deadline = time.monotonic() + self.wait_s
+        await self._estimate(entry)
+        waited = False  # counted among the slot's waiters (kept until taken, under the lock)
         while True:
             with self._lock:
                 slot = self._slots[entry.name]
+                if waited:
+                    slot.waiters -= 1
+                    waited = False
                 if slot.runner is not None:
                     take(slot, slot.runner)  # under the lock: never unloaded in between
                     slot.last_used = time.monotonic()
@@ -245,8 +259,16 @@ class Router:
                     if making_room is not None:
                         slot.loading = self._loads.submit(self._load, slot, making_room)
                 loading = slot.loading
+                if loading is not None:
+                    slot.waiters += 1  # once loaded it is not taken from under this request
+                    waited = True
             if loading is not None:
-                await self._loaded(entry, loading)
+                try:
+                    await self._loaded(entry, loading)
+                except BaseException:
+                    with self._lock:
+                        slot.waiters -= 1
+                    raise
                 continue
             if time.monotonic() > deadline:
                 raise ApiError(503, f"{entry.name} cannot be loaded now: the models in memory"
@@ -254,10 +276,22 @@ class Router:
                                "no_room")  # fmt: skip
             await asyncio.sleep(POLL_S)
 
+    async def _estimate(self, entry: ServedEntry) -> None:
+        """What the model will take, estimated once, off the event loop (headers read)."""
+        slot = self._slots[entry.name]
+        if slot.needed is not None or slot.runner is not None or self.source is None:
+            return
+        try:
+            needed = await asyncio.to_thread(self.source.needed_bytes, entry)
+        except LOAD_ERRORS as exc:
+            raise load_error(entry, exc) from None
+        with self._lock:
+            slot.needed = needed
+
     @staticmethod
     async def _loaded(entry: ServedEntry, loading: Future[ModelRunner]) -> None:
-        try:
-            await asyncio.wrap_future(loading)
+        try:  # shielded: a request that goes away never cancels a load others wait for
+            await asyncio.shield(asyncio.wrap_future(loading))
         except LOAD_ERRORS as exc:
             raise load_error(entry, exc) from None
 
@@ -268,11 +302,7 @@ class Router:
         (the request waits). Under the lock."""
         if self.source is None:
             raise ApiError(404, f"{slot.entry.name} is not loaded", code="model_not_loaded")
-        if slot.needed is None:
-            try:
-                slot.needed = self.source.needed_bytes(slot.entry)
-            except LOAD_ERRORS as exc:
-                raise load_error(slot.entry, exc) from None
+        needed = slot.needed or 0  # estimated before (``_estimate``)
         loaded = [s for s in self._slots.values() if s.runner is not None]
         # Loads under way count as loaded: their memory is not taken yet, but will be.
         coming = [s for s in self._slots.values() if s.loading is not None]
@@ -280,7 +310,7 @@ class Router:
         free = self.source.free_bytes() - sum(s.needed or 0 for s in coming)
         victims: list[_Slot] = []
         while self._too_many(len(loaded) + len(coming) - len(victims)) or (
-            slot.needed > free and len(victims) < len(loaded) + len(coming)
+            needed > free and len(victims) < len(loaded) + len(coming)
         ):
             if not idle:
                 return None
@@ -300,8 +330,8 @@ class Router:
     def _load(self, slot: _Slot, unload_first: list[ModelRunner]) -> ModelRunner:
         """On the loads thread: free the models making room, then load this one."""
         try:
-            for runner in unload_first:
-                self._free(runner)
+            for victim in unload_first:
+                self._free(victim)
             assert self.source is not None
             runner = self.source.load(slot.entry)
         except BaseException:
@@ -317,9 +347,14 @@ class Router:
 
     @staticmethod
     def _free(runner: ModelRunner) -> None:
-        """Save the model's sequences, then free its memory (and hand freed heap back)."""
+        """Save the model's sequences, then free its memory (and hand freed heap back). A
+        save that fails is said on stderr and the memory freed all the same: one model's
+        disk trouble never stops another from loading."""
         try:
             runner.close()
+        except Exception as exc:
+            print(f"localchat: {runner.model_name}: its states were not all saved:"
+                  f" {one_line(exc)}", file=sys.stderr)  # fmt: skip
         finally:
             run_compute(runner.engine.close)
             release_free_heap()
@@ -342,6 +377,10 @@ class Router:
                 runner = slot.runner
                 if runner is not None and not slot.busy:
                     slot.runner = None
+                    # Queued now, under the lock: a load of it asked next comes after.
+                    freeing = (
+                        None if self._on_loads_thread() else self._loads.submit(self._free, runner)
+                    )
                     break
                 loading = slot.loading
             if runner is None and loading is None:
@@ -350,11 +389,15 @@ class Router:
                 raise ApiError(409, f"{entry.name} is answering requests; unload it when"
                                " they end", code="model_busy")  # fmt: skip
             time.sleep(POLL_S)
-        if threading.current_thread().name.startswith(LOADS_THREAD):
+        if freeing is None:
             self._free(runner)  # already on the loads thread (a keep_alive of 0)
         else:
-            self._loads.submit(self._free, runner).result()
+            freeing.result()
         return True
+
+    @staticmethod
+    def _on_loads_thread() -> bool:
+        return threading.current_thread().name.startswith(LOADS_THREAD)
 
     def _went_idle(self, name: str) -> None:
         """A request on ``name`` ended: its idle time starts now (a keep_alive of 0 unloads
@@ -364,7 +407,8 @@ class Router:
             slot.last_used = time.monotonic()
             now = slot.keep_alive_s == 0 or (slot.keep_alive_s is None and self.keep_alive_s == 0)
         if now and not self._closed.is_set():
-            self._loads.submit(self._unload_expired)
+            with suppress(RuntimeError):  # the server is stopping: its close frees it
+                self._loads.submit(self._unload_expired)
 
     def _unload_expired(self) -> None:
         for name in self._expired(time.monotonic()):
@@ -387,9 +431,13 @@ class Router:
             return names
 
     def _reap(self) -> None:
-        """Unload the models idle past their keep_alive (its own thread)."""
+        """Unload the models idle past their keep_alive (its own thread, for the server's
+        life: a failure is said and the next round goes on)."""
         while not self._closed.wait(REAP_S):
-            self._unload_expired()
+            try:
+                self._unload_expired()
+            except Exception as exc:
+                print(f"localchat: keep_alive: {one_line(exc)}", file=sys.stderr)
 
     # -- listings ---------------------------------------------------------------------------
     def statuses(self) -> list[ModelStatus]:
@@ -402,7 +450,7 @@ class Router:
                 idle = None if runner is None or slot.busy else now - slot.last_used
                 keep = self.keep_alive_s if slot.keep_alive_s is None else slot.keep_alive_s
                 expires = None if idle is None or keep < 0 else max(0.0, keep - idle)
-                rows.append(ModelStatus(slot.entry, state, runner, idle, expires))
+                rows.append(ModelStatus(slot.entry, state, runner, idle, expires, slot.waiters))
         return rows
 
     def loaded(self) -> list[ModelRunner]:
@@ -410,12 +458,14 @@ class Router:
             return [s.runner for s in self._slots.values() if s.runner is not None]
 
     def close(self) -> None:
-        """Save every loaded model's states and free it (the server is stopping)."""
+        """Save every loaded model's states and free it (the server is stopping): the
+        keep_alive thread and the loads under way end first."""
         self._closed.set()
+        self._reaper.join(timeout=60)
+        self._loads.shutdown(wait=True)
         with self._lock:
             runners = [s.runner for s in self._slots.values() if s.runner is not None]
             for slot in self._slots.values():
                 slot.runner = None
         for runner in runners:
             self._free(runner)
-        self._loads.shutdown(wait=True)

@@ -118,6 +118,12 @@ class ModelRunner:
         self.on_idle: Callable[[], None] | None = None  # the last request running ended
 
     @property
+    def active(self) -> bool:
+        """Whether a request is queued or running on it (read whole, under the lock)."""
+        with self._lock:
+            return self.counters.queued > 0 or self.counters.running > 0
+
+    @property
     def memory_bytes(self) -> int:
         """What the model holds in memory: its weights (the file) and its sequences' KV
         caches, allocated whole (the engine's own small context aside)."""
@@ -157,7 +163,8 @@ class ModelRunner:
         with self._lock:
             idle = self.counters.queued == 0 and self.counters.running == 0
         if idle and self.on_idle is not None:
-            self.on_idle()
+            with contextlib.suppress(Exception):  # never a reply's end that fails
+                self.on_idle()
 
     def _started(self, _job: Job) -> None:
         with self._lock:

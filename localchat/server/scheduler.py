@@ -165,7 +165,7 @@ class Scheduler:
         with self._lock:
             self._closing = True
             self._queued.notify_all()  # the loop stops waiting for arrivals
-            jobs = [*self._inbox, *(r.job for r in list(self._running.values()))]
+            jobs = [*self._inbox, *self._waiting, *(r.job for r in list(self._running.values()))]
         for job in jobs:
             job.cancel.set()
 
@@ -192,8 +192,11 @@ class Scheduler:
                         self._fail(job, exc)
                 if self._running:
                     self._step()
-                    if compute_waiting():  # another model's loop, a load, an embedding:
-                        start_compute(self._loop)  # a step each, in turn, on one thread
+                    # Another model's loop, a load, an embedding: a step each, in turn, on
+                    # one thread. Not once closing: the saves and the free queued behind
+                    # this loop must find it ended.
+                    if compute_waiting() and not self._closing:
+                        start_compute(self._loop)
                         return
         except BaseException as exc:  # a failed step fails the requests, not the server
             with self._lock:

@@ -47,3 +47,8 @@ async def read_json(request: Request) -> Any:
         return json.loads(raw)
     except (ValueError, UnicodeDecodeError) as exc:
         raise ApiError(400, f"the body is not valid JSON ({exc})", code="invalid_json") from None
+
+
+def nanoseconds(seconds: float) -> int:
+    """Ollama's durations are whole nanoseconds."""
+    return int(seconds * 1e9)

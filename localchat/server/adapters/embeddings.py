@@ -17,7 +17,7 @@ from starlette.responses import JSONResponse, Response
 
 from localchat.server.embeddings import EmbeddingModels, EmbedInputs, EmbedResult
 from localchat.server.requests import ApiError, bad, flag, only_known, text_field
-from localchat.server.wire import Endpoint, read_json
+from localchat.server.wire import Endpoint, nanoseconds, read_json
 
 OPENAI_FIELDS = frozenset({"model", "input", "encoding_format", "dimensions", "user"})
 OLLAMA_EMBED_FIELDS = frozenset(
@@ -81,10 +81,6 @@ def openai_body(result: EmbedResult, encoding: str) -> dict[str, Any]:
     return {"object": "list", "data": data, "model": result.model, "usage": usage}
 
 
-def _ns(seconds: float) -> int:
-    return int(seconds * 1e9)
-
-
 def routes(models: EmbeddingModels | None) -> list[Endpoint]:
     """The three endpoints over ``models`` (None: each answers that none is served)."""
 
@@ -114,8 +110,8 @@ def routes(models: EmbeddingModels | None) -> list[Endpoint]:
         return JSONResponse({
             "model": result.model,
             "embeddings": [[float(x) for x in v] for v in result.vectors],
-            "total_duration": _ns(result.total_s),
-            "load_duration": _ns(result.load_s),
+            "total_duration": nanoseconds(result.total_s),
+            "load_duration": nanoseconds(result.load_s),
             "prompt_eval_count": result.prompt_tokens,
         })  # fmt: skip
 

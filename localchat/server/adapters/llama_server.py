@@ -40,11 +40,12 @@ def routes(models: Router) -> list[Endpoint]:
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
     async def listed(_request: Request) -> Response:
-        return JSONResponse(_models_body(served_models(models)))
+        return JSONResponse(_models_body(await run_in_threadpool(served_models, models)))
 
     async def props(request: Request) -> Response:
         async with models.hold(request.query_params.get("model")) as runner:
-            return JSONResponse(_props_body(served_model(models, runner.model_name), runner.engine))
+            facts = await run_in_threadpool(served_model, models, runner.model_name)
+            return JSONResponse(_props_body(facts, runner.engine))
 
     async def tokenize(request: Request) -> Response:
         body = await read_json(request)

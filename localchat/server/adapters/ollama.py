@@ -40,7 +40,7 @@ from localchat.server.requests import (
 from localchat.server.router import Router
 from localchat.server.tool_api import ToolRequestError, parse_tools
 from localchat.server.turns import failure, start_turn, stream_bytes, whole_reply
-from localchat.server.wire import Endpoint, read_json
+from localchat.server.wire import Endpoint, nanoseconds, read_json
 from localchat.units import parse_duration
 
 API = "Ollama's API"
@@ -276,10 +276,6 @@ def parse_generate(body: Any) -> GenerationRequest:
     )
 
 
-def _ns(seconds: float) -> int:
-    return int(seconds * 1e9)
-
-
 def _figures(finished: Finished, started: float, load_s: float) -> dict[str, Any]:
     """The last object's figures, as Ollama counts them: ``prompt_eval_count`` is the
     prompt tokens evaluated now (those the cache supplied are not), ``load_duration`` the
@@ -288,12 +284,12 @@ def _figures(finished: Finished, started: float, load_s: float) -> dict[str, Any
     eval_s = stats.generated_tokens / stats.gen_tps if stats.gen_tps else 0.0
     return {
         "done_reason": DONE_REASONS.get(finished.reason, "stop"),
-        "total_duration": _ns(time.perf_counter() - started),
-        "load_duration": _ns(load_s),
+        "total_duration": nanoseconds(time.perf_counter() - started),
+        "load_duration": nanoseconds(load_s),
         "prompt_eval_count": stats.prompt_tokens_evaluated,
-        "prompt_eval_duration": _ns(stats.ttft_s),
+        "prompt_eval_duration": nanoseconds(stats.ttft_s),
         "eval_count": stats.generated_tokens,
-        "eval_duration": _ns(eval_s),
+        "eval_duration": nanoseconds(eval_s),
     }
 
 
@@ -403,14 +399,14 @@ def routes(models: Router) -> list[Endpoint]:
         return JSONResponse({"version": OLLAMA_VERSION})
 
     async def listed(_request: Request) -> Response:
-        return JSONResponse(tags(served_models(models)))
+        return JSONResponse(tags(await run_in_threadpool(served_models, models)))
 
     async def loaded(_request: Request) -> Response:
-        return JSONResponse(running(served_models(models)))
+        return JSONResponse(running(await run_in_threadpool(served_models, models)))
 
     async def shown(request: Request) -> Response:
         name = show_request(await read_json(request))
-        return JSONResponse(show(served_model(models, name)))
+        return JSONResponse(show(await run_in_threadpool(served_model, models, name)))
 
     async def chat(request: Request) -> Response:
         return await respond(models, parse_chat(await read_json(request)), request, chat=True)
