@@ -38,9 +38,14 @@ def projector_file(models_dir: Path) -> Path:
     return make_projector(models_dir / "mmproj-vit-tiny.gguf", "tiny", "vit-tiny")
 
 
-def _llm(model: Path) -> llama_cpp.Llama:
+def _llm(model: Path, n_ubatch: int = 256) -> llama_cpp.Llama:
     return llama_cpp.Llama(
-        model_path=str(model), n_ctx=512, n_batch=256, n_ubatch=256, n_threads=2, verbose=False
+        model_path=str(model),
+        n_ctx=512,
+        n_batch=256,
+        n_ubatch=n_ubatch,
+        n_threads=2,
+        verbose=False,
     )
 
 
@@ -156,3 +161,25 @@ def test_a_restored_state_continues_exactly(
     other.n_tokens = starts[-1]
     other.eval(follow)
     assert not np.array_equal(_last_logits(other), _last_logits(fresh))
+
+
+def test_a_non_causal_image_is_decoded_whole(tiny_model: Path, tmp_path: Path) -> None:
+    """Gemma 3's projector decodes an image with non-causal attention: a small batch size
+    does not split it (the logits are those of one batch), and a context whose ubatch
+    cannot hold it is refused rather than split."""
+    projector = make_projector(tmp_path / "mmproj-gemma3.gguf", "tiny", "gemma3-tiny")
+    logits = []
+    for n_batch in (4, 256):
+        llm = _llm(tiny_model)
+        with Projector(projector, llm) as opened:
+            assert opened.non_causal and not opened.mrope
+            image = [c for c in opened.chunks(PROMPT, [_pixels(1)]) if c.kind == CHUNK_IMAGE]
+            assert image[0].n_tokens == PROJECTOR_SHAPES["gemma3-tiny"].image_tokens
+            opened.evaluate(PROMPT, [_pixels(1)], 0, n_batch=n_batch)
+        logits.append(_last_logits(llm))
+    assert np.array_equal(logits[0], logits[1])
+    with (
+        Projector(projector, _llm(tiny_model, n_ubatch=8)) as opened,
+        pytest.raises(ValueError, match="one ubatch"),
+    ):
+        opened.evaluate(PROMPT, [_pixels(1)], 0)

@@ -8,8 +8,9 @@ on this one beside a generated language model: libmtmd loads it as it loads a LL
 ``mmproj`` file (the same keys and tensor names as llama.cpp's converter writes), so the
 chunking, the image's token count, the decode and the KV cache are real; what the image
 "says" means nothing. LLaVA's projector is the plainest libmtmd knows: fixed-size square
-input, one token per patch, causal decode, ordinary positions (no M-RoPE). The same shape,
-width and seed always give the same bytes.
+input, one token per patch, causal decode, ordinary positions (no M-RoPE). Gemma 3's
+(``gemma3-tiny``) is the one whose image is decoded with non-causal attention. The same
+shape, width and seed always give the same bytes.
 """
 
 from __future__ import annotations
@@ -34,11 +35,13 @@ class ProjectorShape:
     n_embd: int
     n_head: int
     n_ff: int  # not n_embd: the loader takes ffn_down's width == n_embd for swapped old files
+    projector: str = "mlp"  # clip.projector_type
+    merge: int = 1  # gemma3: patches average-pooled merge x merge into one token
 
     @property
     def image_tokens(self) -> int:
         """How many positions one image takes in the language model's context."""
-        return (self.image_size // self.patch_size) ** 2
+        return (self.image_size // self.patch_size // self.merge) ** 2
 
 
 PROJECTOR_SHAPES: dict[str, ProjectorShape] = {
@@ -46,11 +49,14 @@ PROJECTOR_SHAPES: dict[str, ProjectorShape] = {
     "vit-tiny": ProjectorShape("vit-tiny", 32, 8, 2, 64, 4, 128),
     # 64 px in 8 px patches: 64 image tokens, for tests where an image should weigh more.
     "vit-small": ProjectorShape("vit-small", 64, 8, 2, 128, 4, 256),
+    # Gemma 3's projector (SigLIP tower, 2x2 average pool, RMS norm, one projection): the
+    # image is decoded with non-causal attention (``mtmd_decode_use_non_causal``), between
+    # "<start_of_image>" and "<end_of_image>" text. 64 px in 8 px patches: 16 image tokens.
+    "gemma3-tiny": ProjectorShape("gemma3-tiny", 64, 8, 2, 64, 4, 128, "gemma3", 2),
 }
 # CLIP's preprocessing constants, as LLaVA-1.5's preprocessor_config.json has them.
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
-PROJECTOR_TYPE = "mlp"  # clip.projector_type: LLaVA-1.5's two-layer GELU MLP
 
 
 def _add_metadata(writer: GGUFWriter, shape: ProjectorShape, n_embd_text: int) -> None:
@@ -58,7 +64,7 @@ def _add_metadata(writer: GGUFWriter, shape: ProjectorShape, n_embd_text: int) -
     writer.add_name(f"localchat-demo-mmproj-{shape.name}")
     writer.add_file_type(LlamaFileType.MOSTLY_F16)
     writer.add_clip_has_vision_encoder(True)
-    writer.add_clip_projector_type(PROJECTOR_TYPE)
+    writer.add_clip_projector_type(shape.projector)
     writer.add_vision_projection_dim(n_embd_text)
     writer.add_vision_image_size(shape.image_size)
     writer.add_vision_patch_size(shape.patch_size)
@@ -69,14 +75,17 @@ def _add_metadata(writer: GGUFWriter, shape: ProjectorShape, n_embd_text: int) -
     writer.add_vision_attention_layernorm_eps(1e-5)
     writer.add_vision_image_mean(list(CLIP_MEAN))
     writer.add_vision_image_std(list(CLIP_STD))
-    writer.add_vision_use_gelu(False)  # CLIP's quick GELU in the tower
+    writer.add_vision_use_gelu(shape.projector == "gemma3")  # else CLIP's quick GELU
+    if shape.merge > 1:  # Gemma 3's own is 4 (what the loader assumes without the key)
+        writer.add_vision_projector_scale_factor(shape.merge)
 
 
 def _add_tensors(
     writer: GGUFWriter, shape: ProjectorShape, n_embd_text: int, rng: np.random.Generator
 ) -> None:
-    """The tower (patch conv, positions, pre-norm, blocks) and the projector ``mm.0``/``mm.2``,
-    in llama.cpp's mmproj names; matrices F16, norms, biases and positions F32."""
+    """The tower (patch conv, positions, blocks and a norm: CLIP's before them, SigLIP's
+    after) and the projector (LLaVA's ``mm.0``/``mm.2``, Gemma 3's norm and projection), in
+    llama.cpp's mmproj names; matrices F16, norms, biases and positions F32."""
     e, p = shape.n_embd, shape.patch_size
 
     def weights(name: str, *dims: int) -> None:
@@ -89,12 +98,13 @@ def _add_tensors(
 
     weights("v.patch_embd.weight", e, 3, p, p)  # a conv kernel, as torch lays it out
     vector("v.patch_embd.bias", e)
-    n_pos = shape.image_tokens
+    n_pos = (shape.image_size // p) ** 2  # one a patch, before any merge
     writer.add_tensor(
         "v.position_embd.weight", rng.standard_normal((n_pos, e), np.float32) * np.float32(0.02)
     )
-    vector("v.pre_ln.weight", e, 1.0)
-    vector("v.pre_ln.bias", e, 0.0)
+    norm = "post_ln" if shape.projector == "gemma3" else "pre_ln"
+    vector(f"v.{norm}.weight", e, 1.0)
+    vector(f"v.{norm}.bias", e, 0.0)
     for i in range(shape.n_layer):
         for part in ("attn_q", "attn_k", "attn_v", "attn_out"):
             weights(f"v.blk.{i}.{part}.weight", e, e)
@@ -106,6 +116,11 @@ def _add_tensors(
         vector(f"v.blk.{i}.ffn_up.bias", shape.n_ff)
         weights(f"v.blk.{i}.ffn_down.weight", e, shape.n_ff)
         vector(f"v.blk.{i}.ffn_down.bias", e)
+    if shape.projector == "gemma3":
+        vector("mm.soft_emb_norm.weight", e, 1.0)
+        # Stored as the checkpoint holds it (in x out): the loader transposes it.
+        weights("mm.input_projection.weight", e, n_embd_text)
+        return
     weights("mm.0.weight", n_embd_text, e)
     vector("mm.0.bias", n_embd_text)
     weights("mm.2.weight", n_embd_text, n_embd_text)

@@ -205,11 +205,13 @@ class Projector:
         starts = [n_past]
         with self.tokenized(text, images) as chunks:
             count = mtmd.mtmd_input_chunks_size(chunks)
-            for i in range(count):
+            pieces = [mtmd.mtmd_input_chunks_get(chunks, i) for i in range(count)]
+            batches = [self._batch_for(chunk, n_batch) for chunk in pieces]  # refused whole
+            for i, (chunk, batch) in enumerate(zip(pieces, batches, strict=True)):
                 new_n_past = llama_cpp.llama_pos(0)
                 status = mtmd.mtmd_helper_eval_chunk_single(
-                    self._ctx, self._llm.ctx, mtmd.mtmd_input_chunks_get(chunks, i),
-                    starts[-1], seq_id, n_batch, i == count - 1, ctypes.byref(new_n_past),
+                    self._ctx, self._llm.ctx, chunk, starts[-1], seq_id,
+                    batch, i == count - 1, ctypes.byref(new_n_past),
                 )  # fmt: skip
                 if status != 0:
                     raise RuntimeError(
@@ -217,6 +219,25 @@ class Projector:
                     )
                 starts.append(new_n_past.value)
         return starts
+
+    def _batch_for(self, chunk: Any, n_batch: int) -> int:
+        """The batch size to decode ``chunk`` in. An image decoded non-causally must go in
+        one batch and one ubatch: libmtmd's helper splits it at ``n_batch`` and llama.cpp at
+        ``n_ubatch`` without a word, and each piece then attends only to itself (on the
+        generated Gemma 3 projector, an image split in 8s moved the next logits by 0.17)."""
+        mtmd = _lib()
+        if mtmd.mtmd_input_chunk_get_type(chunk) == CHUNK_TEXT or not (
+            mtmd.mtmd_decode_use_non_causal(self._ctx, chunk)
+        ):
+            return n_batch
+        n_tokens = int(mtmd.mtmd_input_chunk_get_n_tokens(chunk))
+        n_ubatch = int(llama_cpp.llama_n_ubatch(self._llm.ctx))
+        if n_tokens > n_ubatch:
+            raise ValueError(
+                f"an image of {n_tokens} tokens is decoded in one ubatch by this model, and "
+                f"the context's n_ubatch is {n_ubatch}"
+            )
+        return max(n_batch, n_tokens)
 
 
 def _describe(chunks: Any, index: int) -> Chunk:
