@@ -1,0 +1,260 @@
+"""Images through libmtmd (llama.cpp's multimodal library, llama-cpp-python's ``mtmd_cpp``):
+a projector opened beside a loaded language model, a prompt with images cut into chunks at
+the media marker, and the chunks evaluated into a context's sequence.
+
+The chunks are evaluated one by one with libmtmd's own helper (``mtmd_helper_eval_chunk_
+single``), as llama.cpp's server and ``mtmd-cli`` do: it encodes an image, decodes its
+embeddings in batches with the positions the model wants (M-RoPE's 2-D ones where
+``mtmd_decode_use_mrope``) and attention made non-causal for the image where
+``mtmd_decode_use_non_causal`` (Gemma 3: the whole image must then fit one ubatch). An image
+advances the position by its chunk's ``n_pos``, which is less than its ``n_tokens`` under
+M-RoPE: positions and KV cells are then no longer the same count.
+
+llama-cpp-python builds libmtmd unless ``-DLLAVA_BUILD=OFF``; ``mtmd_unavailable`` says why
+it cannot be loaded where it was built without.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+from collections import deque
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import llama_cpp
+
+from localchat.errors import ModelLoadError
+
+# libmtmd's default media marker (``mtmd_default_marker()``): where an image goes in the
+# rendered prompt, as llama.cpp's server places it. Here too without the library.
+MEDIA_MARKER = "<__media__>"
+CHUNK_TEXT, CHUNK_IMAGE, CHUNK_AUDIO = 0, 1, 2  # enum mtmd_input_chunk_type
+
+# libmtmd's last log lines: it writes to stderr otherwise (every encode says so), and a
+# failed load says why only there. Apart from runtime's capture, whose buffer lines count a
+# model's memory ("CPU compute buffer size" is a line of clip's too).
+_LOG: deque[str] = deque(maxlen=20)
+
+
+def _log_line(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
+    _LOG.append(" ".join(text.decode("utf-8", errors="replace").split()))
+
+
+_capture_log = llama_cpp.llama_log_callback(_log_line)
+
+
+@cache
+def _mtmd() -> ModuleType | str:
+    """llama-cpp-python's libmtmd bindings, or why they cannot load (imported on first use:
+    the import loads ``libmtmd.so``, which a ``-DLLAVA_BUILD=OFF`` build lacks)."""
+    try:
+        import llama_cpp.mtmd_cpp as mtmd
+    except (OSError, RuntimeError) as error:  # FileNotFoundError: the library was not built
+        return f"llama-cpp-python was built without libmtmd ({error})"
+    mtmd.mtmd_helper_log_set(_capture_log, ctypes.c_void_p(0))  # and mtmd's and clip's
+    return mtmd
+
+
+def _last_error() -> str:
+    """libmtmd's last error line, for a message."""
+    errors = [line for line in _LOG if "error" in line.lower() or "failed" in line.lower()]
+    return f": {errors[-1]}" if errors else ""
+
+
+def mtmd_unavailable() -> str | None:
+    """Why libmtmd cannot be used here, or None when it can."""
+    found = _mtmd()
+    return found if isinstance(found, str) else None
+
+
+def _lib() -> Any:
+    found = _mtmd()
+    if isinstance(found, str):
+        raise ModelLoadError(found)
+    return found
+
+
+@dataclass(frozen=True)
+class Image:
+    """One image: an encoded file's bytes (PNG, JPEG, ... as stb_image reads them), or raw
+    RGB pixels when ``width`` and ``height`` are given. Its ``key`` names it in the cache."""
+
+    data: bytes
+    width: int = 0
+    height: int = 0
+
+    @property
+    def key(self) -> str:
+        """The hash of its bytes (and, for raw pixels, its size): the same image is the same
+        chunk in every prompt and state, a different one never is."""
+        digest = hashlib.sha256(self.data)
+        if self.width:
+            digest.update(f"{self.width}x{self.height}".encode())
+        return digest.hexdigest()
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """One piece of a tokenized prompt: text (its token ids) or an image (its key)."""
+
+    kind: int
+    n_tokens: int  # embeddings (an image) or token ids (text) it puts in the KV cache
+    n_pos: int  # positions it advances: an M-RoPE image takes fewer than its n_tokens
+    tokens: tuple[int, ...] = ()
+    image_key: str = ""
+
+
+class Projector:
+    """A projector (``mmproj`` GGUF) opened for one loaded language model."""
+
+    def __init__(self, path: Path, llm: llama_cpp.Llama, n_threads: int = 2) -> None:
+        mtmd = _lib()
+        params = mtmd.mtmd_context_params_default()
+        params.use_gpu = False
+        params.n_threads = n_threads
+        params.print_timings = False
+        params.warmup = False
+        self._llm = llm
+        self._ctx = mtmd.mtmd_init_from_file(str(path).encode(), llm.model, params)
+        if not self._ctx:
+            raise ModelLoadError(f"libmtmd could not load the projector {path}{_last_error()}")
+        self.mrope: bool = bool(mtmd.mtmd_decode_use_mrope(self._ctx))
+        self.vision: bool = bool(mtmd.mtmd_support_vision(self._ctx))
+        # Whether an image is decoded with non-causal attention (one ubatch for all of it).
+        self.non_causal: bool = bool(mtmd.mtmd_decode_use_non_causal(self._ctx, None))
+
+    def close(self) -> None:
+        """Free libmtmd's context (the language model stays loaded)."""
+        if self._ctx:
+            _lib().mtmd_free(self._ctx)
+            self._ctx = None
+
+    def __enter__(self) -> Projector:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.close()
+
+    @contextmanager
+    def tokenized(self, text: str, images: Sequence[Image]) -> Iterator[Any]:
+        """libmtmd's chunks of ``text`` with ``images`` at its markers, one image a marker
+        (special tokens parsed, BOS per the vocabulary), freed on leaving."""
+        mtmd = _lib()
+        bitmaps = [self._bitmap(image) for image in images]
+        chunks = mtmd.mtmd_input_chunks_init()
+        try:
+            raw = text.encode()
+            prompt = mtmd.mtmd_input_text(raw, len(raw), True, True)
+            array = (mtmd.mtmd_bitmap_p_ctypes * len(bitmaps))(*bitmaps)
+            status = mtmd.mtmd_tokenize(
+                self._ctx, chunks, ctypes.byref(prompt), array, len(bitmaps)
+            )
+            if status != 0:  # 1: markers and images do not pair up; 2: preprocessing failed
+                raise ValueError(f"libmtmd could not tokenize the prompt (status {status})")
+            yield chunks
+        finally:
+            mtmd.mtmd_input_chunks_free(chunks)
+            for bitmap in bitmaps:
+                mtmd.mtmd_bitmap_free(bitmap)
+
+    def _bitmap(self, image: Image) -> Any:
+        """libmtmd's bitmap of ``image``, its id the image's key."""
+        mtmd = _lib()
+        if image.width:
+            pixels = (ctypes.c_uint8 * len(image.data)).from_buffer_copy(image.data)
+            bitmap = mtmd.mtmd_bitmap_init(image.width, image.height, pixels)
+        else:
+            buffer = (ctypes.c_ubyte * len(image.data)).from_buffer_copy(image.data)
+            bitmap = mtmd.mtmd_helper_bitmap_init_from_buf(
+                self._ctx, buffer, len(image.data), False
+            )
+        if not bitmap:
+            raise ValueError("libmtmd could not read the image")
+        mtmd.mtmd_bitmap_set_id(bitmap, image.key.encode())
+        return bitmap
+
+    def chunks(self, text: str, images: Sequence[Image] = ()) -> list[Chunk]:
+        """What ``text`` with ``images`` becomes: its chunks, in order."""
+        with self.tokenized(text, images) as chunks:
+            return [_describe(chunks, i) for i in range(_lib().mtmd_input_chunks_size(chunks))]
+
+    def image_tokens(self, image: Image) -> int:
+        """How many KV cells ``image`` takes (its chunk's n_tokens; a marker alone, so no
+        text is counted: a projector with begin/end-of-image tokens puts them in text)."""
+        return sum(c.n_tokens for c in self.chunks(MEDIA_MARKER, [image]) if c.kind != CHUNK_TEXT)
+
+    def evaluate(
+        self,
+        text: str,
+        images: Sequence[Image],
+        n_past: int,
+        seq_id: int = 0,
+        n_batch: int = 512,
+    ) -> list[int]:
+        """Evaluate ``text`` with ``images`` into the model's context after position
+        ``n_past``, logits for the last position only; returns the position each chunk
+        started at and, last, the position after them all (the new n_past). Bypasses
+        ``Llama``'s own token record (``input_ids``, ``n_tokens``): the caller keeps it."""
+        mtmd = _lib()
+        starts = [n_past]
+        with self.tokenized(text, images) as chunks:
+            count = mtmd.mtmd_input_chunks_size(chunks)
+            pieces = [mtmd.mtmd_input_chunks_get(chunks, i) for i in range(count)]
+            batches = [self._batch_for(chunk, n_batch) for chunk in pieces]  # refused whole
+            for i, (chunk, batch) in enumerate(zip(pieces, batches, strict=True)):
+                new_n_past = llama_cpp.llama_pos(0)
+                status = mtmd.mtmd_helper_eval_chunk_single(
+                    self._ctx, self._llm.ctx, chunk, starts[-1], seq_id,
+                    batch, i == count - 1, ctypes.byref(new_n_past),
+                )  # fmt: skip
+                if status != 0:
+                    raise RuntimeError(
+                        f"libmtmd could not evaluate chunk {i} (status {status}){_last_error()}"
+                    )
+                starts.append(new_n_past.value)
+        return starts
+
+    def _batch_for(self, chunk: Any, n_batch: int) -> int:
+        """The batch size to decode ``chunk`` in. An image decoded non-causally must go in
+        one batch and one ubatch: libmtmd's helper splits it at ``n_batch`` and llama.cpp at
+        ``n_ubatch`` without a word, and each piece then attends only to itself (on the
+        generated Gemma 3 projector, an image split in 8s moved the next logits by 0.17)."""
+        mtmd = _lib()
+        if mtmd.mtmd_input_chunk_get_type(chunk) == CHUNK_TEXT or not (
+            mtmd.mtmd_decode_use_non_causal(self._ctx, chunk)
+        ):
+            return n_batch
+        n_tokens = int(mtmd.mtmd_input_chunk_get_n_tokens(chunk))
+        n_ubatch = int(llama_cpp.llama_n_ubatch(self._llm.ctx))
+        if n_tokens > n_ubatch:
+            raise ValueError(
+                f"an image of {n_tokens} tokens is decoded in one ubatch by this model, and "
+                f"the context's n_ubatch is {n_ubatch}"
+            )
+        return max(n_batch, n_tokens)
+
+
+def _describe(chunks: Any, index: int) -> Chunk:
+    """Chunk ``index`` of libmtmd's ``chunks`` as plain data."""
+    mtmd = _lib()
+    chunk = mtmd.mtmd_input_chunks_get(chunks, index)
+    kind = int(mtmd.mtmd_input_chunk_get_type(chunk))
+    tokens: tuple[int, ...] = ()
+    if kind == CHUNK_TEXT:
+        size = ctypes.c_size_t(0)
+        ids = mtmd.mtmd_input_chunk_get_tokens_text(chunk, ctypes.byref(size))
+        tokens = tuple(int(ids[i]) for i in range(size.value))
+    key = mtmd.mtmd_input_chunk_get_id(chunk)
+    return Chunk(
+        kind=kind,
+        n_tokens=int(mtmd.mtmd_input_chunk_get_n_tokens(chunk)),
+        n_pos=int(mtmd.mtmd_input_chunk_get_n_pos(chunk)),
+        tokens=tokens,
+        image_key=key.decode() if key else "",
+    )

@@ -1,0 +1,185 @@
+"""Images through libmtmd on generated models: the demo LM with a generated LLaVA-style
+projector (``models/demo_vision.py``). Skipped where llama-cpp-python was built without
+libmtmd (the README's install command still passes ``-DLLAVA_BUILD=OFF``)."""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import struct
+from collections.abc import Iterator
+from pathlib import Path
+
+import llama_cpp
+import numpy as np
+import pytest
+
+from localchat.backends.llama.vision import (
+    CHUNK_IMAGE,
+    CHUNK_TEXT,
+    MEDIA_MARKER,
+    Image,
+    Projector,
+    mtmd_unavailable,
+)
+from localchat.errors import ModelLoadError
+from localchat.models.demo_vision import PROJECTOR_SHAPES, make_projector
+
+pytestmark = pytest.mark.skipif(
+    mtmd_unavailable() is not None, reason=mtmd_unavailable() or "libmtmd loads"
+)
+
+PROMPT = f"<|im_start|>user\nLook: {MEDIA_MARKER} what is it?<|im_end|>\n<|im_start|>assistant\n"
+FOLLOW = "A cat.<|im_end|>\n<|im_start|>user\nAnd now?<|im_end|>\n<|im_start|>assistant\n"
+
+
+@pytest.fixture(scope="module")
+def projector_file(models_dir: Path) -> Path:
+    return make_projector(models_dir / "mmproj-vit-tiny.gguf", "tiny", "vit-tiny")
+
+
+def _llm(model: Path, n_ubatch: int = 256) -> llama_cpp.Llama:
+    return llama_cpp.Llama(
+        model_path=str(model),
+        n_ctx=512,
+        n_batch=256,
+        n_ubatch=n_ubatch,
+        n_threads=2,
+        verbose=False,
+    )
+
+
+@pytest.fixture
+def opened(tiny_model: Path, projector_file: Path) -> Iterator[tuple[llama_cpp.Llama, Projector]]:
+    llm = _llm(tiny_model)
+    with Projector(projector_file, llm) as projector:
+        yield llm, projector
+
+
+def _pixels(seed: int, width: int = 40, height: int = 30) -> Image:
+    """Random RGB pixels, not square and not the projector's size: libmtmd resizes them."""
+    data = np.random.default_rng(seed).integers(0, 256, width * height * 3, dtype=np.uint8)
+    return Image(data.tobytes(), width, height)
+
+
+def _bmp(width: int, height: int) -> bytes:
+    """A 24-bit BMP file (stb_image reads it; no imaging package needed)."""
+    row = b"".join(bytes((x * 7 % 256, x * 3 % 256, 128)) for x in range(width))
+    row += b"\0" * (-len(row) % 4)
+    pixels = row * height
+    header = struct.pack("<2sIHHI", b"BM", 54 + len(pixels), 0, 0, 54)
+    info = struct.pack("<IiiHHIIiiII", 40, width, height, 1, 24, 0, len(pixels), 2835, 2835, 0, 0)
+    return header + info + pixels
+
+
+def _last_logits(llm: llama_cpp.Llama) -> np.ndarray:
+    n_vocab = llm.n_vocab()
+    return np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm.ctx, -1), (n_vocab,)).copy()
+
+
+def _save(llm: llama_cpp.Llama) -> bytes:
+    size = llama_cpp.llama_state_seq_get_size(llm.ctx, 0)
+    buffer = (ctypes.c_uint8 * size)()
+    written = llama_cpp.llama_state_seq_get_data(llm.ctx, buffer, size, 0)
+    return bytes(memoryview(buffer)[:written])
+
+
+def _load(llm: llama_cpp.Llama, data: bytes) -> int:
+    buffer = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
+    return int(llama_cpp.llama_state_seq_set_data(llm.ctx, buffer, len(data), 0))
+
+
+def test_the_marker_is_libmtmds_default() -> None:
+    import llama_cpp.mtmd_cpp as mtmd
+
+    assert mtmd.mtmd_default_marker().decode() == MEDIA_MARKER
+
+
+def test_an_image_is_one_chunk_at_its_marker(opened: tuple[llama_cpp.Llama, Projector]) -> None:
+    llm, projector = opened
+    image = _pixels(1)
+    chunks = projector.chunks(PROMPT, [image])
+    assert [c.kind for c in chunks] == [CHUNK_TEXT, CHUNK_IMAGE, CHUNK_TEXT]
+    before, _, after = PROMPT.partition(MEDIA_MARKER)
+    assert list(chunks[0].tokens) == llm.tokenize(before.encode(), add_bos=True, special=True)
+    assert list(chunks[2].tokens) == llm.tokenize(after.encode(), add_bos=False, special=True)
+    expected = PROJECTOR_SHAPES["vit-tiny"].image_tokens
+    assert chunks[1].n_tokens == chunks[1].n_pos == expected == projector.image_tokens(image)
+    assert chunks[1].image_key == image.key
+    assert not projector.mrope and not projector.non_causal and projector.vision
+
+
+def test_an_encoded_file_is_read_and_keyed_by_its_hash(
+    opened: tuple[llama_cpp.Llama, Projector],
+) -> None:
+    _, projector = opened
+    data = _bmp(20, 12)
+    bos, image = projector.chunks(MEDIA_MARKER, [Image(data)])  # BOS: the vocabulary adds it
+    assert bos.kind == CHUNK_TEXT and bos.tokens == (1,)
+    assert image.kind == CHUNK_IMAGE and image.image_key == hashlib.sha256(data).hexdigest()
+
+
+def test_a_projector_for_another_width_is_refused_with_libmtmds_reason(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    wrong = make_projector(tmp_path / "mmproj-small.gguf", "small", "vit-tiny")
+    with pytest.raises(ModelLoadError, match="mismatch between text model"):
+        Projector(wrong, _llm(tiny_model))
+
+
+def test_markers_and_images_must_pair_up(opened: tuple[llama_cpp.Llama, Projector]) -> None:
+    _, projector = opened
+    with pytest.raises(ValueError, match="tokenize"):
+        projector.chunks(PROMPT, [])
+
+
+def test_a_restored_state_continues_exactly(
+    tiny_model: Path, projector_file: Path, opened: tuple[llama_cpp.Llama, Projector]
+) -> None:
+    """Text, image, text evaluated and the sequence's state saved; restored into a fresh
+    context, the next turn's logits are the fresh evaluation's, bit for bit: the state holds
+    the image (no projector needed to resume), and a different image changes them."""
+    llm, projector = opened
+    starts = projector.evaluate(PROMPT, [_pixels(1)], 0)
+    state = _save(llm)
+    follow = llm.tokenize(FOLLOW.encode(), add_bos=False, special=True)
+
+    restored = _llm(tiny_model)
+    assert _load(restored, state) == len(state)
+    restored.n_tokens = starts[-1]
+    restored.eval(follow)
+    fresh = _llm(tiny_model)
+    with Projector(projector_file, fresh) as again:
+        assert again.evaluate(PROMPT, [_pixels(1)], 0) == starts
+    fresh.n_tokens = starts[-1]
+    fresh.eval(follow)
+    assert np.array_equal(_last_logits(restored), _last_logits(fresh))
+
+    other = _llm(tiny_model)
+    with Projector(projector_file, other) as again:
+        again.evaluate(PROMPT, [_pixels(2)], 0)
+    other.n_tokens = starts[-1]
+    other.eval(follow)
+    assert not np.array_equal(_last_logits(other), _last_logits(fresh))
+
+
+def test_a_non_causal_image_is_decoded_whole(tiny_model: Path, tmp_path: Path) -> None:
+    """Gemma 3's projector decodes an image with non-causal attention: a small batch size
+    does not split it (the logits are those of one batch), and a context whose ubatch
+    cannot hold it is refused rather than split."""
+    projector = make_projector(tmp_path / "mmproj-gemma3.gguf", "tiny", "gemma3-tiny")
+    logits = []
+    for n_batch in (4, 256):
+        llm = _llm(tiny_model)
+        with Projector(projector, llm) as opened:
+            assert opened.non_causal and not opened.mrope
+            image = [c for c in opened.chunks(PROMPT, [_pixels(1)]) if c.kind == CHUNK_IMAGE]
+            assert image[0].n_tokens == PROJECTOR_SHAPES["gemma3-tiny"].image_tokens
+            opened.evaluate(PROMPT, [_pixels(1)], 0, n_batch=n_batch)
+        logits.append(_last_logits(llm))
+    assert np.array_equal(logits[0], logits[1])
+    with (
+        Projector(projector, _llm(tiny_model, n_ubatch=8)) as opened,
+        pytest.raises(ValueError, match="one ubatch"),
+    ):
+        opened.evaluate(PROMPT, [_pixels(1)], 0)
