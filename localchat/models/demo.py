@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import os
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -160,6 +160,27 @@ def write_staged(
         tmp.unlink(missing_ok=True)  # a full disk leaves no half file behind
         raise
     tmp.replace(out)
+
+
+def write_gguf_staged(out: Path, architecture: str, fill: Callable[[GGUFWriter], None]) -> Path:
+    """A GGUF of ``architecture`` whose metadata and tensors ``fill`` adds, written into a
+    hidden file beside ``out`` and renamed in once whole (the generated embedder and
+    projectors); returns ``out``."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp")
+    writer = GGUFWriter(str(tmp), architecture)
+    try:
+        fill(writer)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+    except BaseException:
+        writer.close()
+        tmp.unlink(missing_ok=True)  # a full disk leaves no half file behind
+        raise
+    writer.close()
+    tmp.replace(out)
+    return out
 
 
 def write_over(

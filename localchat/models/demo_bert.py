@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 from gguf import GGUFWriter, LlamaFileType, PoolingType, TokenType
 
+from localchat.models.demo import write_gguf_staged
 from localchat.models.demo_vocab import build_vocab
 
 
@@ -125,22 +126,12 @@ def _add_tensors(writer: GGUFWriter, shape: BertShape, rng: np.random.Generator)
 def make_embedding_model(out: Path, shape: str = "bert-tiny", seed: int = 0) -> Path:
     """Write a generated BERT embedder (F16) to ``out``, staged beside it; returns ``out``."""
     dims = EMBEDDING_SHAPES[shape]
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp")
-    writer = GGUFWriter(str(tmp), "bert")
-    try:
+
+    def fill(writer: GGUFWriter) -> None:
         _add_metadata(writer, dims)
         _add_tensors(writer, dims, np.random.default_rng(seed))
-        writer.write_header_to_file()
-        writer.write_kv_data_to_file()
-        writer.write_tensors_to_file()
-    except BaseException:
-        writer.close()
-        tmp.unlink(missing_ok=True)
-        raise
-    writer.close()
-    tmp.replace(out)
-    return out
+
+    return write_gguf_staged(out, "bert", fill)
 
 
 def ensure_embedding_model(directory: Path, shape: str = "bert-tiny", seed: int = 0) -> Path:

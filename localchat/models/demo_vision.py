@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 from gguf import GGUFWriter, LlamaFileType
 
+from localchat.models.demo import write_gguf_staged
 from localchat.models.demo_shapes import SHAPES
 
 
@@ -134,22 +135,12 @@ def make_projector(
     model's ``n_embd``, which libmtmd checks at load) to ``out``, staged beside it."""
     dims = PROJECTOR_SHAPES[shape]
     n_embd_text = SHAPES[lm_shape].n_embd
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp")
-    writer = GGUFWriter(str(tmp), "clip")
-    try:
+
+    def fill(writer: GGUFWriter) -> None:
         _add_metadata(writer, dims, n_embd_text)
         _add_tensors(writer, dims, n_embd_text, np.random.default_rng(seed))
-        writer.write_header_to_file()
-        writer.write_kv_data_to_file()
-        writer.write_tensors_to_file()
-    except BaseException:
-        writer.close()
-        tmp.unlink(missing_ok=True)
-        raise
-    writer.close()
-    tmp.replace(out)
-    return out
+
+    return write_gguf_staged(out, "clip", fill)
 
 
 def projector_path(directory: Path, lm_shape: str = "tiny", shape: str = "vit-tiny") -> Path:
