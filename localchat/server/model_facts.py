@@ -37,7 +37,6 @@ class ServedModel:
     modified_at: float  # the file's mtime
     path: Path
     status: str = "loaded"  # "loaded", "loading" or "unloaded"
-    idle_s: float | None = None  # since its last request (None: answering, or not loaded)
     expires_in_s: float | None = None  # until keep_alive unloads it (None: never)
     memory_bytes: int = 0  # loaded: its weights and its sequences' caches
 
@@ -89,7 +88,7 @@ def described(status: ModelStatus) -> ServedModel:
         size_bytes=stat.st_size, quantization=quant, n_ctx=n_ctx, n_ctx_train=trained,
         n_vocab=vocab, slots=slots, template=template, capabilities=_capabilities(template),
         digest=digest, modified_at=stat.st_mtime, path=entry.path, status=status.state,
-        idle_s=status.idle_s, expires_in_s=status.expires_in_s,
+        expires_in_s=status.expires_in_s,
         memory_bytes=runner.memory_bytes if runner is not None else 0,
     )  # fmt: skip
 

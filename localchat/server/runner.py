@@ -80,13 +80,6 @@ class TurnRecord:
         )
 
 
-def prometheus_text(rows: list[tuple[str, str, str, float]]) -> str:
-    lines = []
-    for name, kind, text, value in rows:
-        lines += [f"# HELP {name} {text}", f"# TYPE {name} {kind}", f"{name} {value}"]
-    return "\n".join(lines) + "\n"
-
-
 class ModelRunner:
     """One loaded model serving requests side by side, with its prompt cache on disk."""
 
@@ -326,10 +319,6 @@ class ModelRunner:
                  self.scheduler.interrupted_steps),
             ]  # fmt: skip
         return rows
-
-    def metrics(self) -> str:
-        """Prometheus text of this model's figures."""
-        return prometheus_text(self.metric_rows())
 
     def close(self) -> None:
         """Finish the saves under way (a stopped server keeps every state it promised, and

@@ -15,7 +15,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 from localchat.server.model_facts import ServedModel, served_model, served_models
 from localchat.server.requests import ApiError
 from localchat.server.router import Router
-from localchat.server.runner import ModelRunner, prometheus_text
+from localchat.server.runner import ModelRunner
 from localchat.server.wire import Endpoint, read_json
 
 if TYPE_CHECKING:
@@ -93,6 +93,13 @@ def _named_model(body: Any) -> str:
     return name
 
 
+def _prometheus_text(rows: list[tuple[str, str, str, float]]) -> str:
+    lines = []
+    for name, kind, text, value in rows:
+        lines += [f"# HELP {name} {text}", f"# TYPE {name} {kind}", f"{name} {value}"]
+    return "\n".join(lines) + "\n"
+
+
 def _models_metrics(loaded: list[ModelRunner]) -> str:
     """The loaded models' figures, summed (a cache's fill: the fullest model's), and how
     many models are loaded."""
@@ -108,7 +115,7 @@ def _models_metrics(loaded: list[ModelRunner]) -> str:
             totals[name] = (kind, text, merged)
     rows = [(name, kind, text, value) for name, (kind, text, value) in totals.items()]
     rows.append(("localchat:models_loaded", "gauge", "models in memory", len(loaded)))
-    return prometheus_text(rows)
+    return _prometheus_text(rows)
 
 
 def _models_body(served: list[ServedModel]) -> dict[str, Any]:
