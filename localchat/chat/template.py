@@ -25,6 +25,7 @@ from typing import Any
 from jinja2 import TemplateError
 
 from localchat.chat.formats import BUILTIN
+from localchat.chat.images import with_image_markers
 from localchat.chat.sandbox import (
     CHARS_PER_MESSAGE_CHAR,
     RENDER_CHARS,
@@ -42,6 +43,13 @@ class ChatMessage:
     content: str
     tool_calls: tuple[ToolCall, ...] = ()  # an assistant's calls
     tool_call_id: str = ""  # a tool result: the call it answers
+    images: tuple[str, ...] = ()  # a user message's images: each one's key (``chat.images``)
+
+    def with_markers(self) -> ChatMessage:
+        """The message with its images as markers in its text (``chat.images``)."""
+        if not self.images:
+            return self
+        return replace(self, content=with_image_markers(self.content, self.images), images=())
 
     def as_template_message(self, arguments_as_text: bool = False) -> dict[str, Any]:
         """The message as templates index it (OpenAI's shape; keys only where set: some
@@ -200,7 +208,8 @@ class ChatTemplate:
         """The prompt text; ``now`` is what ``strftime_now`` reports (a conversation pins its
         start, so a template that writes today's date gives the same text on every day).
         ``tools`` go to the template, or, where it renders none (``tool_family`` generic),
-        into the system prompt with the generic call format."""
+        into the system prompt with the generic call format. Images go in as markers."""
+        messages = [message.with_markers() for message in messages]
         if self.tool_family == "generic":  # no tools in the template: the polyfill's
             messages = _calls_as_text(messages)
             if tools:
