@@ -157,6 +157,11 @@ class Backend(Protocol):
         here): a quitting app need not close it. A server's client is closed."""
         ...
 
+    def images_refused(self) -> str | None:
+        """Why a message with images cannot go to this backend, in one line that says what
+        to do (None: it reads them)."""
+        ...
+
     def describe(self) -> BackendView:
         """What answers, in words for the app and ``ask --json``."""
         ...

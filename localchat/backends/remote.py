@@ -256,6 +256,12 @@ class RemoteBackend:
         """Its client holds connections: closed, even when the app quits."""
         return False
 
+    def images_refused(self) -> str | None:
+        return (
+            f"images are not sent to a server yet ({self.server}); run a vision model"
+            " here with --model-path and --mmproj"
+        )
+
     def describe(self) -> BackendView:
         context = f"ctx {self._context}" if self._context else "ctx not published by the server"
         return BackendView(

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
 from localchat.chat.attachments import check_fits, read_attachment, with_attachments
+from localchat.chat.image_files import is_image_path, read_image_file
 from localchat.cli.interrupt import EXIT_INTERRUPTED
 from localchat.cli.models import default_model, library, pull
 from localchat.cli.parser import EXIT_USAGE, launch_flags
@@ -29,7 +30,15 @@ if TYPE_CHECKING:
     from localchat.tools.loop import CallRecord
 
 # The flags that say how a local model runs: a server decides that itself.
-LOCAL_ONLY_FLAGS = ("model_path", "template", "kv_type", "threads", "speculative", "draft_model")
+LOCAL_ONLY_FLAGS = (
+    "model_path",
+    "template",
+    "kv_type",
+    "threads",
+    "speculative",
+    "draft_model",
+    "mmproj",
+)
 
 
 def cmd_ask(args: argparse.Namespace, out: TextIO) -> int:
@@ -73,8 +82,10 @@ def _read_message(args: argparse.Namespace) -> None:
     if args.fresh and not args.conversation:
         raise UsageError("--fresh needs --conversation NAME (a one-off ask has no saved state)")
     args.message = _message_text(args.message, sys.stdin)
-    args.attachments = [read_attachment(path) for path in args.attach]
+    pictures = [*args.image, *(path for path in args.attach if is_image_path(path))]
+    args.attachments = [read_attachment(p) for p in args.attach if p not in pictures]
     args.message = with_attachments(args.message, args.attachments)
+    args.pictures = [read_image_file(path) for path in pictures]  # checked, nothing stored
 
 
 def _replies(
@@ -92,9 +103,10 @@ def _replies(
     backend = session.backend
     assert backend is not None
     _report_attachments(args, backend.count_tokens, backend.context_size, max_tokens)
+    images = _stored_images(args, backend, session)
     tool_use = _tool_use(args, session)
     if not args.conversation:
-        messages = _one_off_messages(args)
+        messages = _one_off_messages(args, images)
         states = session.states or StateStore(session.paths.states_dir, settings.state_budget_bytes)
         return OneOffReplies(
             backend,
@@ -110,7 +122,23 @@ def _replies(
     assert conversation is not None  # a backend and a database: it opens or raises
     if tool_use != conversation.tool_use:  # it was offered the default choice
         conversation.offer_tools(tool_use)
-    return ConversationReplies(conversation, sampling, max_tokens, cancel, args.message, args.fresh)
+    return ConversationReplies(
+        conversation, sampling, max_tokens, cancel, args.message, args.fresh, images
+    )
+
+
+def _stored_images(args: argparse.Namespace, backend: Backend, session: Session) -> tuple[str, ...]:
+    """The images shown, put in the data folder's store (each once, by its bytes' hash) once
+    the model is known to read them: one that cannot is refused before anything is kept."""
+    if not args.pictures:
+        return ()
+    refused = backend.images_refused()
+    if refused:
+        raise UsageError(refused)
+    from localchat.state.images import ImageStore
+
+    store = ImageStore(session.paths.images_dir)
+    return tuple(store.put(picture).key for picture in args.pictures)
 
 
 def _tool_use(args: argparse.Namespace, session: Session) -> ToolUse | None:
@@ -193,12 +221,12 @@ def _message_text(message: str | None, stdin: TextIO) -> str:
     return text.rstrip("\n")
 
 
-def _one_off_messages(args: argparse.Namespace) -> list[ChatMessage]:
+def _one_off_messages(args: argparse.Namespace, images: tuple[str, ...]) -> list[ChatMessage]:
     """A one-off ask's messages: the system prompt if given, then the user's."""
     from localchat.chat.template import ChatMessage
 
     messages = [ChatMessage("system", args.system)] if args.system else []
-    messages.append(ChatMessage("user", args.message))
+    messages.append(ChatMessage("user", args.message, images=images))
     return messages
 
 

@@ -104,6 +104,13 @@ def _load_flags(parser: argparse.ArgumentParser, default: Any = None) -> None:
         help="a smaller model of the same family that drafts tokens for the big one to verify"
         " (default: the draft_model setting, else the one the catalog names where it pays)",
     )
+    parser.add_argument(
+        "--mmproj",
+        metavar="FILE|none",
+        default=default,
+        help="the vision projector that lets the model read images (default: the mmproj-*.gguf"
+        " beside the model that fits it; none: no images)",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -273,7 +280,16 @@ def _ask_message_flags(ask: argparse.ArgumentParser) -> None:
         type=Path,
         action="append",
         default=[],
-        help="put a text file (code, Markdown, logs) into the message, under its name; repeatable",
+        help="put a file into the message: a text file (code, Markdown, logs) under its name,"
+        " an image (PNG, JPEG, GIF, BMP, WebP) for a vision model to read; repeatable",
+    )
+    ask.add_argument(
+        "--image",
+        metavar="FILE",
+        type=Path,
+        action="append",
+        default=[],
+        help="show the model an image (PNG, JPEG, GIF, BMP, WebP); repeatable",
     )
 
 
@@ -425,4 +441,5 @@ def launch_flags(args: argparse.Namespace) -> LaunchOptions:
         kv_type=getattr(args, "kv_type", None),
         speculative=getattr(args, "speculative", None),
         draft_model=getattr(args, "draft_model", None),
+        projector=getattr(args, "mmproj", None),
     )

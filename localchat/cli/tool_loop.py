@@ -98,11 +98,17 @@ class ConversationReplies:
     cancel: threading.Event
     message: str
     fresh: bool = False
+    images: tuple[str, ...] = ()  # the keys of the images the message shows
 
     def first(self) -> ConversationTurn:
         """The reply to the user's message (``fresh``: evaluated from scratch)."""
         return self.conversation.send(
-            self.message, self.sampling, self.max_tokens, self.cancel, fresh=self.fresh
+            self.message,
+            self.sampling,
+            self.max_tokens,
+            self.cancel,
+            fresh=self.fresh,
+            images=self.images,
         )
 
     def wait_saved(self) -> str | None:

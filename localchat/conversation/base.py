@@ -215,7 +215,11 @@ class ConversationBase:
         committed = []
         for message in messages:
             record = self.store.add_message(
-                self.record.id, message.role, message.content, tool_call_id=message.tool_call_id
+                self.record.id,
+                message.role,
+                message.content,
+                tool_call_id=message.tool_call_id,
+                images=message.images,
             )
             committed.append(Exchange(record, record.chat_message))
         self.exchanges.extend(committed)
@@ -272,15 +276,19 @@ class ConversationBase:
         cancel: threading.Event | None = None,
         fresh: bool = False,
         entered_at: float | None = None,
+        images: tuple[str, ...] = (),
     ) -> ConversationTurn:
         """Commit the user's message, then start the reply the backend's way; a reply that
         cannot start hands the message back and leaves the conversation as it was.
         ``entered_at``: when the user sent it (``time.perf_counter``), if before this call;
-        ``fresh``: rebuild a cache kept here from the transcript (a server keeps its own)."""
+        ``fresh``: rebuild a cache kept here from the transcript (a server keeps its own);
+        ``images``: the keys of the images it shows (kept in the data folder's store), refused
+        before anything is stored where the backend reads none."""
+        if images and (refused := self.backend.images_refused()):
+            raise UsageError(refused)
         self._answer_unanswered_calls()
-        return self._turn(
-            [ChatMessage("user", text)], sampling, max_tokens, cancel, fresh, entered_at
-        )
+        message = ChatMessage("user", text, images=images)
+        return self._turn([message], sampling, max_tokens, cancel, fresh, entered_at)
 
     def send_results(
         self,

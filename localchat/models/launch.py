@@ -32,3 +32,5 @@ class LaunchOptions:
     # engine's rule; ``serve``'s router plans each model as ``hw`` would).
     flash_attn: bool | None = None
     n_ubatch: int | None = None
+    # The vision projector: a file, "none" (no images), or None (the one beside the model).
+    projector: str | None = None

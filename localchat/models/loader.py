@@ -12,13 +12,16 @@ from localchat.backends.compute_thread import run_compute
 from localchat.backends.llama.engine import DEFAULT_CTX as ENGINE_DEFAULT_CTX
 from localchat.backends.llama.engine import Engine, LoadOptions
 from localchat.errors import UsageError
+from localchat.gguf.info import file_fingerprint
 from localchat.models.catalog import catalog_draft, catalog_template
 from localchat.models.draft_plan import DraftPlan
 from localchat.models.hardware import detect_hardware
 from localchat.models.launch import LaunchOptions
 from localchat.models.library import Library
+from localchat.models.projectors import chosen_projector
 from localchat.models.speed import calibrated_step_costs
 from localchat.paths import AppPaths
+from localchat.state.images import ImageStore
 
 Say = Callable[[str], object]
 
@@ -44,6 +47,7 @@ class ModelLoader:
         speculative = launch.speculative or "auto"
         kv_type = launch.kv_type or "f16"
         draft = None if launch.lookup_only else self._draft_plan(path, launch, say)
+        projector = chosen_projector(path, launch.projector)
         options = LoadOptions(
             n_ctx=launch.n_ctx,
             n_threads=launch.n_threads,
@@ -57,13 +61,22 @@ class ModelLoader:
             draft_step_cost=draft.step_cost if draft else None,
             own_cells=launch.own_cells,
             flash_attn=launch.flash_attn,
-            **({"n_ubatch": launch.n_ubatch} if launch.n_ubatch else {}),
+            n_ubatch=launch.n_ubatch or LoadOptions.n_ubatch,
+            projector=projector,
+            images=ImageStore(self.paths.images_dir) if projector else None,
+            embeddings_dir=self._embeddings_dir(projector),
         )
         engine = Engine(path, options) if on_this_thread else run_compute(Engine, path, options)
         unused = engine.draft_model_unused
         if unused and (launch.draft_model or speculative == "draft"):
             say(unused)
         return engine
+
+    def _embeddings_dir(self, projector: Path | None) -> Path | None:
+        """Where a projector's encoded images are kept: a folder per projector file."""
+        if projector is None:
+            return None
+        return self.paths.image_embeddings_dir / file_fingerprint(projector)[:32]
 
     def _draft_plan(self, target: Path, launch: LaunchOptions, say: Say) -> DraftPlan | None:
         """The draft model and what the calibration says of it: the one the launch names;

@@ -91,7 +91,10 @@ class LibrarySource:
         warn: Callable[[str], object] | None = None,
     ) -> None:
         # Replies are decoded side by side, each drafting by prompt lookup where it pays.
-        self.launch = replace(launch, lookup_only=True, own_cells=OWN_CELLS, draft_model=None)
+        # No projector yet: the server's batches decode text only (images are refused).
+        self.launch = replace(
+            launch, lookup_only=True, own_cells=OWN_CELLS, draft_model=None, projector="none"
+        )
         self.loader = ModelLoader(paths)
         self.states = states
         self.parallel = parallel

@@ -21,6 +21,7 @@ from typing import Any
 import llama_cpp
 import numpy as np
 
+from localchat.backends.llama.image_positions import starts_image
 from localchat.backends.llama.internals import drop_cells_from, logits_stale, set_logits_stale
 from localchat.backends.llama.recording import RecordingLlama
 from localchat.chat.prompt import common_prefix
@@ -196,7 +197,10 @@ class KVCache:
         """
         bounds = [*batch_starts, len(tokens)]
         valid = bool(batch_starts) and batch_starts[0] == 0
-        valid = valid and all(0 < b - a <= self.n_batch for a, b in itertools.pairwise(bounds))
+        valid = valid and all(
+            0 < b - a <= self.n_batch or starts_image(tokens[a])  # an image is decoded whole
+            for a, b in itertools.pairwise(bounds)
+        )
         if not valid or len(tokens) >= self.n_ctx:
             return False
         self.reset()
@@ -211,7 +215,8 @@ class KVCache:
     def extend(self, tokens: Sequence[int]) -> None:
         """Evaluate ``tokens`` after what the cache holds, as one batch (at most ``n_batch``):
         reading a message ahead adds a few tokens at a time (past ``committed``)."""
-        if len(tokens) > self.n_batch or self._llm.n_tokens + len(tokens) >= self.n_ctx:
+        text = sum(1 for t in tokens if t >= 0)  # an image's cells are decoded apart
+        if text > self.n_batch or self._llm.n_tokens + len(tokens) >= self.n_ctx:
             raise ValueError(f"cannot add {len(tokens)} tokens to {self._llm.n_tokens} cached")
         if tokens:
             self._llm.eval(list(tokens))

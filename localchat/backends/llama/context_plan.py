@@ -10,6 +10,7 @@ from pathlib import Path
 import llama_cpp
 
 from localchat.backends.base import SPECULATIVE_MODES
+from localchat.backends.llama.image_positions import ImageSource
 from localchat.cpu import physical_cores
 from localchat.errors import UsageError
 from localchat.gguf.estimate import preferred_flash_attn
@@ -61,6 +62,12 @@ class LoadOptions:
     # of the engine's own, which then only warms the model up. The plan (flash attention,
     # ``planned_ctx``) is still made for ``n_ctx``.
     own_cells: int | None = None
+    # Images (``image_reader``): the projector (mmproj GGUF) to read them with, where they
+    # are kept by key (the data folder's store: their placeholder ids must hold across
+    # processes), and where their encoded embeddings are kept on disk (None: memory only).
+    projector: Path | None = None
+    images: ImageSource | None = None
+    embeddings_dir: Path | None = None
 
 
 @dataclass(frozen=True)

@@ -56,8 +56,9 @@ def lookup_draft(context: npt.NDArray[np.intc], limit: int) -> Draft:
             continue
         start = _latest_earlier(raw, raw[-size * width :], length - size, width)
         if start is not None:
+            following = [int(t) for t in ids[start + size : start + size + limit]]
             return Draft(
-                [int(t) for t in ids[start + size : start + size + limit]],
+                following[: next((i for i, t in enumerate(following) if t < 0), limit)],
                 _match_depth(ids, start + size, length),
             )
     return Draft([])
@@ -130,15 +131,17 @@ class Drafter(LlamaDraftModel):
         """The draft worth the most expected tokens per unit of cost: a lookup match (free),
         or the draft model's greedy run (each token a small step)."""
         policy = self.policy
-        if self.model is not None and policy.wants_single_step():
+        # The draft model reads the context too: not one with an image's placeholders.
+        model = self.model if self.model is not None and context.min(initial=0) >= 0 else None
+        if model is not None and policy.wants_single_step():
             return Draft([])  # a plain step, timed: what the draft model's cost is counted in
         found = lookup_draft(context, room) if self.lookup else Draft([])
         length, gain = policy.best_length(found.kind, len(found.tokens))
-        if self.model is not None and room > 0:
-            step_cost = policy.model_step_cost(self.model.step_s)
+        if model is not None and room > 0:
+            step_cost = policy.model_step_cost(model.step_s)
             model_length, model_gain = policy.best_length(MODEL, room, step_cost)
             if model_length and model_gain > gain:
-                tokens = self.model.draft(context, model_length)
+                tokens = model.draft(context, model_length)
                 if not tokens:  # unsure of its first token: a draft that failed, for the policy
                     policy.record_verification(MODEL, 1, 0)
                 return Draft(tokens, from_model=True)

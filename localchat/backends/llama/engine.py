@@ -35,6 +35,7 @@ from localchat.backends.llama.grammar import (
     format_grammar,
     tool_call_grammar,
 )
+from localchat.backends.llama.image_reader import ImageReader, open_reader
 from localchat.backends.llama.recording import RecordingLlama
 from localchat.backends.llama.runtime import (
     abort_requested,
@@ -52,6 +53,7 @@ from localchat.chat.formats import (
     detect_format,
     format_from_override,
 )
+from localchat.chat.images import has_image_markers
 from localchat.chat.prompt import PromptBuilder
 from localchat.chat.reasoning import CLOSE, opens_reasoning
 from localchat.chat.template import ChatMessage, ChatTemplate
@@ -94,6 +96,7 @@ class Engine:
         self.vocab = Vocabulary(self._llm, self.add_space_prefix)
         self.template = self._load_template()
         self._load_draft_model(plan)
+        self.image_reader = self._load_projector(plan)
         self._fingerprint: str | None = None
         self._warm_up()
 
@@ -194,6 +197,31 @@ class Engine:
         except BaseException:  # Ctrl+C while it loads: the model is freed all the same
             self.close()
             raise
+
+    def _load_projector(self, plan: ContextPlan) -> ImageReader | None:
+        """The projector that reads images, where one is given (after the buffers were read
+        from the log: clip's compute buffer is not the model's)."""
+        options = self.options
+        if options.projector is None:
+            return None
+        try:
+            reader = open_reader(
+                options.projector, self._llm, options.images, options.embeddings_dir, plan.threads
+            )
+        except BaseException:
+            self.close()
+            raise
+        self._llm.images = reader
+        return reader
+
+    def images_refused(self) -> str | None:
+        """Why this model cannot be shown images, in one line (None: it can)."""
+        if self.image_reader is not None:
+            return None
+        return (
+            f"{self.model_name} cannot read images: no projector (mmproj GGUF) was found"
+            " beside it; give one with --mmproj, or use a vision model"
+        )
 
     @property
     def draft_model_unused(self) -> str | None:
@@ -343,12 +371,22 @@ class Engine:
         the functions it may call."""
         return PromptBuilder(
             self.template,
-            lambda text: self.vocab.tokenize(text, special=True),
+            self._prompt_tokens_of,
             [self.bos_token] if self.add_bos else [],
             self.vocab.token_bytes,
             now,
             tools,
         )
+
+    def _prompt_tokens_of(self, text: str) -> list[int]:
+        """A rendered prompt's ids (no BOS): images as their placeholder runs; a model
+        without a projector refuses images in one line."""
+        plain = lambda piece: self.vocab.tokenize(piece, special=True)  # noqa: E731
+        if self.image_reader is not None:
+            return self.image_reader.tokens(text, plain)
+        if has_image_markers(text):
+            raise UsageError(self.images_refused() or "")
+        return plain(text)
 
     def prompt_tokens(
         self, messages: list[ChatMessage], tools: list[ToolSpec] | None = None
@@ -549,6 +587,11 @@ class Engine:
         return {n: policy.cost(n) for n in range(1, policy.max_draft + 2)}
 
     def close(self) -> None:
+        reader = getattr(self, "image_reader", None)
+        if reader is not None:
+            self._llm.images = None
+            with contextlib.suppress(Exception):
+                reader.close()
         if self.draft_model is not None:
             with contextlib.suppress(Exception):
                 self.draft_model.close()

@@ -6,9 +6,16 @@ from __future__ import annotations
 import bisect
 import time
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import llama_cpp
 
+from localchat.backends.llama.image_positions import (
+    has_images,
+    image_start_before,
+    pieces,
+    starts_image,
+)
 from localchat.backends.llama.internals import (
     decode_filled_batch,
     drop_cells_from,
@@ -16,6 +23,9 @@ from localchat.backends.llama.internals import (
     set_logits_stale,
 )
 from localchat.backends.llama.runtime import abort_requested
+
+if TYPE_CHECKING:
+    from localchat.backends.llama.image_reader import ImageReader
 
 
 class RecordingLlama(llama_cpp.Llama):
@@ -42,8 +52,14 @@ class RecordingLlama(llama_cpp.Llama):
     batch_invariant: bool = False
     # The last evaluation's size and wall time: what drafting pays for a step of that size.
     last_eval: tuple[int, float] = (0, 0.0)
+    # The projector that decodes images where a token list has their placeholder runs
+    # (``image_positions``); None: the model reads no images.
+    images: ImageReader | None = None
 
     def eval(self, tokens: Sequence[int]) -> None:
+        if has_images(tokens):
+            self._eval_with_images(tokens)
+            return
         if abort_requested():
             raise KeyboardInterrupt
         n_past = self.n_tokens
@@ -71,6 +87,51 @@ class RecordingLlama(llama_cpp.Llama):
             self._forget_unfinished(n_past + len(tokens))
             raise KeyboardInterrupt from None
         self.last_eval = (len(tokens), time.perf_counter() - started)
+
+    def _eval_with_images(self, tokens: Sequence[int]) -> None:
+        """Evaluate text and images in order: text as ``eval`` does, each image decoded by
+        the projector (one recorded batch start for all of it: a replay decodes it whole
+        again). A list that starts inside an image evaluates that image from its start."""
+        tokens = [int(t) for t in tokens]
+        if not starts_image(tokens[0]) and tokens[0] < 0:
+            held = [int(t) for t in self.input_ids[: self.n_tokens]]
+            start = image_start_before([*held, tokens[0]], self.n_tokens)
+            tokens = held[start:] + tokens
+            self.n_tokens = start
+        for piece in pieces(tokens, self.n_tokens):
+            if piece.image_id:
+                self._eval_image(piece.image_id, piece.tokens)
+            else:
+                self.eval(piece.tokens)
+
+    def _eval_image(self, image_id: int, run: Sequence[int]) -> None:
+        """Decode one image into the cells after ``n_tokens``; ``run`` is its placeholders."""
+        if self.images is None:
+            raise ValueError("this model has no projector: it cannot read images")
+        if abort_requested():
+            raise KeyboardInterrupt
+        n_past = self.n_tokens
+        drop_cells_from(self, n_past)
+        starts = self.batch_starts
+        if starts is not None:
+            del starts[bisect.bisect_left(starts, n_past) :]
+            starts.append(n_past)
+        started = time.perf_counter()
+        try:
+            n_cells = self.images.evaluate(image_id, n_past, self.n_batch)
+        except RuntimeError:
+            drop_cells_from(self, n_past)
+            if abort_requested():
+                raise KeyboardInterrupt from None
+            raise
+        if n_cells != len(run):
+            drop_cells_from(self, n_past)
+            raise ValueError(f"an image took {n_cells} cells where its run has {len(run)}")
+        self.input_ids[n_past : n_past + n_cells] = run
+        self.n_tokens += n_cells
+        self.tokens_evaluated += n_cells
+        set_logits_stale(self, True)  # an image asks for no logits: text after it does
+        self.last_eval = (n_cells, time.perf_counter() - started)
 
     def _eval_every_position(self, tokens: Sequence[int]) -> None:
         """``Llama.eval`` for one batch (a draft and the token before it) with the logits of

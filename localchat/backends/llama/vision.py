@@ -19,7 +19,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import cache
@@ -31,9 +31,10 @@ import llama_cpp
 
 from localchat.errors import ModelLoadError
 
-# libmtmd's default media marker (``mtmd_default_marker()``): where an image goes in the
-# rendered prompt, as llama.cpp's server places it. Here too without the library.
-MEDIA_MARKER = "<__media__>"
+# Where an image goes in the text libmtmd tokenizes (its ``media_marker``, set for every
+# projector opened here): a private-use character in place of libmtmd's default
+# ``<__media__>``, which a person may type.
+MEDIA_MARKER = "\U000f0e03"
 CHUNK_TEXT, CHUNK_IMAGE, CHUNK_AUDIO = 0, 1, 2  # enum mtmd_input_chunk_type
 
 # libmtmd's last log lines: it writes to stderr otherwise (every encode says so), and a
@@ -88,11 +89,15 @@ class Image:
     data: bytes
     width: int = 0
     height: int = 0
+    # The key of the file these raw pixels were read from (``Projector.pixels``).
+    file_key: str = ""
 
     @property
     def key(self) -> str:
         """The hash of its bytes (and, for raw pixels, its size): the same image is the same
         chunk in every prompt and state, a different one never is."""
+        if self.file_key:
+            return self.file_key
         digest = hashlib.sha256(self.data)
         if self.width:
             digest.update(f"{self.width}x{self.height}".encode())
@@ -120,11 +125,14 @@ class Projector:
         params.n_threads = n_threads
         params.print_timings = False
         params.warmup = False
+        self._marker = MEDIA_MARKER.encode()  # libmtmd keeps the pointer
+        params.media_marker = self._marker
         self._llm = llm
         self._ctx = mtmd.mtmd_init_from_file(str(path).encode(), llm.model, params)
         if not self._ctx:
             raise ModelLoadError(f"libmtmd could not load the projector {path}{_last_error()}")
         self.mrope: bool = bool(mtmd.mtmd_decode_use_mrope(self._ctx))
+        self.path = path
         self.vision: bool = bool(mtmd.mtmd_support_vision(self._ctx))
         # Whether an image is decoded with non-causal attention (one ubatch for all of it).
         self.non_causal: bool = bool(mtmd.mtmd_decode_use_non_causal(self._ctx, None))
@@ -142,15 +150,18 @@ class Projector:
         self.close()
 
     @contextmanager
-    def tokenized(self, text: str, images: Sequence[Image]) -> Iterator[Any]:
+    def tokenized(
+        self, text: str, images: Sequence[Image], add_special: bool = True
+    ) -> Iterator[Any]:
         """libmtmd's chunks of ``text`` with ``images`` at its markers, one image a marker
-        (special tokens parsed, BOS per the vocabulary), freed on leaving."""
+        (special tokens parsed; BOS per the vocabulary where ``add_special``), freed on
+        leaving."""
         mtmd = _lib()
         bitmaps = [self._bitmap(image) for image in images]
         chunks = mtmd.mtmd_input_chunks_init()
         try:
             raw = text.encode()
-            prompt = mtmd.mtmd_input_text(raw, len(raw), True, True)
+            prompt = mtmd.mtmd_input_text(raw, len(raw), add_special, True)
             array = (mtmd.mtmd_bitmap_p_ctypes * len(bitmaps))(*bitmaps)
             status = mtmd.mtmd_tokenize(
                 self._ctx, chunks, ctypes.byref(prompt), array, len(bitmaps)
@@ -179,9 +190,27 @@ class Projector:
         mtmd.mtmd_bitmap_set_id(bitmap, image.key.encode())
         return bitmap
 
-    def chunks(self, text: str, images: Sequence[Image] = ()) -> list[Chunk]:
+    def pixels(self, image: Image) -> Image:
+        """``image`` read into raw RGB pixels once (stb_image, as libmtmd reads files), keyed
+        as the file: each tokenization then skips decoding the file again."""
+        if image.width:
+            return image
+        mtmd = _lib()
+        bitmap = self._bitmap(image)
+        try:
+            size = int(mtmd.mtmd_bitmap_get_n_bytes(bitmap))
+            data = ctypes.string_at(mtmd.mtmd_bitmap_get_data(bitmap), size)
+            width = int(mtmd.mtmd_bitmap_get_nx(bitmap))
+            height = int(mtmd.mtmd_bitmap_get_ny(bitmap))
+        finally:
+            mtmd.mtmd_bitmap_free(bitmap)
+        return Image(data, width, height, file_key=image.key)
+
+    def chunks(
+        self, text: str, images: Sequence[Image] = (), add_special: bool = True
+    ) -> list[Chunk]:
         """What ``text`` with ``images`` becomes: its chunks, in order."""
-        with self.tokenized(text, images) as chunks:
+        with self.tokenized(text, images, add_special) as chunks:
             return [_describe(chunks, i) for i in range(_lib().mtmd_input_chunks_size(chunks))]
 
     def image_tokens(self, image: Image) -> int:
@@ -219,6 +248,47 @@ class Projector:
                     )
                 starts.append(new_n_past.value)
         return starts
+
+    def decode_image(
+        self,
+        image: Image,
+        stored: Callable[[str], bytes | None],
+        n_past: int,
+        seq_id: int = 0,
+        n_batch: int = 512,
+    ) -> tuple[int, bytes | None]:
+        """Decode ``image``'s embeddings into the context at ``n_past`` (as
+        ``mtmd_helper_eval_chunk_single`` does, without its encode where ``stored`` has the
+        embeddings under the image's key). Returns the cells it took and the embeddings
+        where they were encoded now (None: they came from ``stored``)."""
+        mtmd = _lib()
+        with self.tokenized(MEDIA_MARKER, [image], add_special=False) as chunks:
+            count = mtmd.mtmd_input_chunks_size(chunks)
+            found = [mtmd.mtmd_input_chunks_get(chunks, i) for i in range(count)]
+            pieces = [c for c in found if mtmd.mtmd_input_chunk_get_type(c) == CHUNK_IMAGE]
+            if len(pieces) != 1:
+                raise ValueError(f"libmtmd made {len(pieces)} image chunks of one image")
+            chunk = pieces[0]
+            n_tokens = int(mtmd.mtmd_input_chunk_get_n_tokens(chunk))
+            size = n_tokens * int(llama_cpp.llama_model_n_embd(self._llm.model)) * 4
+            batch = self._batch_for(chunk, n_batch)
+            embeddings = stored(image.key)
+            encoded = None
+            if embeddings is None or len(embeddings) != size:
+                if mtmd.mtmd_encode_chunk(self._ctx, chunk) != 0:
+                    raise RuntimeError(f"libmtmd could not encode the image{_last_error()}")
+                output = mtmd.mtmd_get_output_embd(self._ctx)
+                embeddings = encoded = ctypes.string_at(output, size)
+            floats = (ctypes.c_float * (size // 4)).from_buffer_copy(embeddings)
+            new_n_past = llama_cpp.llama_pos(0)
+            status = mtmd.mtmd_helper_decode_image_chunk(
+                self._ctx, self._llm.ctx, chunk, floats, n_past, seq_id, batch,
+                ctypes.byref(new_n_past), mtmd.mtmd_helper_post_decode_callback(),
+                None,
+            )  # fmt: skip
+            if status != 0:
+                raise RuntimeError(f"libmtmd could not decode the image (status {status})")
+        return n_tokens, encoded
 
     def _batch_for(self, chunk: Any, n_batch: int) -> int:
         """The batch size to decode ``chunk`` in. An image decoded non-causally must go in

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 
 import llama_cpp
 
+from localchat.backends.llama.image_positions import placeholder_bytes
 from localchat.backends.llama.internals import vocab_of
 
 
@@ -32,21 +33,27 @@ class Vocabulary:
 
     def detokenize(self, tokens: Sequence[int], special: bool = False) -> str:
         """Text of ``tokens``; ``special`` spells control tokens out."""
-        data = self._llm.detokenize(list(tokens), special=special)
+        data = self._llm.detokenize([t for t in tokens if t >= 0], special=special)
         return bytes(data).decode("utf-8", errors="replace")
 
     def token_text(self, token: int) -> str:
         """A token's text as the model sees it, specials included (for templates and debugging)."""
+        if token < 0:
+            return placeholder_bytes(token).decode()
         return bytes(self._llm.detokenize([token], special=True)).decode("utf-8", errors="replace")
 
     def reply_bytes(self, token: int) -> bytes:
         """A reply token's bytes, control tokens silent (a character may span tokens: join
         them before decoding)."""
+        if token < 0:
+            return b""
         return bytes(self._llm.detokenize([token]))
 
     def token_bytes(self, token: int) -> bytes:
         """The bytes a token stands for, control tokens spelled out: the prompt builder
-        compares token sequences by what they say."""
+        compares token sequences by what they say (an image's placeholders by which image)."""
+        if token < 0:
+            return placeholder_bytes(token)
         size = 64
         while True:
             buffer = ctypes.create_string_buffer(size)
@@ -56,7 +63,7 @@ class Vocabulary:
             size = -n
 
     def is_end_of_generation(self, token: int) -> bool:
-        return bool(llama_cpp.llama_vocab_is_eog(self._vocab, token))
+        return token >= 0 and bool(llama_cpp.llama_vocab_is_eog(self._vocab, token))
 
     def has_control_token(self, text: str) -> bool:
         """Whether ``text`` is one control token of this vocabulary."""
@@ -65,8 +72,10 @@ class Vocabulary:
 
     def strips_reply_space(self, last_prompt_token: int) -> bool:
         """Whether a reply's first space is the tokenizer's own (after a control token)."""
-        return self.add_space_prefix and bool(
-            llama_cpp.llama_vocab_is_control(self._vocab, last_prompt_token)
+        return (
+            self.add_space_prefix
+            and last_prompt_token >= 0
+            and bool(llama_cpp.llama_vocab_is_control(self._vocab, last_prompt_token))
         )
 
     def spelled_tokens(self, texts: Sequence[str]) -> frozenset[int]:

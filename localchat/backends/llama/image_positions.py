@@ -1,0 +1,96 @@
+"""An image's positions in the token lists the cache is kept by.
+
+An image takes KV cells like tokens do, but has no token ids: libmtmd decodes its
+embeddings there. Every list of ids the project keeps (the cache's own, a saved state's,
+the prompt cache's hashed blocks, the draft's look-up) stands for them with placeholder
+ids: negative, so llama.cpp never sees one, and derived from the image's persistent id in
+the data folder (``ImageSource.image_id``, never reused), so equal ids are the same image
+and the bookkeeping that compares ids (common prefixes, state names, block hashes) stays
+exact with images in it. An image's first cell is ``-2·id`` and the rest ``-(2·id + 1)``:
+two copies of one image side by side are two runs, and a cut that would fall inside an
+image is visible.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+
+class ImageSource(Protocol):
+    """Where images are kept, by key (the SHA-256 of their bytes): the data folder's store."""
+
+    def get(self, key: str) -> bytes: ...
+
+    def image_id(self, key: str) -> int: ...
+
+    def key_of_id(self, image_id: int) -> str: ...
+
+
+def image_run(image_id: int, n_cells: int) -> list[int]:
+    """The placeholder ids of an image that takes ``n_cells`` cells."""
+    return [-2 * image_id] + [-(2 * image_id + 1)] * (n_cells - 1)
+
+
+def starts_image(token: int) -> bool:
+    """Whether ``token`` is an image's first cell."""
+    return token < 0 and token % 2 == 0
+
+
+def image_id_of(token: int) -> int:
+    """The image a placeholder id stands for."""
+    return (-token) // 2
+
+
+def placeholder_bytes(token: int) -> bytes:
+    """What a placeholder spells where token lists are compared by their text: an image's
+    first cell names the image, the rest nothing (two images never read alike)."""
+    if not starts_image(token):
+        return b""
+    return f"\U000f0e01#{image_id_of(token)}\U000f0e02".encode()
+
+
+def has_images(tokens: Sequence[int]) -> bool:
+    return bool(len(tokens)) and min(tokens) < 0
+
+
+@dataclass(frozen=True)
+class Piece:
+    """A stretch of a token list: text ids, or one image's run (``image_id`` > 0)."""
+
+    start: int
+    tokens: Sequence[int]
+    image_id: int = 0
+
+
+def pieces(tokens: Sequence[int], offset: int = 0) -> Iterator[Piece]:
+    """``tokens`` as text stretches and image runs, in order (positions from ``offset``).
+    A run that does not start with an image's first cell is a cut image: ValueError."""
+    i, n = 0, len(tokens)
+    while i < n:
+        j = i
+        if tokens[i] >= 0:
+            while j < n and tokens[j] >= 0:
+                j += 1
+            yield Piece(offset + i, tokens[i:j])
+        else:
+            if not starts_image(tokens[i]):
+                raise ValueError(f"position {offset + i} is inside an image, not its start")
+            rest = tokens[i] - 1
+            j = i + 1
+            while j < n and tokens[j] == rest:
+                j += 1
+            yield Piece(offset + i, tokens[i:j], image_id_of(tokens[i]))
+        i = j
+
+
+def image_start_before(tokens: Sequence[int], position: int) -> int:
+    """Where the image that ``position`` falls inside starts (``position`` itself where it
+    is not inside one): a cut is moved back there, never into an image."""
+    if not 0 < position < len(tokens) or tokens[position] >= 0 or starts_image(tokens[position]):
+        return position
+    start = position - 1
+    while start > 0 and not starts_image(tokens[start]):
+        start -= 1
+    return start

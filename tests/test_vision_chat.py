@@ -1,0 +1,230 @@
+"""Conversations with images, on the generated LM with a generated projector beside it:
+each image encoded once, its positions saved with the conversation's state, and a resumed,
+branched or edited conversation continuing exactly as a fresh evaluation would. Skipped
+where llama-cpp-python was built without libmtmd."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+from localchat.chat.image_files import inspect_image
+from localchat.state.images import ImageStore
+from PIL import Image as PILImage
+
+from localchat.backends.llama.engine import Engine
+from localchat.backends.llama.vision import mtmd_unavailable
+from localchat.conversation.local import Conversation
+from localchat.errors import UsageError
+from localchat.models.demo import make_demo_model
+from localchat.models.demo_vision import make_projector
+from localchat.models.launch import LaunchOptions
+from localchat.models.loader import ModelLoader
+from localchat.paths import app_paths
+from localchat.state.kvstate import StateStore
+from localchat.state.store import Store
+from tests.conftest import GREEDY
+
+pytestmark = pytest.mark.skipif(
+    mtmd_unavailable() is not None, reason=mtmd_unavailable() or "libmtmd loads"
+)
+
+LOOK, FOLLOW, MORE = "What is in this picture?", "And what colour is it?", "Tell me more."
+
+
+@pytest.fixture(scope="module")
+def vision_model(models_dir: Path) -> Path:
+    """The tiny LM in a folder of its own with its projector beside it, as ``pull`` leaves a
+    vision model."""
+    folder = models_dir / "vision"
+    folder.mkdir(exist_ok=True)
+    model = folder / "tiny-vision-Q4_K_M.gguf"
+    if not model.exists():
+        make_demo_model(model, "tiny", "Q4_K_M", seed=0)
+        make_projector(folder / "mmproj-tiny-vision-F16.gguf", "tiny", "vit-tiny")
+    return model
+
+
+def _png(seed: int, size: tuple[int, int] = (48, 36)) -> bytes:
+    pixels = np.random.default_rng(seed).integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)
+    out = io.BytesIO()
+    PILImage.fromarray(pixels).save(out, format="PNG")
+    return out.getvalue()
+
+
+def _stored(seed: int) -> str:
+    """A random picture put in this home's image store; its key."""
+    return ImageStore(app_paths().images_dir).put(inspect_image(_png(seed), "p.png")).key
+
+
+def _load(model: Path, **launch: object) -> Engine:
+    return ModelLoader(app_paths()).load(
+        model,
+        LaunchOptions(n_ctx=1024, **launch),
+        on_this_thread=True,  # type: ignore[arg-type]
+    )
+
+
+@pytest.fixture
+def engines(vision_model: Path) -> Iterator[list[Engine]]:
+    """Engines loaded by a test (each a process's worth of state), closed after it."""
+    loaded: list[Engine] = []
+    yield loaded
+    for engine in loaded:
+        engine.close()
+
+
+def _open(engines: list[Engine], model: Path, name: str) -> tuple[Conversation, Engine]:
+    engine = _load(model)
+    engines.append(engine)
+    states = StateStore(app_paths().states_dir)
+    return Conversation.open(Store(app_paths().database), states, name, engine), engine
+
+
+def _say(conversation: Conversation, text: str, images: tuple[str, ...] = (), fresh=False):  # type: ignore[no-untyped-def]
+    turn = conversation.send(text, GREEDY, 16, fresh=fresh, images=images)
+    for _ in turn:
+        pass
+    return turn
+
+
+def test_a_resumed_conversation_with_an_image_is_exact_and_encodes_nothing(
+    vision_model: Path, engines: list[Engine]
+) -> None:
+    picture = _stored(1)
+    warm, warm_engine = _open(engines, vision_model, "warm")
+    _say(warm, LOOK, (picture,))
+    _say(warm, FOLLOW)
+    expected = _say(warm, MORE).generation.text
+    assert warm_engine.image_reader is not None and warm_engine.image_reader.encodes == 1
+    warm.close()
+
+    first, _ = _open(engines, vision_model, "resumed")
+    _say(first, LOOK, (picture,))
+    _say(first, FOLLOW)
+    first.close()
+
+    resumed, engine = _open(engines, vision_model, "resumed")
+    turn = _say(resumed, MORE)
+    stats = turn.stats_dict()
+    assert turn.generation.text == expected
+    assert turn.restore.restored
+    assert engine.image_reader is not None and engine.image_reader.encodes == 0
+    image_cells = sum(1 for t in turn.prompt if t < 0)
+    assert image_cells > 0
+    # Only the new message was read: fewer tokens than the image alone takes.
+    assert stats["prompt_tokens_evaluated"] < image_cells
+    resumed.close()
+
+    # Rebuilt from the transcript (its original batches, the image decoded from the
+    # embeddings kept on disk): the same reply, still no encode.
+    fresh, fresh_engine = _open(engines, vision_model, "resumed")
+    _say(fresh, "A question.")
+    fresh.take_back_last_exchange()
+    again = _say(fresh, MORE, fresh=True)
+    assert again.generation.text == expected
+    assert fresh_engine.image_reader is not None and fresh_engine.image_reader.encodes == 0
+    fresh.close()
+
+
+def test_another_image_gives_another_reply_and_the_same_image_encodes_once(
+    vision_model: Path, engines: list[Engine]
+) -> None:
+    one, other = _stored(1), _stored(2)
+    a, engine = _open(engines, vision_model, "a")
+    reply_a = _say(a, LOOK, (one,)).generation.text
+    b, _ = _open(engines, vision_model, "b")
+    reply_b = _say(b, LOOK, (other,)).generation.text
+    assert reply_a != reply_b  # no state of the first image served the second
+    a.close()
+    b.close()
+
+    c, engine = _open(engines, vision_model, "c")  # a new process: the embeddings on disk
+    assert _say(c, LOOK, (one,)).generation.text == reply_a
+    assert engine.image_reader is not None and engine.image_reader.encodes == 0
+    c.close()
+
+
+def test_an_edit_after_an_image_restores_it_from_disk(
+    vision_model: Path, engines: list[Engine]
+) -> None:
+    picture = _stored(3)
+    reference, _ = _open(engines, vision_model, "reference")
+    _say(reference, LOOK, (picture,))
+    expected = _say(reference, "Something else entirely?").generation.text
+    reference.close()
+
+    chat, _ = _open(engines, vision_model, "edited")
+    _say(chat, LOOK, (picture,))
+    second = _say(chat, FOLLOW)
+    chat.close()
+
+    chat, engine = _open(engines, vision_model, "edited")
+    chat.branch_before(second.user.record.id)
+    edited = _say(chat, "Something else entirely?")
+    assert edited.generation.text == expected
+    assert edited.restore.restored
+    assert engine.image_reader is not None and engine.image_reader.encodes == 0
+    assert edited.stats_dict()["prompt_tokens_evaluated"] < sum(1 for t in edited.prompt if t < 0)
+    chat.close()
+
+
+def test_a_model_without_a_projector_refuses_images_and_stores_nothing(
+    vision_model: Path,
+) -> None:
+    engine = _load(vision_model, projector="none")
+    try:
+        store = Store(app_paths().database)
+        chat = Conversation.open(store, StateStore(app_paths().states_dir), "blind", engine)
+        with pytest.raises(UsageError, match="cannot read images"):
+            chat.send(LOOK, GREEDY, 8, images=(_stored(4),))
+        assert chat.exchanges == []
+        assert store.messages(chat.record.id) == []
+        chat.close()
+    finally:
+        engine.close()
+
+
+def _ask(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "localchat.cli.main", "ask", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=dict(os.environ),
+    )
+
+
+def test_ask_shows_the_model_an_image_and_refuses_what_it_cannot_read(
+    vision_model: Path, tmp_path: Path
+) -> None:
+    picture = tmp_path / "photo.png"
+    picture.write_bytes(_png(5))
+    flags = ("--model-path", str(vision_model), "--temperature", "0", "--max-tokens", "8")
+    shown = _ask(LOOK, "--image", str(picture), *flags, "--json")
+    assert shown.returncode == 0, shown.stderr
+    payload = json.loads(shown.stdout)
+    assert payload["stats"]["prompt_tokens"] > 16  # the image's cells are in the prompt
+    # --attach takes an image by its type, the same as --image.
+    attached = _ask(LOOK, "--attach", str(picture), *flags, "--json")
+    assert json.loads(attached.stdout)["reply"] == payload["reply"]
+
+    blind = _ask(LOOK, "--image", str(picture), *flags, "--mmproj", "none")
+    assert blind.returncode == 2
+    assert "cannot read images" in blind.stderr and len(blind.stderr.strip().splitlines()) == 1
+
+    broken = tmp_path / "broken.png"
+    broken.write_bytes(_png(6)[:200])
+    refused = _ask(LOOK, "--image", str(broken), *flags)
+    assert refused.returncode == 2
+    assert "broken.png" in refused.stderr and len(refused.stderr.strip().splitlines()) == 1
+    assert not any(app_paths().images_dir.glob("*/*")) or all(
+        p.name != "broken" for p in app_paths().images_dir.rglob("*")
+    )
