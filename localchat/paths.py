@@ -49,6 +49,11 @@ class AppPaths:
         return self.data_dir / "states"
 
     @property
+    def images_dir(self) -> Path:
+        """Images put into messages, one file each under the SHA-256 of its bytes."""
+        return self.data_dir / "images"
+
+    @property
     def logs_dir(self) -> Path:
         """What helpers write as they run (an MCP server's stderr), one file each."""
         return self.data_dir / "logs"

@@ -176,6 +176,12 @@ def _create_responses(db: sqlite3.Connection) -> None:
     )
 
 
+def _add_message_images(db: sqlite3.Connection) -> None:
+    # Images: a message keeps the keys of the images it shows (a JSON list, in order; NULL
+    # when none), their files in the image store (``state.images``).
+    _run_script(db, "ALTER TABLE messages ADD COLUMN images TEXT;")
+
+
 MIGRATIONS: tuple[tuple[str, Callable[[sqlite3.Connection], None]], ...] = (
     ("001_conversations_and_messages", _create_base),
     ("002_message_tokens", _create_message_tokens),
@@ -185,4 +191,5 @@ MIGRATIONS: tuple[tuple[str, Callable[[sqlite3.Connection], None]], ...] = (
     ("006_branch_system_prompts", _create_branch_system_prompts),
     ("007_tool_calls", _add_tool_calls),
     ("008_responses", _create_responses),
+    ("009_message_images", _add_message_images),
 )

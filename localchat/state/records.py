@@ -41,11 +41,14 @@ class MessageRecord:
     system_prompt: str | None = None  # a first message's: the system prompt of its branches
     tool_calls: tuple[ToolCall, ...] = ()  # an assistant's calls to tools
     tool_call_id: str = ""  # a tool result's: the call it answers
+    images: tuple[str, ...] = ()  # the keys of the images it shows (``state.images``)
 
     @property
     def chat_message(self) -> ChatMessage:
         """The message as a template renders it."""
-        return ChatMessage(self.role, self.content, self.tool_calls, self.tool_call_id)
+        return ChatMessage(
+            self.role, self.content, self.tool_calls, self.tool_call_id, images=self.images
+        )
 
 
 def pack_calls(calls: Sequence[ToolCall]) -> str | None:
@@ -58,6 +61,14 @@ def unpack_calls(text: str | None) -> tuple[ToolCall, ...]:
     if not text:
         return ()
     return tuple(ToolCall(c["name"], c["arguments"], c["id"]) for c in json.loads(text))
+
+
+def pack_images(keys: Sequence[str]) -> str | None:
+    return json.dumps(list(keys)) if keys else None
+
+
+def unpack_images(text: str | None) -> tuple[str, ...]:
+    return tuple(json.loads(text)) if text else ()
 
 
 def pack_tokens(tokens: Sequence[int]) -> bytes:

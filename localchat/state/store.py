@@ -28,8 +28,10 @@ from localchat.state.records import (
     ConversationRecord,
     MessageRecord,
     pack_calls,
+    pack_images,
     pack_tokens,
     unpack_calls,
+    unpack_images,
     unpack_tokens,
 )
 
@@ -193,32 +195,20 @@ class Store:
             parent: int | None = None
             new_seq: dict[int, int] = {}
             for seq, message in enumerate(messages):
-                cursor = db.execute(
-                    "INSERT INTO messages (conversation_id, seq, role, content, token_count,"
-                    " created_at, status, stats, parent_id, pinned, system_prompt, tool_calls,"
-                    " tool_call_id) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                    (
-                        new_id,
-                        seq,
-                        message.role,
-                        message.content,
-                        message.token_count,
-                        message.created_at,
-                        message.status,
-                        json.dumps(message.stats),
-                        parent,
-                        int(message.pinned),
-                        source.system_prompt if parent is None else None,
-                        pack_calls(message.tool_calls),
-                        message.tool_call_id or None,
-                    ),
+                copy = replace(
+                    message,
+                    conversation_id=new_id,
+                    seq=seq,
+                    parent_id=parent,
+                    system_prompt=source.system_prompt if parent is None else None,
                 )
+                message_id = _insert_message(db, copy, message.token_count)
                 db.execute(
                     "INSERT INTO message_tokens SELECT ?, model_fingerprint, tokens"
                     " FROM message_tokens WHERE message_id = ?",
-                    (cursor.lastrowid, message.id),
+                    (message_id, message.id),
                 )
-                parent = int(cursor.lastrowid or 0)
+                parent = message_id
                 new_seq[message.seq] = seq
             db.execute("UPDATE conversations SET head_id = ? WHERE id = ?", (parent, new_id))
             db.execute(
@@ -253,9 +243,19 @@ class Store:
         )
         return [row["model_fingerprint"] for row in rows]
 
-    def delete_conversation(self, conversation_id: str) -> None:
+    def delete_conversation(self, conversation_id: str) -> list[str]:
+        """Delete a conversation and its messages; the keys of the images that no message
+        shows any more (their files are the caller's: ``state.images.delete_unreferenced``)."""
         with self.transaction() as db:
+            shown = _image_keys(db, "WHERE m.conversation_id = ?", (conversation_id,))
             db.execute("DELETE FROM conversations WHERE id = ?", (conversation_id,))
+            still = _image_keys(db, "", ())
+        return sorted(shown - still)
+
+    def image_references(self) -> set[str]:
+        """The keys of the images some message of some conversation shows."""
+        with self._lock:
+            return _image_keys(self.db, "", ())
 
     # -- messages ----------------------------------------------------------------------
     def add_message(
@@ -271,9 +271,11 @@ class Store:
         pinned: bool = False,
         tool_calls: Sequence[ToolCall] = (),
         tool_call_id: str = "",
+        images: Sequence[str] = (),
     ) -> MessageRecord:
         """Add a message after the branch's last one and commit it (with its token ids for
-        one model, if given); it becomes the branch's last message."""
+        one model, if given, and the keys of the images it shows, stored in
+        ``state.images``); it becomes the branch's last message."""
         now = time.time()
         with self.transaction() as db:
             seq, parent_id, system_prompt = _next_place(db, conversation_id)
@@ -292,6 +294,7 @@ class Store:
                 system_prompt,
                 tuple(tool_calls),
                 tool_call_id,
+                tuple(images),
             )
             message_id = _insert_message(db, record, len(tokens) if tokens is not None else None)
             if tokens is not None and model_fingerprint:
@@ -322,6 +325,7 @@ class Store:
             row["system_prompt"],
             unpack_calls(row["tool_calls"]),
             row["tool_call_id"] or "",
+            unpack_images(row["images"]),
         )
 
     def messages(self, conversation_id: str) -> list[MessageRecord]:
@@ -524,8 +528,8 @@ def _insert_message(db: sqlite3.Connection, record: MessageRecord, token_count: 
     """Write the message's row (``record.id`` is a placeholder); the id it got."""
     cursor = db.execute(
         "INSERT INTO messages (conversation_id, seq, role, content, token_count, created_at,"
-        " status, stats, parent_id, pinned, system_prompt, tool_calls, tool_call_id)"
-        " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+        " status, stats, parent_id, pinned, system_prompt, tool_calls, tool_call_id, images)"
+        " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
         (
             record.conversation_id,
             record.seq,
@@ -540,9 +544,20 @@ def _insert_message(db: sqlite3.Connection, record: MessageRecord, token_count: 
             record.system_prompt,
             pack_calls(record.tool_calls),
             record.tool_call_id or None,
+            pack_images(record.images),
         ),
     )
     return int(cursor.lastrowid or 0)
+
+
+def _image_keys(db: sqlite3.Connection, where: str, params: tuple[Any, ...]) -> set[str]:
+    """The image keys the messages ``where`` selects (alias ``m``) show."""
+    rows = db.execute(
+        "SELECT DISTINCT j.value FROM messages m, json_each(m.images) j"
+        f" {where} {'AND' if where else 'WHERE'} m.images IS NOT NULL",
+        params,
+    ).fetchall()
+    return {row[0] for row in rows}
 
 
 def _not_found_message(name: str, existing: list[str]) -> str:

@@ -18,6 +18,7 @@ from localchat.conversation.records import delete_conversation
 from localchat.errors import LocalchatError
 from localchat.paths import app_paths
 from localchat.state.export import export_markdown
+from localchat.state.images import ImageStore, delete_unreferenced
 from localchat.state.kvstate import StateStore
 from localchat.state.store import ConversationRecord, Store
 from localchat.tui.screens.text_prompt import TextPromptScreen
@@ -144,6 +145,8 @@ class ConversationsScreen(ModalScreen[str | None], ReportsWorkerFailures):
     def _delete(self, name: str) -> None:
         try:
             delete_conversation(self.store, self.states, name)
+            # Its images that no other conversation shows go with it.
+            delete_unreferenced(self.store, ImageStore(app_paths().images_dir))
         except LocalchatError as exc:
             self.notify(str(exc), severity="error", markup=False)  # thread-safe
             return

@@ -1,0 +1,235 @@
+"""The images messages hold: private files named by the SHA-256 of their bytes.
+
+An image is stored once however many messages (or conversations, or forks) show it: its
+key is the hash of its bytes, its file ``<key[:2]>/<key>``, readable by the user only, with
+what it holds beside it (``<key>.json``: type and size, read without decoding it).
+
+Each image also gets a number, its id, kept in ``ids.sqlite`` beside the files: the engine
+writes an image's positions in a token list with ids made from it, and token lists are
+kept, so an id is the same image's forever in a data folder and never another's. The
+row stays when the image is deleted: the same bytes stored again get their id back, and a
+new image always gets a new one (AUTOINCREMENT never hands out a number twice).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import sqlite3
+import threading
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from hashlib import sha256
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from localchat.atomic import write_atomic
+from localchat.errors import LocalchatError
+from localchat.paths import ensure_private_dir
+
+if TYPE_CHECKING:
+    from localchat.chat.image_files import ImageFacts
+    from localchat.state.store import Store
+
+_KEY = re.compile(r"[0-9a-f]{64}")
+IDS_FILE = "ids.sqlite"
+# An image stored (or stored again) this recently is never swept: another process may be
+# about to write the message that shows it.
+KEEP_RECENT_S = 600.0
+
+
+class ImageMissing(LocalchatError):
+    """A message names an image whose file is not in the store (deleted, or a data folder
+    copied without its images)."""
+
+
+@dataclass(frozen=True)
+class StoredImage:
+    """An image in the store: its key, its file, and what that file holds."""
+
+    key: str
+    path: Path
+    mime: str
+    width: int
+    height: int
+    size_bytes: int
+
+
+def image_key(data: bytes) -> str:
+    """The key of an image's stored bytes: their SHA-256, in hex."""
+    return sha256(data).hexdigest()
+
+
+class ImageStore:
+    """Images under ``directory`` (created private on first write); safe to share between
+    threads, and between processes on one data folder."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self._lock = threading.Lock()
+        self._db: sqlite3.Connection | None = None
+
+    def path(self, key: str) -> Path:
+        """Where the image ``key`` is (or would be) kept."""
+        _check_key(key)
+        return self.directory / key[:2] / key
+
+    def put(self, facts: ImageFacts) -> StoredImage:
+        """Store checked bytes (``chat.image_files.inspect_image``); the same bytes again
+        write nothing (the file is only touched, so a sweep keeps it)."""
+        key = image_key(facts.data)
+        path = self.path(key)
+        stored = StoredImage(key, path, facts.mime, facts.width, facts.height, len(facts.data))
+        ensure_private_dir(self.directory)  # first: only the folder made last gets 0700
+        ensure_private_dir(path.parent)
+        if path.exists() and _sidecar(path).exists():
+            os.utime(path)
+        else:
+            write_atomic(path, facts.data)
+            meta = {"mime": stored.mime, "width": stored.width, "height": stored.height}
+            write_atomic(_sidecar(path), json.dumps(meta).encode())
+        self.image_id(key)  # ids follow the order images were first stored
+        return stored
+
+    def get(self, key: str) -> bytes:
+        """The image's bytes."""
+        try:
+            return self.path(key).read_bytes()
+        except FileNotFoundError:
+            raise ImageMissing(_missing(key, self.directory)) from None
+
+    def facts(self, key: str) -> StoredImage:
+        """What the image holds, from the note beside it (nothing is decoded)."""
+        path = self.path(key)
+        try:
+            size = path.stat().st_size
+            meta = json.loads(_sidecar(path).read_text())
+        except FileNotFoundError:
+            raise ImageMissing(_missing(key, self.directory)) from None
+        return StoredImage(key, path, meta["mime"], meta["width"], meta["height"], size)
+
+    def find(self, key: str) -> StoredImage | None:
+        """The image's facts, or None where it is not stored."""
+        try:
+            return self.facts(key)
+        except ImageMissing:
+            return None
+
+    def delete(self, key: str) -> bool:
+        """Remove the image's file (its id stays its own); whether there was one."""
+        path = self.path(key)
+        with contextlib.suppress(FileNotFoundError):
+            _sidecar(path).unlink()
+        try:
+            path.unlink()
+        except FileNotFoundError:
+            return False
+        return True
+
+    def keys(self) -> list[str]:
+        """Every stored image's key, sorted."""
+        if not self.directory.is_dir():
+            return []
+        return sorted(
+            p.name
+            for p in self.directory.glob("??/*")
+            if _KEY.fullmatch(p.name) and p.parent.name == p.name[:2]
+        )
+
+    def stored_at(self, key: str) -> float | None:
+        """When the image was last stored (its file's mtime), or None if it is not."""
+        try:
+            return self.path(key).stat().st_mtime
+        except FileNotFoundError:
+            return None
+
+    # -- ids -----------------------------------------------------------------------------
+    def image_id(self, key: str) -> int:
+        """The image's id: given on first asking, the same ever after, never another's."""
+        _check_key(key)
+        with self._ids() as db:
+            db.execute("INSERT OR IGNORE INTO image_ids (key) VALUES (?)", (key,))
+            row = db.execute("SELECT id FROM image_ids WHERE key = ?", (key,)).fetchone()
+        return int(row[0])
+
+    def key_of_id(self, image_id: int) -> str:
+        """The key the id was given to."""
+        with self._ids() as db:
+            row = db.execute("SELECT key FROM image_ids WHERE id = ?", (image_id,)).fetchone()
+        if row is None:
+            raise ImageMissing(f"no image has id {image_id} in {self.directory}")
+        return str(row[0])
+
+    @contextlib.contextmanager
+    def _ids(self) -> Iterator[sqlite3.Connection]:
+        """The id table, in one write transaction (another process waits its turn)."""
+        with self._lock:
+            db = self._db or self._open_ids()
+            db.execute("BEGIN IMMEDIATE")
+            try:
+                yield db
+            except BaseException:
+                db.execute("ROLLBACK")
+                raise
+            db.execute("COMMIT")
+
+    def _open_ids(self) -> sqlite3.Connection:
+        path = ensure_private_dir(self.directory) / IDS_FILE
+        # Created readable by the user only before SQLite opens it.
+        os.close(os.open(path, os.O_CREAT | os.O_WRONLY, 0o600))
+        db = sqlite3.connect(path, timeout=10.0, isolation_level=None, check_same_thread=False)
+        db.execute(
+            "CREATE TABLE IF NOT EXISTS image_ids"
+            " (id INTEGER PRIMARY KEY AUTOINCREMENT, key TEXT NOT NULL UNIQUE)"
+        )
+        self._db = db
+        return db
+
+    def close(self) -> None:
+        with self._lock:
+            if self._db is not None:
+                self._db.close()
+                self._db = None
+
+
+def delete_unreferenced(
+    store: Store,
+    images: ImageStore,
+    keys: Iterable[str] | None = None,
+    keep_recent_s: float = KEEP_RECENT_S,
+) -> list[str]:
+    """Delete the images of ``keys`` (None: every stored one) that no message of any
+    conversation shows, except those stored in the last ``keep_recent_s`` seconds (a
+    message about to show one may not be written yet). The keys deleted."""
+    candidates = images.keys() if keys is None else list(dict.fromkeys(keys))
+    referenced = store.image_references()
+    now = time.time()
+    deleted = []
+    for key in candidates:
+        if key in referenced:
+            continue
+        stored_at = images.stored_at(key)
+        if stored_at is None or now - stored_at < keep_recent_s:
+            continue
+        if images.delete(key):
+            deleted.append(key)
+    return deleted
+
+
+def _sidecar(path: Path) -> Path:
+    return path.with_name(path.name + ".json")
+
+
+def _check_key(key: str) -> None:
+    if not _KEY.fullmatch(key):
+        raise ValueError(f"not an image key (64 hex digits): {key[:80]!r}")
+
+
+def _missing(key: str, directory: Path) -> str:
+    return (
+        f"image {key[:12]} is not in {directory} (deleted, or the data folder was copied"
+        " without its images); attach it again"
+    )
