@@ -54,6 +54,12 @@ class AppPaths:
         return self.data_dir / "images"
 
     @property
+    def image_embeddings_dir(self) -> Path:
+        """Images as a projector encoded them, a folder per projector: a state that holds an
+        image is rebuilt from these, never by encoding it again."""
+        return self.data_dir / "image-embeddings"
+
+    @property
     def logs_dir(self) -> Path:
         """What helpers write as they run (an MCP server's stderr), one file each."""
         return self.data_dir / "logs"

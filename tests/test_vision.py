@@ -89,10 +89,16 @@ def _load(llm: llama_cpp.Llama, data: bytes) -> int:
     return int(llama_cpp.llama_state_seq_set_data(llm.ctx, buffer, len(data), 0))
 
 
-def test_the_marker_is_libmtmds_default() -> None:
+def test_libmtmds_own_marker_typed_in_a_message_is_text(
+    opened: tuple[llama_cpp.Llama, Projector],
+) -> None:
     import llama_cpp.mtmd_cpp as mtmd
 
-    assert mtmd.mtmd_default_marker().decode() == MEDIA_MARKER
+    _, projector = opened
+    typed = mtmd.mtmd_default_marker().decode()  # <__media__>
+    assert typed != MEDIA_MARKER
+    chunks = projector.chunks(f"What does {typed} mean?")
+    assert [c.kind for c in chunks] == [CHUNK_TEXT]
 
 
 def test_an_image_is_one_chunk_at_its_marker(opened: tuple[llama_cpp.Llama, Projector]) -> None:

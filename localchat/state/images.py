@@ -35,6 +35,7 @@ if TYPE_CHECKING:
     from localchat.state.store import Store
 
 _KEY = re.compile(r"[0-9a-f]{64}")
+_VARIANT = re.compile(r"[0-9a-f]{0,64}")
 IDS_FILE = "ids.sqlite"
 # An image stored (or stored again) this recently is never swept: another process may be
 # about to write the message that shows it.
@@ -147,21 +148,26 @@ class ImageStore:
             return None
 
     # -- ids -----------------------------------------------------------------------------
-    def image_id(self, key: str) -> int:
-        """The image's id: given on first asking, the same ever after, never another's."""
+    def image_id(self, key: str, variant: str = "") -> int:
+        """The image's id: given on first asking, the same ever after, never another's.
+        ``variant`` names one way of reading it (a projector's fingerprint): each gets an id
+        of its own, so what one projector made of an image never stands for another's."""
         _check_key(key)
+        if not _VARIANT.fullmatch(variant):
+            raise ValueError(f"not an image id variant: {variant[:80]!r}")
+        name = f"{key}@{variant}" if variant else key
         with self._ids() as db:
-            db.execute("INSERT OR IGNORE INTO image_ids (key) VALUES (?)", (key,))
-            row = db.execute("SELECT id FROM image_ids WHERE key = ?", (key,)).fetchone()
+            db.execute("INSERT OR IGNORE INTO image_ids (key) VALUES (?)", (name,))
+            row = db.execute("SELECT id FROM image_ids WHERE key = ?", (name,)).fetchone()
         return int(row[0])
 
     def key_of_id(self, image_id: int) -> str:
-        """The key the id was given to."""
+        """The key of the image the id was given to."""
         with self._ids() as db:
             row = db.execute("SELECT key FROM image_ids WHERE id = ?", (image_id,)).fetchone()
         if row is None:
             raise ImageMissing(f"no image has id {image_id} in {self.directory}")
-        return str(row[0])
+        return str(row[0]).split("@", 1)[0]
 
     @contextlib.contextmanager
     def _ids(self) -> Iterator[sqlite3.Connection]:

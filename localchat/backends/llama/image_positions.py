@@ -19,11 +19,13 @@ from typing import Protocol
 
 
 class ImageSource(Protocol):
-    """Where images are kept, by key (the SHA-256 of their bytes): the data folder's store."""
+    """Where images are kept, by key (the SHA-256 of their bytes): the data folder's store.
+    An id names the image as one projector reads it (``variant``: its fingerprint); ``key_of_id``
+    gives the image's key back."""
 
     def get(self, key: str) -> bytes: ...
 
-    def image_id(self, key: str) -> int: ...
+    def image_id(self, key: str, variant: str = "") -> int: ...
 
     def key_of_id(self, image_id: int) -> str: ...
 

@@ -30,6 +30,7 @@ from localchat.backends.llama.vision import (
 )
 from localchat.chat.images import has_image_markers, split_image_markers
 from localchat.errors import ModelLoadError
+from localchat.gguf.info import file_fingerprint
 from localchat.paths import ensure_private_dir
 
 _HEADER = struct.Struct("<8sQI")  # magic, payload bytes, CRC-32
@@ -43,8 +44,11 @@ class EmbeddingStore:
     private file each, checked on reading, the oldest dropped past the budget) where a
     folder is given. The folder is the projector's own: embeddings depend on it."""
 
-    def __init__(self, directory: Path | None, budget_bytes: int = DISK_BUDGET_BYTES) -> None:
+    def __init__(
+        self, directory: Path | None, variant: str, budget_bytes: int = DISK_BUDGET_BYTES
+    ) -> None:
         self.directory = directory
+        self.variant = variant  # the projector's fingerprint: what the embeddings depend on
         self.budget_bytes = budget_bytes
         self._memory: OrderedDict[str, bytes] = OrderedDict()
 
@@ -128,7 +132,8 @@ def open_reader(
     if not opened.vision:
         opened.close()
         raise ModelLoadError(f"{projector.name} is not a vision projector (audio only)")
-    return ImageReader(opened, source, EmbeddingStore(embeddings_dir))
+    variant = file_fingerprint(projector)[:32]
+    return ImageReader(opened, source, EmbeddingStore(embeddings_dir, variant))
 
 
 class ImageReader:
@@ -142,6 +147,8 @@ class ImageReader:
         self.embeddings = embeddings
         self.encodes = 0  # images encoded by the projector (not found in ``embeddings``)
         self._pixels: OrderedDict[str, Image] = OrderedDict()
+        self._ids: dict[str, int] = {}  # an id never changes: asked of the store once
+        self._keys: dict[int, str] = {}
 
     def tokens(self, text: str, plain: Callable[[str], list[int]]) -> list[int]:
         """``text``'s token ids (no BOS), images as placeholder runs; text without images
@@ -157,12 +164,12 @@ class ImageReader:
             if chunk.kind == CHUNK_TEXT:
                 ids.extend(chunk.tokens)
             else:
-                ids.extend(image_run(self.source.image_id(chunk.image_key), chunk.n_tokens))
+                ids.extend(image_run(self._id_of(chunk.image_key), chunk.n_tokens))
         return ids
 
     def evaluate(self, image_id: int, n_past: int, n_batch: int) -> int:
         """Decode image ``image_id`` into sequence 0 at ``n_past``; returns its cells."""
-        image = self._image(self.source.key_of_id(image_id))
+        image = self._image(self._key_of(image_id))
         n_cells, encoded = self.projector.decode_image(
             image, self.embeddings.get, n_past, 0, n_batch
         )
@@ -170,6 +177,22 @@ class ImageReader:
             self.encodes += 1
             self.embeddings.put(image.key, encoded)
         return n_cells
+
+    def _id_of(self, key: str) -> int:
+        """The image's placeholder id under this projector: the store's id of the pair, so
+        an image read by another projector (other embeddings) never matches a state."""
+        found = self._ids.get(key)
+        if found is None:
+            found = self._ids[key] = self.source.image_id(key, self.embeddings.variant)
+            self._keys[found] = key
+        return found
+
+    def _key_of(self, image_id: int) -> str:
+        key = self._keys.get(image_id)
+        if key is None:
+            key = self._keys[image_id] = self.source.key_of_id(image_id)
+            self._ids[key] = image_id
+        return key
 
     def _image(self, key: str) -> Image:
         """The image ``key`` as raw pixels, read from the store once."""
