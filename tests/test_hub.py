@@ -414,13 +414,14 @@ def test_rm_of_a_finished_file_takes_its_leftover_partial_too(hub: HubState) -> 
     assert not blob.exists() and not leftover.exists()
 
 
-def test_a_projector_is_fetched_only_when_asked_and_removed_apart(
+def test_a_vision_models_projector_comes_with_it_and_is_removed_apart(
     hub: HubState, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    assert main(["pull", f"{ZOO}:BF16"]) == 0
+    assert main(["pull", f"{ZOO}:BF16", "--no-mmproj"]) == 0
     assert [Path(p).name for p in capsys.readouterr().out.split()] == ["zoo-BF16.gguf"]
-    # Asked: the model's own tag has no projector, so the F16 one (what vision repos ship).
-    assert main(["pull", f"{ZOO}:BF16", "--mmproj"]) == 0
+    # By default: the model's own tag has no projector, so the F16 one (what vision repos
+    # ship) comes along.
+    assert main(["pull", f"{ZOO}:BF16"]) == 0
     out = capsys.readouterr().out.split()
     assert [Path(p).name for p in out] == ["zoo-BF16.gguf", "mmproj-zoo-F16.gguf"]
     library = _library()

@@ -51,3 +51,11 @@ def test_modules_stay_small_and_the_app_composes() -> None:
     }
     assert {name: lines for name, lines in sizes.items() if lines > 600} == {}
     assert sizes["localchat/tui/app.py"] <= 500
+
+
+def test_the_readme_build_reads_images() -> None:
+    """The README builds llama-cpp-python with libmtmd: a build without it (a wheel pip
+    cached from an older install) would skip every image test without a word."""
+    from localchat.backends.llama.vision import mtmd_unavailable
+
+    assert mtmd_unavailable() is None, mtmd_unavailable()

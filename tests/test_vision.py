@@ -1,6 +1,6 @@
 """Images through libmtmd on generated models: the demo LM with a generated LLaVA-style
 projector (``models/demo_vision.py``). Skipped where llama-cpp-python was built without
-libmtmd (the README's install command still passes ``-DLLAVA_BUILD=OFF``)."""
+libmtmd (the README's build has it: ``test_project`` fails without it)."""
 
 from __future__ import annotations
 

@@ -11,9 +11,11 @@ from typing import TYPE_CHECKING, TextIO
 
 from localchat.cli.interrupt import EXIT_INTERRUPTED
 from localchat.cli.progress import download_progress, step_progress
+from localchat.errors import UsageError
 from localchat.paths import app_paths
 
 if TYPE_CHECKING:
+    from localchat.models.hub import RemoteFile
     from localchat.models.library import Library, ModelRequest
 
 
@@ -42,14 +44,16 @@ def pull(
     request: ModelRequest,
     json_lines: bool,
     out: TextIO | None = None,
-    projector: bool = False,
+    projector: bool | None = None,
 ) -> list[Path]:
     """Download the model asked for with progress on stderr: a redrawn line on a terminal, plain lines
-    otherwise, or JSON lines on ``out``. Ctrl-C stops it (the next pull resumes)."""
+    otherwise, or JSON lines on ``out``. Ctrl-C stops it (the next pull resumes). A vision
+    model's projector comes along (``projector`` None: where the repo has one; True: it
+    must; False: never)."""
     cancel = threading.Event()
     with download_progress(json_lines, out) as draw:
         try:
-            wanted = models.projector_for(request) if projector else None  # refused first
+            wanted = _projector_to_pull(models, request, projector)  # refused first
             paths = [models.pull(request, draw, cancel)]
             if wanted is not None:
                 paths.append(models.pull_projector(wanted, draw, cancel))
@@ -57,6 +61,21 @@ def pull(
         except KeyboardInterrupt:
             cancel.set()
             raise
+
+
+def _projector_to_pull(
+    models: Library, request: ModelRequest, asked: bool | None
+) -> RemoteFile | None:
+    """The projector a pull brings: the repo's, where it has one (and ``asked`` is not
+    False); a repo without one is an error only where ``asked``."""
+    if asked is False:
+        return None
+    try:
+        return models.projector_for(request)
+    except UsageError:
+        if asked:
+            raise
+        return None
 
 
 def cmd_hw(args: argparse.Namespace, out: TextIO) -> int:
@@ -101,7 +120,11 @@ def cmd_hw(args: argparse.Namespace, out: TextIO) -> int:
     if unsettled is not None:  # on its own line, after the progress bar's
         print(f"localchat: {unsettled}", file=sys.stderr)
     if args.model_path is not None:
-        plans = [plan_file(args.model_path, hardware, args.ctx, speed, min_tps)]
+        from localchat.models.projectors import find_projector, projector_memory_bytes
+
+        projector = find_projector(args.model_path)
+        extra = projector_memory_bytes(projector) if projector else 0
+        plans = [plan_file(args.model_path, hardware, args.ctx, speed, min_tps, extra)]
     else:
         catalog = load_catalog(app_paths().user_catalog)
         plans = plan_catalog(catalog, hardware, args.ctx, speed, min_tps)

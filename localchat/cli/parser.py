@@ -411,7 +411,11 @@ def _model_commands(sub: argparse._SubParsersAction[_Parser]) -> None:
     pull.add_argument("model", help="catalog name or org/repo, optionally :QUANT")
     pull.add_argument("--json", action="store_true", help="progress events as JSON lines")
     pull.add_argument(
-        "--mmproj", action="store_true", help="also fetch the repo's vision projector for it"
+        "--mmproj",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="fetch the repo's vision projector with the model (default: where the repo has"
+        " one; --mmproj: it must have one; --no-mmproj: never)",
     )
     models = sub.add_parser("models", help="catalog models, downloads and local files, with fit")
     models.add_argument("--json", action="store_true", help="print JSON")

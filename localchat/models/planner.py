@@ -487,13 +487,26 @@ def plan_file(
     wanted_ctx: int = DEFAULT_CTX,
     speed: SpeedModel | None = None,
     min_tps: float = MIN_TOKENS_PER_S,
+    projector_bytes: int = 0,
 ) -> Plan:
-    """The plan for one local GGUF file; its quant is the file's own."""
+    """The plan for one local GGUF file; its quant is the file's own. ``projector_bytes``:
+    a vision projector loaded beside it (``projectors.projector_memory_bytes``), in RAM
+    (libmtmd runs it on the CPU here), planned around and counted in the estimate."""
     info = read_gguf(path)
     weights = LayerWeights.from_gguf(info, repacked_weight_types())
     candidate = Candidate(info.file_type, path.name, weights, TokenWork.of(info))
     dims = ModelDims.from_gguf(info)
-    return plan_model(path.name, dims, [candidate], hardware, wanted_ctx, speed, min_tps)
+    if projector_bytes:
+        left = max(0, hardware.ram_available_bytes - projector_bytes)
+        hardware = replace(hardware, ram_available_bytes=left)
+    plan = plan_model(path.name, dims, [candidate], hardware, wanted_ctx, speed, min_tps)
+    if not projector_bytes:
+        return plan
+    return replace(
+        plan,
+        estimated_bytes=plan.estimated_bytes + projector_bytes,
+        explanation=f"{plan.explanation}; with the vision projector ({format_bytes(projector_bytes)})",
+    )
 
 
 def fit_label(

@@ -57,7 +57,10 @@ def _mtmd() -> ModuleType | str:
     try:
         import llama_cpp.mtmd_cpp as mtmd
     except (OSError, RuntimeError) as error:  # FileNotFoundError: the library was not built
-        return f"llama-cpp-python was built without libmtmd ({error})"
+        return (
+            f"llama-cpp-python was built without libmtmd ({error}); rebuild it with"
+            " pip install --no-cache-dir --force-reinstall llama-cpp-python"
+        )
     mtmd.mtmd_helper_log_set(_capture_log, ctypes.c_void_p(0))  # and mtmd's and clip's
     return mtmd
 
