@@ -87,13 +87,11 @@ def cmd_branch(args: argparse.Namespace, out: TextIO) -> int:
 
 def cmd_rm_conversation(args: argparse.Namespace, out: TextIO) -> int:
     from localchat.conversation.records import delete_conversation
-    from localchat.state.images import ImageStore, delete_unreferenced
+    from localchat.state.images import ImageStore
 
     store, states = _open_store()
     try:
-        name = delete_conversation(store, states, args.name)
-        # Its images that no other conversation shows go with it.
-        delete_unreferenced(store, ImageStore(app_paths().images_dir))
+        name = delete_conversation(store, states, ImageStore(app_paths().images_dir), args.name)
     finally:
         store.close()
     out.write(f"deleted conversation {name!r}\n")

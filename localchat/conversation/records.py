@@ -4,18 +4,25 @@ conversation holding the first messages of another, its saved caches copied alon
 from __future__ import annotations
 
 from localchat.errors import UsageError
+from localchat.state.images import ImageStore, delete_unreferenced
 from localchat.state.kvstate import StateStore
 from localchat.state.locks import ConversationLock
 from localchat.state.store import ConversationRecord, Store
 
+# An image stored this recently is kept though no message shows it: another process may
+# have just stored it for a message it is about to write.
+JUST_STORED_S = 60.0
 
-def delete_conversation(store: Store, states: StateStore, name: str) -> str:
-    """Delete a conversation, its messages and its saved states (refused while it is open)."""
+
+def delete_conversation(store: Store, states: StateStore, images: ImageStore, name: str) -> str:
+    """Delete a conversation, its messages and its saved states (refused while it is open),
+    and the images it showed that no other conversation shows."""
     record = store.get(name)
     lock = ConversationLock(states.directory, record.id, record.name)
     try:
-        store.delete_conversation(record.id)
+        lost = store.delete_conversation(record.id)
         states.delete_conversation(record.id)
+        delete_unreferenced(store, images, lost, keep_recent_s=JUST_STORED_S)
     finally:
         lock.release(remove=True)
     return record.name

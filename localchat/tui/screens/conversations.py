@@ -18,7 +18,7 @@ from localchat.conversation.records import delete_conversation
 from localchat.errors import LocalchatError
 from localchat.paths import app_paths
 from localchat.state.export import export_markdown
-from localchat.state.images import ImageStore, delete_unreferenced
+from localchat.state.images import ImageStore
 from localchat.state.kvstate import StateStore
 from localchat.state.store import ConversationRecord, Store
 from localchat.tui.screens.text_prompt import TextPromptScreen
@@ -144,9 +144,8 @@ class ConversationsScreen(ModalScreen[str | None], ReportsWorkerFailures):
     @work(thread=True, group="conversation change", exit_on_error=False)
     def _delete(self, name: str) -> None:
         try:
-            delete_conversation(self.store, self.states, name)
-            # Its images that no other conversation shows go with it.
-            delete_unreferenced(self.store, ImageStore(app_paths().images_dir))
+            images = ImageStore(app_paths().images_dir)
+            delete_conversation(self.store, self.states, images, name)
         except LocalchatError as exc:
             self.notify(str(exc), severity="error", markup=False)  # thread-safe
             return
