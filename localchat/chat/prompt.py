@@ -22,7 +22,7 @@ import codecs
 import itertools
 import re
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime
 
 from localchat.chat.template import ChatMessage, ChatTemplate, TemplateRunaway
@@ -164,7 +164,7 @@ class PromptBuilder:
         prompt = self.build(messages, held)
         *before, draft = messages
         end = settled_chars(draft.content) if cut is None else cut
-        probe = ChatMessage(draft.role, draft.content[:end] + _PROBE)
+        probe = replace(draft, content=draft.content[:end] + _PROBE)  # its images kept
         probed = self.build([*before, probe], held)
         return prompt, max(0, common_prefix(prompt.tokens, probed.tokens) - SETTLE_MARGIN)
 

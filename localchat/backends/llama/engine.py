@@ -35,7 +35,7 @@ from localchat.backends.llama.grammar import (
     format_grammar,
     tool_call_grammar,
 )
-from localchat.backends.llama.image_reader import ImageReader, open_reader
+from localchat.backends.llama.image_reader import ImageReader, no_projector, open_reader
 from localchat.backends.llama.recording import RecordingLlama
 from localchat.backends.llama.runtime import (
     abort_requested,
@@ -205,23 +205,16 @@ class Engine:
         if options.projector is None:
             return None
         try:
-            reader = open_reader(
+            return open_reader(
                 options.projector, self._llm, options.images, options.embeddings_dir, plan.threads
             )
         except BaseException:
             self.close()
             raise
-        self._llm.images = reader
-        return reader
 
     def images_refused(self) -> str | None:
         """Why this model cannot be shown images, in one line (None: it can)."""
-        if self.image_reader is not None:
-            return None
-        return (
-            f"{self.model_name} cannot read images: no projector (mmproj GGUF) was found"
-            " beside it; give one with --mmproj, or use a vision model"
-        )
+        return None if self.image_reader is not None else no_projector(self.model_name)
 
     @property
     def draft_model_unused(self) -> str | None:
@@ -465,6 +458,8 @@ class Engine:
         )
         if self.draft_model is not None:
             panel += f"\ndraft model: {self.draft_model.name}"
+        if self.image_reader is not None:
+            panel += f"\nimages: {self.image_reader.projector.path.name}"
         # The name holds the quant where the file's name does (SmolLM2-135M-Instruct Q4_1).
         title = name if tag_of_file(name) else f"{name} · {self.info.file_type}"
         return BackendView(title, panel, self.model_name, self.template.name, None)

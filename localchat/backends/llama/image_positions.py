@@ -30,6 +30,12 @@ class ImageSource(Protocol):
     def key_of_id(self, image_id: int) -> str: ...
 
 
+class ImageDecoder(Protocol):
+    """What decodes an image's embeddings into the context (``image_reader.ImageReader``)."""
+
+    def evaluate(self, image_id: int, n_past: int, n_batch: int) -> int: ...
+
+
 def image_run(image_id: int, n_cells: int) -> list[int]:
     """The placeholder ids of an image that takes ``n_cells`` cells."""
     return [-2 * image_id] + [-(2 * image_id + 1)] * (n_cells - 1)

@@ -17,10 +17,9 @@ from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
 
-from llama_cpp import Llama
-
 from localchat.atomic import write_atomic
 from localchat.backends.llama.image_positions import ImageSource, image_run
+from localchat.backends.llama.recording import RecordingLlama
 from localchat.backends.llama.vision import (
     CHUNK_TEXT,
     MEDIA_MARKER,
@@ -108,15 +107,24 @@ class EmbeddingStore:
             path.unlink(missing_ok=True)
 
 
+def no_projector(model: str) -> str:
+    """Why a model without a projector is not shown an image, and what to do."""
+    return (
+        f"{model} cannot read images: no projector (mmproj GGUF) was found beside it;"
+        " give one with --mmproj, or use a vision model"
+    )
+
+
 def open_reader(
     projector: Path,
-    llm: Llama,
+    llm: RecordingLlama,
     source: ImageSource | None,
     embeddings_dir: Path | None,
     threads: int,
 ) -> ImageReader:
-    """The reader for ``llm`` with the projector ``projector``; refused in one line where
-    libmtmd is missing or the projector is one whose images cannot be kept exactly here."""
+    """The reader for ``llm`` with the projector ``projector``, set to decode the images
+    its evaluations meet; refused in one line where libmtmd is missing or the projector is
+    one whose images cannot be kept exactly here."""
     unavailable = mtmd_unavailable()
     if unavailable:
         raise ModelLoadError(f"cannot read images with {projector.name}: {unavailable}")
@@ -133,7 +141,9 @@ def open_reader(
         opened.close()
         raise ModelLoadError(f"{projector.name} is not a vision projector (audio only)")
     variant = file_fingerprint(projector)[:32]
-    return ImageReader(opened, source, EmbeddingStore(embeddings_dir, variant))
+    reader = ImageReader(opened, source, EmbeddingStore(embeddings_dir, variant))
+    llm.images = reader
+    return reader
 
 
 class ImageReader:

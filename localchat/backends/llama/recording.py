@@ -6,11 +6,11 @@ from __future__ import annotations
 import bisect
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 import llama_cpp
 
 from localchat.backends.llama.image_positions import (
+    ImageDecoder,
     has_images,
     image_start_before,
     pieces,
@@ -23,9 +23,6 @@ from localchat.backends.llama.internals import (
     set_logits_stale,
 )
 from localchat.backends.llama.runtime import abort_requested
-
-if TYPE_CHECKING:
-    from localchat.backends.llama.image_reader import ImageReader
 
 
 class RecordingLlama(llama_cpp.Llama):
@@ -54,7 +51,7 @@ class RecordingLlama(llama_cpp.Llama):
     last_eval: tuple[int, float] = (0, 0.0)
     # The projector that decodes images where a token list has their placeholder runs
     # (``image_positions``); None: the model reads no images.
-    images: ImageReader | None = None
+    images: ImageDecoder | None = None
 
     def eval(self, tokens: Sequence[int]) -> None:
         if has_images(tokens):
