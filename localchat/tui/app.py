@@ -54,6 +54,7 @@ from localchat.tui.widgets.chat_message import (
     UserMessage,
     warm_up_markdown,
 )
+from localchat.tui.widgets.image_view import enable_pictures
 from localchat.tui.worker_failures import ReportsWorkerFailures
 
 if TYPE_CHECKING:  # llama.cpp and the hub client: imported in workers, after the first frame
@@ -494,5 +495,6 @@ def run_app(
         server=server,
     )
     exit_on_signals(app.exit)
+    enable_pictures()  # the terminal asked what it draws, before Textual reads its input
     app.run()
     return app.return_code or 0

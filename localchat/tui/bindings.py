@@ -43,7 +43,7 @@ CHAT_BINDINGS: list[Binding] = [
         "ctrl+t",
         "attach",
         "Attach",
-        tooltip="Attach a text file (code, Markdown, logs) to your next message",
+        tooltip="Attach a text file (code, Markdown, logs) or an image to your next message",
         show=False,
         priority=True,
         id="attach",

@@ -8,6 +8,8 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import TYPE_CHECKING, TypeAlias
 
 from textual.message import Message
 
@@ -15,11 +17,17 @@ from localchat.backends.base import Sampling, TurnStats
 from localchat.chat.template import ChatMessage
 from localchat.conversation.base import ConversationBase
 from localchat.conversation.turn import ConversationTurn, FinishedTurn
-from localchat.errors import LocalchatError
+from localchat.errors import LocalchatError, UsageError
 from localchat.tui.messages import ReplyChunk, ReplyFailed, ReplyFinished
 from localchat.tui.pacing import MIN_INTERVAL_S
+from localchat.tui.widgets.image_view import AttachedImage, stored_lines
 from localchat.units import count
 
+if TYPE_CHECKING:  # Pillow is imported where an image is read, in a worker
+    from localchat.chat.image_files import ImageFacts
+
+# A question's images: checked bytes to store, or the keys of images stored already.
+ImageSources: TypeAlias = "tuple[ImageFacts | str, ...]"
 # The worker posts text at most this often; the pacer decides which chunks get drawn at once.
 CHUNK_INTERVAL_S = MIN_INTERVAL_S
 
@@ -27,7 +35,9 @@ CHUNK_INTERVAL_S = MIN_INTERVAL_S
 @dataclass(frozen=True)
 class TurnRequest:
     """A turn to run: the user's ``text`` (sent at ``entered_at``, on ``perf_counter``'s
-    clock), or the ``results`` of the last reply's calls (``text`` then empty)."""
+    clock), or the ``results`` of the last reply's calls (``text`` then empty). ``images``:
+    what the question shows, each checked bytes to store (in ``images_dir``) or the key of
+    an image stored already."""
 
     conversation: ConversationBase
     text: str
@@ -35,6 +45,8 @@ class TurnRequest:
     sampling: Sampling
     max_tokens: int
     results: list[ChatMessage] | None = None
+    images: ImageSources = ()
+    images_dir: Path | None = None
 
 
 def stream_turn(
@@ -84,9 +96,29 @@ def _start(request: TurnRequest, cancel: threading.Event) -> ConversationTurn:
     conversation, sampling, max_tokens = request.conversation, request.sampling, request.max_tokens
     if request.results is not None:
         return conversation.send_results(request.results, sampling, max_tokens, cancel)
+    images = _stored_images(request)
     return conversation.send(
-        request.text, sampling, max_tokens, cancel, entered_at=request.entered_at
+        request.text, sampling, max_tokens, cancel, entered_at=request.entered_at, images=images
     )
+
+
+def _stored_images(request: TurnRequest) -> tuple[str, ...]:
+    """The question's images, put in the image store (each once, by its bytes' hash) once
+    the model is known to read them: one that cannot is refused before anything is kept."""
+    if not request.images:
+        return ()
+    refused = request.conversation.backend.images_refused()
+    if refused:
+        raise UsageError(refused)
+    if request.images_dir is None:
+        raise UsageError("images need the data folder's image store")
+    from localchat.state.images import ImageStore
+
+    store = ImageStore(request.images_dir)
+    try:
+        return tuple(i if isinstance(i, str) else store.put(i).key for i in request.images)
+    finally:
+        store.close()
 
 
 def _chunk(
@@ -123,3 +155,25 @@ def describe_turn_start(turn: FinishedTurn) -> str:
         return f"re-evaluated {replayed} in {restore.seconds:.2f} s\n{evaluated}"
     reused = stats.prompt_tokens - stats.prompt_tokens_evaluated - restore.read_ahead
     return evaluated + (f"\nreused {reused:,} from the cache" if reused > 0 else "")
+
+
+def take_back_last(
+    conversation: ConversationBase, images_dir: Path | None
+) -> tuple[str, None, tuple[AttachedImage, ...]] | None:
+    """Off the app's thread: the last question taken back to be asked again (None: there is
+    none), with the images it showed (stored already: their notes read here)."""
+    questions = [e.record for e in conversation.exchanges if e.record.role == "user"]
+    text = conversation.take_back_last_exchange()
+    if text is None:
+        return None
+    keys = questions[-1].images if questions else ()
+    if not keys or images_dir is None:
+        return text, None, ()
+    from localchat.state.images import ImageStore
+
+    lines = stored_lines(ImageStore(images_dir), keys)
+    return (
+        text,
+        None,
+        tuple(AttachedImage(line, key) for line, key in zip(lines, keys, strict=True)),
+    )

@@ -13,6 +13,7 @@ import contextlib
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar
 
@@ -38,7 +39,13 @@ from localchat.tui.chat.tool_round import (
     ToolRounds,
     on_app_thread,
 )
-from localchat.tui.chat.turns import TurnRequest, describe_turn_start, stream_turn
+from localchat.tui.chat.turns import (
+    ImageSources,
+    TurnRequest,
+    describe_turn_start,
+    stream_turn,
+    take_back_last,
+)
 from localchat.tui.messages import (
     ConversationRestored,
     ReadAhead,
@@ -46,12 +53,14 @@ from localchat.tui.messages import (
     ReplyFailed,
     ReplyFinished,
 )
+from localchat.tui.screens.chat_files import AttachesFiles
 from localchat.tui.screens.conversations import ConversationsScreen
 from localchat.tui.screens.text_prompt import TextPromptScreen
 from localchat.tui.screens.tool_consent import ToolConsentScreen
 from localchat.tui.state import AppState
 from localchat.tui.widgets.chat_message import ChatEntry
 from localchat.tui.widgets.composer import Composer
+from localchat.tui.widgets.image_view import AttachedImage, ImageLine
 from localchat.tui.widgets.prompt_input import PromptInput
 from localchat.tui.widgets.reply_view import ReplyView
 from localchat.tui.widgets.stats_panel import StatsPanel
@@ -65,7 +74,7 @@ if TYPE_CHECKING:  # the session (llama.cpp, the hub client) is imported after t
 DEFAULT_MAX_TOKENS = 512
 
 
-class ChatScreen(Screen[None], ReportsWorkerFailures):
+class ChatScreen(Screen[None], ReportsWorkerFailures, AttachesFiles):
     """The app's first screen; dialogs open above it."""
 
     BINDINGS: ClassVar[list[BindingType]] = list(CHAT_BINDINGS)
@@ -122,6 +131,9 @@ class ChatScreen(Screen[None], ReportsWorkerFailures):
     @property
     def max_tokens(self) -> int:
         return self.state.max_tokens or DEFAULT_MAX_TOKENS
+
+    def _images_dir(self) -> Path | None:
+        return None if self.session is None else self.session.paths.images_dir
 
     def torn_down(self) -> bool:
         """Whether the app began to quit (this screen may be gone) while a thread worked."""
@@ -249,17 +261,22 @@ class ChatScreen(Screen[None], ReportsWorkerFailures):
                 self.notify("That message is no longer in view; your text is kept.")
                 return
             await self.show_transcript()
-        await self.start_turn(self.composer.take_message(message.text), entered_at)
+        text, images = self.composer.take_message(message.text)
+        await self.start_turn(text, entered_at, images)
 
-    async def start_turn(self, text: str, entered_at: float | None = None) -> None:
-        """``entered_at``: when the user sent it (the first-token figure counts from there)."""
+    async def start_turn(
+        self, text: str, entered_at: float | None = None, images: tuple[AttachedImage, ...] = ()
+    ) -> None:
+        """``entered_at``: when the user sent it (the first-token figure counts from there);
+        ``images``: what it shows (stored by the turn's worker, where the model reads them)."""
         entered_at = time.perf_counter() if entered_at is None else entered_at
         conversation = self.conversation
         assert conversation is not None
-        await self._open_reply(text)
+        await self._open_reply(text, tuple(i.line for i in images))
         self.composer.steady(True)
         self._cancel.clear()
-        self._after_layout(self._begin_generation, conversation, text, entered_at, None)
+        sources = tuple(i.source for i in images)
+        self._after_layout(self._begin_generation, conversation, text, entered_at, None, sources)
 
     async def start_results_turn(self, results: list[ChatMessage]) -> None:
         """The reply that reads the results of the last reply's calls (the cache holds the
@@ -269,8 +286,8 @@ class ChatScreen(Screen[None], ReportsWorkerFailures):
         await self._open_reply(None)
         self._after_layout(self._begin_generation, conversation, "", time.perf_counter(), results)
 
-    async def _open_reply(self, question: str | None) -> None:
-        self._reply = await self.transcript.add_turn(question)
+    async def _open_reply(self, question: str | None, images: tuple[ImageLine, ...] = ()) -> None:
+        self._reply = await self.transcript.add_turn(question, images)
         self._reply.open_stream()
         self.turn_idle.clear()
         self.generating = True
@@ -287,12 +304,15 @@ class ChatScreen(Screen[None], ReportsWorkerFailures):
         text: str,
         entered_at: float,
         results: list[ChatMessage] | None,
+        images: ImageSources = (),
     ) -> None:
         if self._reply is not None:  # the drawing budget: a share of what generating costs
             self._reply.pace(self.backend.threads if self.backend is not None else 1)
         sampling = self.state.sampling or Sampling()
-        request = TurnRequest(conversation, text, entered_at, sampling, self.max_tokens, results)
-        self.generate(self.session, request)
+        request = TurnRequest(
+            conversation, text, entered_at, sampling, self.max_tokens, results, images
+        )
+        self.generate(self.session, replace(request, images_dir=self._images_dir()))
 
     def stop_turn(self) -> None:
         """Stop the reply being written (the turn commits what was written), or the tool
@@ -435,10 +455,8 @@ class ChatScreen(Screen[None], ReportsWorkerFailures):
         elif self.composer.editing is not None:
             self.composer.end_edit()
             self.notify("Edit cancelled; the conversation is as it was.")
-        elif self.composer.attachments:
-            names = self.composer.drop_attachments()  # the words in the box stay
-            self.panel.show_turn_start("no files attached")
-            self.notify(f"Removed the attached {names}; the message box is as it was.")
+        elif self.composer.has_attachments:
+            self.drop_attachments()  # the words in the box stay
 
     def action_select_message(self) -> None:
         """Select the last message (its keys: edit, branches, copy)."""
@@ -460,12 +478,12 @@ class ChatScreen(Screen[None], ReportsWorkerFailures):
         if self.generating or conversation is None:
             return
         self.composer.end_edit()
-        text = await asyncio.to_thread(conversation.take_back_last_exchange)
-        if text is None:
+        taken = await asyncio.to_thread(take_back_last, conversation, self._images_dir())
+        if taken is None:
             self.notify("Nothing to regenerate yet.")
             return
         await self.show_transcript()
-        await self.start_turn(text)
+        await self.start_turn(*taken)
 
     def action_system_prompt(self) -> None:
         conversation = self.conversation
@@ -518,31 +536,6 @@ class ChatScreen(Screen[None], ReportsWorkerFailures):
 
         screen = ConversationsScreen(session.store, session.states, current)
         self.app.push_screen(screen, open_chosen)
-
-    # -- files for the next message ------------------------------------------------------
-    def action_attach(self) -> None:
-        """Ctrl+T: attach a text file to the next message (Esc removes it again)."""
-        if self.backend is None:
-            self.notify("No model is loaded yet.", severity="warning")
-            return
-
-        def chosen(path: str | None) -> None:
-            session = self.session
-            if path and session is not None:
-                conversation = self.conversation
-                system = conversation.record.system_prompt if conversation else None
-                self.composer.load_attachment(
-                    session, Path(path).expanduser(), system, self.max_tokens
-                )
-
-        hint = "its path · Ctrl+S attaches · Esc cancels"
-        self.app.push_screen(TextPromptScreen("Attach a text file", "", hint), chosen)
-
-    def on_composer_attached(self, message: Composer.Attached) -> None:
-        self.panel.show_turn_start(
-            f"attached {message.names}: goes with your next message (Esc removes)"
-        )
-        self.read_ahead_box()  # the file is read while the question is typed
 
     # -- a message's keys: edit, fork (its branches and pin: the transcript's) -----------
     def on_chat_entry_edit(self, message: ChatEntry.Edit) -> None:

@@ -20,6 +20,7 @@ from textual.widgets.markdown import MarkdownBlock
 
 from localchat.chat.tools import ToolCall
 from localchat.text import printable
+from localchat.tui.widgets.image_view import ImageLine, ImageView
 
 # Takes the parser down each of its paths (linkify compiles its patterns on first use).
 _WARM_UP_SAMPLE = (
@@ -155,12 +156,18 @@ class UserMessage(ChatEntry):
     ]
 
     def __init__(
-        self, text: str, message_id: int | None = None, branch: tuple[int, int] = (1, 1)
+        self,
+        text: str,
+        message_id: int | None = None,
+        branch: tuple[int, int] = (1, 1),
+        images: tuple[ImageLine, ...] = (),
     ) -> None:
-        """``branch``: (which, how many) branches start at this message."""
+        """``branch``: (which, how many) branches start at this message; ``images``: the
+        images it shows, before its text."""
         super().__init__("message user", message_id)
         self.text = text
         self.branch = branch
+        self.images = images
 
     @property
     def copy_text(self) -> str:
@@ -173,6 +180,8 @@ class UserMessage(ChatEntry):
 
     def compose(self) -> ComposeResult:
         yield Label(self.role_text(), classes="role")
+        for image in self.images:
+            yield ImageView(image)
         # A Text object: the user's words are never parsed as Rich markup.
         yield Static(Text(self.text), classes="body")
 

@@ -20,8 +20,10 @@ from localchat.conversation.base import ConversationBase
 from localchat.conversation.draft_reader import DraftReader
 from localchat.errors import LocalchatError, UsageError
 from localchat.tui.messages import AttachmentReady, ReadAhead
+from localchat.tui.widgets.image_view import AttachedImage, attached_image
 from localchat.tui.widgets.prompt_input import PromptInput
 from localchat.tui.worker_failures import ReportsWorkerFailures
+from localchat.units import format_bytes
 
 if TYPE_CHECKING:  # the session (llama.cpp, the hub client) is imported after the first frame
     from localchat.session import Session
@@ -37,13 +39,21 @@ class Composer(ReportsWorkerFailures, Vertical):
 
         names: str
 
+    @dataclass
+    class ImageRead(Message, bubble=False):
+        """An image file read and checked for the next message (nothing stored yet)."""
+
+        image: AttachedImage
+
     def __init__(self) -> None:
         super().__init__()
         # Files that go with the next message, and what each costs (counted when it came).
         self.attachments: list[Attachment] = []
         self._attachment_tokens: list[int] = []
+        # Images that go with it (stored when it is sent).
+        self.images: list[AttachedImage] = []
         # What the last message sent had: a failed send gives it back.
-        self._sent: tuple[str, list[Attachment], list[int]] = ("", [], [])
+        self._sent: tuple[str, list[Attachment], list[int], list[AttachedImage]] = ("", [], [], [])
         # The message being edited (its id): what is sent replaces it, as a new branch.
         self.editing: int | None = None
         self._box_before_edit = ""
@@ -72,21 +82,24 @@ class Composer(ReportsWorkerFailures, Vertical):
         self.box.cursor_blink = not steady
 
     # -- sending -------------------------------------------------------------------------
-    def take_message(self, typed: str) -> str:
-        """The message to send: ``typed`` with the files attached to it. The box empties
-        and the files go with it (kept, to be given back if the send fails)."""
-        self._sent = (typed, self.attachments, self._attachment_tokens)
+    def take_message(self, typed: str) -> tuple[str, tuple[AttachedImage, ...]]:
+        """The message to send: ``typed`` with the files attached to it, and its images.
+        The box empties and the files go with it (kept, to be given back if the send
+        fails)."""
+        self._sent = (typed, self.attachments, self._attachment_tokens, self.images)
         text = with_attachments(typed, self.attachments)
-        self.attachments, self._attachment_tokens = [], []
+        images = tuple(self.images)
+        self.attachments, self._attachment_tokens, self.images = [], [], []
         self.box.clear()
-        return text
+        return text, images
 
     def give_back(self, user_text: str) -> None:
         """The send of ``user_text`` failed: the words go back into an empty box, and the
-        files it had wait for the next try."""
-        typed, attachments, tokens = self._sent
-        if attachments and user_text == with_attachments(typed, attachments):
+        files and images it had wait for the next try."""
+        typed, attachments, tokens, images = self._sent
+        if user_text == with_attachments(typed, attachments):
             self.attachments, self._attachment_tokens = attachments, tokens
+            self.images = [*images, *self.images]
             user_text = typed
         if not self.box.text.strip():
             self.box.text = user_text
@@ -118,8 +131,15 @@ class Composer(ReportsWorkerFailures, Vertical):
         self, session: Session, path: Path, system: str | None, max_tokens: int
     ) -> None:
         """Read the file and count its tokens (the model's tokenizer, or the server's) and
-        the system prompt's (``system``: what the conversation had when it was chosen)."""
+        the system prompt's (``system``: what the conversation had when it was chosen); an
+        image is read and checked whole (stored when the message is sent)."""
+        from localchat.chat.image_files import is_image_path, read_image_file
+
         try:
+            if is_image_path(path):
+                image = attached_image(path, read_image_file(path))
+                self.post_message(self.ImageRead(image))
+                return
             attachment = read_attachment(path)
             backend = session.backend
             if backend is None:
@@ -147,25 +167,47 @@ class Composer(ReportsWorkerFailures, Vertical):
             self.notify(str(exc), title="Not attached", severity="error", timeout=15)
             return
         self.attachments, self._attachment_tokens = pending, costs
-        self.post_message(self.Attached(", ".join(a.name for a in pending)))
+        self.post_message(self.Attached(self.attached_names()))
         self.notify(f"Attached {message.attachment.name}: {message.tokens:,} tokens.")
         self.focus_box()
 
+    def on_composer_image_read(self, message: ImageRead) -> None:
+        """The image goes with the next message (stored when it is sent)."""
+        if not self.is_mounted or not self.app.is_running:
+            return
+        self.images.append(message.image)
+        self.post_message(self.Attached(self.attached_names()))
+        line = message.image.line
+        self.notify(
+            f"Attached {line.name}: {line.width}×{line.height} px, {format_bytes(line.size_bytes)}."
+        )
+        self.focus_box()
+
+    @property
+    def has_attachments(self) -> bool:
+        return bool(self.attachments or self.images)
+
+    def attached_names(self) -> str:
+        """Every file and image that goes with the next message, by name."""
+        names = [a.name for a in self.attachments] + [i.line.name for i in self.images]
+        return ", ".join(names)
+
     def drop_attachments(self) -> str:
-        """The files go, the words in the box stay; the names dropped."""
-        names = ", ".join(a.name for a in self.attachments)
-        self.attachments, self._attachment_tokens = [], []
+        """The files and images go, the words in the box stay; the names dropped."""
+        names = self.attached_names()
+        self.attachments, self._attachment_tokens, self.images = [], [], []
         return names
 
     # -- reading ahead -------------------------------------------------------------------
     def has_draft(self) -> bool:
         """Something to read ahead: words in the box, or files."""
-        return bool(self.box.text.strip() or self.attachments)
+        return bool(self.box.text.strip() or self.has_attachments)
 
     def read_ahead(self, conversation: ConversationBase, max_tokens: int) -> None:
         """Read the message as it stands ahead into ``conversation``'s cache (``ReadAhead``
-        says how far); not while an edit replaces an earlier message (read when sent)."""
-        if self.editing is not None:
+        says how far); not while an edit replaces an earlier message, nor with images
+        (they go before the text: both are read when sent)."""
+        if self.editing is not None or self.images:
             return
         if self.reader.offer(conversation, with_attachments(self.box.text, self.attachments)):
             self._read_ahead(self.reader, max_tokens)

@@ -20,6 +20,8 @@ from localchat.chat.tools import ToolCall
 from localchat.conversation.base import ConversationBase
 from localchat.conversation.turn import FinishedTurn
 from localchat.errors import LocalchatError
+from localchat.paths import app_paths
+from localchat.state.images import ImageStore
 from localchat.tui.widgets.chat_message import (
     AssistantMessage,
     ChatEntry,
@@ -28,6 +30,7 @@ from localchat.tui.widgets.chat_message import (
     UserMessage,
     code_blocks,
 )
+from localchat.tui.widgets.image_view import ImageLine, stored_lines
 from localchat.tui.widgets.reply_view import ReplyView
 
 # A message's place in the window: (pinned, still seen by the model).
@@ -46,15 +49,18 @@ class TranscriptRow:
     branches: tuple[int, int] | None = None  # a question's (which, how many)
     tool_calls: tuple[ToolCall, ...] = ()
     tool_call_id: str | None = None  # a tool result: the call it answers
+    images: tuple[ImageLine, ...] = ()  # the images a question shows
 
 
 def transcript_rows(conversation: ConversationBase) -> list[TranscriptRow]:
     """The branch in view, as rows (off the app's thread: a question's branches are read
-    from the database)."""
+    from the database, and the images' notes from the image store)."""
     rows = []
+    store = ImageStore(app_paths().images_dir)
     for exchange in conversation.exchanges:
         record = exchange.record
         branches = conversation.branches_at(record.id) if record.role == "user" else None
+        images = stored_lines(store, record.images) if record.images else ()
         rows.append(
             TranscriptRow(
                 record.id,
@@ -65,6 +71,7 @@ def transcript_rows(conversation: ConversationBase) -> list[TranscriptRow]:
                 branches,
                 tuple(record.tool_calls),
                 record.tool_call_id,
+                images,
             )
         )
     return rows
@@ -156,7 +163,8 @@ class Transcript(VerticalScroll):
         for row in rows:
             entry: ChatEntry
             if row.role == "user":
-                entry = UserMessage(row.content, row.message_id, row.branches or (1, 1))
+                branch = row.branches or (1, 1)
+                entry = UserMessage(row.content, row.message_id, branch, row.images)
             elif row.role == "assistant":
                 thought, answer = split_reasoning(row.content)
                 entry = AssistantMessage(answer, thought, row.message_id)
@@ -181,11 +189,12 @@ class Transcript(VerticalScroll):
             if mark is not None:
                 entry.show_window(*mark)
 
-    async def add_turn(self, question: str | None) -> ReplyView:
-        """The turn under way: the question (None: a reply that reads tool results) and
-        the reply to be written, drawn at the end; the view stays there as it grows."""
+    async def add_turn(self, question: str | None, images: tuple[ImageLine, ...] = ()) -> ReplyView:
+        """The turn under way: the question (None: a reply that reads tool results), with
+        the ``images`` it shows, and the reply to be written, drawn at the end; the view
+        stays there as it grows."""
         self._reply = ReplyView()
-        self._question = None if question is None else UserMessage(question)
+        self._question = None if question is None else UserMessage(question, images=images)
         await self.mount_all([e for e in (self._question, self._reply) if e is not None])
         self.anchor()
         return self._reply
