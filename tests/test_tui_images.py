@@ -111,6 +111,17 @@ async def test_an_image_is_attached_sent_shown_and_shown_again_on_reopening(
     ) as ui:
         [line] = _image_lines(ui)
         assert line.startswith(f"▣ {key[:12]} · ") and line.endswith(" · 48×36 px")
+        # Edited, the question shows its image again: the new branch's question has it.
+        composer = ui.app.chat.composer
+        ui.app.query(UserMessage).first().focus()
+        await ui.pilot.press("e")
+        await ui.until(lambda: len(composer.images) == 1, "the edited question's image")
+        assert composer.box.text == "what is in it"
+        await ui.say(" now")
+        conversation = ui.app.conversation
+        assert conversation is not None
+        assert [e.record.images for e in conversation.exchanges] == [(key,), ()]
+        assert conversation.exchanges[0].record.content == "what is in it now"
 
 
 async def test_a_broken_image_is_refused_on_attaching_and_the_text_kept(

@@ -538,13 +538,14 @@ class ChatScreen(Screen[None], ReportsWorkerFailures, AttachesFiles):
         self.app.push_screen(screen, open_chosen)
 
     # -- a message's keys: edit, fork (its branches and pin: the transcript's) -----------
-    def on_chat_entry_edit(self, message: ChatEntry.Edit) -> None:
+    async def on_chat_entry_edit(self, message: ChatEntry.Edit) -> None:
         place = self.transcript.place(message.message_id)
         conversation = self.conversation
         if place is None or self.generating or conversation is None:
             return
-        content = conversation.exchanges[place - 1].record.content
-        self.composer.begin_edit(message.message_id, content)
+        record = conversation.exchanges[place - 1].record
+        images = await self.attached_images(record.images)  # the edit shows them again
+        self.composer.begin_edit(message.message_id, record.content, images)
         self.notify(
             f"Editing message {place}: Enter sends it as a new branch (the old one is kept);"
             " Esc cancels."
@@ -584,7 +585,7 @@ class ChatScreen(Screen[None], ReportsWorkerFailures, AttachesFiles):
             return
         questions = [e.record.id for e in conversation.exchanges if e.record.role == "user"]
         if questions:
-            self.on_chat_entry_edit(ChatEntry.Edit(questions[-1]))
+            self.run_worker(self.on_chat_entry_edit(ChatEntry.Edit(questions[-1])), group="edit")
 
     async def step_last_branch(self, step: int) -> None:
         """The previous or next branch at the last message that has several."""

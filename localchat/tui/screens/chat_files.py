@@ -5,13 +5,16 @@ holds what goes with the message (``Composer``); nothing is stored before it is 
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from textual.dom import DOMNode
 
+from localchat.state.images import ImageStore
 from localchat.tui.screens.text_prompt import TextPromptScreen
 from localchat.tui.widgets.composer import Composer
+from localchat.tui.widgets.image_view import AttachedImage, stored_lines
 from localchat.tui.widgets.prompt_input import PromptInput
 
 if TYPE_CHECKING:
@@ -32,6 +35,16 @@ class AttachesFiles(DOMNode):
 
     def read_ahead_box(self) -> None:  # the chat screen's
         raise NotImplementedError
+
+    async def attached_images(self, keys: tuple[str, ...]) -> list[AttachedImage]:
+        """Stored images as attachments again (an edited question's), their notes read off
+        the app's thread."""
+        session = self.state.session
+        if not keys or session is None:
+            return []
+        store = ImageStore(session.paths.images_dir)
+        lines = await asyncio.to_thread(stored_lines, store, keys)
+        return [AttachedImage(line, key) for line, key in zip(lines, keys, strict=True)]
 
     def action_attach(self) -> None:
         """Ctrl+T: attach a text file or an image to the next message (Esc removes it)."""

@@ -6,6 +6,7 @@ it back when the send failed (``give_back``)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -57,6 +58,7 @@ class Composer(ReportsWorkerFailures, Vertical):
         # The message being edited (its id): what is sent replaces it, as a new branch.
         self.editing: int | None = None
         self._box_before_edit = ""
+        self._images_before_edit: list[AttachedImage] = []
         # The box's text, read ahead while it is typed (one worker at a time).
         self.reader = DraftReader()
 
@@ -105,12 +107,14 @@ class Composer(ReportsWorkerFailures, Vertical):
             self.box.text = user_text
 
     # -- editing an earlier message ------------------------------------------------------
-    def begin_edit(self, message_id: int, text: str) -> None:
-        """Edit message ``message_id`` (its ``text`` in the box); what the box held comes
-        back if the edit is cancelled."""
+    def begin_edit(self, message_id: int, text: str, images: Sequence[AttachedImage] = ()) -> None:
+        """Edit message ``message_id`` (its ``text`` in the box, its ``images`` attached);
+        what the box held comes back if the edit is cancelled."""
         if self.editing is None:
             self._box_before_edit = self.box.text
+            self._images_before_edit = self.images
         self.editing = message_id
+        self.images = list(images)
         self.set_text(text)
         self.focus_box()
 
@@ -123,6 +127,7 @@ class Composer(ReportsWorkerFailures, Vertical):
         """Stop editing: the box gets back what it held before the edit began."""
         if self.editing is not None:
             self.editing = None
+            self.images = self._images_before_edit
             self.set_text(self._box_before_edit)
 
     # -- attachments ---------------------------------------------------------------------
