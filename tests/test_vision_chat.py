@@ -39,17 +39,21 @@ pytestmark = pytest.mark.skipif(
 LOOK, FOLLOW, MORE = "What is in this picture?", "And what colour is it?", "Tell me more."
 
 
-@pytest.fixture(scope="module")
-def vision_model(models_dir: Path) -> Path:
-    """The tiny LM in a folder of its own with its projector beside it, as ``pull`` leaves a
+def _vision_model(models_dir: Path, shape: str) -> Path:
+    """The tiny LM in a folder of its own with a projector beside it, as ``pull`` leaves a
     vision model."""
-    folder = models_dir / "vision"
+    folder = models_dir / f"vision-{shape}"
     folder.mkdir(exist_ok=True)
     model = folder / "tiny-vision-Q4_K_M.gguf"
     if not model.exists():
         make_demo_model(model, "tiny", "Q4_K_M", seed=0)
-        make_projector(folder / "mmproj-tiny-vision-F16.gguf", "tiny", "vit-tiny")
+        make_projector(folder / "mmproj-tiny-vision-F16.gguf", "tiny", shape)
     return model
+
+
+@pytest.fixture(scope="module")
+def vision_model(models_dir: Path) -> Path:
+    return _vision_model(models_dir, "vit-tiny")
 
 
 def _png(seed: int, size: tuple[int, int] = (48, 36)) -> bytes:
@@ -136,6 +140,26 @@ def test_a_resumed_conversation_with_an_image_is_exact_and_encodes_nothing(
     assert again.restore.replayed > 0
     assert fresh_engine.image_reader is not None and fresh_engine.image_reader.encodes == 0
     fresh.close()
+
+
+def test_a_non_causal_image_resumes_exactly(models_dir: Path, engines: list[Engine]) -> None:
+    """Gemma 3's projector: the image decoded with non-causal attention, between begin- and
+    end-of-image text libmtmd writes around it."""
+    model = _vision_model(models_dir, "gemma3-tiny")
+    picture = _stored(7)
+    warm, engine = _open(engines, model, "warm")
+    assert engine.image_reader is not None and engine.image_reader.projector.non_causal
+    _say(warm, LOOK, (picture,))
+    expected = _say(warm, FOLLOW).generation.text
+    warm.close()
+    first, _ = _open(engines, model, "resumed")
+    _say(first, LOOK, (picture,))
+    first.close()
+    resumed, engine = _open(engines, model, "resumed")
+    turn = _say(resumed, FOLLOW)
+    assert turn.generation.text == expected and turn.restore.restored
+    assert engine.image_reader is not None and engine.image_reader.encodes == 0
+    resumed.close()
 
 
 def test_another_image_gives_another_reply_and_the_same_image_encodes_once(
