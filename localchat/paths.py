@@ -57,7 +57,7 @@ class AppPaths:
     def image_embeddings_dir(self) -> Path:
         """Images as a projector encoded them, a folder per projector: a state that holds an
         image is rebuilt from these, never by encoding it again."""
-        return self.data_dir / "image-embeddings"
+        return self.cache_dir / "image-embeddings"
 
     @property
     def logs_dir(self) -> Path:

@@ -189,3 +189,59 @@ def test_a_non_causal_image_is_decoded_whole(tiny_model: Path, tmp_path: Path) -
         pytest.raises(ValueError, match="one ubatch"),
     ):
         opened.evaluate(PROMPT, [_pixels(1)], 0)
+
+
+@pytest.mark.parametrize("shape", sorted(PROJECTOR_SHAPES))
+def test_the_reader_tokenizes_as_libmtmd_does_the_whole_prompt(
+    tiny_model: Path, models_dir: Path, shape: str
+) -> None:
+    """The reader lays each image out once and tokenizes the text between images itself:
+    the same ids libmtmd gives the whole prompt, begin/end-of-image tokens included."""
+    from localchat.backends.llama.image_reader import EmbeddingStore, ImageReader
+    from localchat.chat.images import image_keys, image_marker
+
+    class Images:
+        def __init__(self) -> None:
+            self.data = {image.key: image.data for image in (_bmp_image(5, 4), _bmp_image(9, 7))}
+
+        def get(self, key: str) -> bytes:
+            return self.data[key]
+
+        def image_id(self, key: str, variant: str = "") -> int:
+            return sorted(self.data).index(key) + 1
+
+        def key_of_id(self, image_id: int) -> str:
+            return sorted(self.data)[image_id - 1]
+
+    projector_file = make_projector(models_dir / f"mmproj-{shape}.gguf", "tiny", shape)
+    llm = _llm(tiny_model)
+    source = Images()
+    one, two = sorted(source.data)
+    with Projector(projector_file, llm) as projector:
+        reader = ImageReader(projector, source, EmbeddingStore(None, ""))
+
+        def plain(text: str) -> list[int]:
+            return list(llm.tokenize(text.encode(), add_bos=False, special=True))
+
+        for text in (
+            f"<|im_start|>user\n{image_marker(one)}\nWhat is it?<|im_end|>\n",
+            f"Compare {image_marker(one)} with{image_marker(two)}, then {image_marker(one)}.",
+            f"{image_marker(two)}{image_marker(two)}\n\n  tail",
+        ):
+            keys = image_keys(text)
+            whole = text.replace(image_marker(one), MEDIA_MARKER).replace(
+                image_marker(two), MEDIA_MARKER
+            )
+            expected: list[int] = []
+            images = [projector.pixels(Image(source.get(k))) for k in keys]
+            for chunk in projector.chunks(whole, images, add_special=False):
+                if chunk.kind == CHUNK_TEXT:
+                    expected.extend(chunk.tokens)
+                else:
+                    image_id = source.image_id(chunk.image_key)
+                    expected.extend([-2 * image_id] + [-(2 * image_id + 1)] * (chunk.n_tokens - 1))
+            assert reader.tokens(text, plain) == expected
+
+
+def _bmp_image(width: int, height: int) -> Image:
+    return Image(_bmp(width, height))

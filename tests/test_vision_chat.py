@@ -162,6 +162,28 @@ def test_a_non_causal_image_resumes_exactly(models_dir: Path, engines: list[Engi
     resumed.close()
 
 
+def test_a_first_message_of_a_file_and_images_past_a_batch_starts_from_a_shared_prefix(
+    models_dir: Path, engines: list[Engine]
+) -> None:
+    """The file and images a first message opens with are a shared prefix, evaluated in
+    batches that never end inside an image (nine 64-cell images cross the 512-token batch),
+    saved, and restored by the next conversation that opens with them."""
+    from localchat.chat.attachments import Attachment, with_attachments
+
+    model = _vision_model(models_dir, "vit-small")
+    text = with_attachments(LOOK, [Attachment("notes.txt", "some file text here\n" * 12)])
+    pictures = tuple(_stored(seed) for seed in range(20, 29))
+    first, _ = _open(engines, model, "first")
+    expected = _say(first, text, pictures).generation.text
+    first.close()
+    second, engine = _open(engines, model, "second")
+    turn = _say(second, text, pictures)
+    assert turn.generation.text == expected
+    assert turn.restore.prefix_tokens > 9 * 64  # the images and the file, from disk
+    assert engine.image_reader is not None and engine.image_reader.encodes == 0
+    second.close()
+
+
 def test_another_image_gives_another_reply_and_the_same_image_encodes_once(
     vision_model: Path, engines: list[Engine]
 ) -> None:

@@ -19,6 +19,12 @@ from collections.abc import Iterator, Sequence
 
 IMAGE_OPEN = "\U000f0e01"
 IMAGE_CLOSE = "\U000f0e02"
+# Where an image goes in the text libmtmd tokenizes (its ``media_marker``, set for every
+# projector opened here) in place of libmtmd's default ``<__media__>``, which people type.
+MEDIA_MARKER = "\U000f0e03"
+# A message's own text never carries the three: where one was typed or pasted (they are Nerd
+# Font icons), the model reads U+FFFD, and an image is only ever one of the message's own.
+_NOT_IN_TEXT = {ord(c): "\ufffd" for c in (IMAGE_OPEN, IMAGE_CLOSE, MEDIA_MARKER)}
 _MARKER = re.compile(f"{IMAGE_OPEN}([0-9a-f]{{64}}){IMAGE_CLOSE}")
 
 
@@ -29,8 +35,9 @@ def image_marker(key: str) -> str:
 
 def with_image_markers(text: str, images: Sequence[str]) -> str:
     """``text`` with a marker per image before it, each on a line of its own (LLaVA's
-    ``<image>\\n`` layout, which llama.cpp's server writes for an image part before text)."""
-    return "".join(image_marker(key) + "\n" for key in images) + text
+    ``<image>\\n`` layout, which llama.cpp's server writes for an image part before text);
+    the text's own marker characters made U+FFFD (``_NOT_IN_TEXT``)."""
+    return "".join(image_marker(key) + "\n" for key in images) + text.translate(_NOT_IN_TEXT)
 
 
 def has_image_markers(text: str) -> bool:

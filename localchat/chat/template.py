@@ -47,9 +47,8 @@ class ChatMessage:
 
     def with_markers(self) -> ChatMessage:
         """The message with its images as markers in its text (``chat.images``)."""
-        if not self.images:
-            return self
-        return replace(self, content=with_image_markers(self.content, self.images), images=())
+        marked = with_image_markers(self.content, self.images)
+        return self if marked == self.content else replace(self, content=marked, images=())
 
     def as_template_message(self, arguments_as_text: bool = False) -> dict[str, Any]:
         """The message as templates index it (OpenAI's shape; keys only where set: some

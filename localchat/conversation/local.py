@@ -7,6 +7,7 @@ what it does not hold is evaluated. After a turn the new state is saved in the b
 
 from __future__ import annotations
 
+import itertools
 import sqlite3
 import threading
 import time
@@ -17,6 +18,7 @@ from datetime import datetime
 from localchat.backends.base import Sampling
 from localchat.backends.llama.cache import ReplayStopped
 from localchat.backends.llama.engine import Engine
+from localchat.backends.llama.image_positions import batch_starts, image_start_before
 from localchat.chat.prompt import BuiltPrompt, common_prefix, settled_chars
 from localchat.chat.template import ChatMessage
 from localchat.chat.tools import ToolUse
@@ -259,7 +261,7 @@ class Conversation(ConversationBase):
         plan = self._plan(prompt, messages, max_tokens)
         if plan.moved or plan.cut_tokens:
             return ReadAheadResult(self._ahead_tokens())
-        target = prompt.tokens[:settled]
+        target = prompt.tokens[: image_start_before(prompt.tokens, settled)]  # no image cut
         cached = engine.cache.cached_tokens
         keep = common_prefix(cached, target)
         if keep < len(target) and keep < len(cached):  # an edit: back to what still agrees
@@ -271,10 +273,11 @@ class Conversation(ConversationBase):
             engine.cache.hold(target[:keep])
             if engine.cache.cached_tokens != target[:keep]:
                 return ReadAheadResult(self._ahead_tokens())
-        for start in range(keep, len(target), READ_AHEAD_BATCH):
+        bounds = [*batch_starts(target, keep, len(target), READ_AHEAD_BATCH), len(target)]
+        for start, end in itertools.pairwise(bounds):  # an image whole, in one
             if stop() or self.closed:
                 return ReadAheadResult(self._ahead_tokens(), finished=False)
-            engine.cache.extend(target[start : start + READ_AHEAD_BATCH])
+            engine.cache.extend(target[start:end])
         ahead.settled = settled_key
         return ReadAheadResult(self._ahead_tokens())
 

@@ -14,11 +14,13 @@ prompt's: the same files opening another conversation are restored, not read aga
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from localchat.backends.llama.cache import KVCache, ReplayStopped
+from localchat.backends.llama.image_positions import batch_starts
 from localchat.chat.attachments import attachments_end
 from localchat.chat.prompt import BuiltPrompt, PromptBuilder
 from localchat.chat.template import ChatMessage
@@ -69,13 +71,14 @@ def prefix_spans(
     return spans
 
 
-def _batch_starts(spans: Sequence[int], n_batch: int) -> list[int]:
+def _batch_starts(prompt: Sequence[int], spans: Sequence[int], n_batch: int) -> list[int]:
     """How a cold start evaluates up to the last of ``spans``: each prefix ends its own
-    batches, so every prefix state is bit for bit what a cold start builds."""
+    batches, so every prefix state is bit for bit what a cold start builds (an image is a
+    batch of its own, whole)."""
     starts: list[int] = []
     begin = 0
     for span in spans:
-        starts.extend(range(begin, span, n_batch))
+        starts.extend(batch_starts(prompt, begin, span, n_batch))
         begin = span
     return starts
 
@@ -106,7 +109,7 @@ def start_from_prefix(
             saved = states.load(prefix_id(prefix), key)
         except StateRejected:
             continue
-        starts = _batch_starts([e for e in ends if e <= span], cache.n_batch)
+        starts = _batch_starts(prompt, [e for e in ends if e <= span], cache.n_batch)
         if list(saved.tokens) == prefix and cache.load_sequence_state(
             saved.payload, prefix, starts
         ):
@@ -118,10 +121,11 @@ def start_from_prefix(
         for span in ends:
             if span <= done:
                 continue
-            for start in range(done, span, cache.n_batch):
+            bounds = [*batch_starts(prompt, done, span, cache.n_batch), span]
+            for start, stop_at in itertools.pairwise(bounds):
                 if stop is not None and start > 0 and stop():
                     raise ReplayStopped
-                cache.extend(prompt[start : min(span, start + cache.n_batch)])
+                cache.extend(prompt[start:stop_at])
             cache.commit(span)
             done = span
             state = SavedState(key, list(prompt[:span]), cache.save_sequence_state())

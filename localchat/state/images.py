@@ -17,6 +17,7 @@ import contextlib
 import json
 import os
 import re
+import secrets
 import sqlite3
 import threading
 import time
@@ -35,6 +36,8 @@ if TYPE_CHECKING:
     from localchat.state.store import Store
 
 _KEY = re.compile(r"[0-9a-f]{64}")
+# Ids stay under 2**30: an image's cells are -2·id and -(2·id + 1) in 32-bit token lists.
+FIRST_ID_SPAN = 1 << 28
 _VARIANT = re.compile(r"[0-9a-f]{0,64}")
 IDS_FILE = "ids.sqlite"
 # An image stored (or stored again) this recently is never swept: another process may be
@@ -187,10 +190,17 @@ class ImageStore:
         # Created readable by the user only before SQLite opens it.
         os.close(os.open(path, os.O_CREAT | os.O_WRONLY, 0o600))
         db = sqlite3.connect(path, timeout=10.0, isolation_level=None, check_same_thread=False)
+        db.execute("BEGIN IMMEDIATE")
         db.execute(
             "CREATE TABLE IF NOT EXISTS image_ids"
             " (id INTEGER PRIMARY KEY AUTOINCREMENT, key TEXT NOT NULL UNIQUE)"
         )
+        # The ids start at a random point: states and prompt caches hold them, and an id
+        # table lost while those stayed must not give a known id to another image.
+        if not db.execute("SELECT 1 FROM sqlite_sequence WHERE name = 'image_ids'").fetchone():
+            start = secrets.randbelow(FIRST_ID_SPAN)
+            db.execute("INSERT INTO sqlite_sequence (name, seq) VALUES ('image_ids', ?)", (start,))
+        db.execute("COMMIT")
         self._db = db
         return db
 

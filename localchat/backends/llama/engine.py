@@ -492,8 +492,8 @@ class Engine:
         ``tool_use``: the tools the prompt offers (the reply is read for calls, and held to
         one by a grammar where a call is required)."""
         tokens = list(prompt_tokens)
-        if not tokens:
-            raise UsageError("empty prompt")
+        if not tokens or tokens[-1] < 0:  # an image asks for no logits to sample from
+            raise UsageError("empty prompt" if not tokens else "a prompt cannot end with an image")
         forced = tool_use is not None and tool_use.forced
         if forced and opens_reasoning(self.detokenize(tokens[-8:], special=True)):
             # A call is required now: the reasoning block the template opened is closed

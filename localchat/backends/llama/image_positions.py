@@ -93,6 +93,20 @@ def pieces(tokens: Sequence[int], offset: int = 0) -> Iterator[Piece]:
         i = j
 
 
+def batch_starts(tokens: Sequence[int], begin: int, end: int, size: int) -> list[int]:
+    """Where the batches that evaluate ``tokens[begin:end]`` start, as ``RecordingLlama``
+    evaluates and records them: text in batches of ``size`` from each stretch's start, each
+    image whole in one (a batch never ends inside an image). Without images,
+    ``range(begin, end, size)``."""
+    starts: list[int] = []
+    for piece in pieces(tokens[begin:end], begin):
+        if piece.image_id:
+            starts.append(piece.start)
+        else:
+            starts.extend(range(piece.start, piece.start + len(piece.tokens), size))
+    return starts
+
+
 def image_start_before(tokens: Sequence[int], position: int) -> int:
     """Where the image that ``position`` falls inside starts (``position`` itself where it
     is not inside one): a cut is moved back there, never into an image."""

@@ -10,6 +10,7 @@ encoded before (a replay, a branch, another model load), else encoded now.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import struct
 import zlib
@@ -27,8 +28,8 @@ from localchat.backends.llama.vision import (
     Projector,
     mtmd_unavailable,
 )
-from localchat.chat.images import has_image_markers, split_image_markers
-from localchat.errors import ModelLoadError
+from localchat.chat.images import split_image_markers
+from localchat.errors import ModelLoadError, UsageError
 from localchat.gguf.info import file_fingerprint
 from localchat.paths import ensure_private_dir
 
@@ -61,13 +62,19 @@ class EmbeddingStore:
         return data
 
     def put(self, key: str, data: bytes) -> None:
+        """Keep ``data``: on disk at best (a full disk, or another process pruning the
+        folder, costs a later encode, never the turn)."""
         self._remember(key, data)
         if self.directory is None:
             return
-        ensure_private_dir(self.directory)
         header = _HEADER.pack(_MAGIC, len(data), zlib.crc32(data))
-        write_atomic(self._path(key), header + data)
-        self._evict()
+        try:
+            ensure_private_dir(self.directory.parent)
+            ensure_private_dir(self.directory)
+            write_atomic(self._path(key), header + data)
+            self._evict()
+        except OSError:
+            pass
 
     def _remember(self, key: str, data: bytes) -> None:
         self._memory[key] = data
@@ -93,17 +100,22 @@ class EmbeddingStore:
         data = raw[_HEADER.size :]
         if magic != _MAGIC or size != len(data) or zlib.crc32(data) != crc:
             return None
-        os.utime(self._path(key))  # recently used: evicted last
+        with contextlib.suppress(OSError):
+            os.utime(self._path(key))  # recently used: evicted last
         return data
 
     def _evict(self) -> None:
         assert self.directory is not None
-        files = sorted(self.directory.glob("*.emb"), key=lambda p: p.stat().st_mtime)
-        total = sum(p.stat().st_size for p in files)
-        for path in files[:-1]:
+        sizes = {}
+        for path in self.directory.glob("*.emb"):
+            with contextlib.suppress(OSError):
+                found = path.stat()
+                sizes[path] = (found.st_mtime, found.st_size)
+        total = sum(size for _, size in sizes.values())
+        for path in sorted(sizes, key=lambda p: sizes[p][0])[:-1]:
             if total <= self.budget_bytes:
                 break
-            total -= path.stat().st_size
+            total -= sizes[path][1]
             path.unlink(missing_ok=True)
 
 
@@ -157,25 +169,49 @@ class ImageReader:
         self.embeddings = embeddings
         self.encodes = 0  # images encoded by the projector (not found in ``embeddings``)
         self._pixels: OrderedDict[str, Image] = OrderedDict()
+        self._layouts: dict[str, list[int]] = {}  # an image's ids at its marker, by key
         self._ids: dict[str, int] = {}  # an id never changes: asked of the store once
         self._keys: dict[int, str] = {}
 
     def tokens(self, text: str, plain: Callable[[str], list[int]]) -> list[int]:
-        """``text``'s token ids (no BOS), images as placeholder runs; text without images
-        goes to ``plain``, the model's tokenizer."""
-        if not has_image_markers(text):
-            return plain(text)
-        parts = list(split_image_markers(text))
-        keys = [part[0] for part in parts if isinstance(part, tuple)]
-        marked = "".join(MEDIA_MARKER if isinstance(part, tuple) else part for part in parts)
-        images = [self._image(key) for key in keys]
+        """``text``'s token ids (no BOS), images as placeholder runs, as libmtmd tokenizes
+        it: the text between images by ``plain`` (the model's tokenizer, special tokens
+        parsed: libmtmd tokenizes each part apart too), each image as libmtmd lays it out
+        at its marker (a projector's begin- and end-of-image tokens around its cells),
+        worked out once per image: a prompt's images are not preprocessed on every call."""
         ids: list[int] = []
-        for chunk in self.projector.chunks(marked, images, add_special=False):
-            if chunk.kind == CHUNK_TEXT:
-                ids.extend(chunk.tokens)
+        for part in split_image_markers(text):
+            if isinstance(part, str):
+                ids.extend(plain(part))
             else:
-                ids.extend(image_run(self._id_of(chunk.image_key), chunk.n_tokens))
+                ids.extend(self._layout(part[0]))
         return ids
+
+    def _layout(self, key: str) -> list[int]:
+        """What an image becomes at its marker: text ids and its placeholder run. One the
+        projector cuts into slices, or one it must decode whole that the micro-batch cannot
+        hold, is refused here, before anything is stored or decoded."""
+        found = self._layouts.get(key)
+        if found is not None:
+            return found
+        chunks = self.projector.chunks(MEDIA_MARKER, [self._image(key)], add_special=False)
+        images = [chunk for chunk in chunks if chunk.kind != CHUNK_TEXT]
+        if len(images) != 1:
+            raise UsageError(
+                f"{self.projector.path.name} reads image {key[:12]} in {len(images)} slices,"
+                " which localchat does not read yet: send a smaller image (one slice)"
+            )
+        refused = self.projector.refuses(images[0].n_tokens)
+        if refused:
+            raise UsageError(refused)
+        layout: list[int] = []
+        for chunk in chunks:
+            if chunk.kind == CHUNK_TEXT:
+                layout.extend(chunk.tokens)
+            else:
+                layout.extend(image_run(self._id_of(key), chunk.n_tokens))
+        self._layouts[key] = layout
+        return layout
 
     def evaluate(self, image_id: int, n_past: int, n_batch: int) -> int:
         """Decode image ``image_id`` into sequence 0 at ``n_past``; returns its cells."""

@@ -29,12 +29,9 @@ from typing import Any
 
 import llama_cpp
 
+from localchat.chat.images import MEDIA_MARKER as MEDIA_MARKER
 from localchat.errors import ModelLoadError
 
-# Where an image goes in the text libmtmd tokenizes (its ``media_marker``, set for every
-# projector opened here): a private-use character in place of libmtmd's default
-# ``<__media__>``, which a person may type.
-MEDIA_MARKER = "\U000f0e03"
 CHUNK_TEXT, CHUNK_IMAGE, CHUNK_AUDIO = 0, 1, 2  # enum mtmd_input_chunk_type
 
 # libmtmd's last log lines: it writes to stderr otherwise (every encode says so), and a
@@ -292,6 +289,17 @@ class Projector:
             if status != 0:
                 raise RuntimeError(f"libmtmd could not decode the image (status {status})")
         return n_tokens, encoded
+
+    def refuses(self, n_tokens: int) -> str | None:
+        """Why an image of ``n_tokens`` cells cannot be decoded here (None: it can): one
+        decoded non-causally must fit one micro-batch."""
+        n_ubatch = int(llama_cpp.llama_n_ubatch(self._llm.ctx))
+        if self.non_causal and n_tokens > n_ubatch:
+            return (
+                f"{self.path.name} decodes an image whole, in one micro-batch, and this"
+                f" one takes {n_tokens} tokens where the micro-batch holds {n_ubatch}"
+            )
+        return None
 
     def _batch_for(self, chunk: Any, n_batch: int) -> int:
         """The batch size to decode ``chunk`` in. An image decoded non-causally must go in
