@@ -135,6 +135,7 @@ class _Figures:
     encode_s: float = 0.0
     image_tokens: int = 0
     warm: list[float] = field(default_factory=list)
+    warm_sent: list[float] = field(default_factory=list)  # from ``send``: the prompt built too
     warm_reply: str = ""
     resumed: list[dict[str, Any]] = field(default_factory=list)
 
@@ -190,6 +191,7 @@ def _paired_rounds(
             if side == "warm":  # the same turn again, the cache cut back to the history
                 turn = _turn(conversation, NEXT)
                 figures.warm.append(turn.resume_ttft_s)
+                figures.warm_sent.append(turn.sent_ttft_s)
                 figures.warm_reply = turn.generation.text
                 conversation.take_back_last_exchange()
                 engine.cache.hold(history)
@@ -232,6 +234,7 @@ def _report(figures: _Figures) -> dict[str, Any]:
     ``resume``'s and would be overwritten in a full run's flat report)."""
     resumed = [run["stats"] for run in figures.resumed]
     ratios = [float(r["ttft_s"]) / w for r, w in zip(resumed, figures.warm, strict=True)]
+    sent = [float(r["sent_ttft_s"]) / w for r, w in zip(resumed, figures.warm_sent, strict=True)]
     follow = figures.follow
     return {
         "image_tokens": figures.image_tokens,
@@ -241,6 +244,7 @@ def _report(figures: _Figures) -> dict[str, Any]:
         "image_warm_ttft_s": round(statistics.median(figures.warm), 4),
         "image_resume_ttft_s": round(statistics.median(float(r["ttft_s"]) for r in resumed), 4),
         "image_resume_vs_warm": round(statistics.median(ratios), 3),
+        "image_resume_vs_warm_sent": round(statistics.median(sent), 3),
         "image_encodes_on_resume": max(int(r["images_encoded"]) for r in resumed),
         "image_resume_restored": all(r["restored_from_state"] for r in resumed),
         "image_resume_prompt_tokens_evaluated": max(
