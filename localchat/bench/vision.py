@@ -1,10 +1,14 @@
 """``bench --only vision``: a conversation that holds an image, on the bench's language model
 with a generated projector beside it (``vit-bench``: 576 image tokens, LLaVA-1.5's weight in
-the context) and a random 640x480 PNG. Under a minute on two cores.
+the context) and a random 640x480 PNG. About a minute on two quiet cores (the first turn
+reads ~600 tokens; every other turn ~25); several where other programs hold the cores.
 
 - ``image_resume_vs_warm``: the turn after the image and a follow-up, resumed in a new
   process (``ask --conversation``, the saved state restored) against the same turn warm
-  here; the median ratio of pairs taken side by side, as ``resume`` takes them.
+  here; the median ratio of pairs taken side by side, as ``resume`` takes them (the
+  restore and the prompt read). ``image_resume_vs_warm_sent``, reported: the same pairs
+  from the message sent, the prompt built in the wait (the new process reads the picture
+  from the store and has libmtmd cut its tokens again).
 - ``image_encodes_on_resume``: images the new processes encoded (``images_encoded`` in
   ``ask --json``'s stats, the most of any round): the image is in the state restored, and
   its embeddings are kept on disk for a replay, so none.
