@@ -48,6 +48,7 @@ class TurnStats:
     prompt_tokens: int = 0
     prompt_tokens_evaluated: int = 0
     generated_tokens: int = 0
+    images_encoded: int = 0  # images the projector encoded reading the prompt (none kept)
     ttft_s: float = 0.0
     prompt_tps: float = 0.0
     gen_tps: float = 0.0

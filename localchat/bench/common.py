@@ -4,12 +4,17 @@ and the 2,000-token conversation (one definition, so every part measures the sam
 from __future__ import annotations
 
 import contextlib
+import json
 import os
+import shutil
 import statistics
+import subprocess
+import sys
 import tempfile
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from localchat.models.calibrate import confirmed
 from localchat.paths import HOME_ENV
@@ -79,6 +84,38 @@ def env_with_home(home: Path) -> dict[str, str]:
     """This process's environment with ``home`` as LOCALCHAT_HOME: what a child process of a
     measurement runs with, so it sees only the scratch conversations."""
     return {**os.environ, HOME_ENV: str(home)}
+
+
+def ask_in_new_process(
+    home: Path, model_path: Path, message: str, n_ctx: int, *extra: str
+) -> dict[str, Any]:
+    """One greedy turn of the conversation ``bench`` through the real CLI in a fresh process
+    with ``home`` as its LOCALCHAT_HOME; ``ask --json``'s payload (model load is not timed
+    in ttft)."""
+    command = [
+        sys.executable, "-m", "localchat.cli.main", "ask", message,
+        "--model-path", str(model_path), "--conversation", "bench", "--ctx", str(n_ctx),
+        "--temperature", "0", "--max-tokens", str(REPLY_TOKENS), "--json", *extra,
+    ]  # fmt: skip
+    result = subprocess.run(
+        command, capture_output=True, text=True, env=env_with_home(home), check=False
+    )
+    if result.returncode != 0:
+        raise RuntimeError(f"bench turn failed: {result.stderr.strip()}")
+    payload: dict[str, Any] = json.loads(result.stdout)
+    return payload
+
+
+@dataclass
+class ChildHome:
+    """A new process's data: a copy of the saved conversation, made afresh before each run."""
+
+    backup: Path
+    path: Path
+
+    def reset(self) -> None:
+        shutil.rmtree(self.path, ignore_errors=True)
+        shutil.copytree(self.backup, self.path / "data")
 
 
 def greedy_turn(engine: Engine, prompt: list[int], max_tokens: int, cold: bool = True) -> TurnStats:

@@ -4,11 +4,8 @@ of pairs taken side by side) and against re-reading it all."""
 
 from __future__ import annotations
 
-import json
 import shutil
 import statistics
-import subprocess
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -16,9 +13,10 @@ from typing import TYPE_CHECKING, Any
 from localchat.bench.common import (
     HISTORY_CTX,
     REPLY_TOKENS,
+    ChildHome,
     Progress,
+    ask_in_new_process,
     build_history,
-    env_with_home,
     say,
     scratch_dir,
 )
@@ -35,31 +33,8 @@ RESUME_ROUNDS = 5
 
 
 def _ask_in_new_process(home: Path, model_path: Path, *extra: str) -> dict[str, Any]:
-    """One turn through the real CLI in a fresh process (model load is not timed in ttft)."""
-    command = [
-        sys.executable, "-m", "localchat.cli.main", "ask", NEXT_MESSAGE,
-        "--model-path", str(model_path), "--conversation", "bench", "--ctx", str(HISTORY_CTX),
-        "--temperature", "0", "--max-tokens", str(REPLY_TOKENS), "--json", *extra,
-    ]  # fmt: skip
-    result = subprocess.run(
-        command, capture_output=True, text=True, env=env_with_home(home), check=False
-    )
-    if result.returncode != 0:
-        raise RuntimeError(f"bench turn failed: {result.stderr.strip()}")
-    payload: dict[str, Any] = json.loads(result.stdout)
-    return payload
-
-
-@dataclass
-class _ChildHome:
-    """A new process's data: a copy of the saved history, made afresh before each run."""
-
-    backup: Path
-    path: Path
-
-    def reset(self) -> None:
-        shutil.rmtree(self.path, ignore_errors=True)
-        shutil.copytree(self.backup, self.path / "data")
+    """The next turn through the real CLI in a fresh process."""
+    return ask_in_new_process(home, model_path, NEXT_MESSAGE, HISTORY_CTX, *extra)
 
 
 @dataclass
@@ -95,7 +70,7 @@ def bench_resume(model_path: Path, progress: Progress = None) -> dict[str, Any]:
         kv_bytes_used = engine.kv_bytes_used
         state_bytes = sum(p.stat().st_size for p in (data / "states").glob("*.lckv"))
         shutil.copytree(data, home / "backup")
-        child = _ChildHome(home / "backup", home / "child")
+        child = ChildHome(home / "backup", home / "child")
         rounds = _paired_rounds(conversation, engine, child, model_path)
         conversation.close()
         store.close()
@@ -110,7 +85,7 @@ def bench_resume(model_path: Path, progress: Progress = None) -> dict[str, Any]:
 
 
 def _paired_rounds(
-    conversation: Conversation, engine: Engine, child: _ChildHome, model_path: Path
+    conversation: Conversation, engine: Engine, child: ChildHome, model_path: Path
 ) -> _Rounds:
     """``RESUME_ROUNDS`` pairs of the same next turn, warm here and resumed in a new process,
     the order alternating so that the host's drift cancels."""

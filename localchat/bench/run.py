@@ -35,6 +35,7 @@ from localchat.bench.router import bench_router
 from localchat.bench.serve import bench_serve
 from localchat.bench.spec import bench_spec
 from localchat.bench.ui import bench_ui
+from localchat.bench.vision import bench_vision
 from localchat.bench.window import bench_window
 from localchat.bench.zerowait import bench_zerowait
 from localchat.cpu import cpu_description, physical_cores
@@ -59,6 +60,7 @@ BENCHES: dict[str, Part] = {
     "clients": bench_clients,
     "embed": bench_embed,
     "router": bench_router,
+    "vision": bench_vision,
 }
 PARTS: tuple[str, ...] = tuple(BENCHES)
 
@@ -110,6 +112,9 @@ TARGETS: dict[str, tuple[str, float]] = {
     "router_switch_reread": ("<=", 0.05),
     "router_load_ttft": ("<=", 0.5),
     "router_unload_rss": ("<=", 100.0),
+    "image_resume_vs_warm": ("<=", 1.2),
+    "image_encodes_on_resume": ("<=", 0),
+    "image_turn_reread": ("<=", 0.05),
 }
 
 

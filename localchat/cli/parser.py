@@ -136,7 +136,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--only",
         default=None,
         help="comma-separated parts (default: all): engine, resume, window, estimate, ui,"
-        " calibrate, plan, memory, remote, zerowait, branch, spec, serve, clients, embed, router",
+        " calibrate, plan, memory, remote, zerowait, branch, spec, serve, clients, embed, router,"
+        " vision",
     )
     bench.add_argument("--json", action="store_true", help="print one JSON object")
     return parser

@@ -203,6 +203,7 @@ class Conversation(ConversationBase):
         n_system = len(self.system_messages())
         self._prefix_spans = prefix_spans(self.builder, messages, prompt, n_system)
         plan = self._plan(prompt, messages, max_tokens)
+        encoded_before = _images_encoded(engine)
         if not (plan.moved or plan.cut_tokens):
             window = WindowReport()
             restore = self._prepare_cache(prompt.tokens, fresh)
@@ -212,6 +213,8 @@ class Conversation(ConversationBase):
             if engine.cache.held_by(self.record.id):  # what was read ahead goes
                 engine.cache.hold(engine.cache.committed_tokens)
             messages, prompt, window, restore = self._move_window(prompt, plan, fresh, held)
+        encoded = _images_encoded(engine) - encoded_before  # a replay's
+        restore = replace(restore, images_encoded=encoded) if encoded else restore
         generation = engine.generate(prompt.tokens, sampling, max_tokens, cancel, self.tool_use)
         self.branched = False
         return ReplyStart(prompt, generation, restore, window, messages)
@@ -533,3 +536,8 @@ class Conversation(ConversationBase):
             return
         state = SavedState(self.key, tokens, self.backend.cache.save_sequence_state())
         self.saver.save(self.record.id, state)
+
+
+def _images_encoded(engine: Engine) -> int:
+    """Images the engine's projector has encoded so far (0: it reads none)."""
+    return 0 if engine.image_reader is None else engine.image_reader.encodes

@@ -52,6 +52,7 @@ class RestoreReport:
     replayed: int = 0
     prefix_tokens: int = 0  # restored from a shared prefix state (a known system prompt)
     read_ahead: int = 0  # prompt tokens evaluated while the message was being typed
+    images_encoded: int = 0  # images the projector encoded replaying (none kept)
 
     @classmethod
     def from_prefix(cls, start: PrefixStart | None, notice: str | None = None) -> RestoreReport:
@@ -244,6 +245,8 @@ def turn_stats_dict(
             0, stats.prompt_tokens - stats.prompt_tokens_evaluated - restore.replayed
         ),
         "generated_tokens": stats.generated_tokens,
+        # Images encoded by the projector this turn: their embeddings were not kept.
+        "images_encoded": stats.images_encoded + restore.images_encoded,
         "ttft_s": round(restore.seconds + stats.ttft_s, 6),
         "prompt_tps": round(stats.prompt_tps, 3),
         "gen_tps": round(stats.gen_tps, 3),

@@ -50,6 +50,9 @@ PROJECTOR_SHAPES: dict[str, ProjectorShape] = {
     "vit-tiny": ProjectorShape("vit-tiny", 32, 8, 2, 64, 4, 128),
     # 64 px in 8 px patches: 64 image tokens, for tests where an image should weigh more.
     "vit-small": ProjectorShape("vit-small", 64, 8, 2, 128, 4, 256),
+    # LLaVA-1.5's weight in the context (576 image tokens: 336 px in 14 px patches there),
+    # 192 px in 8 px patches here; a narrow two-layer tower so that encoding stays cheap.
+    "vit-bench": ProjectorShape("vit-bench", 192, 8, 2, 128, 4, 256),
     # Gemma 3's projector (SigLIP tower, 2x2 average pool, RMS norm, one projection): the
     # image is decoded with non-causal attention (``mtmd_decode_use_non_causal``), between
     # "<start_of_image>" and "<end_of_image>" text. 64 px in 8 px patches: 16 image tokens.

@@ -118,6 +118,7 @@ class _Clock:
 
     start: float
     counted_before: int  # tokens the context had evaluated before this prompt
+    encoded_before: int  # images the projector had encoded before it
     first_at: float
     last_at: float
     first_cpu: float = 0.0
@@ -227,7 +228,7 @@ class Generation:
         counted_before = llm.tokens_evaluated
         start = time.perf_counter()
         parts.cache.prepare_prefix(self._tokens)
-        clock = _Clock(start, counted_before, first_at=start, last_at=start)
+        clock = _Clock(start, counted_before, _encodes(llm), first_at=start, last_at=start)
         # A grammar's state follows every sampled token: drafts it would reject are not
         # taken back from it, so a held reply is never drafted.
         grammar = None if self._grammar is None else LlamaGrammar.from_string(self._grammar, False)
@@ -277,6 +278,7 @@ class Generation:
         clock.first_cpu = time.process_time()
         stats.ttft_s = now - clock.start
         stats.prompt_tokens_evaluated = self._parts.llm.tokens_evaluated - clock.counted_before
+        stats.images_encoded = _encodes(self._parts.llm) - clock.encoded_before
         if stats.ttft_s > 0:
             stats.prompt_tps = stats.prompt_tokens_evaluated / stats.ttft_s
 
@@ -341,6 +343,11 @@ class Generation:
         shared = common_prefix(cache.cached_tokens, sequence)
         if shared < self._parts.llm.n_tokens:
             cache.hold(sequence[:shared])
+
+
+def _encodes(llm: RecordingLlama) -> int:
+    """Images the model's projector has encoded so far (0: it reads none)."""
+    return 0 if llm.images is None else llm.images.encodes
 
 
 def _shown(deltas: list[TokenDelta], calls: ToolCallStream | None) -> Iterator[TokenDelta]:

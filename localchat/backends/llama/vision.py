@@ -249,6 +249,19 @@ class Projector:
                 starts.append(new_n_past.value)
         return starts
 
+    def encode(self, image: Image) -> bytes:
+        """``image``'s embeddings as the projector encodes them (float32, one row a KV cell),
+        the language model's context untouched: what ``decode_image`` encodes an image with,
+        alone (the bench times it)."""
+        mtmd = _lib()
+        with self.tokenized(MEDIA_MARKER, [image], add_special=False) as chunks:
+            chunk = _image_chunk(chunks)
+            if mtmd.mtmd_encode_chunk(self._ctx, chunk) != 0:
+                raise RuntimeError(f"libmtmd could not encode the image{_last_error()}")
+            n_tokens = int(mtmd.mtmd_input_chunk_get_n_tokens(chunk))
+            size = n_tokens * int(llama_cpp.llama_model_n_embd(self._llm.model)) * 4
+            return ctypes.string_at(mtmd.mtmd_get_output_embd(self._ctx), size)
+
     def decode_image(
         self,
         image: Image,
@@ -263,12 +276,7 @@ class Projector:
         where they were encoded now (None: they came from ``stored``)."""
         mtmd = _lib()
         with self.tokenized(MEDIA_MARKER, [image], add_special=False) as chunks:
-            count = mtmd.mtmd_input_chunks_size(chunks)
-            found = [mtmd.mtmd_input_chunks_get(chunks, i) for i in range(count)]
-            pieces = [c for c in found if mtmd.mtmd_input_chunk_get_type(c) == CHUNK_IMAGE]
-            if len(pieces) != 1:
-                raise ValueError(f"libmtmd made {len(pieces)} image chunks of one image")
-            chunk = pieces[0]
+            chunk = _image_chunk(chunks)
             n_tokens = int(mtmd.mtmd_input_chunk_get_n_tokens(chunk))
             size = n_tokens * int(llama_cpp.llama_model_n_embd(self._llm.model)) * 4
             batch = self._batch_for(chunk, n_batch)
@@ -319,6 +327,18 @@ class Projector:
                 f"the context's n_ubatch is {n_ubatch}"
             )
         return max(n_batch, n_tokens)
+
+
+def _image_chunk(chunks: Any) -> Any:
+    """The one image chunk of libmtmd's ``chunks`` of a lone image's marker."""
+    mtmd = _lib()
+    found = [
+        mtmd.mtmd_input_chunks_get(chunks, i) for i in range(mtmd.mtmd_input_chunks_size(chunks))
+    ]
+    pieces = [c for c in found if mtmd.mtmd_input_chunk_get_type(c) == CHUNK_IMAGE]
+    if len(pieces) != 1:
+        raise ValueError(f"libmtmd made {len(pieces)} image chunks of one image")
+    return pieces[0]
 
 
 def _describe(chunks: Any, index: int) -> Chunk:
