@@ -31,7 +31,10 @@ class ImageSource(Protocol):
 
 
 class ImageDecoder(Protocol):
-    """What decodes an image's embeddings into the context (``image_reader.ImageReader``)."""
+    """What decodes an image's embeddings into the context (``image_reader.ImageReader``);
+    ``encodes``: the images it had to encode (not found already encoded)."""
+
+    encodes: int
 
     def evaluate(self, image_id: int, n_past: int, n_batch: int) -> int: ...
 
