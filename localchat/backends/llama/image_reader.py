@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import os
 import struct
+import threading
 import zlib
 from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from llama_cpp import Llama
 
@@ -149,6 +151,10 @@ class ImageReader:
         self._pixels: OrderedDict[str, Image] = OrderedDict()
         self._ids: dict[str, int] = {}  # an id never changes: asked of the store once
         self._keys: dict[int, str] = {}
+        # A server tokenizes prompts on its worker threads (libmtmd's tokenizer reads the
+        # projector's settings only, as llama.cpp's server runs it): the caches above are
+        # shared by them and the compute thread.
+        self._lock = threading.Lock()
 
     def tokens(self, text: str, plain: Callable[[str], list[int]]) -> list[int]:
         """``text``'s token ids (no BOS), images as placeholder runs; text without images
@@ -158,20 +164,28 @@ class ImageReader:
         parts = list(split_image_markers(text))
         keys = [part[0] for part in parts if isinstance(part, tuple)]
         marked = "".join(MEDIA_MARKER if isinstance(part, tuple) else part for part in parts)
-        images = [self._image(key) for key in keys]
+        with self._lock:
+            images = [self._image(key) for key in keys]
         ids: list[int] = []
         for chunk in self.projector.chunks(marked, images, add_special=False):
             if chunk.kind == CHUNK_TEXT:
                 ids.extend(chunk.tokens)
             else:
-                ids.extend(image_run(self._id_of(chunk.image_key), chunk.n_tokens))
+                with self._lock:
+                    image_id = self._id_of(chunk.image_key)
+                ids.extend(image_run(image_id, chunk.n_tokens))
         return ids
 
-    def evaluate(self, image_id: int, n_past: int, n_batch: int) -> int:
-        """Decode image ``image_id`` into sequence 0 at ``n_past``; returns its cells."""
-        image = self._image(self._key_of(image_id))
+    def evaluate(
+        self, image_id: int, n_past: int, n_batch: int, seq_id: int = 0, context: Any = None
+    ) -> int:
+        """Decode image ``image_id`` into sequence ``seq_id`` at ``n_past``: of ``context``
+        (a server's ``SequenceBatch``), else of the model's own; returns its cells. On the
+        compute thread, as every decode."""
+        with self._lock:
+            image = self._image(self._key_of(image_id))
         n_cells, encoded = self.projector.decode_image(
-            image, self.embeddings.get, n_past, 0, n_batch
+            image, self.embeddings.get, n_past, seq_id, n_batch, context
         )
         if encoded is not None:
             self.encodes += 1
