@@ -386,7 +386,9 @@ class Scheduler:
                 continue
             if job.prompt[held] >= 0:
                 continue
-            end = job.text_end(held + 1)
+            end, rest = held + 1, job.prompt[held] - 1  # an image's later cells: one id
+            while end < len(job.prompt) and job.prompt[end] == rest:
+                end += 1
             try:
                 self.batch.decode_image(running.seq, job.prompt[held:end], self._reader())
             except Exception as exc:
