@@ -9,6 +9,7 @@ from __future__ import annotations
 import base64
 import io
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import anthropic
@@ -19,7 +20,9 @@ import openai
 import pytest
 from PIL import Image as PILImage
 
+from localchat.backends.base import Sampling
 from localchat.backends.compute_thread import run_compute
+from localchat.backends.llama.engine import Engine
 from localchat.backends.llama.vision import mtmd_unavailable
 from localchat.chat.template import ChatMessage
 from localchat.models.demo import make_demo_model
@@ -28,6 +31,7 @@ from localchat.models.launch import LaunchOptions
 from localchat.models.loader import ModelLoader
 from localchat.paths import app_paths
 from localchat.server.app import BackgroundServer
+from localchat.server.requests import GenerationRequest
 from localchat.server.router import Router
 from localchat.server.runner import ModelRunner
 from localchat.state.images import image_key
@@ -93,7 +97,9 @@ def _openai(root: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{root}/v1", api_key="none", max_retries=0)
 
 
-def _ask(root: str, picture: bytes, text: str = LOOK) -> openai.types.chat.ChatCompletion:
+def _ask(
+    root: str, picture: bytes, text: str = LOOK, max_tokens: int = 4
+) -> openai.types.chat.ChatCompletion:
     parts = [
         {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{_b64(picture)}"}},
         {"type": "text", "text": text},
@@ -102,7 +108,7 @@ def _ask(root: str, picture: bytes, text: str = LOOK) -> openai.types.chat.ChatC
         model=NAME,
         messages=[{"role": "user", "content": parts}],  # type: ignore[list-item, misc]
         temperature=0,
-        max_tokens=4,
+        max_tokens=max_tokens,
     )
 
 
@@ -119,10 +125,7 @@ def _image_span(served: Served, picture: bytes, text: str = LOOK) -> tuple[int, 
     return cells[0], cells[-1] + 1
 
 
-def _request(message: ChatMessage):  # type: ignore[no-untyped-def]
-    from localchat.backends.base import Sampling
-    from localchat.server.requests import GenerationRequest
-
+def _request(message: ChatMessage) -> GenerationRequest:
     return GenerationRequest(NAME, [message], None, Sampling(), None)
 
 
@@ -301,3 +304,32 @@ def test_the_same_image_resent_is_cached_a_different_one_is_not_also_after_a_res
         assert _cached(new) <= start
     finally:
         restarted.close()
+
+
+def test_two_images_read_side_by_side_are_each_the_reply_alone(
+    served: Served, vision_model: Path
+) -> None:
+    """Each image is decoded into its own sequence: two requests at once get the replies
+    the engine's own context gives each alone (``ask``'s path)."""
+    pictures = [_png(21), _png(22)]
+    with ThreadPoolExecutor(2) as pool:
+        replies = list(pool.map(lambda p: _ask(served.root, p, max_tokens=8), pictures))
+    engine = run_compute(
+        ModelLoader(app_paths()).load, vision_model, LaunchOptions(n_ctx=1024, n_threads=2)
+    )
+    try:
+        for picture, reply in zip(pictures, replies, strict=True):
+            message = ChatMessage("user", LOOK, images=(image_key(picture),))
+            alone = run_compute(_greedy, engine, message, 8)
+            assert reply.choices[0].message.content == alone
+    finally:
+        run_compute(engine.close)
+
+
+def _greedy(engine: Engine, message: ChatMessage, max_tokens: int) -> str:
+    generation = engine.generate(
+        engine.prompt_tokens([message]), Sampling(temperature=0.0), max_tokens
+    )
+    for _ in generation:
+        pass
+    return generation.text

@@ -4,7 +4,8 @@ A request waits for a free sequence (the one whose cache shares most of its prom
 the one idle longest), starts from the longest prefix found in memory or on disk, then each
 step carries one token for every sequence that is generating and a chunk of the prompt of
 every one that is reading — so a request that arrives while others stream starts at once
-instead of waiting for their replies to end. Each sequence has its own sampler; a greedy
+instead of waiting for their replies to end. An image in a prompt is decoded whole, alone,
+as a step's first work (``_read_image``). Each sequence has its own sampler; a greedy
 reply among others is the reply alone (per-sequence caches, see ``SequenceBatch``).
 
 The loop runs on the compute thread while it has work and takes new requests between two
