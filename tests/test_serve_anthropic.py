@@ -170,7 +170,7 @@ def test_bad_requests_get_anthropics_error_shape(served: Served) -> None:
     assert "max_tokens is required" in refused(400, messages=hello)
     assert "invalid_request_error" in refused(400, messages=hello)
     image = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": ""}}
-    assert "image blocks are not read here" in refused(
+    assert "source.data must be an image's bytes in base64" in refused(
         400, max_tokens=5, messages=[{"role": "user", "content": [image]}]
     )
     assert "block type 'audio'" in refused(

@@ -152,7 +152,7 @@ def test_bad_requests_get_ollamas_error_shape(served: Served) -> None:
     with pytest.raises(ollama.ResponseError) as raised:
         client.chat(model=NAME, messages=hello, options={"mirostat": 2})
     assert raised.value.status_code == 400 and "options.mirostat" in raised.value.error
-    assert "images are not read here" in refused(
+    assert "messages[0].images[0] is not an image" in refused(
         "/api/chat", model=NAME, messages=[{"role": "user", "content": "hi", "images": ["aGk="]}]
     )
     assert "suffix" in refused("/api/generate", model=NAME, prompt="def f(", suffix="return 1")

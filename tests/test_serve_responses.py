@@ -151,7 +151,7 @@ def test_bad_requests_get_openais_error_shape(served: Served) -> None:
 
     assert "input is required" in refused(400, model=NAME)
     assert "item type 'computer_call'" in refused(400, input=[{"type": "computer_call"}])
-    assert "input_image is not read here" in refused(400, input=[
+    assert "image_url must be a data URI" in refused(400, input=[
         {"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}])  # fmt: skip
     assert "'web_search'" in refused(400, input="hi", tools=[{"type": "web_search"}])
     assert "background" in refused(400, input="hi", background=True)

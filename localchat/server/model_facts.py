@@ -13,6 +13,7 @@ from pathlib import Path
 from localchat.chat.reasoning import OPEN
 from localchat.errors import LocalchatError
 from localchat.gguf.info import file_fingerprint, read_gguf
+from localchat.models.projectors import find_projector
 from localchat.server.requests import ApiError
 from localchat.server.router import ModelStatus, Router
 
@@ -32,7 +33,7 @@ class ServedModel:
     n_vocab: int
     slots: int  # sequences answered side by side (0: not loaded)
     template: str  # the chat template's source
-    capabilities: tuple[str, ...]  # Ollama's words: completion, tools, thinking
+    capabilities: tuple[str, ...]  # Ollama's words: completion, tools, thinking, vision
     digest: str  # the file's fingerprint (sampled, not a hash of every byte)
     modified_at: float  # the file's mtime
     path: Path
@@ -49,13 +50,24 @@ class ServedModel:
         return str(self.parameters)
 
 
-def _capabilities(template: str) -> tuple[str, ...]:
+def _capabilities(template: str, vision: bool) -> tuple[str, ...]:
     capabilities = ["completion"]
     if "tools" in template:
         capabilities.append("tools")
     if OPEN in template:
         capabilities.append("thinking")
+    if vision:
+        capabilities.append("vision")
     return tuple(capabilities)
+
+
+@functools.lru_cache(maxsize=256)
+def _has_projector(path: Path, mtime: float) -> bool:
+    """Whether a projector that fits the model lies beside it (what a load would use)."""
+    try:
+        return find_projector(path) is not None
+    except (LocalchatError, OSError):
+        return False
 
 
 @functools.lru_cache(maxsize=256)
@@ -78,15 +90,17 @@ def described(status: ModelStatus) -> ServedModel:
         # The header's vocabulary: never a call into a model an unload may be freeing.
         n_ctx, trained, vocab = runner.batch.n_ctx_seq, info.context_length, info.n_vocab
         slots, template, digest = runner.batch.n_seq, engine.template.source, engine.fingerprint
+        vision = engine.image_reader is not None
     else:
         arch, params, quant, trained, vocab, template, digest = _file_facts(
             entry.path, stat.st_mtime
         )
         n_ctx, slots = trained, 0
+        vision = _has_projector(entry.path, stat.st_mtime)
     return ServedModel(
         name=entry.name, names=entry.names, architecture=arch, parameters=params,
         size_bytes=stat.st_size, quantization=quant, n_ctx=n_ctx, n_ctx_train=trained,
-        n_vocab=vocab, slots=slots, template=template, capabilities=_capabilities(template),
+        n_vocab=vocab, slots=slots, template=template, capabilities=_capabilities(template, vision),
         digest=digest, modified_at=stat.st_mtime, path=entry.path, status=status.state,
         expires_in_s=status.expires_in_s,
         memory_bytes=runner.memory_bytes if runner is not None else 0,

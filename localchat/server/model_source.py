@@ -90,11 +90,10 @@ class LibrarySource:
         parallel: int | None = None,
         warn: Callable[[str], object] | None = None,
     ) -> None:
-        # Replies are decoded side by side, each drafting by prompt lookup where it pays.
-        # No projector yet: the server's batches decode text only (images are refused).
-        self.launch = replace(
-            launch, lookup_only=True, own_cells=OWN_CELLS, draft_model=None, projector="none"
-        )
+        # Replies are decoded side by side, each drafting by prompt lookup where it pays;
+        # a projector beside a model is loaded with it (its images decoded into the
+        # sequences' own context: ``SequenceBatch.decode_image``).
+        self.launch = replace(launch, lookup_only=True, own_cells=OWN_CELLS, draft_model=None)
         self.loader = ModelLoader(paths)
         self.states = states
         self.parallel = parallel

@@ -40,6 +40,15 @@ def bad(message: str, code: str = "invalid_value") -> ApiError:
 
 
 @dataclass(frozen=True)
+class SentImage:
+    """An image as a request sent it: its base64 text and the field it came in (stored by
+    ``images.with_images``)."""
+
+    data: str
+    where: str
+
+
+@dataclass(frozen=True)
 class GenerationRequest:
     """A chat (``messages``) or text (``prompt``) completion asked for, by any API."""
 
@@ -68,6 +77,8 @@ class GenerationRequest:
     # How long the model stays loaded once idle (Ollama's ``keep_alive``; -1: for good;
     # None: the server's own).
     keep_alive_s: float | None = None
+    # The images the messages hold as placeholders until ``images.with_images`` stores them.
+    sent_images: tuple[SentImage, ...] = ()
     created: int = field(default_factory=lambda: int(time.time()))
     request_id: str = field(default_factory=lambda: f"chatcmpl-{uuid.uuid4().hex[:24]}")
 

@@ -17,6 +17,7 @@ from localchat.backends.base import TurnStats
 from localchat.backends.compute_thread import run_compute
 from localchat.backends.llama.batch import SequenceBatch
 from localchat.backends.llama.engine import Engine
+from localchat.backends.llama.image_positions import image_start_before
 from localchat.chat.prompt import common_prefix
 from localchat.chat.tools import markers
 from localchat.errors import ModelFileError, UsageError
@@ -190,9 +191,12 @@ class ModelRunner:
             return list(request.prompt_ids)
         if request.messages is None:
             return engine.tokenize(request.prompt or "", add_bos=engine.add_bos, special=True)
+        refused = engine.images_refused()
+        if refused and any(message.images for message in request.messages):
+            raise ApiError(400, refused, code="unsupported_content")
         try:
             return engine.prompt_tokens(request.messages, list(request.tool_use.tools) or None)
-        except ModelFileError as exc:  # the template refused these messages
+        except (ModelFileError, UsageError) as exc:  # the template refused these messages
             raise ApiError(400, str(exc), code="invalid_value") from None
 
     def prompt_of(self, request: GenerationRequest) -> tuple[list[int], int]:
@@ -207,6 +211,9 @@ class ModelRunner:
                 f"the prompt is {len(prompt)} tokens but the context holds {n_ctx}",
                 code="context_length_exceeded",
             )
+        if prompt[-1] < 0:  # an image's cells give no logits to start the reply from
+            raise ApiError(400, "the prompt ends with an image: add text after it",
+                           code="invalid_value")  # fmt: skip
         if request.max_tokens is not None and request.max_tokens > room:
             raise ApiError(
                 400,
@@ -231,7 +238,7 @@ class ModelRunner:
         in_memory = max(common_prefix(tokens, prompt) for tokens in list(self.batch.tokens))
         job.hit = self.cache.lookup(prompt, beyond=in_memory)
         found = max(in_memory, job.hit.shared if job.hit is not None else 0)
-        job.expected_cached = min(found, len(prompt) - 1)
+        job.expected_cached = image_start_before(prompt, min(found, len(prompt) - 1))
         return job
 
     def _grammar(self, request: GenerationRequest) -> str | None:

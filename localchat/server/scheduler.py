@@ -4,7 +4,8 @@ A request waits for a free sequence (the one whose cache shares most of its prom
 the one idle longest), starts from the longest prefix found in memory or on disk, then each
 step carries one token for every sequence that is generating and a chunk of the prompt of
 every one that is reading — so a request that arrives while others stream starts at once
-instead of waiting for their replies to end. Each sequence has its own sampler; a greedy
+instead of waiting for their replies to end. An image in a prompt is decoded whole, alone,
+as a step's first work (``_read_image``). Each sequence has its own sampler; a greedy
 reply among others is the reply alone (per-sequence caches, see ``SequenceBatch``).
 
 The loop runs on the compute thread while it has work and takes new requests between two
@@ -19,6 +20,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -31,14 +33,19 @@ from localchat.backends.llama.batch import (
 from localchat.backends.llama.draft_policy import Draft, DraftPolicy
 from localchat.backends.llama.drafting import lookup_draft
 from localchat.backends.llama.grammar import GrammarError
+from localchat.backends.llama.image_positions import has_images, image_start_before, starts_image
 from localchat.chat.prompt import common_prefix
 from localchat.chat.stops import StopFilter
 from localchat.chat.tool_stream import ToolCallStream
+from localchat.errors import LocalchatError
 from localchat.server.events import Finished, Logprob, TokenChoice
 from localchat.server.prompt_cache import BLOCK, PromptCache
 from localchat.server.requests import ApiError, GenerationRequest
 from localchat.server.slots import HeldState, Job, Slot
 from localchat.state.kvstate import SavedState
+
+if TYPE_CHECKING:
+    from localchat.backends.llama.image_reader import ImageReader
 
 # A prefix another sequence holds is copied where it saves at least this many tokens: the
 # copy takes the whole cache of one sequence (memory speed), a token's evaluation far more.
@@ -134,6 +141,8 @@ class Scheduler:
         job.done.wait()
         if isinstance(job.error, GrammarError):  # what the request asked for
             raise ApiError(400, str(job.error), code="invalid_value")
+        if isinstance(job.error, ApiError):  # an image this model cannot read
+            raise job.error
         if isinstance(job.error, KeyboardInterrupt):  # Ctrl+C in the server's terminal
             raise ApiError(503, "the server was stopped (Ctrl+C) before the reply ended",
                            "server_busy", "stopping")  # fmt: skip
@@ -258,7 +267,7 @@ class Scheduler:
         ):
             if batch.load(seq, hit.state.payload, hit.state.tokens):
                 self._held[seq] = HeldState(hit.state_id, list(hit.state.tokens))
-                job.restored = min(hit.shared, len(prompt) - 1)
+                job.restored = image_start_before(prompt, min(hit.shared, len(prompt) - 1))
             else:
                 self._held[seq] = None
         job.hit = None  # its payload is in the cache now (or refused): not kept twice
@@ -270,9 +279,11 @@ class Scheduler:
         if source != seq and shared >= have + COPY_MIN_TOKENS:
             self._held[seq] = None
             job.restored = 0
-            batch.copy(source, seq, min(shared, len(prompt) - 1))
+            batch.copy(source, seq, image_start_before(prompt, min(shared, len(prompt) - 1)))
         # The last prompt token is always evaluated: its logits give the first reply token.
+        # A cut never falls inside an image: the image is decoded again whole.
         keep = min(common_prefix(batch.tokens[seq], prompt), len(prompt) - 1)
+        keep = image_start_before(prompt, keep)
         if not batch.cut(seq, keep):
             self._held[seq] = None
             job.restored = 0
@@ -281,6 +292,8 @@ class Scheduler:
             continues = held.sid  # this request extends that state: its own replaces it
         elif held is not None:
             self._held[seq] = None  # the sequence holds another conversation now
+        if has_images(prompt):
+            job.image_starts = tuple(i for i, t in enumerate(prompt) if starts_image(t))
         request = job.request
         sampler = batch.sampler(
             request.sampling, request.frequency_penalty, request.presence_penalty, job.grammar,
@@ -321,6 +334,7 @@ class Scheduler:
         run where one is worth verifying), then the tokens sampled for each that has read
         its whole prompt."""
         batch = self.batch
+        self._read_image()
         chunks = []
         generating = [r for r in self._running.values() if r.next_token is not None]
         total = len(generating)
@@ -338,7 +352,7 @@ class Scheduler:
             if running.job.cancel.is_set():
                 continue
             prompt, held = running.job.prompt, len(batch.tokens[running.seq])
-            take = min(room, batch.capacity - batch.n_seq, len(prompt) - held)
+            take = min(room, batch.capacity - batch.n_seq, running.job.text_end(held) - held)
             if take <= 0:
                 continue
             chunks.append(
@@ -361,6 +375,43 @@ class Scheduler:
                 self._finish(running, "cancelled")
             elif running.seq in rows:
                 self._take(running, rows[running.seq], now)
+
+    def _read_image(self) -> None:
+        """Decode the image a reading sequence has next in its prompt, one a step (a step of
+        its own: the others' tokens wait for it, not beside it); an image that cannot be
+        read fails its request only."""
+        for running in list(self._running.values()):
+            job = running.job
+            held = len(self.batch.tokens[running.seq])
+            if running.next_token is not None or job.cancel.is_set() or held >= len(job.prompt):
+                continue
+            if job.prompt[held] >= 0:
+                continue
+            end, rest = held + 1, job.prompt[held] - 1  # an image's later cells: one id
+            while end < len(job.prompt) and job.prompt[end] == rest:
+                end += 1
+            try:
+                self.batch.decode_image(running.seq, job.prompt[held:end], self._reader())
+            except Exception as exc:
+                self._give_up(running, exc)
+            return
+
+    def _reader(self) -> ImageReader:
+        reader = self.engine.image_reader
+        if reader is None:  # the runner refuses such a prompt first
+            raise ValueError(self.engine.images_refused() or "this model reads no images")
+        return reader
+
+    def _give_up(self, running: Slot, exc: BaseException) -> None:
+        """End ``running``'s request with ``exc`` (a 400 where the image is the cause), the
+        others running on."""
+        del self._running[running.seq]
+        self.batch.cut(running.seq, 0)
+        self._held[running.seq] = None
+        running.sampler.close()
+        refused = isinstance(exc, ValueError | LocalchatError)
+        error = ApiError(400, str(exc).split("\n")[0]) if refused else exc
+        self._fail(running.job, error)
 
     def _decode(self, chunks: list[Chunk], interruptible: bool) -> dict[int, list[int]]:
         """``batch.decode``; an ``interruptible`` step (every sequence generating, none

@@ -4,6 +4,7 @@ and drafting state — in one object, and the way its text goes out as typed eve
 
 from __future__ import annotations
 
+import bisect
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -49,7 +50,14 @@ class Job:
     stop_sequence: str | None = None  # the request's stop string that ended it
     expected_cached: int = 0  # prompt tokens it should find in memory or on disk
     after: Job | None = None  # a job whose prompt it shares: started once that one read it
+    image_starts: tuple[int, ...] = ()  # where the prompt's images start (``image_positions``)
     error: BaseException | None = None
+
+    def text_end(self, start: int) -> int:
+        """Where the prompt's text from ``start`` ends: at its next image, else its end."""
+        starts = self.image_starts
+        index = bisect.bisect_left(starts, start)
+        return starts[index] if index < len(starts) else len(self.prompt)
 
 
 @dataclass

@@ -23,6 +23,7 @@ import numpy as np
 
 from localchat.backends.base import Sampling
 from localchat.backends.llama.cache import state_pointer
+from localchat.backends.llama.image_positions import image_id_of, starts_image
 from localchat.backends.llama.runtime import (
     DecodeStop,
     abort_requested,
@@ -36,6 +37,7 @@ from localchat.errors import ModelLoadError
 
 if TYPE_CHECKING:
     from localchat.backends.llama.engine import Engine
+    from localchat.backends.llama.image_reader import ImageReader
 
 
 class StepInterrupted(Exception):
@@ -137,6 +139,27 @@ class SequenceBatch:
         for chunk in chunks:
             self.tokens[chunk.seq].extend(chunk.tokens)
         return rows
+
+    def decode_image(self, seq: int, run: Sequence[int], reader: ImageReader) -> None:
+        """Decode the image whose placeholder run is ``run`` into ``seq`` after what it
+        holds: whole, by itself (libmtmd's helper decodes its embeddings in batches of
+        its own, non-causal ones in one ubatch), never beside other sequences' tokens. An
+        image that fails leaves nothing of it in the cache."""
+        if not run or not starts_image(run[0]):
+            raise ValueError("an image's run must start with its first cell")
+        n_past = len(self.tokens[seq])
+        n_batch = min(self.engine.options.n_batch, self.capacity)
+        try:
+            n_cells = reader.evaluate(image_id_of(run[0]), n_past, n_batch, seq, self._context)
+        except BaseException:
+            self.cut(seq, n_past)
+            if abort_requested():
+                raise KeyboardInterrupt from None
+            raise
+        if n_cells != len(run):
+            self.cut(seq, n_past)
+            raise ValueError(f"an image took {n_cells} cells where its run has {len(run)}")
+        self.tokens[seq].extend(run)
 
     def clear_interrupt(self) -> None:
         """Drop an ``interrupt`` that came too late for the decode it was meant for: the

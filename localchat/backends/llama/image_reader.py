@@ -13,10 +13,12 @@ from __future__ import annotations
 import contextlib
 import os
 import struct
+import threading
 import zlib
 from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from localchat.atomic import write_atomic
 from localchat.backends.llama.image_positions import ImageSource, image_run
@@ -172,6 +174,10 @@ class ImageReader:
         self._layouts: dict[str, list[int]] = {}  # an image's ids at its marker, by key
         self._ids: dict[str, int] = {}  # an id never changes: asked of the store once
         self._keys: dict[int, str] = {}
+        # A server tokenizes prompts on its worker threads (libmtmd's tokenizer reads the
+        # projector's settings only, as llama.cpp's server runs it): the caches above are
+        # shared by them and the compute thread.
+        self._lock = threading.Lock()
 
     def tokens(self, text: str, plain: Callable[[str], list[int]]) -> list[int]:
         """``text``'s token ids (no BOS), images as placeholder runs, as libmtmd tokenizes
@@ -191,33 +197,39 @@ class ImageReader:
         """What an image becomes at its marker: text ids and its placeholder run. One the
         projector cuts into slices, or one it must decode whole that the micro-batch cannot
         hold, is refused here, before anything is stored or decoded."""
-        found = self._layouts.get(key)
-        if found is not None:
-            return found
-        chunks = self.projector.chunks(MEDIA_MARKER, [self._image(key)], add_special=False)
-        images = [chunk for chunk in chunks if chunk.kind != CHUNK_TEXT]
-        if len(images) != 1:
-            raise UsageError(
-                f"{self.projector.path.name} reads image {key[:12]} in {len(images)} slices,"
-                " which localchat does not read yet: send a smaller image (one slice)"
-            )
-        refused = self.projector.refuses(images[0].n_tokens)
-        if refused:
-            raise UsageError(refused)
-        layout: list[int] = []
-        for chunk in chunks:
-            if chunk.kind == CHUNK_TEXT:
-                layout.extend(chunk.tokens)
-            else:
-                layout.extend(image_run(self._id_of(key), chunk.n_tokens))
-        self._layouts[key] = layout
-        return layout
+        with self._lock:
+            found = self._layouts.get(key)
+            if found is not None:
+                return found
+            chunks = self.projector.chunks(MEDIA_MARKER, [self._image(key)], add_special=False)
+            images = [chunk for chunk in chunks if chunk.kind != CHUNK_TEXT]
+            if len(images) != 1:
+                raise UsageError(
+                    f"{self.projector.path.name} reads image {key[:12]} in {len(images)}"
+                    " slices, which localchat does not read yet: send a smaller image"
+                )
+            refused = self.projector.refuses(images[0].n_tokens)
+            if refused:
+                raise UsageError(refused)
+            layout: list[int] = []
+            for chunk in chunks:
+                if chunk.kind == CHUNK_TEXT:
+                    layout.extend(chunk.tokens)
+                else:
+                    layout.extend(image_run(self._id_of(key), chunk.n_tokens))
+            self._layouts[key] = layout
+            return layout
 
-    def evaluate(self, image_id: int, n_past: int, n_batch: int) -> int:
-        """Decode image ``image_id`` into sequence 0 at ``n_past``; returns its cells."""
-        image = self._image(self._key_of(image_id))
+    def evaluate(
+        self, image_id: int, n_past: int, n_batch: int, seq_id: int = 0, context: Any = None
+    ) -> int:
+        """Decode image ``image_id`` into sequence ``seq_id`` at ``n_past``: of ``context``
+        (a server's ``SequenceBatch``), else of the model's own; returns its cells. On the
+        compute thread, as every decode."""
+        with self._lock:
+            image = self._image(self._key_of(image_id))
         n_cells, encoded = self.projector.decode_image(
-            image, self.embeddings.get, n_past, 0, n_batch
+            image, self.embeddings.get, n_past, seq_id, n_batch, context
         )
         if encoded is not None:
             self.encodes += 1

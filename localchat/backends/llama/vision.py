@@ -269,17 +269,20 @@ class Projector:
         n_past: int,
         seq_id: int = 0,
         n_batch: int = 512,
+        context: Any = None,
     ) -> tuple[int, bytes | None]:
-        """Decode ``image``'s embeddings into the context at ``n_past`` (as
+        """Decode ``image``'s embeddings into sequence ``seq_id`` of ``context`` (a llama.cpp
+        context on this projector's model; None: the model's own) at ``n_past`` (as
         ``mtmd_helper_eval_chunk_single`` does, without its encode where ``stored`` has the
         embeddings under the image's key). Returns the cells it took and the embeddings
         where they were encoded now (None: they came from ``stored``)."""
         mtmd = _lib()
+        target = self._llm.ctx if context is None else context
         with self.tokenized(MEDIA_MARKER, [image], add_special=False) as chunks:
             chunk = _image_chunk(chunks)
             n_tokens = int(mtmd.mtmd_input_chunk_get_n_tokens(chunk))
             size = n_tokens * int(llama_cpp.llama_model_n_embd(self._llm.model)) * 4
-            batch = self._batch_for(chunk, n_batch)
+            batch = self._batch_for(chunk, n_batch, target)
             embeddings = stored(image.key)
             encoded = None
             if embeddings is None or len(embeddings) != size:
@@ -290,7 +293,7 @@ class Projector:
             floats = (ctypes.c_float * (size // 4)).from_buffer_copy(embeddings)
             new_n_past = llama_cpp.llama_pos(0)
             status = mtmd.mtmd_helper_decode_image_chunk(
-                self._ctx, self._llm.ctx, chunk, floats, n_past, seq_id, batch,
+                self._ctx, target, chunk, floats, n_past, seq_id, batch,
                 ctypes.byref(new_n_past), mtmd.mtmd_helper_post_decode_callback(),
                 None,
             )  # fmt: skip
@@ -309,7 +312,7 @@ class Projector:
             )
         return None
 
-    def _batch_for(self, chunk: Any, n_batch: int) -> int:
+    def _batch_for(self, chunk: Any, n_batch: int, context: Any = None) -> int:
         """The batch size to decode ``chunk`` in. An image decoded non-causally must go in
         one batch and one ubatch: libmtmd's helper splits it at ``n_batch`` and llama.cpp at
         ``n_ubatch`` without a word, and each piece then attends only to itself (on the
@@ -320,7 +323,7 @@ class Projector:
         ):
             return n_batch
         n_tokens = int(mtmd.mtmd_input_chunk_get_n_tokens(chunk))
-        n_ubatch = int(llama_cpp.llama_n_ubatch(self._llm.ctx))
+        n_ubatch = int(llama_cpp.llama_n_ubatch(self._llm.ctx if context is None else context))
         if n_tokens > n_ubatch:
             raise ValueError(
                 f"an image of {n_tokens} tokens is decoded in one ubatch by this model, and "

@@ -25,6 +25,7 @@ from localchat.chat.template import ChatMessage
 from localchat.chat.tools import ToolCall, ToolSpec, ToolUse
 from localchat.server.adapters.sse import sse_json
 from localchat.server.events import Called, Event, Failed, Finished, Reasoning, Text
+from localchat.server.images import ImageIntake, with_images
 from localchat.server.requests import (
     ApiError,
     GenerationRequest,
@@ -116,11 +117,27 @@ def _text_of(block: dict[str, Any], where: str) -> str:
 
 
 def _unsupported(kind: str, where: str) -> ApiError:
-    if kind in ("image", "document"):
-        return bad(f"{where}: {kind} blocks are not read here yet: this server's model reads"
-                   " text; send the text instead", "unsupported_content")  # fmt: skip
-    return bad(f"{where}: block type {kind!r} is not one this server takes (text, tool_use,"
-               " tool_result, thinking)", "invalid_type")  # fmt: skip
+    if kind == "document":
+        return bad(f"{where}: document blocks are not read here: send the text instead",
+                   "unsupported_content")  # fmt: skip
+    if kind == "image":
+        return bad(f"{where}: an image goes in a user message's content, not here",
+                   "unsupported_content")  # fmt: skip
+    return bad(f"{where}: block type {kind!r} is not one this server takes (text, image,"
+               " tool_use, tool_result, thinking)", "invalid_type")  # fmt: skip
+
+
+def _image(block: dict[str, Any], where: str, images: ImageIntake) -> str:
+    """An image block's (placeholder) key: its ``source`` base64 (a URL is refused)."""
+    source = block.get("source")
+    kind = source.get("type") if isinstance(source, dict) else None
+    if kind == "base64":
+        assert isinstance(source, dict)
+        return images.base64(source.get("data"), f"{where}.source.data")
+    if kind == "url":
+        raise bad(f"{where}.source: this server does not fetch images from URLs; send the"
+                  " image itself as a base64 source", "unsupported_content")  # fmt: skip
+    raise bad(f"{where}.source must be {{type: base64, media_type, data}}", "invalid_type")
 
 
 def _system(value: Any) -> list[ChatMessage]:
@@ -158,7 +175,7 @@ def _tool_result(block: dict[str, Any], where: str) -> ChatMessage:
     return ChatMessage("tool", text, tool_call_id=call_id)
 
 
-def _message(item: Any, where: str) -> list[ChatMessage]:
+def _message(item: Any, where: str, images: ImageIntake) -> list[ChatMessage]:
     """One Anthropic message as chat messages: a user's tool results become tool messages
     (before any text of the same message), an assistant's tool_use blocks its calls."""
     if not isinstance(item, dict):
@@ -169,10 +186,13 @@ def _message(item: Any, where: str) -> list[ChatMessage]:
     texts: list[str] = []
     calls: list[ToolCall] = []
     results: list[ChatMessage] = []
+    keys: list[str] = []
     for index, block in enumerate(_blocks(item.get("content"), where)):
         at, kind = f"{where}.content[{index}]", block["type"]
         if kind == "text":
             texts.append(_text_of(block, at))
+        elif kind == "image" and role == "user":
+            keys.append(_image(block, at, images))
         elif kind == "tool_use" and role == "assistant":
             name, arguments, call_id = block.get("name"), block.get("input", {}), block.get("id")
             if not isinstance(name, str) or not isinstance(arguments, dict):
@@ -191,7 +211,8 @@ def _message(item: Any, where: str) -> list[ChatMessage]:
             raise _unsupported(kind, at)
     text = "".join(texts)
     if role == "user":
-        return [*results, ChatMessage("user", text)] if text or not results else results
+        said = ChatMessage("user", text, images=tuple(keys))
+        return [*results, said] if text or keys or not results else results
     return [ChatMessage("assistant", text, tool_calls=tuple(calls))]
 
 
@@ -240,13 +261,15 @@ def _tool_choice(choice: Any, names: set[str]) -> str:
     return str(kind)
 
 
-def _conversation(body: dict[str, Any]) -> tuple[list[ChatMessage], tuple[ToolSpec, ...], str]:
+def _conversation(
+    body: dict[str, Any], images: ImageIntake
+) -> tuple[list[ChatMessage], tuple[ToolSpec, ...], str]:
     raw = body.get("messages")
     if not isinstance(raw, list) or not raw:
         raise bad("messages must be a non-empty list of {role, content}", "invalid_type")
     messages = _system(body.get("system"))
     for index, item in enumerate(raw):
-        messages += _message(item, f"messages[{index}]")
+        messages += _message(item, f"messages[{index}]", images)
     tools, choice = _tools(body)
     thinking = body.get("thinking")
     if thinking is not None and not (
@@ -290,7 +313,8 @@ def parse_request(body: Any) -> GenerationRequest:
     max_tokens = integer(body, "max_tokens", 1)
     if max_tokens is None:
         raise bad("max_tokens is required: the most tokens the reply may have", "missing_field")
-    messages, tools, choice = _conversation(body)
+    images = ImageIntake()
+    messages, tools, choice = _conversation(body, images)
     top_k = integer(body, "top_k", 0)
     sampling = Sampling(
         temperature=number(body, "temperature", 1.0, 0.0, 1.0),
@@ -314,6 +338,7 @@ def parse_request(body: Any) -> GenerationRequest:
         output_schema=_output_schema(body.get("output_config")),
         endpoint="messages",
         request_id=f"msg_{uuid.uuid4().hex[:24]}",
+        sent_images=tuple(images.sent),
     )
 
 
@@ -322,10 +347,11 @@ def parse_count(body: Any) -> GenerationRequest:
     if not isinstance(body, dict):
         raise bad("the body must be a JSON object", "invalid_type")
     only_known(body, COUNT_FIELDS, API)
-    messages, tools, choice = _conversation(body)
+    images = ImageIntake()
+    messages, tools, choice = _conversation(body, images)
     return GenerationRequest(
         text_field(body, "model"), messages, None, Sampling(), None,
-        tool_use=ToolUse(tools, choice), endpoint="count_tokens",
+        tool_use=ToolUse(tools, choice), endpoint="count_tokens", sent_images=tuple(images.sent),
     )  # fmt: skip
 
 
@@ -472,9 +498,10 @@ async def count_tokens(models: Router, request: GenerationRequest) -> Response:
 
 def routes(models: Router) -> list[Endpoint]:
     async def messages(request: Request) -> Response:
-        return await respond(models, parse_request(await read_json(request)), request)
+        parsed = await with_images(parse_request(await read_json(request)))
+        return await respond(models, parsed, request)
 
     async def counted(request: Request) -> Response:
-        return await count_tokens(models, parse_count(await read_json(request)))
+        return await count_tokens(models, await with_images(parse_count(await read_json(request))))
 
     return [Endpoint("/messages", messages), Endpoint("/messages/count_tokens", counted)]

@@ -140,7 +140,7 @@ def _props_body(model: ServedModel, engine: Engine) -> dict[str, Any]:
     return {
         "default_generation_settings": settings, "total_slots": model.slots,
         "model_path": str(engine.model_path), "model_alias": model.name,
-        "chat_template": model.template, "modalities": {"vision": False, "audio": False},
+        "chat_template": model.template, "modalities": {"vision": "vision" in model.capabilities, "audio": False},
         "bos_token": engine.template.bos_token, "eos_token": engine.template.eos_token,
         "build_info": "localchat",
     }  # fmt: skip

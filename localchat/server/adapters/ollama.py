@@ -24,6 +24,7 @@ from localchat.errors import UsageError
 from localchat.server.adapters.ollama_models import running, show, show_request, tags
 from localchat.server.adapters.openai_chat import format_schema
 from localchat.server.events import Called, Event, Failed, Finished, Reasoning, Text
+from localchat.server.images import ImageIntake, image_parts_refused, with_images
 from localchat.server.model_facts import served_model, served_models
 from localchat.server.requests import (
     ApiError,
@@ -154,7 +155,16 @@ def _calls(item: dict[str, Any], where: str, at: int) -> tuple[ToolCall, ...]:
     return tuple(calls)
 
 
-def _messages(body: dict[str, Any]) -> list[ChatMessage]:
+def _images(value: Any, where: str, images: ImageIntake) -> tuple[str, ...]:
+    """``images``: a list of base64 images; their (placeholder) keys."""
+    if value is None:
+        return ()
+    if not isinstance(value, list):
+        raise bad(f"{where} must be a list of base64 images", "invalid_type")
+    return tuple(images.base64(item, f"{where}[{index}]") for index, item in enumerate(value))
+
+
+def _messages(body: dict[str, Any], images: ImageIntake) -> list[ChatMessage]:
     raw = body.get("messages")
     if not isinstance(raw, list):  # none at all: the model is only loaded (or unloaded)
         raise bad("messages must be a list of {role, content}", "invalid_type")
@@ -168,16 +178,16 @@ def _messages(body: dict[str, Any]) -> list[ChatMessage]:
         if role not in ROLES:
             raise bad(f"{where}.role must be one of {', '.join(ROLES)}, not {role!r}")
         content = text_field(item, "content")
-        if item.get("images"):
-            raise bad(f"{where}.images: images are not read here yet: this server's model"
-                      " reads text", "unsupported_content")  # fmt: skip
+        keys = _images(item.get("images"), f"{where}.images", images)
+        if keys:
+            image_parts_refused(str(role), where)
         if role == "tool":
             messages.append(ChatMessage("tool", content, tool_call_id=_answers(item, open_calls)))
         elif role == "assistant":
             open_calls = list(_calls(item, where, index))
             messages.append(ChatMessage("assistant", content, tool_calls=tuple(open_calls)))
         else:
-            messages.append(ChatMessage(str(role), content))
+            messages.append(ChatMessage(str(role), content, images=keys))
     return messages
 
 
@@ -225,9 +235,10 @@ def parse_chat(body: Any) -> GenerationRequest:
     only_known(body, CHAT_FIELDS, API)
     options = _options(body)
     _think(body)
+    images = ImageIntake()
     return GenerationRequest(
         text_field(body, "model"),
-        _messages(body),
+        _messages(body, images),
         None,
         _sampling(options),
         _max_tokens(options),
@@ -238,6 +249,7 @@ def parse_chat(body: Any) -> GenerationRequest:
         output_schema=_format(body.get("format")),
         endpoint="ollama_chat",
         keep_alive_s=keep_alive(body),
+        sent_images=tuple(images.sent),
     )
 
 
@@ -248,19 +260,23 @@ def parse_generate(body: Any) -> GenerationRequest:
         raise bad("the body must be a JSON object", "invalid_type")
     only_known(body, GENERATE_FIELDS, API)
     for name, what in (("suffix", "fill-in-the-middle"), ("template", "a template of the"
-                       " request's own"), ("context", "a context of token ids"),
-                       ("images", "images")):  # fmt: skip
+                       " request's own"), ("context", "a context of token ids")):  # fmt: skip
         if body.get(name):
             raise bad(f"{name}: {what} is not supported here; send the prompt (and system)")
     options = _options(body)
     _think(body)
     prompt = text_field(body, "prompt")
+    images = ImageIntake()
+    keys = _images(body.get("images"), "images", images)
     if flag(body, "raw"):
+        if keys:
+            raise bad("images: with raw the prompt is sent as it is, and an image has no"
+                      " place in it; send it without raw (the template places it)")  # fmt: skip
         messages, text = None, prompt
     else:
         system = text_field(body, "system")
         messages = [ChatMessage("system", system)] if system else []
-        messages, text = [*messages, ChatMessage("user", prompt)], None
+        messages, text = [*messages, ChatMessage("user", prompt, images=keys)], None
     return GenerationRequest(
         text_field(body, "model"),
         messages,
@@ -273,6 +289,7 @@ def parse_generate(body: Any) -> GenerationRequest:
         output_schema=_format(body.get("format")),
         endpoint="ollama_generate",
         keep_alive_s=keep_alive(body),
+        sent_images=tuple(images.sent),
     )
 
 
@@ -364,7 +381,8 @@ async def respond(
     unloads it, as Ollama's clients ask."""
     started = time.perf_counter()
     asked = request.messages[-1].content if request.messages else request.prompt
-    if not (request.messages if chat else asked):
+    pictured = bool(request.messages and request.messages[-1].images)
+    if not (request.messages if chat else asked or pictured):
         return await _load_or_unload(models, request, chat)
     turn = await start_turn(models, request)
     reply = _Reply(turn.request, chat, started, turn.load_s)
@@ -409,10 +427,11 @@ def routes(models: Router) -> list[Endpoint]:
         return JSONResponse(show(await run_in_threadpool(served_model, models, name)))
 
     async def chat(request: Request) -> Response:
-        return await respond(models, parse_chat(await read_json(request)), request, chat=True)
+        parsed = await with_images(parse_chat(await read_json(request)))
+        return await respond(models, parsed, request, chat=True)
 
     async def generate(request: Request) -> Response:
-        parsed = parse_generate(await read_json(request))
+        parsed = await with_images(parse_generate(await read_json(request)))
         return await respond(models, parsed, request, chat=False)
 
     return [

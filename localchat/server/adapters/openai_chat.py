@@ -6,6 +6,7 @@ evaluation (the others copy its cells)."""
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 from typing import Any
 
 from sse_starlette.sse import EventSourceResponse
@@ -16,6 +17,7 @@ from localchat.backends.base import Sampling
 from localchat.chat.template import ChatMessage
 from localchat.chat.tools import ToolSpec, ToolUse
 from localchat.server.adapters.openai_bodies import ChunkStream, completion_body
+from localchat.server.images import ImageIntake, image_parts_refused, with_images
 from localchat.server.requests import (
     ApiError,
     GenerationRequest,
@@ -41,23 +43,31 @@ def error_body(error: ApiError) -> dict[str, Any]:
     return error.body()
 
 
-def _text_content(content: Any, where: str) -> str:
-    """A message's content: a string, or OpenAI's list of text parts."""
+def _content(content: Any, where: str, images: ImageIntake) -> tuple[str, tuple[str, ...]]:
+    """A message's content: a string, or OpenAI's list of parts (text, and ``image_url``
+    parts with a data URI); its text and its images' (placeholder) keys."""
     if isinstance(content, str):
-        return content
+        return content, ()
     if isinstance(content, list):
-        parts = []
-        for part in content:
-            if not isinstance(part, dict) or part.get("type") != "text":
-                raise bad(f"{where}: only text content parts are supported", "invalid_type")
-            parts.append(str(part.get("text", "")))
-        return "".join(parts)
+        parts, keys = [], []
+        for index, part in enumerate(content):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind == "text":
+                parts.append(str(part.get("text", "")))
+            elif kind == "image_url":
+                at = f"{where}.content[{index}].image_url"
+                url = part.get("image_url")
+                keys.append(images.url(url.get("url") if isinstance(url, dict) else url, at))
+            else:
+                raise bad(f"{where}.content[{index}]: only text and image_url content parts are"
+                          " supported", "invalid_type")  # fmt: skip
+        return "".join(parts), tuple(keys)
     if content is None:
-        return ""
-    raise bad(f"{where}.content must be a string or a list of text parts", "invalid_type")
+        return "", ()
+    raise bad(f"{where}.content must be a string or a list of content parts", "invalid_type")
 
 
-def _messages(body: dict[str, Any]) -> list[ChatMessage]:
+def _messages(body: dict[str, Any], images: ImageIntake) -> list[ChatMessage]:
     raw = body.get("messages")
     if not isinstance(raw, list) or not raw:
         raise bad("messages must be a non-empty list of {role, content}", "invalid_type")
@@ -69,11 +79,14 @@ def _messages(body: dict[str, Any]) -> list[ChatMessage]:
         role = "system" if item.get("role") == "developer" else item.get("role")
         if role not in ROLES:
             raise bad(f"{where}.role must be one of {', '.join(ROLES)}, not {role!r}")
-        content = _text_content(item.get("content"), where)
+        content, keys = _content(item.get("content"), where, images)
+        if keys:
+            image_parts_refused(str(role), where)
         try:
-            messages.append(tool_message(str(role), content, item, where))
+            message = tool_message(str(role), content, item, where)
         except ToolRequestError as exc:
             raise bad(str(exc), "invalid_type") from None
+        messages.append(replace(message, images=keys) if keys else message)
     return messages
 
 
@@ -190,8 +203,9 @@ def parse_request(body: Any, chat: bool) -> GenerationRequest:
     tools: tuple[ToolSpec, ...] = ()
     tool_choice = "auto"
     prompt, ids = None, None
+    images = ImageIntake()
     if chat:
-        messages: list[ChatMessage] | None = _messages(body)
+        messages: list[ChatMessage] | None = _messages(body, images)
         if body.get("modalities") not in (None, ["text"]):
             raise bad("modalities: this server writes text only")
         try:
@@ -226,6 +240,7 @@ def parse_request(body: Any, chat: bool) -> GenerationRequest:
         tool_use=ToolUse(tools, tool_choice), output_schema=_output_schema(body),
         prompt_ids=ids, logit_bias=_logit_bias(body), logprobs=_logprobs(body, chat),
         grammar=grammar or None, n=n, endpoint="chat" if chat else "completions",
+        sent_images=tuple(images.sent),
     )  # fmt: skip
 
 
@@ -253,7 +268,7 @@ async def respond(models: Router, request: GenerationRequest, http: Request) -> 
 
 def routes(models: Router) -> list[Endpoint]:
     async def chat(request: Request) -> Response:
-        parsed = parse_request(await read_json(request), chat=True)
+        parsed = await with_images(parse_request(await read_json(request), chat=True))
         return await respond(models, parsed, request)
 
     async def complete(request: Request) -> Response:

@@ -25,6 +25,7 @@ from localchat.chat.tools import ToolCall, ToolSpec, ToolUse
 from localchat.server.adapters.openai_chat import format_schema
 from localchat.server.adapters.sse import sse_json
 from localchat.server.events import Called, Event, Failed, Finished, Reasoning, Text
+from localchat.server.images import ImageIntake, image_parts_refused, resolved, store_sent
 from localchat.server.requests import (
     ApiError,
     GenerationRequest,
@@ -70,25 +71,35 @@ class ResponsesRequest:
     previous_id: str | None = None
 
 
-def _parts(content: Any, where: str) -> str:
-    """A message's text: a string or ``input_text``/``output_text`` parts."""
+def _parts(
+    content: Any, where: str, images: ImageIntake | None = None
+) -> tuple[str, tuple[str, ...]]:
+    """A message's text: a string or ``input_text``/``output_text`` parts, and where
+    ``images`` takes them its ``input_image`` parts' (placeholder) keys."""
     if isinstance(content, str):
-        return content
+        return content, ()
     if not isinstance(content, list):
         raise bad(f"{where}.content must be a string or a list of parts", "invalid_type")
-    texts = []
+    texts, keys = [], []
     for index, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
+        at = f"{where}.content[{index}]"
         if kind in ("input_text", "output_text", "text"):
             assert isinstance(part, dict)
             texts.append(text_field(part, "text"))
+        elif kind == "input_image" and images is not None:
+            assert isinstance(part, dict)
+            if part.get("file_id") is not None:
+                raise bad(f"{at}.file_id: this server keeps no files; send the image itself"
+                          " as image_url, a data URI", "unsupported_content")  # fmt: skip
+            keys.append(images.url(part.get("image_url"), f"{at}.image_url"))
         elif kind in ("input_image", "input_file", "input_audio"):
-            raise bad(f"{where}.content[{index}]: {kind} is not read here yet: this server's"
-                      " model reads text", "unsupported_content")  # fmt: skip
+            raise bad(f"{at}: {kind} is not read here: send text (and images in a user"
+                      " message)", "unsupported_content")  # fmt: skip
         else:
-            raise bad(f"{where}.content[{index}]: part type {kind!r} is not one this server"
-                      " takes (input_text, output_text)", "invalid_type")  # fmt: skip
-    return "".join(texts)
+            raise bad(f"{at}: part type {kind!r} is not one this server takes (input_text,"
+                      " output_text, input_image)", "invalid_type")  # fmt: skip
+    return "".join(texts), tuple(keys)
 
 
 def _with_call(messages: list[ChatMessage], call: ToolCall) -> None:
@@ -100,7 +111,7 @@ def _with_call(messages: list[ChatMessage], call: ToolCall) -> None:
         messages.append(ChatMessage("assistant", "", (call,)))
 
 
-def _items(value: Any) -> list[ChatMessage]:
+def _items(value: Any, images: ImageIntake) -> list[ChatMessage]:
     """``input``: a string (one user message) or a list of items."""
     if isinstance(value, str):
         return [ChatMessage("user", value)]
@@ -116,7 +127,10 @@ def _items(value: Any) -> list[ChatMessage]:
             role = ROLES.get(str(item.get("role")))
             if role is None:
                 raise bad(f"{where}.role must be user, assistant, system or developer")
-            messages.append(ChatMessage(role, _parts(item.get("content"), where)))
+            text, keys = _parts(item.get("content"), where, images)
+            if keys:
+                image_parts_refused(role, where)
+            messages.append(ChatMessage(role, text, images=keys))
         elif kind == "function_call":
             arguments = text_field(item, "arguments", "{}")
             try:
@@ -134,7 +148,7 @@ def _items(value: Any) -> list[ChatMessage]:
             if not isinstance(call_id, str) or not call_id:
                 raise bad(f"{where}.call_id must name the function_call it answers")
             output = item.get("output")
-            text = output if isinstance(output, str) else _parts(output, where)
+            text = output if isinstance(output, str) else _parts(output, where)[0]
             messages.append(ChatMessage("tool", text, tool_call_id=call_id))
         elif kind == "reasoning":
             continue  # templates drop earlier turns' reasoning: the prompt is the same
@@ -200,7 +214,10 @@ def parse_request(body: Any, kept: ResponseStore | None) -> ResponsesRequest:
         history = list(stored.messages)
     if body.get("input") is None:
         raise bad("input is required: a string or a list of items", "missing_field")
-    history += _items(body.get("input"))
+    images = ImageIntake()
+    history += _items(body.get("input"), images)
+    if images.sent:  # parsed on a worker thread: stored now
+        history = resolved(history, store_sent(images.sent))
     instructions = text_field(body, "instructions")
     messages = ([ChatMessage("system", instructions)] if instructions else []) + history
     tools, choice = _tools(body)

@@ -1,0 +1,335 @@
+"""``serve`` reading images, through the official clients of every API, on the generated LM
+with a generated projector beside it: each API takes an image and answers, a model without
+a projector and a bad image are refused in one line, and the prompt cache keeps images —
+the same image resent (also to a restarted server) is not decoded again, a different one
+with the same text is. Skipped where llama-cpp-python was built without libmtmd."""
+
+from __future__ import annotations
+
+import base64
+import io
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import anthropic
+import httpx
+import numpy as np
+import ollama
+import openai
+import pytest
+from PIL import Image as PILImage
+
+from localchat.backends.base import Sampling
+from localchat.backends.compute_thread import run_compute
+from localchat.backends.llama.engine import Engine
+from localchat.backends.llama.vision import mtmd_unavailable
+from localchat.chat.template import ChatMessage
+from localchat.models.demo import make_demo_model
+from localchat.models.demo_vision import make_projector
+from localchat.models.launch import LaunchOptions
+from localchat.models.loader import ModelLoader
+from localchat.paths import app_paths
+from localchat.server.app import BackgroundServer
+from localchat.server.requests import GenerationRequest
+from localchat.server.router import Router
+from localchat.server.runner import ModelRunner
+from localchat.state.images import image_key
+from localchat.state.kvstate import StateStore
+
+pytestmark = pytest.mark.skipif(
+    mtmd_unavailable() is not None, reason=mtmd_unavailable() or "libmtmd loads"
+)
+
+NAME = "tiny-vision"
+# Long enough that the prompt passes a cache block (64 tokens) after the image.
+LOOK = "Describe this picture in detail, every colour and shape you can see in it. " * 3
+
+
+@pytest.fixture(scope="module")
+def vision_model(models_dir: Path) -> Path:
+    folder = models_dir / "vision-serve"
+    folder.mkdir(exist_ok=True)
+    model = folder / "tiny-vision-Q4_K_M.gguf"
+    if not model.exists():
+        make_demo_model(model, "tiny", "Q4_K_M", seed=0)
+        make_projector(folder / "mmproj-tiny-vision-F16.gguf", "tiny", "vit-tiny")
+    return model
+
+
+def _png(seed: int, size: tuple[int, int] = (48, 36)) -> bytes:
+    pixels = np.random.default_rng(seed).integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)
+    out = io.BytesIO()
+    PILImage.fromarray(pixels).save(out, format="PNG")
+    return out.getvalue()
+
+
+def _b64(data: bytes) -> str:
+    return base64.b64encode(data).decode()
+
+
+class Served:
+    """The vision model behind a real uvicorn server, loaded as ``serve`` loads it."""
+
+    def __init__(self, model: Path, states: Path, projector: str | None = None) -> None:
+        launch = LaunchOptions(
+            n_ctx=1024, n_threads=2, lookup_only=True, own_cells=256, projector=projector
+        )
+        self.engine = run_compute(ModelLoader(app_paths()).load, model, launch)
+        self.runner = ModelRunner(self.engine, StateStore(states), NAME, parallel=2)
+        self.server = BackgroundServer(Router.of_one(self.runner))
+        self.root = self.server.root
+
+    def close(self) -> None:
+        self.server.close()
+        self.runner.close()
+        run_compute(self.engine.close)
+
+
+@pytest.fixture
+def served(vision_model: Path, tmp_path: Path) -> Iterator[Served]:
+    server = Served(vision_model, tmp_path / "states")
+    yield server
+    server.close()
+
+
+def _openai(root: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{root}/v1", api_key="none", max_retries=0)
+
+
+def _ask(
+    root: str, picture: bytes, text: str = LOOK, max_tokens: int = 4
+) -> openai.types.chat.ChatCompletion:
+    parts = [
+        {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{_b64(picture)}"}},
+        {"type": "text", "text": text},
+    ]
+    return _openai(root).chat.completions.create(
+        model=NAME,
+        messages=[{"role": "user", "content": parts}],  # type: ignore[list-item, misc]
+        temperature=0,
+        max_tokens=max_tokens,
+    )
+
+
+def _cached(reply: openai.types.chat.ChatCompletion) -> int:
+    assert reply.usage is not None and reply.usage.prompt_tokens_details is not None
+    return reply.usage.prompt_tokens_details.cached_tokens or 0
+
+
+def _image_span(served: Served, picture: bytes, text: str = LOOK) -> tuple[int, int]:
+    """Where the picture's cells start and end in the prompt of ``_ask``."""
+    message = ChatMessage("user", text, images=(image_key(picture),))
+    tokens = served.runner.prompt_ids(_request(message))
+    cells = [i for i, t in enumerate(tokens) if t < 0]
+    return cells[0], cells[-1] + 1
+
+
+def _request(message: ChatMessage) -> GenerationRequest:
+    return GenerationRequest(NAME, [message], None, Sampling(), None)
+
+
+def test_every_api_reads_an_image_and_the_model_says_it_sees(served: Served) -> None:
+    picture = _png(1)
+    reply = _ask(served.root, picture)
+    assert reply.choices[0].message.content is not None and reply.usage is not None
+    start, end = _image_span(served, picture)
+    assert reply.usage.prompt_tokens > end > start  # the image's cells are in the prompt
+    claude = anthropic.Anthropic(base_url=served.root, api_key="none", max_retries=0)
+    message = claude.messages.create(
+        model=NAME,
+        max_tokens=4,
+        messages=[
+            {
+                "role": "user",
+                "content": [
+                    {
+                        "type": "image",
+                        "source": {
+                            "type": "base64",
+                            "media_type": "image/png",
+                            "data": _b64(_png(2)),
+                        },
+                    },
+                    {"type": "text", "text": "What is this?"},
+                ],
+            }
+        ],
+    )
+    assert message.usage.input_tokens > end - start and message.content
+    client = ollama.Client(host=served.root)
+    chat = client.chat(
+        model=NAME,
+        messages=[{"role": "user", "content": "What is this?", "images": [_b64(_png(3))]}],
+        options={"temperature": 0, "num_predict": 4},
+    )
+    assert chat.done and chat.prompt_eval_count and chat.prompt_eval_count > end - start
+    generated = client.generate(
+        model=NAME, prompt="What is this?", images=[_png(4)], options={"num_predict": 4}
+    )
+    assert (
+        generated.done and generated.prompt_eval_count and generated.prompt_eval_count > end - start
+    )
+    response = _openai(served.root).responses.create(
+        model=NAME,
+        max_output_tokens=4,
+        input=[
+            {
+                "role": "user",
+                "content": [
+                    {"type": "input_text", "text": "What is this?"},
+                    {
+                        "type": "input_image",
+                        "image_url": f"data:image/png;base64,{_b64(_png(5))}",
+                        "detail": "auto",
+                    },
+                ],
+            }
+        ],  # type: ignore[list-item]
+    )
+    assert response.usage is not None and response.usage.input_tokens > end - start
+    # A continuation by previous_response_id keeps the image (the kept conversation holds it).
+    follow = _openai(served.root).responses.create(
+        model=NAME, max_output_tokens=4, input="And?", previous_response_id=response.id
+    )
+    assert follow.usage is not None and follow.usage.input_tokens > response.usage.input_tokens
+    # Every image stored once, content-addressed; each encoded once by the projector.
+    assert len(list(app_paths().images_dir.glob("??/*.json"))) == 5
+    assert served.engine.image_reader is not None and served.engine.image_reader.encodes == 5
+    # The listings say the model reads images.
+    assert httpx.get(f"{served.root}/props").json()["modalities"]["vision"] is True
+    assert "vision" in client.show(NAME).capabilities  # type: ignore[operator]
+
+
+def test_bad_images_and_urls_are_refused_naming_the_field(served: Served) -> None:
+    def refused(url: str) -> str:
+        with pytest.raises(openai.BadRequestError) as caught:
+            _openai(served.root).chat.completions.create(
+                model=NAME,
+                messages=[
+                    {
+                        "role": "user",
+                        "content": [  # type: ignore[list-item, misc]
+                            {"type": "text", "text": "What is this?"},
+                            {"type": "image_url", "image_url": {"url": url}},
+                        ],
+                    }
+                ],
+                max_tokens=2,
+            )
+        message = str(caught.value.body["message"])  # type: ignore[index]
+        assert "\n" not in message
+        return message
+
+    assert "messages[0].content[1].image_url is not an image" in refused(
+        f"data:image/png;base64,{_b64(b'hello, not a picture')}"
+    )
+    assert "is not valid base64" in refused("data:image/png;base64,@@@@")
+    assert "does not fetch images from URLs" in refused("https://example.com/cat.png")
+    assert "data URI" in refused("cat.png")
+    claude = anthropic.Anthropic(base_url=served.root, api_key="none", max_retries=0)
+    with pytest.raises(anthropic.BadRequestError, match=r"content\[0\]\.source: this server"):
+        claude.messages.create(
+            model=NAME,
+            max_tokens=2,
+            messages=[
+                {
+                    "role": "user",
+                    "content": [
+                        {
+                            "type": "image",
+                            "source": {"type": "url", "url": "https://example.com/a.png"},
+                        },
+                    ],
+                }
+            ],
+        )
+    with pytest.raises(ollama.ResponseError, match=r"messages\[0\]\.images\[0\] opens like"):
+        ollama.Client(host=served.root).chat(
+            model=NAME, messages=[{"role": "user", "content": "?", "images": [_b64(b"GIF89a")]}]
+        )
+
+
+def test_a_model_without_a_projector_refuses_an_image_in_one_line(
+    vision_model: Path, tmp_path: Path
+) -> None:
+    served = Served(vision_model, tmp_path / "states", projector="none")
+    try:
+        with pytest.raises(openai.BadRequestError) as caught:
+            _ask(served.root, _png(1))
+        message = str(caught.value.body["message"])  # type: ignore[index]
+        assert "cannot read images" in message and "\n" not in message
+        assert httpx.get(f"{served.root}/props").json()["modalities"]["vision"] is False
+        capabilities = ollama.Client(host=served.root).show(NAME).capabilities or []
+        assert "vision" not in capabilities
+    finally:
+        served.close()
+
+
+def test_the_same_image_resent_is_cached_a_different_one_is_not_also_after_a_restart(
+    vision_model: Path, tmp_path: Path
+) -> None:
+    states = tmp_path / "states"
+    picture, other = _png(11), _png(12)
+    served = Served(vision_model, states)
+    try:
+        first = _ask(served.root, picture)
+        assert _cached(first) == 0
+        start, end = _image_span(served, picture)
+        again = _ask(served.root, picture)  # in memory: the image is not decoded again
+        assert _cached(again) >= end and _cached(again) == again.usage.prompt_tokens - 1  # type: ignore[union-attr]
+        assert again.choices[0].message.content == first.choices[0].message.content
+        different = _ask(served.root, other)  # the same text around another image
+        assert _cached(different) <= start
+        reader = served.engine.image_reader
+        assert reader is not None and reader.encodes == 2
+        served.runner.saver.wait()
+    finally:
+        served.close()
+    restarted = Served(vision_model, states)  # its sequences empty: only the disk holds it
+    try:
+        assert len(restarted.runner.cache) >= 2
+        resent = _ask(restarted.root, picture)
+        assert _cached(resent) >= end  # restored from the state saved before the restart
+        print(f"image cells {start}-{end}; resent after restart: {_cached(resent)} cached"
+              f" of {resent.usage.prompt_tokens}")  # type: ignore[union-attr]  # fmt: skip
+        assert resent.choices[0].message.content == first.choices[0].message.content
+        assert restarted.engine.image_reader is not None
+        assert restarted.engine.image_reader.encodes == 0  # nothing of the image decoded
+        assert (
+            "localchat:prompt_tokens_restored_total 0"
+            not in httpx.get(f"{restarted.root}/metrics").text
+        )
+        new = _ask(restarted.root, _png(13))
+        assert _cached(new) <= start
+    finally:
+        restarted.close()
+
+
+def test_two_images_read_side_by_side_are_each_the_reply_alone(
+    served: Served, vision_model: Path
+) -> None:
+    """Each image is decoded into its own sequence: two requests at once get the replies
+    the engine's own context gives each alone (``ask``'s path)."""
+    pictures = [_png(21), _png(22)]
+    with ThreadPoolExecutor(2) as pool:
+        replies = list(pool.map(lambda p: _ask(served.root, p, max_tokens=8), pictures))
+    engine = run_compute(
+        ModelLoader(app_paths()).load, vision_model, LaunchOptions(n_ctx=1024, n_threads=2)
+    )
+    try:
+        for picture, reply in zip(pictures, replies, strict=True):
+            message = ChatMessage("user", LOOK, images=(image_key(picture),))
+            alone = run_compute(_greedy, engine, message, 8)
+            assert reply.choices[0].message.content == alone
+    finally:
+        run_compute(engine.close)
+
+
+def _greedy(engine: Engine, message: ChatMessage, max_tokens: int) -> str:
+    generation = engine.generate(
+        engine.prompt_tokens([message]), Sampling(temperature=0.0), max_tokens
+    )
+    for _ in generation:
+        pass
+    return generation.text
