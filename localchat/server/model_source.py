@@ -22,6 +22,7 @@ from localchat.models.launch import LaunchOptions
 from localchat.models.library import Library, ModelRow
 from localchat.models.loader import ModelLoader
 from localchat.models.planner import Plan, plan_file
+from localchat.models.projectors import chosen_projector, projector_memory_bytes
 from localchat.paths import AppPaths
 from localchat.server.router import ServedEntry
 from localchat.server.runner import ModelRunner, default_parallel
@@ -111,7 +112,14 @@ class LibrarySource:
         it fits where none was asked), the KV cache's type, the attention kernel, the
         micro-batch."""
         hardware = replace(_hardware(), ram_available_bytes=self.free_bytes() + RESERVE_BYTES)
-        return plan_file(path, hardware, self._wanted_ctx(path))
+        return plan_file(
+            path, hardware, self._wanted_ctx(path), projector_bytes=self._projector_bytes(path)
+        )
+
+    def _projector_bytes(self, path: Path) -> int:
+        """What the projector the load will open beside ``path`` takes (0: none)."""
+        projector = chosen_projector(path, self.launch.projector)
+        return projector_memory_bytes(projector) if projector else 0
 
     def _launch(self, path: Path, plan: Plan) -> LaunchOptions:
         """The launch options with what the plan chose: never a larger KV type than the one
@@ -142,7 +150,7 @@ class LibrarySource:
         """The plan's estimate for one sequence (more only where memory allows them)."""
         plan = self._plan(entry.path)
         if plan.estimate is not None:
-            return plan.estimate.ram_required
+            return plan.estimate.ram_required + self._projector_bytes(entry.path)
         info = read_gguf(entry.path)
         estimate = estimate_memory(
             ModelDims.from_gguf(info), LayerWeights.from_gguf(info), plan.n_ctx,
