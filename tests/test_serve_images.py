@@ -7,26 +7,21 @@ with the same text is. Skipped where llama-cpp-python was built without libmtmd.
 from __future__ import annotations
 
 import base64
-import io
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import anthropic
 import httpx
-import numpy as np
 import ollama
 import openai
 import pytest
-from PIL import Image as PILImage
 
 from localchat.backends.base import Sampling
 from localchat.backends.compute_thread import run_compute
 from localchat.backends.llama.engine import Engine
 from localchat.backends.llama.vision import mtmd_unavailable
 from localchat.chat.template import ChatMessage
-from localchat.models.demo import make_demo_model
-from localchat.models.demo_vision import make_projector
 from localchat.models.launch import LaunchOptions
 from localchat.models.loader import ModelLoader
 from localchat.paths import app_paths
@@ -36,6 +31,7 @@ from localchat.server.router import Router
 from localchat.server.runner import ModelRunner
 from localchat.state.images import image_key
 from localchat.state.kvstate import StateStore
+from tests.image_helpers import random_png, vision_model_with
 
 pytestmark = pytest.mark.skipif(
     mtmd_unavailable() is not None, reason=mtmd_unavailable() or "libmtmd loads"
@@ -48,20 +44,7 @@ LOOK = "Describe this picture in detail, every colour and shape you can see in i
 
 @pytest.fixture(scope="module")
 def vision_model(models_dir: Path) -> Path:
-    folder = models_dir / "vision-serve"
-    folder.mkdir(exist_ok=True)
-    model = folder / "tiny-vision-Q4_K_M.gguf"
-    if not model.exists():
-        make_demo_model(model, "tiny", "Q4_K_M", seed=0)
-        make_projector(folder / "mmproj-tiny-vision-F16.gguf", "tiny", "vit-tiny")
-    return model
-
-
-def _png(seed: int, size: tuple[int, int] = (48, 36)) -> bytes:
-    pixels = np.random.default_rng(seed).integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)
-    out = io.BytesIO()
-    PILImage.fromarray(pixels).save(out, format="PNG")
-    return out.getvalue()
+    return vision_model_with(models_dir)
 
 
 def _b64(data: bytes) -> str:
@@ -130,7 +113,7 @@ def _request(message: ChatMessage) -> GenerationRequest:
 
 
 def test_every_api_reads_an_image_and_the_model_says_it_sees(served: Served) -> None:
-    picture = _png(1)
+    picture = random_png(1)
     reply = _ask(served.root, picture)
     assert reply.choices[0].message.content is not None and reply.usage is not None
     start, end = _image_span(served, picture)
@@ -148,7 +131,7 @@ def test_every_api_reads_an_image_and_the_model_says_it_sees(served: Served) -> 
                         "source": {
                             "type": "base64",
                             "media_type": "image/png",
-                            "data": _b64(_png(2)),
+                            "data": _b64(random_png(2)),
                         },
                     },
                     {"type": "text", "text": "What is this?"},
@@ -160,12 +143,12 @@ def test_every_api_reads_an_image_and_the_model_says_it_sees(served: Served) -> 
     client = ollama.Client(host=served.root)
     chat = client.chat(
         model=NAME,
-        messages=[{"role": "user", "content": "What is this?", "images": [_b64(_png(3))]}],
+        messages=[{"role": "user", "content": "What is this?", "images": [_b64(random_png(3))]}],
         options={"temperature": 0, "num_predict": 4},
     )
     assert chat.done and chat.prompt_eval_count and chat.prompt_eval_count > end - start
     generated = client.generate(
-        model=NAME, prompt="What is this?", images=[_png(4)], options={"num_predict": 4}
+        model=NAME, prompt="What is this?", images=[random_png(4)], options={"num_predict": 4}
     )
     assert (
         generated.done and generated.prompt_eval_count and generated.prompt_eval_count > end - start
@@ -180,7 +163,7 @@ def test_every_api_reads_an_image_and_the_model_says_it_sees(served: Served) -> 
                     {"type": "input_text", "text": "What is this?"},
                     {
                         "type": "input_image",
-                        "image_url": f"data:image/png;base64,{_b64(_png(5))}",
+                        "image_url": f"data:image/png;base64,{_b64(random_png(5))}",
                         "detail": "auto",
                     },
                 ],
@@ -256,7 +239,7 @@ def test_a_model_without_a_projector_refuses_an_image_in_one_line(
     served = Served(vision_model, tmp_path / "states", projector="none")
     try:
         with pytest.raises(openai.BadRequestError) as caught:
-            _ask(served.root, _png(1))
+            _ask(served.root, random_png(1))
         message = str(caught.value.body["message"])  # type: ignore[index]
         assert "cannot read images" in message and "\n" not in message
         assert httpx.get(f"{served.root}/props").json()["modalities"]["vision"] is False
@@ -270,7 +253,7 @@ def test_the_same_image_resent_is_cached_a_different_one_is_not_also_after_a_res
     vision_model: Path, tmp_path: Path
 ) -> None:
     states = tmp_path / "states"
-    picture, other = _png(11), _png(12)
+    picture, other = random_png(11), random_png(12)
     served = Served(vision_model, states)
     try:
         first = _ask(served.root, picture)
@@ -300,7 +283,7 @@ def test_the_same_image_resent_is_cached_a_different_one_is_not_also_after_a_res
             "localchat:prompt_tokens_restored_total 0"
             not in httpx.get(f"{restarted.root}/metrics").text
         )
-        new = _ask(restarted.root, _png(13))
+        new = _ask(restarted.root, random_png(13))
         assert _cached(new) <= start
     finally:
         restarted.close()
@@ -311,7 +294,7 @@ def test_two_images_read_side_by_side_are_each_the_reply_alone(
 ) -> None:
     """Each image is decoded into its own sequence: two requests at once get the replies
     the engine's own context gives each alone (``ask``'s path)."""
-    pictures = [_png(21), _png(22)]
+    pictures = [random_png(21), random_png(22)]
     with ThreadPoolExecutor(2) as pool:
         replies = list(pool.map(lambda p: _ask(served.root, p, max_tokens=8), pictures))
     engine = run_compute(

@@ -9,24 +9,20 @@ built without libmtmd."""
 
 from __future__ import annotations
 
-import io
 from pathlib import Path
 
-import numpy as np
 import pytest
-from PIL import Image as PILImage
 from textual import events
 from textual.widgets import TextArea
 
 from localchat.backends.llama.vision import mtmd_unavailable
-from localchat.models.demo import make_demo_model
-from localchat.models.demo_vision import make_projector
 from localchat.paths import app_paths
 from localchat.state.images import ImageStore
 from localchat.tui.messages import ReplyFailed
 from localchat.tui.widgets.chat_message import UserMessage
 from localchat.tui.widgets.image_view import ImageView
 from localchat.tui.widgets.prompt_input import pasted_path
+from tests.image_helpers import random_png, vision_model_with
 from tests.tui_helpers import ChatUI, chat_app
 
 needs_mtmd = pytest.mark.skipif(
@@ -37,21 +33,11 @@ SIZE = (100, 40)
 
 @pytest.fixture(scope="module")
 def vision_model(models_dir: Path) -> Path:
-    """The tiny LM with its projector beside it, as ``pull`` leaves a vision model."""
-    folder = models_dir / "vision"
-    folder.mkdir(exist_ok=True)
-    model = folder / "tiny-vision-Q4_K_M.gguf"
-    if not model.exists():
-        make_demo_model(model, "tiny", "Q4_K_M", seed=0)
-        make_projector(folder / "mmproj-tiny-vision-F16.gguf", "tiny", "vit-tiny")
-    return model
+    return vision_model_with(models_dir)
 
 
 def _png(path: Path, seed: int = 1, size: tuple[int, int] = (48, 36)) -> Path:
-    pixels = np.random.default_rng(seed).integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)
-    out = io.BytesIO()
-    PILImage.fromarray(pixels).save(out, format="PNG")
-    path.write_bytes(out.getvalue())
+    path.write_bytes(random_png(seed, size))
     return path
 
 

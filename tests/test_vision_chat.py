@@ -5,7 +5,6 @@ where llama-cpp-python was built without libmtmd."""
 
 from __future__ import annotations
 
-import io
 import json
 import os
 import subprocess
@@ -13,17 +12,13 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
-import numpy as np
 import pytest
-from PIL import Image as PILImage
 
 from localchat.backends.llama.engine import Engine
 from localchat.backends.llama.vision import mtmd_unavailable
 from localchat.chat.image_files import inspect_image
 from localchat.conversation.local import Conversation
 from localchat.errors import UsageError
-from localchat.models.demo import make_demo_model
-from localchat.models.demo_vision import make_projector
 from localchat.models.launch import LaunchOptions
 from localchat.models.loader import ModelLoader
 from localchat.paths import app_paths
@@ -31,6 +26,7 @@ from localchat.state.images import ImageStore
 from localchat.state.kvstate import StateStore
 from localchat.state.store import Store
 from tests.conftest import GREEDY
+from tests.image_helpers import random_png, vision_model_with
 
 pytestmark = pytest.mark.skipif(
     mtmd_unavailable() is not None, reason=mtmd_unavailable() or "libmtmd loads"
@@ -39,33 +35,14 @@ pytestmark = pytest.mark.skipif(
 LOOK, FOLLOW, MORE = "What is in this picture?", "And what colour is it?", "Tell me more."
 
 
-def _vision_model(models_dir: Path, shape: str) -> Path:
-    """The tiny LM in a folder of its own with a projector beside it, as ``pull`` leaves a
-    vision model."""
-    folder = models_dir / f"vision-{shape}"
-    folder.mkdir(exist_ok=True)
-    model = folder / "tiny-vision-Q4_K_M.gguf"
-    if not model.exists():
-        make_demo_model(model, "tiny", "Q4_K_M", seed=0)
-        make_projector(folder / "mmproj-tiny-vision-F16.gguf", "tiny", shape)
-    return model
-
-
 @pytest.fixture(scope="module")
 def vision_model(models_dir: Path) -> Path:
-    return _vision_model(models_dir, "vit-tiny")
-
-
-def _png(seed: int, size: tuple[int, int] = (48, 36)) -> bytes:
-    pixels = np.random.default_rng(seed).integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)
-    out = io.BytesIO()
-    PILImage.fromarray(pixels).save(out, format="PNG")
-    return out.getvalue()
+    return vision_model_with(models_dir)
 
 
 def _stored(seed: int) -> str:
     """A random picture put in this home's image store; its key."""
-    return ImageStore(app_paths().images_dir).put(inspect_image(_png(seed), "p.png")).key
+    return ImageStore(app_paths().images_dir).put(inspect_image(random_png(seed), "p.png")).key
 
 
 def _load(model: Path, **launch: object) -> Engine:
@@ -145,7 +122,7 @@ def test_a_resumed_conversation_with_an_image_is_exact_and_encodes_nothing(
 def test_a_non_causal_image_resumes_exactly(models_dir: Path, engines: list[Engine]) -> None:
     """Gemma 3's projector: the image decoded with non-causal attention, between begin- and
     end-of-image text libmtmd writes around it."""
-    model = _vision_model(models_dir, "gemma3-tiny")
+    model = vision_model_with(models_dir, "gemma3-tiny")
     picture = _stored(7)
     warm, engine = _open(engines, model, "warm")
     assert engine.image_reader is not None and engine.image_reader.projector.non_causal
@@ -170,7 +147,7 @@ def test_a_first_message_of_a_file_and_images_past_a_batch_starts_from_a_shared_
     saved, and restored by the next conversation that opens with them."""
     from localchat.chat.attachments import Attachment, with_attachments
 
-    model = _vision_model(models_dir, "vit-small")
+    model = vision_model_with(models_dir, "vit-small")
     text = with_attachments(LOOK, [Attachment("notes.txt", "some file text here\n" * 12)])
     pictures = tuple(_stored(seed) for seed in range(20, 29))
     first, _ = _open(engines, model, "first")
@@ -256,7 +233,7 @@ def test_ask_shows_the_model_an_image_and_refuses_what_it_cannot_read(
     vision_model: Path, tmp_path: Path
 ) -> None:
     picture = tmp_path / "photo.png"
-    picture.write_bytes(_png(5))
+    picture.write_bytes(random_png(5))
     flags = ("--model-path", str(vision_model), "--temperature", "0", "--max-tokens", "8")
     shown = _ask(LOOK, "--image", str(picture), *flags, "--json")
     assert shown.returncode == 0, shown.stderr
@@ -271,7 +248,7 @@ def test_ask_shows_the_model_an_image_and_refuses_what_it_cannot_read(
     assert "cannot read images" in blind.stderr and len(blind.stderr.strip().splitlines()) == 1
 
     broken = tmp_path / "broken.png"
-    broken.write_bytes(_png(6)[:200])
+    broken.write_bytes(random_png(6)[:200])
     refused = _ask(LOOK, "--image", str(broken), *flags)
     assert refused.returncode == 2
     assert "broken.png" in refused.stderr and len(refused.stderr.strip().splitlines()) == 1
