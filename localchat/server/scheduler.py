@@ -257,6 +257,36 @@ class Scheduler:
         batch, prompt = self.batch, job.prompt
         free = [s for s in range(batch.n_seq) if s not in self._running]
         seq = max(free, key=lambda s: (common_prefix(batch.tokens[s], prompt), -self._last_used[s]))
+        self._take_prefix(job, seq)
+        held, continues = self._held[seq], None
+        if held is not None and held.continued_by(prompt):
+            continues = held.sid  # this request extends that state: its own replaces it
+        elif held is not None:
+            self._held[seq] = None  # the sequence holds another conversation now
+        if has_images(prompt):
+            job.image_starts = tuple(i for i, t in enumerate(prompt) if starts_image(t))
+        request = job.request
+        sampler = batch.sampler(
+            request.sampling, request.frequency_penalty, request.presence_penalty, job.grammar,
+            request.logit_bias,
+        )  # fmt: skip
+        stats = job.stats
+        stats.prompt_tokens = len(prompt)
+        stats.prompt_tokens_evaluated = len(prompt) - len(batch.tokens[seq])
+        stats.stop_reason = "length"
+        self._running[seq] = Slot(
+            job, seq, self.engine.reply_text(prompt, job.spelled), StopFilter(job.request.stop), sampler,
+            continues, time.perf_counter(), len(batch.tokens[seq]),
+            policy=self._sequence_policy() if self.drafting else None,
+            calls=self._calls_stream(request),
+        )  # fmt: skip
+        job.started = True
+        self.on_start(job)
+
+    def _take_prefix(self, job: Job, seq: int) -> None:
+        """Make sequence ``seq`` hold the longest prefix of ``job``'s prompt there is: what
+        it holds, a saved state (``job.hit``), or another sequence's cells, cut back to it."""
+        batch, prompt = self.batch, job.prompt
         in_memory = common_prefix(batch.tokens[seq], prompt)
         hit = job.hit
         # A window cache cannot be cut back far: there only a state wholly inside the prompt.
@@ -287,30 +317,6 @@ class Scheduler:
         if not batch.cut(seq, keep):
             self._held[seq] = None
             job.restored = 0
-        held, continues = self._held[seq], None
-        if held is not None and held.continued_by(prompt):
-            continues = held.sid  # this request extends that state: its own replaces it
-        elif held is not None:
-            self._held[seq] = None  # the sequence holds another conversation now
-        if has_images(prompt):
-            job.image_starts = tuple(i for i, t in enumerate(prompt) if starts_image(t))
-        request = job.request
-        sampler = batch.sampler(
-            request.sampling, request.frequency_penalty, request.presence_penalty, job.grammar,
-            request.logit_bias,
-        )  # fmt: skip
-        stats = job.stats
-        stats.prompt_tokens = len(prompt)
-        stats.prompt_tokens_evaluated = len(prompt) - len(batch.tokens[seq])
-        stats.stop_reason = "length"
-        self._running[seq] = Slot(
-            job, seq, self.engine.reply_text(prompt, job.spelled), StopFilter(job.request.stop), sampler,
-            continues, time.perf_counter(), len(batch.tokens[seq]),
-            policy=self._sequence_policy() if self.drafting else None,
-            calls=self._calls_stream(request),
-        )  # fmt: skip
-        job.started = True
-        self.on_start(job)
 
     def _calls_stream(self, request: GenerationRequest) -> ToolCallStream | None:
         """Where the reply is read for calls: a stream that holds them back, in the model's
