@@ -247,5 +247,6 @@ def _check_key(key: str) -> None:
 def _missing(key: str, directory: Path) -> str:
     return (
         f"image {key[:12]} is not in {directory} (deleted, or the data folder was copied"
-        " without its images); attach it again"
+        " without its images); put the file back there, or branch the conversation before"
+        " the message that shows it"
     )
