@@ -26,6 +26,7 @@ from localchat.server.prompt_cache import PromptCache
 from localchat.server.requests import DEFAULT_MAX_TOKENS, ApiError, GenerationRequest
 from localchat.server.scheduler import Scheduler
 from localchat.server.slots import Emit, Job
+from localchat.state.images import ImageMissing
 from localchat.state.kvstate import BackgroundSaver, StateStore
 
 # How the request log names a reply's end ("stop", "length", "tool_calls", "cancelled").
@@ -198,6 +199,8 @@ class ModelRunner:
             return engine.prompt_tokens(request.messages, list(request.tool_use.tools) or None)
         except (ModelFileError, UsageError) as exc:  # the template refused these messages
             raise ApiError(400, str(exc), code="invalid_value") from None
+        except ImageMissing as exc:  # an image a stored response showed, deleted since
+            raise ApiError(400, f"{exc}; send the image again", code="invalid_image") from None
 
     def prompt_of(self, request: GenerationRequest) -> tuple[list[int], int]:
         """The request's prompt ids and its reply's length; ``ApiError`` where a

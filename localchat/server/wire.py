@@ -42,7 +42,12 @@ async def read_json(request: Request) -> Any:
         elif size > DRAIN_LIMIT_BYTES:
             break
     if size > MAX_BODY_BYTES:
-        raise ApiError(413, f"the body is over {MAX_BODY_BYTES // 2**20} MiB", code="too_large")
+        raise ApiError(
+            413,
+            f"the body is over {MAX_BODY_BYTES // 2**20} MiB (images count in it: send them"
+            " smaller)",
+            code="too_large",
+        )
     try:
         return json.loads(raw)
     except (ValueError, UnicodeDecodeError) as exc:

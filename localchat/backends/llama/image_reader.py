@@ -38,6 +38,7 @@ from localchat.paths import ensure_private_dir
 _HEADER = struct.Struct("<8sQI")  # magic, payload bytes, CRC-32
 _MAGIC = b"LCIMGEMB"
 MEMORY_ENTRIES = 16  # images whose embeddings (and pixels) stay in memory
+PIXEL_BYTES = 64 * 2**20  # the decoded pictures kept in memory, at most (the last one always)
 DISK_BUDGET_BYTES = 1024**3
 
 
@@ -199,26 +200,30 @@ class ImageReader:
         hold, is refused here, before anything is stored or decoded."""
         with self._lock:
             found = self._layouts.get(key)
-            if found is not None:
-                return found
-            chunks = self.projector.chunks(MEDIA_MARKER, [self._image(key)], add_special=False)
-            images = [chunk for chunk in chunks if chunk.kind != CHUNK_TEXT]
-            if len(images) != 1:
-                raise UsageError(
-                    f"{self.projector.path.name} reads image {key[:12]} in {len(images)}"
-                    " slices, which localchat does not read yet: send a smaller image"
-                )
-            refused = self.projector.refuses(images[0].n_tokens)
-            if refused:
-                raise UsageError(refused)
-            layout: list[int] = []
-            for chunk in chunks:
-                if chunk.kind == CHUNK_TEXT:
-                    layout.extend(chunk.tokens)
-                else:
-                    layout.extend(image_run(self._id_of(key), chunk.n_tokens))
+        if found is not None:
+            return found
+        # Worked out outside the lock: a large picture takes a second to read, and the
+        # compute thread's decodes must not wait for it.
+        chunks = self.projector.chunks(MEDIA_MARKER, [self._image(key)], add_special=False)
+        images = [chunk for chunk in chunks if chunk.kind != CHUNK_TEXT]
+        if len(images) != 1:
+            raise UsageError(
+                f"{self.projector.path.name} reads image {key[:12]} in {len(images)}"
+                " slices, which localchat does not read yet: send a smaller image"
+            )
+        refused = self.projector.refuses(images[0].n_tokens)
+        if refused:
+            raise UsageError(refused)
+        image_id = self._id_of(key)
+        layout: list[int] = []
+        for chunk in chunks:
+            if chunk.kind == CHUNK_TEXT:
+                layout.extend(chunk.tokens)
+            else:
+                layout.extend(image_run(image_id, chunk.n_tokens))
+        with self._lock:
             self._layouts[key] = layout
-            return layout
+        return layout
 
     def evaluate(
         self, image_id: int, n_past: int, n_batch: int, seq_id: int = 0, context: Any = None
@@ -226,8 +231,7 @@ class ImageReader:
         """Decode image ``image_id`` into sequence ``seq_id`` at ``n_past``: of ``context``
         (a server's ``SequenceBatch``), else of the model's own; returns its cells. On the
         compute thread, as every decode."""
-        with self._lock:
-            image = self._image(self._key_of(image_id))
+        image = self._image(self._key_of(image_id))
         n_cells, encoded = self.projector.decode_image(
             image, self.embeddings.get, n_past, seq_id, n_batch, context
         )
@@ -239,31 +243,41 @@ class ImageReader:
     def _id_of(self, key: str) -> int:
         """The image's placeholder id under this projector: the store's id of the pair, so
         an image read by another projector (other embeddings) never matches a state."""
-        found = self._ids.get(key)
+        with self._lock:
+            found = self._ids.get(key)
         if found is None:
-            found = self._ids[key] = self.source.image_id(key, self.embeddings.variant)
-            self._keys[found] = key
+            found = self.source.image_id(key, self.embeddings.variant)
+            with self._lock:
+                self._ids[key], self._keys[found] = found, key
         return found
 
     def _key_of(self, image_id: int) -> str:
-        key = self._keys.get(image_id)
+        with self._lock:
+            key = self._keys.get(image_id)
         if key is None:
-            key = self._keys[image_id] = self.source.key_of_id(image_id)
-            self._ids[key] = image_id
+            key = self.source.key_of_id(image_id)
+            with self._lock:
+                self._keys[image_id], self._ids[key] = key, image_id
         return key
 
     def _image(self, key: str) -> Image:
-        """The image ``key`` as raw pixels, read from the store once."""
-        image = self._pixels.get(key)
-        if image is None:
-            image = self.projector.pixels(Image(self.source.get(key)))
-            if image.key != key:
-                raise ValueError(f"the stored image {key[:12]} does not hash to its name")
+        """The image ``key`` as raw pixels, read from the store once; the latest kept in
+        memory up to ``PIXEL_BYTES`` (a 50-megapixel picture is 150 MB of pixels)."""
+        with self._lock:
+            image = self._pixels.get(key)
+            if image is not None:
+                self._pixels.move_to_end(key)
+                return image
+        image = self.projector.pixels(Image(self.source.get(key)))
+        if image.key != key:
+            raise ValueError(f"the stored image {key[:12]} does not hash to its name")
+        with self._lock:
             self._pixels[key] = image
-            while len(self._pixels) > MEMORY_ENTRIES:
+            while len(self._pixels) > 1 and (
+                len(self._pixels) > MEMORY_ENTRIES
+                or sum(len(p.data) for p in self._pixels.values()) > PIXEL_BYTES
+            ):
                 self._pixels.popitem(last=False)
-        else:
-            self._pixels.move_to_end(key)
         return image
 
     def close(self) -> None:

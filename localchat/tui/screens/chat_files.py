@@ -84,4 +84,6 @@ class AttachesFiles(DOMNode):
         """Esc: the files and images go, the words in the box stay."""
         names = self.composer.drop_attachments()
         self.panel.show_turn_start("no files attached")
-        self.app.notify(f"Removed the attached {names}; the message box is as it was.")
+        self.app.notify(
+            f"Removed the attached {names}; the message box is as it was.", markup=False
+        )

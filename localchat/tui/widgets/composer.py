@@ -153,7 +153,12 @@ class Composer(ReportsWorkerFailures, Vertical):
             head = backend.count_tokens(system) if system else 0
         except LocalchatError as exc:
             self.app.call_from_thread(
-                self.notify, str(exc), title="Not attached", severity="error", timeout=15
+                self.notify,
+                str(exc),
+                title="Not attached",
+                severity="error",
+                timeout=15,
+                markup=False,
             )
             return
         n_ctx = backend.context_size  # what the context holds: decided where it is attached
@@ -169,11 +174,11 @@ class Composer(ReportsWorkerFailures, Vertical):
         try:
             check_fits(pending, sum(costs), message.head_tokens, message.n_ctx, message.max_tokens)
         except LocalchatError as exc:
-            self.notify(str(exc), title="Not attached", severity="error", timeout=15)
+            self.notify(str(exc), title="Not attached", severity="error", timeout=15, markup=False)
             return
         self.attachments, self._attachment_tokens = pending, costs
         self.post_message(self.Attached(self.attached_names()))
-        self.notify(f"Attached {message.attachment.name}: {message.tokens:,} tokens.")
+        self.notify(f"Attached {message.attachment.name}: {message.tokens:,} tokens.", markup=False)
         self.focus_box()
 
     def on_composer_image_read(self, message: ImageRead) -> None:
@@ -184,7 +189,8 @@ class Composer(ReportsWorkerFailures, Vertical):
         self.post_message(self.Attached(self.attached_names()))
         line = message.image.line
         self.notify(
-            f"Attached {line.name}: {line.width}×{line.height} px, {format_bytes(line.size_bytes)}."
+            f"Attached {line.name}: {line.width}×{line.height} px, {format_bytes(line.size_bytes)}.",
+            markup=False,
         )
         self.focus_box()
 

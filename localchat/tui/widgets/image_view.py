@@ -22,6 +22,7 @@ from textual.containers import Vertical
 from textual.widget import Widget
 from textual.widgets import Static
 
+from localchat.text import printable
 from localchat.units import format_bytes
 
 if TYPE_CHECKING:  # Pillow is imported where an image is read, in a worker
@@ -98,7 +99,7 @@ def picture_of(source: bytes | Path) -> Any:
 
 def attached_image(path: Path, facts: ImageFacts) -> AttachedImage:
     """A file read for the next message (in the worker that read it)."""
-    line = ImageLine(path.name, facts.size_bytes, facts.width, facts.height)
+    line = ImageLine(printable(path.name), facts.size_bytes, facts.width, facts.height)
     return AttachedImage(_with_picture(line, facts.data), facts)
 
 
