@@ -186,7 +186,7 @@ def test_a_non_causal_image_is_decoded_whole(tiny_model: Path, tmp_path: Path) -
     assert np.array_equal(logits[0], logits[1])
     with (
         Projector(projector, _llm(tiny_model, n_ubatch=8)) as opened,
-        pytest.raises(ValueError, match="one ubatch"),
+        pytest.raises(ValueError, match="in one micro-batch"),
     ):
         opened.evaluate(PROMPT, [_pixels(1)], 0)
 

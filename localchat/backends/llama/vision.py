@@ -253,14 +253,20 @@ class Projector:
         """``image``'s embeddings as the projector encodes them (float32, one row a KV cell),
         the language model's context untouched: what ``decode_image`` encodes an image with,
         alone (the bench times it)."""
-        mtmd = _lib()
         with self.tokenized(MEDIA_MARKER, [image], add_special=False) as chunks:
-            chunk = _image_chunk(chunks)
-            if mtmd.mtmd_encode_chunk(self._ctx, chunk) != 0:
-                raise RuntimeError(f"libmtmd could not encode the image{_last_error()}")
-            n_tokens = int(mtmd.mtmd_input_chunk_get_n_tokens(chunk))
-            size = n_tokens * int(llama_cpp.llama_model_n_embd(self._llm.model)) * 4
-            return ctypes.string_at(mtmd.mtmd_get_output_embd(self._ctx), size)
+            return self._encoded(_image_chunk(chunks))
+
+    def _encoded(self, chunk: Any) -> bytes:
+        """The embeddings of an image ``chunk``, encoded now."""
+        mtmd = _lib()
+        if mtmd.mtmd_encode_chunk(self._ctx, chunk) != 0:
+            raise RuntimeError(f"libmtmd could not encode the image{_last_error()}")
+        return ctypes.string_at(mtmd.mtmd_get_output_embd(self._ctx), self._embeddings_size(chunk))
+
+    def _embeddings_size(self, chunk: Any) -> int:
+        """Bytes of an image chunk's embeddings: a float32 row of the model's width a cell."""
+        n_tokens = int(_lib().mtmd_input_chunk_get_n_tokens(chunk))
+        return n_tokens * int(llama_cpp.llama_model_n_embd(self._llm.model)) * 4
 
     def decode_image(
         self,
@@ -281,15 +287,12 @@ class Projector:
         with self.tokenized(MEDIA_MARKER, [image], add_special=False) as chunks:
             chunk = _image_chunk(chunks)
             n_tokens = int(mtmd.mtmd_input_chunk_get_n_tokens(chunk))
-            size = n_tokens * int(llama_cpp.llama_model_n_embd(self._llm.model)) * 4
+            size = self._embeddings_size(chunk)
             batch = self._batch_for(chunk, n_batch, target)
             embeddings = stored(image.key)
             encoded = None
             if embeddings is None or len(embeddings) != size:
-                if mtmd.mtmd_encode_chunk(self._ctx, chunk) != 0:
-                    raise RuntimeError(f"libmtmd could not encode the image{_last_error()}")
-                output = mtmd.mtmd_get_output_embd(self._ctx)
-                embeddings = encoded = ctypes.string_at(output, size)
+                embeddings = encoded = self._encoded(chunk)
             floats = (ctypes.c_float * (size // 4)).from_buffer_copy(embeddings)
             new_n_past = llama_cpp.llama_pos(0)
             status = mtmd.mtmd_helper_decode_image_chunk(
@@ -304,8 +307,13 @@ class Projector:
     def refuses(self, n_tokens: int) -> str | None:
         """Why an image of ``n_tokens`` cells cannot be decoded here (None: it can): one
         decoded non-causally must fit one micro-batch."""
-        n_ubatch = int(llama_cpp.llama_n_ubatch(self._llm.ctx))
-        if self.non_causal and n_tokens > n_ubatch:
+        return self._unfit(n_tokens) if self.non_causal else None
+
+    def _unfit(self, n_tokens: int, context: Any = None) -> str | None:
+        """Why an image decoded non-causally, of ``n_tokens`` cells, does not fit one
+        micro-batch of ``context`` (None: the model's own; None: it fits)."""
+        n_ubatch = int(llama_cpp.llama_n_ubatch(self._llm.ctx if context is None else context))
+        if n_tokens > n_ubatch:
             return (
                 f"{self.path.name} decodes an image whole, in one micro-batch, and this"
                 f" one takes {n_tokens} tokens where the micro-batch holds {n_ubatch}"
@@ -323,12 +331,9 @@ class Projector:
         ):
             return n_batch
         n_tokens = int(mtmd.mtmd_input_chunk_get_n_tokens(chunk))
-        n_ubatch = int(llama_cpp.llama_n_ubatch(self._llm.ctx if context is None else context))
-        if n_tokens > n_ubatch:
-            raise ValueError(
-                f"an image of {n_tokens} tokens is decoded in one ubatch by this model, and "
-                f"the context's n_ubatch is {n_ubatch}"
-            )
+        unfit = self._unfit(n_tokens, context)
+        if unfit:
+            raise ValueError(unfit)
         return max(n_batch, n_tokens)
 
 
