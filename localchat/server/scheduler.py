@@ -33,7 +33,7 @@ from localchat.backends.llama.batch import (
 from localchat.backends.llama.draft_policy import Draft, DraftPolicy
 from localchat.backends.llama.drafting import lookup_draft
 from localchat.backends.llama.grammar import GrammarError
-from localchat.backends.llama.image_positions import has_images, image_start_before, starts_image
+from localchat.backends.llama.image_positions import image_end, image_start_before, image_starts
 from localchat.chat.prompt import common_prefix
 from localchat.chat.stops import StopFilter
 from localchat.chat.tool_stream import ToolCallStream
@@ -263,8 +263,7 @@ class Scheduler:
             continues = held.sid  # this request extends that state: its own replaces it
         elif held is not None:
             self._held[seq] = None  # the sequence holds another conversation now
-        if has_images(prompt):
-            job.image_starts = tuple(i for i, t in enumerate(prompt) if starts_image(t))
+        job.image_starts = image_starts(prompt)
         request = job.request
         sampler = batch.sampler(
             request.sampling, request.frequency_penalty, request.presence_penalty, job.grammar,
@@ -393,9 +392,7 @@ class Scheduler:
                 continue
             if job.prompt[held] >= 0:
                 continue
-            end, rest = held + 1, job.prompt[held] - 1  # an image's later cells: one id
-            while end < len(job.prompt) and job.prompt[end] == rest:
-                end += 1
+            end = image_end(job.prompt, held)
             try:
                 self.batch.decode_image(running.seq, job.prompt[held:end], self._reader())
             except Exception as exc:

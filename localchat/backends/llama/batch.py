@@ -23,7 +23,6 @@ import numpy as np
 
 from localchat.backends.base import Sampling
 from localchat.backends.llama.cache import state_pointer
-from localchat.backends.llama.image_positions import image_id_of, starts_image
 from localchat.backends.llama.runtime import (
     DecodeStop,
     abort_requested,
@@ -145,20 +144,15 @@ class SequenceBatch:
         holds: whole, by itself (libmtmd's helper decodes its embeddings in batches of
         its own, non-causal ones in one ubatch), never beside other sequences' tokens. An
         image that fails leaves nothing of it in the cache."""
-        if not run or not starts_image(run[0]):
-            raise ValueError("an image's run must start with its first cell")
         n_past = len(self.tokens[seq])
         n_batch = min(self.engine.options.n_batch, self.capacity)
         try:
-            n_cells = reader.evaluate(image_id_of(run[0]), n_past, n_batch, seq, self._context)
+            reader.evaluate(run, n_past, n_batch, seq, self._context)
         except BaseException:
             self.cut(seq, n_past)
             if abort_requested():
                 raise KeyboardInterrupt from None
             raise
-        if n_cells != len(run):
-            self.cut(seq, n_past)
-            raise ValueError(f"an image took {n_cells} cells where its run has {len(run)}")
         self.tokens[seq].extend(run)
 
     def clear_interrupt(self) -> None:

@@ -36,7 +36,7 @@ class ImageDecoder(Protocol):
 
     encodes: int
 
-    def evaluate(self, image_id: int, n_past: int, n_batch: int) -> int: ...
+    def evaluate(self, run: Sequence[int], n_past: int, n_batch: int) -> None: ...
 
 
 def image_run(image_id: int, n_cells: int) -> list[int]:
@@ -66,6 +66,13 @@ def has_images(tokens: Sequence[int]) -> bool:
     return bool(len(tokens)) and min(tokens) < 0
 
 
+def image_starts(tokens: Sequence[int]) -> tuple[int, ...]:
+    """Where each image in ``tokens`` starts."""
+    if not has_images(tokens):
+        return ()
+    return tuple(i for i, t in enumerate(tokens) if starts_image(t))
+
+
 @dataclass(frozen=True)
 class Piece:
     """A stretch of a token list: text ids, or one image's run (``image_id`` > 0)."""
@@ -88,12 +95,18 @@ def pieces(tokens: Sequence[int], offset: int = 0) -> Iterator[Piece]:
         else:
             if not starts_image(tokens[i]):
                 raise ValueError(f"position {offset + i} is inside an image, not its start")
-            rest = tokens[i] - 1
-            j = i + 1
-            while j < n and tokens[j] == rest:
-                j += 1
+            j = image_end(tokens, i)
             yield Piece(offset + i, tokens[i:j], image_id_of(tokens[i]))
         i = j
+
+
+def image_end(tokens: Sequence[int], start: int) -> int:
+    """Where the image whose first cell is ``tokens[start]`` ends (its later cells are all
+    one id; the list's end where it is cut there)."""
+    rest, end = tokens[start] - 1, start + 1
+    while end < len(tokens) and tokens[end] == rest:
+        end += 1
+    return end
 
 
 def batch_starts(tokens: Sequence[int], begin: int, end: int, size: int) -> list[int]:

@@ -16,12 +16,17 @@ import struct
 import threading
 import zlib
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from localchat.atomic import write_atomic
-from localchat.backends.llama.image_positions import ImageSource, image_run
+from localchat.backends.llama.image_positions import (
+    ImageSource,
+    image_id_of,
+    image_run,
+    starts_image,
+)
 from localchat.backends.llama.recording import RecordingLlama
 from localchat.backends.llama.vision import (
     CHUNK_TEXT,
@@ -226,19 +231,23 @@ class ImageReader:
         return layout
 
     def evaluate(
-        self, image_id: int, n_past: int, n_batch: int, seq_id: int = 0, context: Any = None
-    ) -> int:
-        """Decode image ``image_id`` into sequence ``seq_id`` at ``n_past``: of ``context``
-        (a server's ``SequenceBatch``), else of the model's own; returns its cells. On the
-        compute thread, as every decode."""
-        image = self._image(self._key_of(image_id))
+        self, run: Sequence[int], n_past: int, n_batch: int, seq_id: int = 0, context: Any = None
+    ) -> None:
+        """Decode the image whose placeholder run is ``run`` into sequence ``seq_id`` at
+        ``n_past``: of ``context`` (a server's ``SequenceBatch``), else of the model's own.
+        ValueError where the run is not one image's whole (the caller cuts the cells it
+        left). On the compute thread, as every decode."""
+        if not run or not starts_image(run[0]):
+            raise ValueError("an image's run must start with its first cell")
+        image = self._image(self._key_of(image_id_of(run[0])))
         n_cells, encoded = self.projector.decode_image(
             image, self.embeddings.get, n_past, seq_id, n_batch, context
         )
         if encoded is not None:
             self.encodes += 1
             self.embeddings.put(image.key, encoded)
-        return n_cells
+        if n_cells != len(run):
+            raise ValueError(f"an image took {n_cells} cells where its run has {len(run)}")
 
     def _id_of(self, key: str) -> int:
         """The image's placeholder id under this projector: the store's id of the pair, so

@@ -97,11 +97,11 @@ class RecordingLlama(llama_cpp.Llama):
             self.n_tokens = start
         for piece in pieces(tokens, self.n_tokens):
             if piece.image_id:
-                self._eval_image(piece.image_id, piece.tokens)
+                self._eval_image(piece.tokens)
             else:
                 self.eval(piece.tokens)
 
-    def _eval_image(self, image_id: int, run: Sequence[int]) -> None:
+    def _eval_image(self, run: Sequence[int]) -> None:
         """Decode one image into the cells after ``n_tokens``; ``run`` is its placeholders."""
         if self.images is None:
             raise ValueError("this model has no projector: it cannot read images")
@@ -115,20 +115,17 @@ class RecordingLlama(llama_cpp.Llama):
             starts.append(n_past)
         started = time.perf_counter()
         try:
-            n_cells = self.images.evaluate(image_id, n_past, self.n_batch)
-        except RuntimeError:
+            self.images.evaluate(run, n_past, self.n_batch)
+        except Exception:  # nothing of the image stays
             drop_cells_from(self, n_past)
             if abort_requested():
                 raise KeyboardInterrupt from None
             raise
-        if n_cells != len(run):
-            drop_cells_from(self, n_past)
-            raise ValueError(f"an image took {n_cells} cells where its run has {len(run)}")
-        self.input_ids[n_past : n_past + n_cells] = run
-        self.n_tokens += n_cells
-        self.tokens_evaluated += n_cells
+        self.input_ids[n_past : n_past + len(run)] = run
+        self.n_tokens += len(run)
+        self.tokens_evaluated += len(run)
         set_logits_stale(self, True)  # an image asks for no logits: text after it does
-        self.last_eval = (n_cells, time.perf_counter() - started)
+        self.last_eval = (len(run), time.perf_counter() - started)
 
     def _eval_every_position(self, tokens: Sequence[int]) -> None:
         """``Llama.eval`` for one batch (a draft and the token before it) with the logits of
