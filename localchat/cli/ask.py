@@ -128,17 +128,10 @@ def _replies(
 
 
 def _stored_images(args: argparse.Namespace, backend: Backend, session: Session) -> tuple[str, ...]:
-    """The images shown, put in the data folder's store (each once, by its bytes' hash) once
-    the model is known to read them: one that cannot is refused before anything is kept."""
-    if not args.pictures:
-        return ()
-    refused = backend.images_refused()
-    if refused:
-        raise UsageError(refused)
-    from localchat.state.images import ImageStore
+    """The images shown, stored once the model is known to read them (nothing kept else)."""
+    from localchat.conversation.images import stored_images
 
-    store = ImageStore(session.paths.images_dir)
-    return tuple(store.put(picture).key for picture in args.pictures)
+    return stored_images(backend, session.paths.images_dir, args.pictures)
 
 
 def _tool_use(args: argparse.Namespace, session: Session) -> ToolUse | None:

@@ -103,22 +103,14 @@ def _start(request: TurnRequest, cancel: threading.Event) -> ConversationTurn:
 
 
 def _stored_images(request: TurnRequest) -> tuple[str, ...]:
-    """The question's images, put in the image store (each once, by its bytes' hash) once
-    the model is known to read them: one that cannot is refused before anything is kept."""
+    """The question's images, stored once the model is known to read them."""
     if not request.images:
         return ()
-    refused = request.conversation.backend.images_refused()
-    if refused:
-        raise UsageError(refused)
     if request.images_dir is None:
         raise UsageError("images need the data folder's image store")
-    from localchat.state.images import ImageStore
+    from localchat.conversation.images import stored_images
 
-    store = ImageStore(request.images_dir)
-    try:
-        return tuple(i if isinstance(i, str) else store.put(i).key for i in request.images)
-    finally:
-        store.close()
+    return stored_images(request.conversation.backend, request.images_dir, request.images)
 
 
 def _chunk(
