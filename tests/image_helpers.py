@@ -10,7 +10,7 @@ import numpy as np
 from PIL import Image as PILImage
 
 from localchat.models.demo import make_demo_model
-from localchat.models.demo_vision import make_projector
+from localchat.models.demo_vision import PROJECTOR_SHAPES, make_projector
 
 
 def vision_model_with(models_dir: Path, shape: str = "vit-tiny") -> Path:
@@ -19,7 +19,8 @@ def vision_model_with(models_dir: Path, shape: str = "vit-tiny") -> Path:
     folder.mkdir(exist_ok=True)
     model = folder / "tiny-vision-Q4_K_M.gguf"
     if not model.exists():
-        make_demo_model(model, "tiny", "Q4_K_M", seed=0)
+        tokenizer = PROJECTOR_SHAPES[shape].tokenizer  # its image tokens where it has some
+        make_demo_model(model, "tiny", "Q4_K_M", seed=0, tokenizer=tokenizer)
         make_projector(folder / "mmproj-tiny-vision-F16.gguf", "tiny", shape)
     return model
 

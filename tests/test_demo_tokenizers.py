@@ -24,6 +24,7 @@ from localchat.models.demo import (
     ensure_demo_model,
     make_demo_model,
 )
+from localchat.models.demo_shapes import ADDED_TOKENS
 from localchat.models.demo_vocab import bpe_split, build_bpe_vocab, bytes_to_unicode
 from tests.conftest import GREEDY
 
@@ -37,6 +38,7 @@ EXPECTED: dict[str, tuple[str, str | None, str, bool, bool]] = {
     "gpt2": ("gpt2", "gpt-2", "<|endoftext|>", False, False),
     "llama3": ("gpt2", "llama-bpe", "<|begin_of_text|>", True, False),
     "qwen2": ("gpt2", "qwen2", "<|endoftext|>", False, False),
+    "idefics3": ("llama", None, "<s>", True, False),
 }
 
 # " 2024" under each pre-tokenizer: GPT-2 keeps the space on the number and runs of digits
@@ -48,6 +50,7 @@ DIGITS: dict[str, list[bytes]] = {
     "gpt2": [b" 2", b"02", b"4"],
     "llama3": [b" ", b"2", b"02", b"4"],
     "qwen2": [b" ", b"2", b"0", b"2", b"4"],
+    "idefics3": [b" 2", b"0", b"2", b"4"],
 }
 
 ASCII_TEXTS = (
@@ -104,6 +107,14 @@ def test_llama_cpp_reads_the_kinds_tokenizer(kind_engine: tuple[str, Engine]) ->
     has_merges = engine.info.array_lengths.get("tokenizer.ggml.merges", 0) > 0
     assert has_merges is (model == "gpt2")
     assert engine.info.chat_template and "<|im_start|>" in engine.info.chat_template
+
+
+def test_a_kinds_added_tokens_are_read_whole(kind_engine: tuple[str, Engine]) -> None:
+    """libmtmd looks Idefics3's image tokens up by their text: each must be one token."""
+    kind, engine = kind_engine
+    for text in ADDED_TOKENS.get(kind, ()):
+        (token,) = engine.tokenize(text, special=True)
+        assert engine.token_bytes(token) == text.encode()
 
 
 def test_pre_tokenizer_is_the_kinds_own(kind_engine: tuple[str, Engine]) -> None:

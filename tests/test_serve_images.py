@@ -249,9 +249,15 @@ def test_a_model_without_a_projector_refuses_an_image_in_one_line(
         served.close()
 
 
+SHAPES = [("vit-tiny", 1), ("idefics3-tiny", 5)]  # and the image chunks each reads one in
+
+
+@pytest.mark.parametrize(("shape", "chunks"), SHAPES)
 def test_the_same_image_resent_is_cached_a_different_one_is_not_also_after_a_restart(
-    vision_model: Path, tmp_path: Path
+    models_dir: Path, tmp_path: Path, shape: str, chunks: int
 ) -> None:
+    """Also where an image is read as an overview and slices (Idefics3's projector)."""
+    vision_model = vision_model_with(models_dir, shape)
     states = tmp_path / "states"
     picture, other = random_png(11), random_png(12)
     served = Served(vision_model, states)
@@ -265,7 +271,7 @@ def test_the_same_image_resent_is_cached_a_different_one_is_not_also_after_a_res
         different = _ask(served.root, other)  # the same text around another image
         assert _cached(different) <= start
         reader = served.engine.image_reader
-        assert reader is not None and reader.encodes == 2
+        assert reader is not None and reader.encodes == 2 * chunks
         served.runner.saver.wait()
     finally:
         served.close()
@@ -289,14 +295,23 @@ def test_the_same_image_resent_is_cached_a_different_one_is_not_also_after_a_res
         restarted.close()
 
 
+@pytest.mark.parametrize(("shape", "chunks"), SHAPES)
 def test_two_images_read_side_by_side_are_each_the_reply_alone(
-    served: Served, vision_model: Path
+    models_dir: Path, tmp_path: Path, shape: str, chunks: int
 ) -> None:
     """Each image is decoded into its own sequence: two requests at once get the replies
-    the engine's own context gives each alone (``ask``'s path)."""
+    the engine's own context gives each alone (``ask``'s path), also an image in slices
+    (read a slice a step, beside the other request's)."""
+    vision_model = vision_model_with(models_dir, shape)
     pictures = [random_png(21), random_png(22)]
-    with ThreadPoolExecutor(2) as pool:
-        replies = list(pool.map(lambda p: _ask(served.root, p, max_tokens=8), pictures))
+    served = Served(vision_model, tmp_path / "states")
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            replies = list(pool.map(lambda p: _ask(served.root, p, max_tokens=8), pictures))
+        reader = served.engine.image_reader
+        assert reader is not None and reader.encodes == 2 * chunks
+    finally:
+        served.close()
     engine = run_compute(
         ModelLoader(app_paths()).load, vision_model, LaunchOptions(n_ctx=1024, n_threads=2)
     )

@@ -24,6 +24,7 @@ from localchat.backends.llama.vision import (
 )
 from localchat.errors import ModelLoadError
 from localchat.models.demo_vision import PROJECTOR_SHAPES, make_projector
+from tests.image_helpers import vision_model_with
 
 pytestmark = pytest.mark.skipif(
     mtmd_unavailable() is not None, reason=mtmd_unavailable() or "libmtmd loads"
@@ -193,32 +194,38 @@ def test_a_non_causal_image_is_decoded_whole(tiny_model: Path, tmp_path: Path) -
 
 @pytest.mark.parametrize("shape", sorted(PROJECTOR_SHAPES))
 def test_the_reader_tokenizes_as_libmtmd_does_the_whole_prompt(
-    tiny_model: Path, models_dir: Path, shape: str
+    models_dir: Path, shape: str
 ) -> None:
     """The reader lays each image out once and tokenizes the text between images itself:
-    the same ids libmtmd gives the whole prompt, begin/end-of-image tokens included."""
+    the same ids libmtmd gives the whole prompt, begin/end-of-image tokens included, and
+    the text libmtmd writes between a sliced image's overview and slices (Idefics3's), each
+    slice a run of its own."""
     from localchat.backends.llama.image_reader import EmbeddingStore, ImageReader
     from localchat.chat.images import image_keys, image_marker
 
     class Images:
         def __init__(self) -> None:
             self.data = {image.key: image.data for image in (_bmp_image(5, 4), _bmp_image(9, 7))}
+            self.ids: dict[str, int] = {}
 
         def get(self, key: str) -> bytes:
             return self.data[key]
 
         def image_id(self, key: str, variant: str = "") -> int:
-            return sorted(self.data).index(key) + 1
+            return self.ids.setdefault(f"{key}@{variant}", len(self.ids) + 1)
 
         def key_of_id(self, image_id: int) -> str:
-            return sorted(self.data)[image_id - 1]
+            return next(name for name, i in self.ids.items() if i == image_id).split("@")[0]
 
-    projector_file = make_projector(models_dir / f"mmproj-{shape}.gguf", "tiny", shape)
-    llm = _llm(tiny_model)
+    model = vision_model_with(models_dir, shape)
+    llm = _llm(model)
     source = Images()
     one, two = sorted(source.data)
-    with Projector(projector_file, llm) as projector:
+    with Projector(model.parent / "mmproj-tiny-vision-F16.gguf", llm) as projector:
         reader = ImageReader(projector, source, EmbeddingStore(None, ""))
+        pictures = {key: projector.pixels(Image(source.get(key))) for key in (one, two)}
+        slices = {key: len(_image_chunks(projector, image)) for key, image in pictures.items()}
+        assert slices[one] == (5 if shape.startswith("idefics3") else 1)
 
         def plain(text: str) -> list[int]:
             return list(llm.tokenize(text.encode(), add_bos=False, special=True))
@@ -228,19 +235,29 @@ def test_the_reader_tokenizes_as_libmtmd_does_the_whole_prompt(
             f"Compare {image_marker(one)} with{image_marker(two)}, then {image_marker(one)}.",
             f"{image_marker(two)}{image_marker(two)}\n\n  tail",
         ):
-            keys = image_keys(text)
             whole = text.replace(image_marker(one), MEDIA_MARKER).replace(
                 image_marker(two), MEDIA_MARKER
             )
             expected: list[int] = []
-            images = [projector.pixels(Image(source.get(k))) for k in keys]
+            seen = 0  # image chunks of the prompt so far
+            order = [key for key in image_keys(text) for _ in range(slices[key])]
+            images = [pictures[key] for key in image_keys(text)]
             for chunk in projector.chunks(whole, images, add_special=False):
                 if chunk.kind == CHUNK_TEXT:
                     expected.extend(chunk.tokens)
-                else:
-                    image_id = source.image_id(chunk.image_key)
-                    expected.extend([-2 * image_id] + [-(2 * image_id + 1)] * (chunk.n_tokens - 1))
+                    continue
+                key = order[seen]
+                index = sum(1 for k in order[:seen] if k == key) % slices[key]
+                variant = f"{index:04x}" if index else ""
+                image_id = source.image_id(key, variant)
+                expected.extend([-2 * image_id] + [-(2 * image_id + 1)] * (chunk.n_tokens - 1))
+                seen += 1
             assert reader.tokens(text, plain) == expected
+
+
+def _image_chunks(projector: Projector, image: Image) -> list[object]:
+    chunks = projector.chunks(MEDIA_MARKER, [image], add_special=False)
+    return [chunk for chunk in chunks if chunk.kind == CHUNK_IMAGE]
 
 
 def _bmp_image(width: int, height: int) -> Image:

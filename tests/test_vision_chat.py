@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from localchat.backends.llama.engine import Engine
+from localchat.backends.llama.image_positions import image_starts
 from localchat.backends.llama.vision import mtmd_unavailable
 from localchat.chat.image_files import inspect_image
 from localchat.conversation.local import Conversation
@@ -82,15 +83,21 @@ def _after_last_image(tokens: list[int]) -> int:
     return len(tokens) - last - 1
 
 
+@pytest.mark.parametrize(("shape", "chunks"), [("vit-tiny", 1), ("idefics3-tiny", 5)])
 def test_a_resumed_conversation_with_an_image_is_exact_and_encodes_nothing(
-    vision_model: Path, engines: list[Engine]
+    models_dir: Path, engines: list[Engine], shape: str, chunks: int
 ) -> None:
+    """Also for a projector that reads an image as an overview and slices (Idefics3's:
+    SmolVLM's), each slice encoded once and kept as an image of its own."""
+    vision_model = vision_model_with(models_dir, shape)
     picture = _stored(1)
     warm, warm_engine = _open(engines, vision_model, "warm")
     _say(warm, LOOK, (picture,))
     _say(warm, FOLLOW)
-    expected = _say(warm, MORE).generation.text
-    assert warm_engine.image_reader is not None and warm_engine.image_reader.encodes == 1
+    last = _say(warm, MORE)
+    expected = last.generation.text
+    assert warm_engine.image_reader is not None and warm_engine.image_reader.encodes == chunks
+    assert len(image_starts(last.prompt.tokens)) == chunks  # a run each
     warm.close()
 
     first, _ = _open(engines, vision_model, "resumed")

@@ -391,7 +391,8 @@ def _model_commands(sub: argparse._SubParsersAction[_Parser]) -> None:
         "--tokenizer",
         default="spm",
         choices=list(TOKENIZERS),
-        help="spm, spm-space: SentencePiece; gpt2, llama3, qwen2: byte-level BPE",
+        help="spm, spm-space: SentencePiece; gpt2, llama3, qwen2: byte-level BPE;"
+        " idefics3: SentencePiece with SmolVLM's image tokens",
     )
 
     tools = sub.add_parser("tools", help="the MCP servers in settings.toml and their tools")

@@ -23,7 +23,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter, LlamaFileTy
 from gguf.gguf_writer import WriterState
 
 from localchat.errors import UsageError
-from localchat.models.demo_shapes import QUANTS, SHAPES, TOKENIZERS, ModelShape
+from localchat.models.demo_shapes import ADDED_TOKENS, QUANTS, SHAPES, TOKENIZERS, ModelShape
 from localchat.models.demo_vocab import (
     build_bpe_vocab,
     build_vocab,
@@ -62,9 +62,12 @@ def _check_tokenizer(tokenizer: str) -> None:
         raise UsageError(f"unknown tokenizer {tokenizer!r}; choose one of {', '.join(TOKENIZERS)}")
 
 
-def _add_spm_tokenizer(writer: GGUFWriter, n_vocab: int, space_prefix: bool) -> None:
-    """The SentencePiece vocabulary ("llama" model) with BOS added to every prompt."""
-    tokens, scores, types = build_vocab(n_vocab)
+def _add_spm_tokenizer(
+    writer: GGUFWriter, n_vocab: int, space_prefix: bool, added: tuple[str, ...] = ()
+) -> None:
+    """The SentencePiece vocabulary ("llama" model) with BOS added to every prompt, and the
+    ``added`` tokens whole."""
+    tokens, scores, types = build_vocab(n_vocab, added)
     writer.add_tokenizer_model("llama")
     writer.add_token_list(tokens)
     writer.add_token_scores(scores)
@@ -279,7 +282,12 @@ def _add_metadata(
     if tokenizer in _BPE_PRE:
         _add_bpe_tokenizer(writer, shape.n_vocab, tokenizer)
     else:
-        _add_spm_tokenizer(writer, shape.n_vocab, space_prefix=tokenizer == "spm-space")
+        _add_spm_tokenizer(
+            writer,
+            shape.n_vocab,
+            space_prefix=tokenizer == "spm-space",
+            added=ADDED_TOKENS.get(tokenizer, ()),
+        )
     writer.add_chat_template(CHATML_TEMPLATE)
 
 

@@ -15,7 +15,12 @@ QUANTS: tuple[str, ...] = (
 # original demo vocabulary (no space prefix); "spm-space" is the same one with the Llama 2 /
 # Mistral space prefix; the rest share one byte-level BPE vocabulary and differ in llama.cpp's
 # pre-tokenizer (how text is split into words before the merges run).
-TOKENIZERS: tuple[str, ...] = ("spm", "spm-space", "gpt2", "llama3", "qwen2")
+TOKENIZERS: tuple[str, ...] = ("spm", "spm-space", "gpt2", "llama3", "qwen2", "idefics3")
+# Tokens a kind's vocabulary holds whole beside its pieces: Idefics3's (SmolVLM's) image
+# markers, which libmtmd looks up by their text to write around an image's slices.
+ADDED_TOKENS: dict[str, tuple[str, ...]] = {
+    "idefics3": ("\n\n", "<fake_token_around_image>", "<global-img>"),
+}
 
 
 @dataclass(frozen=True)

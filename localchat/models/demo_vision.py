@@ -38,10 +38,15 @@ class ProjectorShape:
     n_ff: int  # not n_embd: the loader takes ffn_down's width == n_embd for swapped old files
     projector: str = "mlp"  # clip.projector_type
     merge: int = 1  # gemma3: patches average-pooled merge x merge into one token
+    # idefics3: every image resized to this longest edge and cut in image_size tiles, each
+    # read as an image of its own after an overview of the whole (0: one image, no slices).
+    longest_edge: int = 0
+    tokenizer: str = "spm"  # the demo LM's tokenizer kind it pairs with (its image tokens)
 
     @property
     def image_tokens(self) -> int:
-        """How many positions one image takes in the language model's context."""
+        """How many positions one image (a sliced one's overview and each slice) takes in
+        the language model's context."""
         return (self.image_size // self.patch_size // self.merge) ** 2
 
 
@@ -57,7 +62,15 @@ PROJECTOR_SHAPES: dict[str, ProjectorShape] = {
     # image is decoded with non-causal attention (``mtmd_decode_use_non_causal``), between
     # "<start_of_image>" and "<end_of_image>" text. 64 px in 8 px patches: 16 image tokens.
     "gemma3-tiny": ProjectorShape("gemma3-tiny", 64, 8, 2, 64, 4, 128, "gemma3", 2),
+    # SmolVLM's projector (Idefics3: SigLIP tower, 2x2 pixel shuffle, one linear layer): an
+    # image is resized to a 64 px longest edge and read as an overview and 32 px slices (a
+    # square one: 1 + 2x2 images of 4 tokens), with libmtmd's text between them (its
+    # "<fake_token_around_image>", "<row_1_col_1>" ...: the demo LM's idefics3 vocabulary).
+    "idefics3-tiny": ProjectorShape(
+        "idefics3-tiny", 32, 8, 2, 64, 4, 128, "idefics3", 2, 64, "idefics3"
+    ),
 }
+SIGLIP = ("gemma3", "idefics3")  # towers with SigLIP's GELU and its norm after the blocks
 # CLIP's preprocessing constants, as LLaVA-1.5's preprocessor_config.json has them.
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
@@ -79,9 +92,11 @@ def _add_metadata(writer: GGUFWriter, shape: ProjectorShape, n_embd_text: int) -
     writer.add_vision_attention_layernorm_eps(1e-5)
     writer.add_vision_image_mean(list(CLIP_MEAN))
     writer.add_vision_image_std(list(CLIP_STD))
-    writer.add_vision_use_gelu(shape.projector == "gemma3")  # else CLIP's quick GELU
+    writer.add_vision_use_gelu(shape.projector in SIGLIP)  # else CLIP's quick GELU
     if shape.merge > 1:  # Gemma 3's own is 4 (what the loader assumes without the key)
         writer.add_vision_projector_scale_factor(shape.merge)
+    if shape.longest_edge:
+        writer.add_vision_preproc_image_size(shape.longest_edge)
 
 
 def _add_tensors(
@@ -106,7 +121,7 @@ def _add_tensors(
     writer.add_tensor(
         "v.position_embd.weight", rng.standard_normal((n_pos, e), np.float32) * np.float32(0.02)
     )
-    norm = "post_ln" if shape.projector == "gemma3" else "pre_ln"
+    norm = "post_ln" if shape.projector in SIGLIP else "pre_ln"
     vector(f"v.{norm}.weight", e, 1.0)
     vector(f"v.{norm}.bias", e, 0.0)
     for i in range(shape.n_layer):
@@ -124,6 +139,9 @@ def _add_tensors(
         vector("mm.soft_emb_norm.weight", e, 1.0)
         # Stored as the checkpoint holds it (in x out): the loader transposes it.
         weights("mm.input_projection.weight", e, n_embd_text)
+        return
+    if shape.projector == "idefics3":  # after the shuffle: merge² patches side by side
+        weights("mm.model.fc.weight", n_embd_text, e * shape.merge**2)
         return
     weights("mm.0.weight", n_embd_text, e)
     vector("mm.0.bias", n_embd_text)

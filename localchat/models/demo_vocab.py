@@ -34,8 +34,12 @@ over lazy dog
 )
 
 
-def build_vocab(n_vocab: int) -> tuple[list[str], list[float], list[int]]:
-    """A SentencePiece-style vocabulary: specials, 256 byte-fallback tokens, then pieces.
+def build_vocab(
+    n_vocab: int, added: tuple[str, ...] = ()
+) -> tuple[list[str], list[float], list[int]]:
+    """A SentencePiece-style vocabulary: specials, 256 byte-fallback tokens, the ``added``
+    tokens (control tokens where bracketed, else user-defined: matched whole, as a real
+    model's added tokens are), then pieces.
 
     Every multi-character piece is reachable by SPM merges because all its prefixes are
     in the vocabulary too.
@@ -46,6 +50,8 @@ def build_vocab(n_vocab: int) -> tuple[list[str], list[float], list[int]]:
     types += [TokenType.BYTE] * 256
     tokens += ["<|im_start|>", "<|im_end|>"]
     types += [TokenType.CONTROL, TokenType.CONTROL]
+    tokens += added
+    types += [TokenType.CONTROL if t.startswith("<") else TokenType.USER_DEFINED for t in added]
     n_special = len(tokens)
     seen = set(tokens)
     pieces: list[str] = []

@@ -178,8 +178,9 @@ class ImageReader:
         self.encodes = 0  # images encoded by the projector (not found in ``embeddings``)
         self._pixels: OrderedDict[str, Image] = OrderedDict()
         self._layouts: dict[str, list[int]] = {}  # an image's ids at its marker, by key
-        self._ids: dict[str, int] = {}  # an id never changes: asked of the store once
-        self._keys: dict[int, str] = {}
+        # An id never changes: asked of the store once, by image key and chunk index.
+        self._ids: dict[tuple[str, int], int] = {}
+        self._slices: dict[int, tuple[str, int]] = {}
         # A server tokenizes prompts on its worker threads (libmtmd's tokenizer reads the
         # projector's settings only, as llama.cpp's server runs it): the caches above are
         # shared by them and the compute thread.
@@ -200,9 +201,11 @@ class ImageReader:
         return ids
 
     def _layout(self, key: str) -> list[int]:
-        """What an image becomes at its marker: text ids and its placeholder run. One the
-        projector cuts into slices, or one it must decode whole that the micro-batch cannot
-        hold, is refused here, before anything is stored or decoded."""
+        """What an image becomes at its marker: text ids and its placeholder run, or runs
+        where the projector cuts it into slices (Idefics3's, MiniCPM-V's), each its own
+        image to the cache with libmtmd's text between them. One whose chunk must be
+        decoded whole and does not fit the micro-batch is refused here, before anything is
+        stored or decoded."""
         with self._lock:
             found = self._layouts.get(key)
         if found is not None:
@@ -210,22 +213,17 @@ class ImageReader:
         # Worked out outside the lock: a large picture takes a second to read, and the
         # compute thread's decodes must not wait for it.
         chunks = self.projector.chunks(MEDIA_MARKER, [self._image(key)], add_special=False)
-        images = [chunk for chunk in chunks if chunk.kind != CHUNK_TEXT]
-        if len(images) != 1:
-            raise UsageError(
-                f"{self.projector.path.name} reads image {key[:12]} in {len(images)}"
-                " slices, which localchat does not read yet: send a smaller image"
-            )
-        refused = self.projector.refuses(images[0].n_tokens)
-        if refused:
-            raise UsageError(refused)
-        image_id = self._id_of(key)
         layout: list[int] = []
+        index = 0
         for chunk in chunks:
             if chunk.kind == CHUNK_TEXT:
                 layout.extend(chunk.tokens)
-            else:
-                layout.extend(image_run(image_id, chunk.n_tokens))
+                continue
+            refused = self.projector.refuses(chunk.n_tokens)
+            if refused:
+                raise UsageError(refused)
+            layout.extend(image_run(self._id_of(key, index), chunk.n_tokens))
+            index += 1
         with self._lock:
             self._layouts[key] = layout
         return layout
@@ -233,41 +231,49 @@ class ImageReader:
     def evaluate(
         self, run: Sequence[int], n_past: int, n_batch: int, seq_id: int = 0, context: Any = None
     ) -> None:
-        """Decode the image whose placeholder run is ``run`` into sequence ``seq_id`` at
-        ``n_past``: of ``context`` (a server's ``SequenceBatch``), else of the model's own.
-        ValueError where the run is not one image's whole (the caller cuts the cells it
-        left). On the compute thread, as every decode."""
+        """Decode the image (or slice) whose placeholder run is ``run`` into sequence
+        ``seq_id`` at ``n_past``: of ``context`` (a server's ``SequenceBatch``), else of the
+        model's own. ValueError where the run is not one image's whole (the caller cuts the
+        cells it left). On the compute thread, as every decode."""
         if not run or not starts_image(run[0]):
             raise ValueError("an image's run must start with its first cell")
-        image = self._image(self._key_of(image_id_of(run[0])))
+        key, index = self._slice_of(image_id_of(run[0]))
+        image = self._image(key)
+        name = key if index == 0 else f"{key}.{index}"  # the embeddings' name
         n_cells, encoded = self.projector.decode_image(
-            image, self.embeddings.get, n_past, seq_id, n_batch, context
+            image, index, self.embeddings.get(name), n_past, seq_id, n_batch, context
         )
         if encoded is not None:
             self.encodes += 1
-            self.embeddings.put(image.key, encoded)
+            self.embeddings.put(name, encoded)
         if n_cells != len(run):
             raise ValueError(f"an image took {n_cells} cells where its run has {len(run)}")
 
-    def _id_of(self, key: str) -> int:
-        """The image's placeholder id under this projector: the store's id of the pair, so
-        an image read by another projector (other embeddings) never matches a state."""
+    def _id_of(self, key: str, index: int = 0) -> int:
+        """The placeholder id of the image's chunk ``index`` (its only one, or a slice)
+        under this projector: the store's id of the three, so an image read by another
+        projector (other embeddings) never matches a state."""
         with self._lock:
-            found = self._ids.get(key)
+            found = self._ids.get((key, index))
         if found is None:
-            found = self.source.image_id(key, self.embeddings.variant)
+            variant = self.embeddings.variant + (f"{index:04x}" if index else "")
+            found = self.source.image_id(key, variant)
             with self._lock:
-                self._ids[key], self._keys[found] = found, key
+                self._ids[key, index], self._slices[found] = found, (key, index)
         return found
 
-    def _key_of(self, image_id: int) -> str:
+    def _slice_of(self, image_id: int) -> tuple[str, int]:
+        """The image key and chunk index a placeholder id was given to: known once the
+        image was laid out (in this process, from the store's key otherwise)."""
         with self._lock:
-            key = self._keys.get(image_id)
-        if key is None:
-            key = self.source.key_of_id(image_id)
+            found = self._slices.get(image_id)
+        if found is None:
+            self._layout(self.source.key_of_id(image_id))
             with self._lock:
-                self._keys[image_id], self._ids[key] = key, image_id
-        return key
+                found = self._slices.get(image_id)
+        if found is None:
+            raise ValueError(f"image id {image_id} names no image chunk this projector reads")
+        return found
 
     def _image(self, key: str) -> Image:
         """The image ``key`` as raw pixels, read from the store once; the latest kept in

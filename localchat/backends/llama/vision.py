@@ -19,8 +19,8 @@ from __future__ import annotations
 import ctypes
 import hashlib
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Iterator, Sequence
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -136,9 +136,12 @@ class Projector:
         self.vision: bool = bool(mtmd.mtmd_support_vision(self._ctx))
         # Whether an image is decoded with non-causal attention (one ubatch for all of it).
         self.non_causal: bool = bool(mtmd.mtmd_decode_use_non_causal(self._ctx, None))
+        # The last image tokenized alone: its key, its context manager and chunks.
+        self._lone: tuple[str, ExitStack, Any] | None = None
 
     def close(self) -> None:
         """Free libmtmd's context (the language model stays loaded)."""
+        self._free_lone()
         if self._ctx:
             _lib().mtmd_free(self._ctx)
             self._ctx = None
@@ -214,8 +217,9 @@ class Projector:
             return [_describe(chunks, i) for i in range(_lib().mtmd_input_chunks_size(chunks))]
 
     def image_tokens(self, image: Image) -> int:
-        """How many KV cells ``image`` takes (its chunk's n_tokens; a marker alone, so no
-        text is counted: a projector with begin/end-of-image tokens puts them in text)."""
+        """How many KV cells ``image``'s embeddings take (all its slices' where it is cut in
+        some; a marker alone, so no text is counted: a projector with begin/end-of-image
+        tokens puts them in text)."""
         return sum(c.n_tokens for c in self.chunks(MEDIA_MARKER, [image]) if c.kind != CHUNK_TEXT)
 
     def evaluate(
@@ -249,12 +253,12 @@ class Projector:
                 starts.append(new_n_past.value)
         return starts
 
-    def encode(self, image: Image) -> bytes:
-        """``image``'s embeddings as the projector encodes them (float32, one row a KV cell),
-        the language model's context untouched: what ``decode_image`` encodes an image with,
-        alone (the bench times it)."""
-        with self.tokenized(MEDIA_MARKER, [image], add_special=False) as chunks:
-            return self._encoded(_image_chunk(chunks))
+    def encode(self, image: Image, index: int = 0) -> bytes:
+        """The embeddings of ``image``'s image chunk ``index`` (its only one, or one of the
+        slices a projector such as Idefics3's cuts it into) as the projector encodes them
+        (float32, one row a KV cell), the language model's context untouched: what
+        ``decode_image`` encodes with, alone (the bench times it)."""
+        return self._encoded(self._lone_image_chunk(image, index))
 
     def _encoded(self, chunk: Any) -> bytes:
         """The embeddings of an image ``chunk``, encoded now."""
@@ -268,40 +272,65 @@ class Projector:
         n_tokens = int(_lib().mtmd_input_chunk_get_n_tokens(chunk))
         return n_tokens * int(llama_cpp.llama_model_n_embd(self._llm.model)) * 4
 
+    def _lone_image_chunk(self, image: Image, index: int) -> Any:
+        """Image chunk ``index`` of ``image`` tokenized alone at a marker. The last image's
+        chunks are kept (freed by the next image or ``close``): a sliced image is decoded
+        slice by slice, and each would otherwise resize and cut the whole picture again."""
+        if self._lone is None or self._lone[0] != image.key:
+            self._free_lone()
+            held = ExitStack()
+            chunks = held.enter_context(self.tokenized(MEDIA_MARKER, [image], add_special=False))
+            self._lone = (image.key, held, chunks)
+        chunks = self._lone[2]
+        mtmd = _lib()
+        found = [
+            mtmd.mtmd_input_chunks_get(chunks, i)
+            for i in range(mtmd.mtmd_input_chunks_size(chunks))
+        ]
+        pieces = [c for c in found if mtmd.mtmd_input_chunk_get_type(c) == CHUNK_IMAGE]
+        if not 0 <= index < len(pieces):
+            raise ValueError(
+                f"libmtmd made {len(pieces)} image chunks of the image, not {index + 1}"
+            )
+        return pieces[index]
+
+    def _free_lone(self) -> None:
+        if self._lone is not None:
+            self._lone[1].close()
+            self._lone = None
+
     def decode_image(
         self,
         image: Image,
-        stored: Callable[[str], bytes | None],
+        index: int,
+        embeddings: bytes | None,
         n_past: int,
         seq_id: int = 0,
         n_batch: int = 512,
         context: Any = None,
     ) -> tuple[int, bytes | None]:
-        """Decode ``image``'s embeddings into sequence ``seq_id`` of ``context`` (a llama.cpp
-        context on this projector's model; None: the model's own) at ``n_past`` (as
-        ``mtmd_helper_eval_chunk_single`` does, without its encode where ``stored`` has the
-        embeddings under the image's key). Returns the cells it took and the embeddings
-        where they were encoded now (None: they came from ``stored``)."""
+        """Decode image chunk ``index`` of ``image`` into sequence ``seq_id`` of ``context``
+        (a llama.cpp context on this projector's model; None: the model's own) at
+        ``n_past``, as ``mtmd_helper_eval_chunk_single`` does, without its encode where
+        ``embeddings`` are the chunk's (encoded before). Returns the cells it took and the
+        embeddings where they were encoded now (None: the ones given were used)."""
         mtmd = _lib()
         target = self._llm.ctx if context is None else context
-        with self.tokenized(MEDIA_MARKER, [image], add_special=False) as chunks:
-            chunk = _image_chunk(chunks)
-            n_tokens = int(mtmd.mtmd_input_chunk_get_n_tokens(chunk))
-            size = self._embeddings_size(chunk)
-            batch = self._batch_for(chunk, n_batch, target)
-            embeddings = stored(image.key)
-            encoded = None
-            if embeddings is None or len(embeddings) != size:
-                embeddings = encoded = self._encoded(chunk)
-            floats = (ctypes.c_float * (size // 4)).from_buffer_copy(embeddings)
-            new_n_past = llama_cpp.llama_pos(0)
-            status = mtmd.mtmd_helper_decode_image_chunk(
-                self._ctx, target, chunk, floats, n_past, seq_id, batch,
-                ctypes.byref(new_n_past), mtmd.mtmd_helper_post_decode_callback(),
-                None,
-            )  # fmt: skip
-            if status != 0:
-                raise RuntimeError(f"libmtmd could not decode the image (status {status})")
+        chunk = self._lone_image_chunk(image, index)
+        n_tokens = int(mtmd.mtmd_input_chunk_get_n_tokens(chunk))
+        size = self._embeddings_size(chunk)
+        batch = self._batch_for(chunk, n_batch, target)
+        encoded = None
+        if embeddings is None or len(embeddings) != size:
+            embeddings = encoded = self._encoded(chunk)
+        floats = (ctypes.c_float * (size // 4)).from_buffer_copy(embeddings)
+        new_n_past = llama_cpp.llama_pos(0)
+        status = mtmd.mtmd_helper_decode_image_chunk(
+            self._ctx, target, chunk, floats, n_past, seq_id, batch,
+            ctypes.byref(new_n_past), mtmd.mtmd_helper_post_decode_callback(), None,
+        )  # fmt: skip
+        if status != 0:
+            raise RuntimeError(f"libmtmd could not decode the image (status {status})")
         return n_tokens, encoded
 
     def refuses(self, n_tokens: int) -> str | None:
@@ -335,18 +364,6 @@ class Projector:
         if unfit:
             raise ValueError(unfit)
         return max(n_batch, n_tokens)
-
-
-def _image_chunk(chunks: Any) -> Any:
-    """The one image chunk of libmtmd's ``chunks`` of a lone image's marker."""
-    mtmd = _lib()
-    found = [
-        mtmd.mtmd_input_chunks_get(chunks, i) for i in range(mtmd.mtmd_input_chunks_size(chunks))
-    ]
-    pieces = [c for c in found if mtmd.mtmd_input_chunk_get_type(c) == CHUNK_IMAGE]
-    if len(pieces) != 1:
-        raise ValueError(f"libmtmd made {len(pieces)} image chunks of one image")
-    return pieces[0]
 
 
 def _describe(chunks: Any, index: int) -> Chunk:
