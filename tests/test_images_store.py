@@ -259,6 +259,22 @@ def test_deleting_a_conversation_deletes_only_the_images_nothing_else_shows(
     assert images.keys() == [shared]
 
 
+def test_an_image_a_kept_response_shows_is_referenced_and_never_swept(
+    store: Store, tmp_path: Path
+) -> None:
+    """A Responses API client may continue a kept response: its images stay."""
+    from localchat.chat.template import ChatMessage
+    from localchat.state.responses import ResponseStore
+
+    images = ImageStore(tmp_path / "images")
+    shown, loose = _put(images, (3, 3)), _put(images, (4, 4))
+    message = ChatMessage("user", "what is it?", images=(shown,))
+    ResponseStore(store).save("resp_1", [message, ChatMessage("assistant", "a square")], {})
+    assert store.image_references() == {shown}
+    assert delete_unreferenced(store, images, keep_recent_s=0) == [loose]
+    assert images.keys() == [shown]
+
+
 # -- exports ---------------------------------------------------------------------------------
 def test_exports_name_each_image_by_its_stored_file(store: Store) -> None:
     images = ImageStore(app_paths().images_dir)  # the isolated data folder's

@@ -7,6 +7,8 @@ with the same text is. Skipped where llama-cpp-python was built without libmtmd.
 from __future__ import annotations
 
 import base64
+import os
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -29,7 +31,7 @@ from localchat.server.app import BackgroundServer
 from localchat.server.requests import GenerationRequest
 from localchat.server.router import Router
 from localchat.server.runner import ModelRunner
-from localchat.state.images import image_key
+from localchat.state.images import KEEP_RECENT_S, image_key
 from localchat.state.kvstate import StateStore
 from tests.image_helpers import random_png, vision_model_with
 
@@ -293,6 +295,30 @@ def test_the_same_image_resent_is_cached_a_different_one_is_not_also_after_a_res
         assert _cached(new) <= start
     finally:
         restarted.close()
+
+
+def test_served_images_nothing_refers_to_are_swept_and_a_resent_one_still_hits_the_cache(
+    served: Served,
+) -> None:
+    """Nothing keeps a served image after its request: the store is swept as images come
+    in (hourly), and the same image resent is stored again under its old id."""
+    from localchat.server.images import image_store, sweep_if_due
+
+    picture = random_png(31)
+    first = _ask(served.root, picture)
+    served.runner.saver.wait()
+    key = image_key(picture)
+    store = image_store()
+    assert store.find(key) is not None
+    assert sweep_if_due(every_s=0) == []  # stored just now: a message may be on its way
+    old = time.time() - 2 * KEEP_RECENT_S
+    os.utime(store.path(key), (old, old))
+    assert sweep_if_due() == []  # swept when the server stored its first image: not due
+    assert sweep_if_due(every_s=0) == [key] and store.find(key) is None
+    again = _ask(served.root, picture)
+    assert _cached(again) == again.usage.prompt_tokens - 1  # type: ignore[union-attr]
+    assert again.choices[0].message.content == first.choices[0].message.content
+    assert store.find(key) is not None
 
 
 @pytest.mark.parametrize(("shape", "chunks"), SHAPES)

@@ -10,7 +10,10 @@ server fetches nothing from the network (a client sends the image itself).
 
 The store is content-addressed: an image sent again (every request of a conversation
 resends it) is written once, and its id, which its placeholder ids in the prompt cache are
-made of, stays the same across restarts.
+made of, stays the same across restarts. Nothing but a kept response refers to a served
+image after its request, so the store is swept as images come in (at most hourly): an image
+no message or kept response shows, unsent for ``KEEP_RECENT_S``, is deleted. Its id stays,
+so the same image sent again is stored again and still meets its cached prompt.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import base64
 import binascii
 import re
 import threading
+import time
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -29,13 +33,16 @@ from starlette.concurrency import run_in_threadpool
 from localchat.chat.image_files import MAX_IMAGE_BYTES, ImageRejected, inspect_image
 from localchat.chat.template import ChatMessage
 from localchat.server.requests import GenerationRequest, SentImage, bad
-from localchat.state.images import ImageStore
+from localchat.state.images import ImageStore, delete_unreferenced
+from localchat.state.store import Store
 
 PENDING = "sent:"  # a placeholder key: the request's n-th image, not yet stored
 _DATA_URI = re.compile(r"data:(?P<mime>[\w.+-]+/[\w.+-]+)?(?:;[\w.+-]+=[\w.+-]+)*;base64,", re.I)
 _MAX_BASE64 = (MAX_IMAGE_BYTES + 2) // 3 * 4 + 1024  # past this the image is too large
 _STORES: dict[Path, ImageStore] = {}
 _STORES_LOCK = threading.Lock()
+SWEEP_EVERY_S = 3600.0
+_SWEPT_AT: dict[Path, float] = {}  # the data folder's last sweep, by its image folder
 URL_REFUSED = (
     "this server does not fetch images from URLs; send the image itself as a data URI"
     " (data:image/png;base64,...)"
@@ -107,7 +114,27 @@ def store_sent(sent: Sequence[SentImage]) -> list[str]:
         except ImageRejected as exc:
             raise bad(str(exc), "invalid_image") from None
         keys.append(image_store().put(facts).key)
+    sweep_if_due()
     return keys
+
+
+def sweep_if_due(every_s: float = SWEEP_EVERY_S) -> list[str]:
+    """Delete the images nothing refers to where the last sweep of this data folder is
+    ``every_s`` old (or none was made by this process); the keys deleted."""
+    from localchat.paths import app_paths
+
+    paths = app_paths()
+    now = time.monotonic()
+    with _STORES_LOCK:
+        last = _SWEPT_AT.get(paths.images_dir)
+        if last is not None and now - last < every_s:
+            return []
+        _SWEPT_AT[paths.images_dir] = now
+    store = Store(paths.database)
+    try:
+        return delete_unreferenced(store, image_store())
+    finally:
+        store.close()
 
 
 def resolved(messages: list[ChatMessage], keys: Sequence[str]) -> list[ChatMessage]:

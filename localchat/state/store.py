@@ -253,9 +253,14 @@ class Store:
         return sorted(shown - still)
 
     def image_references(self) -> set[str]:
-        """The keys of the images some message of some conversation shows."""
+        """The keys of the images some message of some conversation shows, or a response
+        kept for the Responses API (a client may continue it) does."""
         with self._lock:
-            return _image_keys(self.db, "", ())
+            kept = self.db.execute(
+                "SELECT DISTINCT j.value FROM responses r, json_each(r.messages) m,"
+                " json_each(json_extract(m.value, '$.images')) j"
+            ).fetchall()
+            return _image_keys(self.db, "", ()) | {row[0] for row in kept}
 
     # -- messages ----------------------------------------------------------------------
     def add_message(

@@ -45,6 +45,7 @@ _MAGIC = b"LCIMGEMB"
 MEMORY_ENTRIES = 16  # images whose embeddings (and pixels) stay in memory
 PIXEL_BYTES = 64 * 2**20  # the decoded pictures kept in memory, at most (the last one always)
 DISK_BUDGET_BYTES = 1024**3
+LAYOUTS = 1024  # images whose layout (their ids at a marker) stays in memory
 
 
 class EmbeddingStore:
@@ -177,7 +178,9 @@ class ImageReader:
         self.embeddings = embeddings
         self.encodes = 0  # images encoded by the projector (not found in ``embeddings``)
         self._pixels: OrderedDict[str, Image] = OrderedDict()
-        self._layouts: dict[str, list[int]] = {}  # an image's ids at its marker, by key
+        # An image's ids at its marker, by key: the latest LAYOUTS kept (a server meets
+        # images without end; a sliced one's layout is a thousand ids).
+        self._layouts: OrderedDict[str, list[int]] = OrderedDict()
         # An id never changes: asked of the store once, by image key and chunk index.
         self._ids: dict[tuple[str, int], int] = {}
         self._slices: dict[int, tuple[str, int]] = {}
@@ -208,8 +211,9 @@ class ImageReader:
         stored or decoded."""
         with self._lock:
             found = self._layouts.get(key)
-        if found is not None:
-            return found
+            if found is not None:
+                self._layouts.move_to_end(key)
+                return found
         # Worked out outside the lock: a large picture takes a second to read, and the
         # compute thread's decodes must not wait for it.
         chunks = self.projector.chunks(MEDIA_MARKER, [self._image(key)], add_special=False)
@@ -226,6 +230,8 @@ class ImageReader:
             index += 1
         with self._lock:
             self._layouts[key] = layout
+            if len(self._layouts) > LAYOUTS:
+                self._layouts.popitem(last=False)
         return layout
 
     def evaluate(
@@ -259,6 +265,9 @@ class ImageReader:
             variant = self.embeddings.variant + (f"{index:04x}" if index else "")
             found = self.source.image_id(key, variant)
             with self._lock:
+                if len(self._ids) >= LAYOUTS * 32:  # a cache of the store's table: bounded
+                    self._ids.clear()
+                    self._slices.clear()
                 self._ids[key, index], self._slices[found] = found, (key, index)
         return found
 
