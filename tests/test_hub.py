@@ -440,6 +440,44 @@ def test_a_vision_models_projector_comes_with_it_and_is_removed_apart(
     )
 
 
+def test_a_catalog_vision_model_brings_the_projector_the_catalog_names(
+    hub: HubState, capsys: pytest.CaptureFixture[str]
+) -> None:
+    zoo = hub.repos[ZOO]
+    model, projector = zoo / "zoo-F16.gguf", zoo / "mmproj-zoo-F16.gguf"
+    app_paths().user_catalog.parent.mkdir(parents=True, exist_ok=True)
+    app_paths().user_catalog.write_text(
+        f"""
+[[model]]
+name = "zoo-vision"
+repo = "{ZOO}"
+architecture = "llama"
+n_layer = 2
+n_embd = 64
+n_head = 4
+n_head_kv = 4
+head_dim = 16
+n_vocab = 512
+context_length = 2048
+[model.files]
+F16 = {{ file = "zoo-F16.gguf", size = {model.stat().st_size} }}
+[model.mmproj]
+F16 = {{ file = "mmproj-zoo-F16.gguf", size = {projector.stat().st_size} }}
+"""
+    )
+    assert main(["pull", "zoo-vision"]) == 0
+    out = capsys.readouterr().out.split()
+    assert [Path(p).name for p in out] == ["zoo-F16.gguf", "mmproj-zoo-F16.gguf"]
+    assert Path(out[1]).read_bytes() == projector.read_bytes()
+    # Chosen from the catalog: the repo was never listed for its projectors.
+    assert not [p for _m, p, _r in hub.requests if p.startswith("/api/models")]
+    assert main(["models"]) == 0
+    listing = capsys.readouterr().out
+    assert "zoo-vision" in listing and "(vision)" in listing
+    assert main(["pull", "zoo-vision", "--no-mmproj"]) == 0
+    assert [Path(p).name for p in capsys.readouterr().out.split()] == ["zoo-F16.gguf"]
+
+
 def _pull(library: Library, text: str, *args: Any) -> Path:
     """``localchat pull TEXT`` through the library: the name parsed once, then fetched."""
     return library.pull(library.request(text), *args)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -20,6 +21,7 @@ from localchat.gguf.estimate import (
 from localchat.gguf.info import read_gguf
 from localchat.gguf.quants import is_good_enough
 from localchat.models.catalog import CatalogError, chat_models, load_catalog, load_catalog_file
+from localchat.models.catalog_vision import catalog_projector
 from localchat.models.hardware import GPU_APPLE, GPU_NONE, GPU_NVIDIA, Hardware, detect_hardware
 from localchat.models.hub import HubError, list_gguf_files, remote_gguf_header
 from localchat.models.planner import plan_catalog
@@ -196,6 +198,8 @@ def test_catalog_has_the_required_models() -> None:
     ):
         assert required in names
     for model in chat_models(load_catalog()):
+        if model.vision:  # only the quants whose exact sizes are published (see models.toml)
+            continue
         assert model.quants == ["F16", "Q8_0", "Q6_K", "Q5_K_M", "Q4_K_M", "Q3_K_M", "Q2_K"]
         sizes = [f.size for f in model.files]
         assert sizes == sorted(sizes, reverse=True), model.name
@@ -228,6 +232,87 @@ Q4_K_M = { file = "mine.gguf", size = 400000000 }
     models = {m.name: m for m in load_catalog(user)}
     assert models["qwen2.5-0.5b-instruct"].repo == "me/my-qwen"
     assert "llama-3.2-1b-instruct" in models
+
+
+VISION_ENTRY = """
+[[model]]
+name = "eyes"
+repo = "me/eyes-GGUF"
+architecture = "llama"
+n_layer = 30
+n_embd = 576
+n_head = 9
+n_head_kv = 3
+head_dim = 64
+n_vocab = 49280
+context_length = 8192
+[model.files]
+Q8_0 = { file = "eyes-Q8_0.gguf", size = 175054528 }
+F16 = { file = "eyes-f16.gguf", size = 350000000 }
+"""
+
+
+def test_a_vision_entry_names_its_projectors_and_its_plan_counts_them(tmp_path: Path) -> None:
+    user = tmp_path / "models.toml"
+    user.write_text(
+        VISION_ENTRY
+        + "[model.mmproj]\n"
+        + 'Q8_0 = { file = "mmproj-eyes-Q8_0.gguf", size = 103769856 }\n'
+        + 'F16 = { file = "mmproj-eyes-f16.gguf", size = 190031616 }\n'
+    )
+    models = {m.name: m for m in load_catalog(user)}
+    eyes = models["eyes"]
+    assert eyes.vision and not models["qwen2.5-0.5b-instruct"].vision
+    assert [(p.quant, p.file, p.size) for p in eyes.projectors] == [
+        ("F16", "mmproj-eyes-f16.gguf", 190031616),
+        ("Q8_0", "mmproj-eyes-Q8_0.gguf", 103769856),
+    ]
+    # The projector a pull brings: the model's own tag where one is published.
+    brought = {q: catalog_projector(eyes, q) for q in eyes.quants}
+    assert {q: p.filename for q, p in brought.items() if p} == {
+        "F16": "mmproj-eyes-f16.gguf",
+        "Q8_0": "mmproj-eyes-Q8_0.gguf",
+    }
+    # Planned before any download: the largest projector its quants may bring, in RAM.
+    machine = MACHINES["4 GB, no GPU"]
+    with_it = {p.model: p for p in plan_catalog(list(models.values()), machine, 8192)}["eyes"]
+    alone = plan_catalog([replace(eyes, projectors=())], machine, 8192)[0]
+    assert with_it.fits and with_it.estimated_bytes == alone.estimated_bytes + 190031616
+    assert "with the vision projector" in with_it.explanation
+    assert "vision projector" not in alone.explanation
+
+
+def test_the_catalogs_vision_models_plan_with_their_projectors() -> None:
+    vision = {m.name: m for m in load_catalog() if m.vision}
+    assert set(vision) >= {"smolvlm-256m-instruct", "smolvlm-500m-instruct", "gemma-3-4b-it"}
+    for model in vision.values():
+        assert all(p.file.startswith("mmproj") and p.size > 0 for p in model.projectors)
+    plans = {p.model: p for p in plan_catalog(load_catalog(), MACHINES["4 GB, no GPU"], 8192)}
+    assert "with the vision projector" in plans["smolvlm-256m-instruct"].explanation
+    gemma = catalog_projector(vision["gemma-3-4b-it"], "Q4_K_M")
+    assert gemma is not None and gemma.filename == "mmproj-model-f16.gguf"
+
+
+@pytest.mark.parametrize(
+    ("mmproj", "message"),
+    [
+        ('mmproj = "mmproj-eyes.gguf"', "field 'mmproj' must be a table"),
+        ('[model.mmproj]\nQ8_0 = { file = "eyes-Q8_0.gguf", size = 10 }', "not a vision projector"),
+        ('[model.mmproj]\nF16 = { file = "mmproj-eyes-f16.gguf" }', "field 'mmproj.F16.size'"),
+        ('[model.mmproj]\nQ9_Z = { file = "mmproj-eyes.gguf", size = 10 }', "'mmproj.Q9_Z'"),
+    ],
+)
+def test_a_bad_projector_entry_names_the_field(tmp_path: Path, mmproj: str, message: str) -> None:
+    path = tmp_path / "models.toml"
+    if mmproj.startswith("["):  # a table of its own, after the files
+        body = VISION_ENTRY + mmproj + "\n"
+    else:  # a plain key belongs to the entry, before its tables
+        head, files = VISION_ENTRY.split("[model.files]")
+        body = f"{head}{mmproj}\n[model.files]{files}"
+    path.write_text(body)
+    with pytest.raises(CatalogError, match=message) as err:
+        load_catalog_file(path)
+    assert str(path) in str(err.value) and "'eyes'" in str(err.value)
 
 
 @pytest.mark.parametrize(

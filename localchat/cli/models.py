@@ -181,12 +181,16 @@ def cmd_models(args: argparse.Namespace, out: TextIO) -> int:
             mark = f"{r.source}: {r.path}"
         if r.problem:
             mark += f" — unusable: {r.problem}"
+        if r.vision:
+            mark = f"{mark} (vision)".lstrip()
         out.write(
             f"{r.model[:28]:28} {quant:10} {format_bytes(r.size_bytes):>10} {needs:>10}"
             f" {speed:>9} {r.fit:8} {mark}\n"
         )
     if any(r.planned for r in rows):
         out.write("* the planner's pick for this machine (speed: predicted tokens/s here)\n")
+    if any(r.vision for r in rows):
+        out.write("(vision) reads images: `localchat pull` brings its projector too\n")
     return 0
 
 

@@ -15,6 +15,7 @@ from typing import Any
 from localchat.chat.formats import BUILTIN
 from localchat.errors import UsageError
 from localchat.gguf.estimate import ModelDims, swa_pattern_of
+from localchat.gguf.info import is_projector
 from localchat.gguf.quants import parse_tag, quality_rank
 
 # The repo's top-level models.toml is the source; the package holds it (a link in the source
@@ -53,6 +54,12 @@ class CatalogModel:
     template: str | None = None  # a built-in chat format or a .jinja file overriding the GGUF's
     draft: str | None = None  # a smaller catalog model of the same family that drafts for it
     kind: str = "chat"  # "embedding": served for embeddings, never offered as a chat model
+    projectors: tuple[QuantFile, ...] = ()  # a vision model's mmproj files, best first
+
+    @property
+    def vision(self) -> bool:
+        """Reads images: the catalog names its projector (pulled and planned with it)."""
+        return bool(self.projectors)
 
     def file_for(self, quant: str) -> QuantFile | None:
         return next((f for f in self.files if f.quant == quant), None)
@@ -84,6 +91,7 @@ def _parse_model(path: Path, index: int, raw: Any) -> CatalogModel:
     if not isinstance(window, int) or window < 0:
         raise _fail(path, entry, "sliding_window", "must be 0 or a positive integer")
     files = _parse_files(path, entry, raw.get("files"))
+    projectors = _parse_projectors(path, entry, raw.get("mmproj"))
     head_dim = raw["head_dim"]
     dims = ModelDims(
         raw["n_layer"],
@@ -106,14 +114,14 @@ def _parse_model(path: Path, index: int, raw: Any) -> CatalogModel:
         raise _fail(path, entry, "draft", "must be the name of another catalog model")
     return CatalogModel(
         raw["name"], raw["repo"], raw["architecture"], dims, tuple(files), str(path), template,
-        draft, kind,
+        draft, kind, tuple(projectors),
     )  # fmt: skip
 
 
-def _parse_files(path: Path, entry: str, files_raw: Any) -> list[QuantFile]:
-    """An entry's ``files`` table (quant = { file, size }), best quality first."""
+def _parse_files(path: Path, entry: str, files_raw: Any, field: str = "files") -> list[QuantFile]:
+    """An entry's ``files`` (or ``mmproj``) table (quant = { file, size }), best first."""
     if not isinstance(files_raw, dict) or not files_raw:
-        raise _fail(path, entry, "files", "must be a table of quant = { file, size }")
+        raise _fail(path, entry, field, "must be a table of quant = { file, size }")
     files = []
     for quant, spec in files_raw.items():
         tag = parse_tag(quant)
@@ -121,17 +129,35 @@ def _parse_files(path: Path, entry: str, files_raw: Any) -> list[QuantFile]:
             raise _fail(
                 path,
                 entry,
-                f"files.{quant}",
+                f"{field}.{quant}",
                 "is not a quant tag llama.cpp knows (e.g. Q4_K_M, IQ4_XS, UD-Q4_K_XL)",
             )
         if not isinstance(spec, dict) or not isinstance(spec.get("file"), str):
-            raise _fail(path, entry, f"files.{quant}.file", "must be a file name")
+            raise _fail(path, entry, f"{field}.{quant}.file", "must be a file name")
         size = spec.get("size")
         if not isinstance(size, int) or isinstance(size, bool) or size <= 0:
-            raise _fail(path, entry, f"files.{quant}.size", "must be a positive number of bytes")
+            raise _fail(path, entry, f"{field}.{quant}.size", "must be a positive number of bytes")
         files.append(QuantFile(tag.tag, spec["file"], size))
     files.sort(key=lambda f: quality_rank(f.quant))
     return files
+
+
+def _parse_projectors(path: Path, entry: str, raw: Any) -> list[QuantFile]:
+    """An entry's ``mmproj`` table (precision = { file, size }): the vision projectors a
+    pull may bring with the model; none for a text model. Each must be a projector file
+    (``mmproj-*``), as the hub listing and ``pull --mmproj`` know them."""
+    if raw is None:
+        return []
+    projectors = _parse_files(path, entry, raw, "mmproj")
+    for projector in projectors:
+        if not is_projector(projector.file):
+            raise _fail(
+                path,
+                entry,
+                f"mmproj.{projector.quant}.file",
+                f"names {projector.file!r}, not a vision projector (mmproj-*.gguf)",
+            )
+    return projectors
 
 
 def _parse_template(path: Path, entry: str, template: Any) -> str | None:

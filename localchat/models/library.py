@@ -19,6 +19,7 @@ from localchat.gguf.estimate import LayerWeights, ModelDims
 from localchat.gguf.info import is_later_split_part, is_projector, read_gguf
 from localchat.gguf.quants import is_good_enough
 from localchat.models.catalog import CatalogModel, find_model, load_catalog
+from localchat.models.catalog_vision import catalog_projector, planned_projector_bytes
 from localchat.models.draft_plan import DraftPlan, plan_draft
 from localchat.models.external_models import ExternalModel, discover
 from localchat.models.hardware import Hardware, repacked_weight_types
@@ -41,7 +42,8 @@ from localchat.models.planner import (
     Candidate,
     Plan,
     fit_label,
-    plan_model,
+    less_ram,
+    plan_with_projector,
     sized_candidates,
 )
 from localchat.models.speed import SpeedModel, TokenWork, load_speed_model
@@ -107,6 +109,7 @@ class ModelRow:
     planned: bool = False  # the planner's pick for its model here
     plan: str | None = None  # the planner's pick for its model and why (catalog rows)
     kind: str = "chat"  # "embedding": a catalog embedding model (never loaded as a chat)
+    vision: bool = False  # a catalog vision model: its projector comes with a pull
 
     @property
     def usable(self) -> bool:
@@ -225,7 +228,8 @@ class Library:
             assert request.spec is not None and request.spec.catalog is not None
             entry = request.spec.catalog
             files = ((f.quant, f.file, f.size) for f in entry.files)
-            request.plan = self._fitting_plan(entry.name, entry.dims, files)
+            projector = planned_projector_bytes(entry)
+            request.plan = self._fitting_plan(entry.name, entry.dims, files, projector)
         return request.plan
 
     def _forget_stale(self, request: ModelRequest) -> None:
@@ -241,12 +245,18 @@ class Library:
         return [plan.quant]
 
     def _fitting_plan(
-        self, name: str, dims: ModelDims, files: Iterable[tuple[str, str, int]]
+        self,
+        name: str,
+        dims: ModelDims,
+        files: Iterable[tuple[str, str, int]],
+        projector_bytes: int = 0,
     ) -> Plan:
+        """The planner's pick (a vision model's with its projector), refused if none fits."""
         candidates = sized_candidates(dims, files)
-        plan = plan_model(
-            name, dims, candidates, self.hardware, DEFAULT_CTX, self.speed, self.min_tps
-        )
+        plan = plan_with_projector(
+            name, dims, candidates, self.hardware, DEFAULT_CTX, self.speed, self.min_tps,
+            projector_bytes,
+        )  # fmt: skip
         if not plan.fits:
             raise UsageError(f"{name} does not fit this machine: {plan.explanation}")
         return plan
@@ -272,8 +282,14 @@ class Library:
         return None
 
     def projector_for(self, request: ModelRequest) -> RemoteFile:
-        """The repo's vision projector that goes with the model ``request`` names."""
+        """The vision projector that goes with the model ``request`` names: the one the
+        catalog names for a catalog vision model, else the repo's."""
         repo, _filename, quant = self.resolve(request)
+        entry = request.spec.catalog if request.spec is not None else None
+        if entry is not None and entry.repo == repo and entry.vision:
+            chosen = catalog_projector(entry, quant)
+            assert chosen is not None  # a vision entry names at least one
+            return chosen
         return choose_projector(repo, list_gguf_files(repo, projectors=True), quant)
 
     def pull_projector(
@@ -389,13 +405,15 @@ class Library:
             ctx = min(n_ctx, entry.dims.context_length)
             files = [(f.quant, f.file, f.size) for f in entry.files]
             candidates = sized_candidates(entry.dims, files)
-            plan = plan_model(
-                entry.name, entry.dims, candidates, self.hardware, ctx, self.speed, self.min_tps
-            )
+            projector = planned_projector_bytes(entry)
+            plan = plan_with_projector(
+                entry.name, entry.dims, candidates, self.hardware, ctx, self.speed, self.min_tps,
+                projector,
+            )  # fmt: skip
+            room = less_ram(self.hardware, projector)
             for quant_file, candidate in zip(entry.files, candidates, strict=True):
-                fit, estimate, speed = fit_label(
-                    entry.dims, candidate, self.hardware, ctx, self.speed
-                )
+                fit, estimate, speed = fit_label(entry.dims, candidate, room, ctx, self.speed)
+                estimate += projector
                 path = downloaded.pop((entry.repo, quant_file.file), None)
                 rows.append(
                     ModelRow(
@@ -405,6 +423,7 @@ class Library:
                         planned=plan.fits and plan.quant == quant_file.quant,
                         plan=plan.explanation,
                         kind=entry.kind,
+                        vision=entry.vision,
                     )
                 )  # fmt: skip
         extra = [

@@ -36,6 +36,7 @@ from localchat.gguf.estimate import (
 from localchat.gguf.info import read_gguf
 from localchat.gguf.quants import bytes_per_weight, is_good_enough, parse_tag, quality_rank
 from localchat.models.catalog import CatalogModel, chat_models
+from localchat.models.catalog_vision import planned_projector_bytes
 from localchat.models.hardware import GPU_NONE, Hardware, repacked_weight_types
 from localchat.models.speed import (
     SpeedModel,
@@ -465,10 +466,11 @@ def plan_catalog(
     speed: SpeedModel | None = None,
     min_tps: float = MIN_TOKENS_PER_S,
 ) -> list[Plan]:
-    """A plan for every catalog chat model (from catalog numbers: nothing is downloaded);
-    embedding models are not run as chats, so not planned as one."""
+    """A plan for every catalog chat model (from catalog numbers: nothing is downloaded),
+    a vision model's with its projector; embedding models are not run as chats, so not
+    planned as one."""
     return [
-        plan_model(
+        plan_with_projector(
             model.name,
             model.dims,
             sized_candidates(model.dims, ((f.quant, f.file, f.size) for f in model.files)),
@@ -476,6 +478,7 @@ def plan_catalog(
             wanted_ctx,
             speed,
             min_tps,
+            planned_projector_bytes(model),
         )
         for model in chat_models(models)
     ]
@@ -490,16 +493,37 @@ def plan_file(
     projector_bytes: int = 0,
 ) -> Plan:
     """The plan for one local GGUF file; its quant is the file's own. ``projector_bytes``:
-    a vision projector loaded beside it (``projectors.projector_memory_bytes``), in RAM
-    (libmtmd runs it on the CPU here), planned around and counted in the estimate."""
+    a vision projector loaded beside it (``projectors.projector_memory_bytes``)."""
     info = read_gguf(path)
     weights = LayerWeights.from_gguf(info, repacked_weight_types())
     candidate = Candidate(info.file_type, path.name, weights, TokenWork.of(info))
     dims = ModelDims.from_gguf(info)
-    if projector_bytes:
-        left = max(0, hardware.ram_available_bytes - projector_bytes)
-        hardware = replace(hardware, ram_available_bytes=left)
-    plan = plan_model(path.name, dims, [candidate], hardware, wanted_ctx, speed, min_tps)
+    return plan_with_projector(
+        path.name, dims, [candidate], hardware, wanted_ctx, speed, min_tps, projector_bytes
+    )
+
+
+def less_ram(hardware: Hardware, taken: int) -> Hardware:
+    """The machine with ``taken`` bytes of RAM already spoken for (a vision projector)."""
+    if not taken:
+        return hardware
+    return replace(hardware, ram_available_bytes=max(0, hardware.ram_available_bytes - taken))
+
+
+def plan_with_projector(
+    name: str,
+    dims: ModelDims,
+    candidates: list[Candidate],
+    hardware: Hardware,
+    wanted_ctx: int,
+    speed: SpeedModel | None,
+    min_tps: float,
+    projector_bytes: int = 0,
+) -> Plan:
+    """``plan_model`` with a vision projector beside the model: in RAM (libmtmd runs it on
+    the CPU here), planned around and counted in the estimate."""
+    left = less_ram(hardware, projector_bytes)
+    plan = plan_model(name, dims, candidates, left, wanted_ctx, speed, min_tps)
     if not projector_bytes:
         return plan
     return replace(
