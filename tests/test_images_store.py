@@ -268,8 +268,10 @@ def test_an_image_a_kept_response_shows_is_referenced_and_never_swept(
 
     images = ImageStore(tmp_path / "images")
     shown, loose = _put(images, (3, 3)), _put(images, (4, 4))
-    message = ChatMessage("user", "what is it?", images=(shown,))
+    message = ChatMessage("user", "what is it?", images=(shown,), image_at=(5,))
     ResponseStore(store).save("resp_1", [message, ChatMessage("assistant", "a square")], {})
+    kept = ResponseStore(store).get("resp_1")
+    assert kept is not None and kept.messages[0] == message  # its image where it was sent
     assert store.image_references() == {shown}
     assert delete_unreferenced(store, images, keep_recent_s=0) == [loose]
     assert images.keys() == [shown]

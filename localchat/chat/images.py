@@ -1,9 +1,10 @@
 """Where a message's images go in its rendered text: a marker per image that names it.
 
 A message keeps its images apart from its text (``ChatMessage.images``: each image's key,
-the SHA-256 of its bytes); rendering puts one marker per image before the text, where the
-template's polyfills (a system prompt folded into a user turn, turns of one role merged)
-carry it along with the text around it. The backend that tokenizes the rendered prompt
+the SHA-256 of its bytes, and where in the text it goes: before it unless a client sent
+parts in another order); rendering puts one marker per image there, where the template's
+polyfills (a system prompt folded into a user turn, turns of one role merged) carry it
+along with the text around it. The backend that tokenizes the rendered prompt
 turns each marker into the image's positions (libmtmd's chunk, at its media marker, as
 llama.cpp's server places it); a backend without images never sees one (``Backend``
 refuses a message with images first).
@@ -33,11 +34,46 @@ def image_marker(key: str) -> str:
     return f"{IMAGE_OPEN}{key}{IMAGE_CLOSE}"
 
 
-def with_image_markers(text: str, images: Sequence[str]) -> str:
-    """``text`` with a marker per image before it, each on a line of its own (LLaVA's
-    ``<image>\\n`` layout, which llama.cpp's server writes for an image part before text);
-    the text's own marker characters made U+FFFD (``_NOT_IN_TEXT``)."""
-    return "".join(image_marker(key) + "\n" for key in images) + text.translate(_NOT_IN_TEXT)
+def with_image_markers(text: str, images: Sequence[str], at: Sequence[int] = ()) -> str:
+    """``text`` with a marker per image where it goes: at its offset in ``at`` (one per
+    image, in order), or before the text where ``at`` is empty, with nothing between marker
+    and text (as llama.cpp's server and ``mtmd-cli`` write a media marker); the text's own
+    marker characters made U+FFFD (``_NOT_IN_TEXT``)."""
+    text = text.translate(_NOT_IN_TEXT)  # one character for one: the offsets still hold
+    offsets = list(at) or [0] * len(images)
+    if len(offsets) != len(images) or offsets != sorted(offsets):
+        raise ValueError("an image offset each, in order, is needed")
+    pieces, position = [], 0
+    for key, offset in zip(images, offsets, strict=True):
+        pieces += [text[position:offset], image_marker(key)]
+        position = offset
+    return "".join(pieces) + text[position:]
+
+
+# A message's text, its images' keys and where each goes in the text (``joined_parts``).
+Joined = tuple[str, tuple[str, ...], tuple[int, ...]]
+
+
+def joined_parts(parts: Sequence[tuple[str, str]]) -> Joined:
+    """A message sent as parts, ``("text", words)`` and ``("image", key)`` in order, as its
+    text, its images and where each goes in the text. With images, the text parts are joined
+    as llama.cpp's server joins them around a media marker (a newline between two texts,
+    none beside an image); without, run together (``""``), as before there were images."""
+    if all(kind == "text" for kind, _ in parts):
+        return "".join(value for _, value in parts), (), ()
+    text, keys, at = "", [], []
+    after_image = False
+    for kind, value in parts:
+        if kind == "image":
+            keys.append(value)
+            at.append(len(text))
+            after_image = True
+            continue
+        if text and not after_image:
+            text += "\n"
+        text += value
+        after_image = False
+    return text, tuple(keys), tuple(at)
 
 
 def has_image_markers(text: str) -> bool:

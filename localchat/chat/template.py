@@ -44,11 +44,15 @@ class ChatMessage:
     tool_calls: tuple[ToolCall, ...] = ()  # an assistant's calls
     tool_call_id: str = ""  # a tool result: the call it answers
     images: tuple[str, ...] = ()  # a user message's images: each one's key (``chat.images``)
+    # Where each image goes in ``content`` (offsets, in order); empty: all before the text.
+    image_at: tuple[int, ...] = ()
 
     def with_markers(self) -> ChatMessage:
         """The message with its images as markers in its text (``chat.images``)."""
-        marked = with_image_markers(self.content, self.images)
-        return self if marked == self.content else replace(self, content=marked, images=())
+        marked = with_image_markers(self.content, self.images, self.image_at)
+        if marked == self.content:
+            return self
+        return replace(self, content=marked, images=(), image_at=())
 
     def as_template_message(self, arguments_as_text: bool = False) -> dict[str, Any]:
         """The message as templates index it (OpenAI's shape; keys only where set: some

@@ -29,13 +29,15 @@ class StoredResponse:
 def _message_json(message: ChatMessage) -> dict[str, Any]:
     calls = [{"id": c.id, "name": c.name, "arguments": c.arguments} for c in message.tool_calls]
     return {"role": message.role, "content": message.content, "tool_calls": calls,
-            "tool_call_id": message.tool_call_id, "images": list(message.images)}  # fmt: skip
+            "tool_call_id": message.tool_call_id, "images": list(message.images),
+            "image_at": list(message.image_at)}  # fmt: skip
 
 
 def _message_of(data: dict[str, Any]) -> ChatMessage:
     calls = tuple(ToolCall(c["name"], c["arguments"], c["id"]) for c in data["tool_calls"])
     images = tuple(data.get("images", ()))  # kept before images were read: none
-    return ChatMessage(data["role"], data["content"], calls, data["tool_call_id"], images)
+    image_at = tuple(data.get("image_at", ()))  # kept before parts kept their order: first
+    return ChatMessage(data["role"], data["content"], calls, data["tool_call_id"], images, image_at)
 
 
 class ResponseStore:

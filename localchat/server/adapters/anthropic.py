@@ -21,6 +21,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from localchat.backends.base import Sampling
+from localchat.chat.images import joined_parts
 from localchat.chat.template import ChatMessage
 from localchat.chat.tools import ToolCall, ToolSpec, ToolUse
 from localchat.server.adapters.sse import sse_json
@@ -183,16 +184,15 @@ def _message(item: Any, where: str, images: ImageIntake) -> list[ChatMessage]:
     role = item.get("role")
     if role not in ("user", "assistant"):
         raise bad(f"{where}.role must be user or assistant, not {role!r}")
-    texts: list[str] = []
+    parts: list[tuple[str, str]] = []
     calls: list[ToolCall] = []
     results: list[ChatMessage] = []
-    keys: list[str] = []
     for index, block in enumerate(_blocks(item.get("content"), where)):
         at, kind = f"{where}.content[{index}]", block["type"]
         if kind == "text":
-            texts.append(_text_of(block, at))
+            parts.append(("text", _text_of(block, at)))
         elif kind == "image" and role == "user":
-            keys.append(_image(block, at, images))
+            parts.append(("image", _image(block, at, images)))
         elif kind == "tool_use" and role == "assistant":
             name, arguments, call_id = block.get("name"), block.get("input", {}), block.get("id")
             if not isinstance(name, str) or not isinstance(arguments, dict):
@@ -209,9 +209,9 @@ def _message(item: Any, where: str, images: ImageIntake) -> list[ChatMessage]:
                       f"{'assistant' if kind == 'tool_use' else 'user'} message")  # fmt: skip
         else:
             raise _unsupported(kind, at)
-    text = "".join(texts)
+    text, keys, image_at = joined_parts(parts)
     if role == "user":
-        said = ChatMessage("user", text, images=tuple(keys))
+        said = ChatMessage("user", text, images=keys, image_at=image_at)
         return [*results, said] if text or keys or not results else results
     return [ChatMessage("assistant", text, tool_calls=tuple(calls))]
 

@@ -14,6 +14,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from localchat.backends.base import Sampling
+from localchat.chat.images import Joined, joined_parts
 from localchat.chat.template import ChatMessage
 from localchat.chat.tools import ToolSpec, ToolUse
 from localchat.server.adapters.openai_bodies import ChunkStream, completion_body
@@ -43,27 +44,29 @@ def error_body(error: ApiError) -> dict[str, Any]:
     return error.body()
 
 
-def _content(content: Any, where: str, images: ImageIntake) -> tuple[str, tuple[str, ...]]:
+def _content(content: Any, where: str, images: ImageIntake) -> Joined:
     """A message's content: a string, or OpenAI's list of parts (text, and ``image_url``
-    parts with a data URI); its text and its images' (placeholder) keys."""
+    parts with a data URI); its text, its images' (placeholder) keys and where they go."""
     if isinstance(content, str):
-        return content, ()
+        return content, (), ()
     if isinstance(content, list):
-        parts, keys = [], []
+        parts: list[tuple[str, str]] = []
         for index, part in enumerate(content):
             kind = part.get("type") if isinstance(part, dict) else None
             if kind == "text":
-                parts.append(str(part.get("text", "")))
+                parts.append(("text", str(part.get("text", ""))))
             elif kind == "image_url":
                 at = f"{where}.content[{index}].image_url"
                 url = part.get("image_url")
-                keys.append(images.url(url.get("url") if isinstance(url, dict) else url, at))
+                parts.append(
+                    ("image", images.url(url.get("url") if isinstance(url, dict) else url, at))
+                )
             else:
                 raise bad(f"{where}.content[{index}]: only text and image_url content parts are"
                           " supported", "invalid_type")  # fmt: skip
-        return "".join(parts), tuple(keys)
+        return joined_parts(parts)
     if content is None:
-        return "", ()
+        return "", (), ()
     raise bad(f"{where}.content must be a string or a list of content parts", "invalid_type")
 
 
@@ -79,14 +82,14 @@ def _messages(body: dict[str, Any], images: ImageIntake) -> list[ChatMessage]:
         role = "system" if item.get("role") == "developer" else item.get("role")
         if role not in ROLES:
             raise bad(f"{where}.role must be one of {', '.join(ROLES)}, not {role!r}")
-        content, keys = _content(item.get("content"), where, images)
+        content, keys, image_at = _content(item.get("content"), where, images)
         if keys:
             image_parts_refused(str(role), where)
         try:
             message = tool_message(str(role), content, item, where)
         except ToolRequestError as exc:
             raise bad(str(exc), "invalid_type") from None
-        messages.append(replace(message, images=keys) if keys else message)
+        messages.append(replace(message, images=keys, image_at=image_at) if keys else message)
     return messages
 
 

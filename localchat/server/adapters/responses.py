@@ -20,6 +20,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from localchat.backends.base import Sampling
+from localchat.chat.images import Joined, joined_parts
 from localchat.chat.template import ChatMessage
 from localchat.chat.tools import ToolCall, ToolSpec, ToolUse
 from localchat.server.adapters.openai_chat import format_schema
@@ -71,35 +72,33 @@ class ResponsesRequest:
     previous_id: str | None = None
 
 
-def _parts(
-    content: Any, where: str, images: ImageIntake | None = None
-) -> tuple[str, tuple[str, ...]]:
+def _parts(content: Any, where: str, images: ImageIntake | None = None) -> Joined:
     """A message's text: a string or ``input_text``/``output_text`` parts, and where
-    ``images`` takes them its ``input_image`` parts' (placeholder) keys."""
+    ``images`` takes them its ``input_image`` parts' (placeholder) keys and places."""
     if isinstance(content, str):
-        return content, ()
+        return content, (), ()
     if not isinstance(content, list):
         raise bad(f"{where}.content must be a string or a list of parts", "invalid_type")
-    texts, keys = [], []
+    parts: list[tuple[str, str]] = []
     for index, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
         at = f"{where}.content[{index}]"
         if kind in ("input_text", "output_text", "text"):
             assert isinstance(part, dict)
-            texts.append(text_field(part, "text"))
+            parts.append(("text", text_field(part, "text")))
         elif kind == "input_image" and images is not None:
             assert isinstance(part, dict)
             if part.get("file_id") is not None:
                 raise bad(f"{at}.file_id: this server keeps no files; send the image itself"
                           " as image_url, a data URI", "unsupported_content")  # fmt: skip
-            keys.append(images.url(part.get("image_url"), f"{at}.image_url"))
+            parts.append(("image", images.url(part.get("image_url"), f"{at}.image_url")))
         elif kind in ("input_image", "input_file", "input_audio"):
             raise bad(f"{at}: {kind} is not read here: send text (and images in a user"
                       " message)", "unsupported_content")  # fmt: skip
         else:
             raise bad(f"{at}: part type {kind!r} is not one this server takes (input_text,"
                       " output_text, input_image)", "invalid_type")  # fmt: skip
-    return "".join(texts), tuple(keys)
+    return joined_parts(parts)
 
 
 def _with_call(messages: list[ChatMessage], call: ToolCall) -> None:
@@ -127,10 +126,10 @@ def _items(value: Any, images: ImageIntake) -> list[ChatMessage]:
             role = ROLES.get(str(item.get("role")))
             if role is None:
                 raise bad(f"{where}.role must be user, assistant, system or developer")
-            text, keys = _parts(item.get("content"), where, images)
+            text, keys, image_at = _parts(item.get("content"), where, images)
             if keys:
                 image_parts_refused(role, where)
-            messages.append(ChatMessage(role, text, images=keys))
+            messages.append(ChatMessage(role, text, images=keys, image_at=image_at))
         elif kind == "function_call":
             arguments = text_field(item, "arguments", "{}")
             try:

@@ -1,0 +1,94 @@
+"""Where a message's images go in its text: before it (the app, ``ask``, Ollama's
+``images``), or where a client put its image parts among its text parts, joined as
+llama.cpp's server joins them around a media marker (a newline between two texts, none
+beside an image) — on every API that takes parts."""
+
+from __future__ import annotations
+
+import base64
+from typing import Any
+
+import pytest
+
+from localchat.chat.images import image_marker, joined_parts, with_image_markers
+from localchat.chat.template import ChatMessage
+from localchat.server.adapters import anthropic, openai_chat, responses
+from localchat.server.images import PENDING
+from tests.image_helpers import random_png
+
+A, B = "a" * 64, "b" * 64
+PNG = "data:image/png;base64," + base64.b64encode(random_png(1)).decode()
+
+
+def test_images_go_before_the_text_with_nothing_between() -> None:
+    """As ``mtmd-cli`` puts a marker before the prompt: no newline of ours after it."""
+    assert (
+        with_image_markers("What is it?", [A, B])
+        == f"{image_marker(A)}{image_marker(B)}What is it?"
+    )
+
+
+def test_images_go_at_their_offsets_and_the_texts_markers_are_not_read_as_images() -> None:
+    text = "Compare this \U000f0e01 with that."
+    marked = with_image_markers(text, [A, B], [8, 13])
+    assert marked == f"Compare {image_marker(A)}this {image_marker(B)}\ufffd with that."
+    with pytest.raises(ValueError, match="in order"):
+        with_image_markers(text, [A, B], [13, 8])
+    with pytest.raises(ValueError, match="an image offset each"):
+        with_image_markers(text, [A, B], [3])
+
+
+def test_parts_are_joined_as_llama_server_joins_them_around_a_media_marker() -> None:
+    parts = [("text", "First"), ("text", "second"), ("image", A), ("text", "third"),
+             ("image", B), ("image", A), ("text", "last")]  # fmt: skip
+    text, keys, at = joined_parts(parts)
+    assert text == "First\nsecondthirdlast"
+    assert keys == (A, B, A) and at == (12, 17, 17)
+    rendered = with_image_markers(text, keys, at)
+    assert rendered == (
+        f"First\nsecond{image_marker(A)}third{image_marker(B)}{image_marker(A)}last"
+    )
+    # Without images, text parts run together, as they did before images were read.
+    assert joined_parts([("text", "a"), ("text", "b")]) == ("ab", (), ())
+
+
+def test_a_message_renders_its_images_where_they_were_sent() -> None:
+    message = ChatMessage("user", "Look at this and say.", images=(A,), image_at=(12,))
+    assert message.with_markers().content == f"Look at this{image_marker(A)} and say."
+    assert message.with_markers().images == () and message.with_markers().image_at == ()
+
+
+def _user(messages: list[ChatMessage]) -> ChatMessage:
+    (said,) = [m for m in messages if m.role == "user"]
+    return said
+
+
+def _openai(content: list[dict[str, Any]]) -> ChatMessage:
+    body = {"model": "m", "messages": [{"role": "user", "content": content}]}
+    request = openai_chat.parse_request(body, chat=True)
+    assert request.messages is not None
+    return _user(request.messages)
+
+
+def test_every_api_keeps_its_image_parts_where_they_were_sent() -> None:
+    image = {"type": "image_url", "image_url": {"url": PNG}}
+    said = _openai([{"type": "text", "text": "Before"}, image, {"type": "text", "text": "after"}])
+    assert (said.content, said.images, said.image_at) == ("Beforeafter", (f"{PENDING}0",), (6,))
+
+    block = {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                         "data": "iVBORw0KGgo="}}  # fmt: skip
+    body = {"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": [
+        {"type": "text", "text": "One"}, {"type": "text", "text": "two"}, block,
+        {"type": "text", "text": "three"}]}]}  # fmt: skip
+    request = anthropic.parse_request(body)
+    assert request.messages is not None
+    claude = _user(request.messages)
+    assert (claude.content, claude.image_at) == ("One\ntwothree", (7,))
+
+    items = [{"role": "user", "content": [
+        {"type": "input_text", "text": "Is"}, {"type": "input_image", "image_url": PNG},
+        {"type": "input_text", "text": "it?"}]}]  # fmt: skip
+    kept = responses.parse_request({"model": "m", "input": items}, None)
+    assert kept.request.messages is not None
+    asked = _user(kept.request.messages)
+    assert (asked.content, len(asked.images), asked.image_at) == ("Isit?", 1, (2,))
