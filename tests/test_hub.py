@@ -463,6 +463,12 @@ context_length = 2048
 F16 = {{ file = "zoo-F16.gguf", size = {model.stat().st_size} }}
 [model.mmproj]
 F16 = {{ file = "mmproj-zoo-F16.gguf", size = {projector.stat().st_size} }}
+[model.vision]
+image_size = 32
+patch_size = 8
+n_embd = 64
+n_ff = 128
+n_head = 4
 """
     )
     assert main(["pull", "zoo-vision"]) == 0

@@ -182,12 +182,13 @@ def test_ids_are_never_reused_and_the_same_image_keeps_its_own(tmp_path: Path) -
     )
     other = ImageStore(tmp_path / "images")  # another store on the same folder
     assert other.image_id(second.key) == images.image_id(second.key)
-    assert other.key_of_id(first_id) == first.key
+    assert other.name_of_id(first_id) == (first.key, "")
+    assert other.name_of_id(other.image_id(first.key, "ab12")) == (first.key, "ab12")
     third = "c" * 64
     assert other.image_id(third) > images.image_id(second.key)
     assert images.image_id(third) == other.image_id(third)
     with pytest.raises(ImageMissing, match="no image has id 999"):
-        images.key_of_id(999)
+        images.name_of_id(999)
     images.close()
     other.close()
 
@@ -275,6 +276,20 @@ def test_an_image_a_kept_response_shows_is_referenced_and_never_swept(
     assert store.image_references() == {shown}
     assert delete_unreferenced(store, images, keep_recent_s=0) == [loose]
     assert images.keys() == [shown]
+
+
+def test_a_sweep_deletes_only_what_was_not_stored_again_since(tmp_path: Path) -> None:
+    """The check and the delete are one step under the store's lock; a put of an image whose
+    file went meanwhile writes it again rather than failing."""
+    images = ImageStore(tmp_path / "images")
+    key = _put(images, (3, 3))
+    now = time.time()
+    assert not images.delete_if_unsent(key, since=now - 60)  # stored since then: kept
+    assert images.delete_if_unsent(key, since=now + 60)
+    assert images.find(key) is None and not images.delete_if_unsent(key, since=now + 60)
+    assert _put(images, (3, 3)) == key and images.find(key) is not None
+    images.path(key).unlink()  # gone under a put that found its note
+    assert _put(images, (3, 3)) == key and images.get(key)
 
 
 # -- exports ---------------------------------------------------------------------------------

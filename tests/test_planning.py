@@ -14,6 +14,7 @@ from localchat.errors import UsageError
 from localchat.gguf.estimate import (
     LayerWeights,
     ModelDims,
+    VisionTower,
     compute_buffer_bytes,
     estimate_memory,
     kv_cache_bytes,
@@ -252,6 +253,11 @@ F16 = { file = "eyes-f16.gguf", size = 350000000 }
 """
 
 
+TOWER = (
+    "[model.vision]\nimage_size = 512\npatch_size = 16\nn_embd = 768\nn_ff = 3072\nn_head = 12\n"
+)
+
+
 def test_a_vision_entry_names_its_projectors_and_its_plan_counts_them(tmp_path: Path) -> None:
     user = tmp_path / "models.toml"
     user.write_text(
@@ -259,6 +265,7 @@ def test_a_vision_entry_names_its_projectors_and_its_plan_counts_them(tmp_path: 
         + "[model.mmproj]\n"
         + 'Q8_0 = { file = "mmproj-eyes-Q8_0.gguf", size = 103769856 }\n'
         + 'F16 = { file = "mmproj-eyes-f16.gguf", size = 190031616 }\n'
+        + TOWER
     )
     models = {m.name: m for m in load_catalog(user)}
     eyes = models["eyes"]
@@ -277,7 +284,11 @@ def test_a_vision_entry_names_its_projectors_and_its_plan_counts_them(tmp_path: 
     machine = MACHINES["4 GB, no GPU"]
     with_it = {p.model: p for p in plan_catalog(list(models.values()), machine, 8192)}["eyes"]
     alone = plan_catalog([replace(eyes, projectors=())], machine, 8192)[0]
-    assert with_it.fits and with_it.estimated_bytes == alone.estimated_bytes + 190031616
+    # The largest projector file and one encode's buffer, as for a downloaded projector.
+    assert eyes.tower == VisionTower(512, 16, 768, 3072, 12)
+    patches = (512 // 16) ** 2
+    buffer = 4 * patches * (4 * 768 + 3072) + 4 * 12 * patches**2
+    assert with_it.fits and with_it.estimated_bytes == alone.estimated_bytes + 190031616 + buffer
     assert "with the vision projector" in with_it.explanation
     assert "vision projector" not in alone.explanation
 
@@ -300,6 +311,12 @@ def test_the_catalogs_vision_models_plan_with_their_projectors() -> None:
         ('[model.mmproj]\nQ8_0 = { file = "eyes-Q8_0.gguf", size = 10 }', "not a vision projector"),
         ('[model.mmproj]\nF16 = { file = "mmproj-eyes-f16.gguf" }', "field 'mmproj.F16.size'"),
         ('[model.mmproj]\nQ9_Z = { file = "mmproj-eyes.gguf", size = 10 }', "'mmproj.Q9_Z'"),
+        ('[model.mmproj]\nF16 = { file = "mmproj-eyes-f16.gguf", size = 10 }', "field 'vision'"),
+        (
+            '[model.mmproj]\nF16 = { file = "mmproj-eyes-f16.gguf", size = 10 }\n'
+            + TOWER.replace("n_head = 12", "n_head = 0"),
+            "field 'vision.n_head' must be a positive integer",
+        ),
     ],
 )
 def test_a_bad_projector_entry_names_the_field(tmp_path: Path, mmproj: str, message: str) -> None:

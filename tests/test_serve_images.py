@@ -31,7 +31,7 @@ from localchat.server.app import BackgroundServer
 from localchat.server.requests import GenerationRequest
 from localchat.server.router import Router
 from localchat.server.runner import ModelRunner
-from localchat.state.images import KEEP_RECENT_S, image_key
+from localchat.state.images import image_key
 from localchat.state.kvstate import StateStore
 from tests.image_helpers import random_png, vision_model_with
 
@@ -302,7 +302,7 @@ def test_served_images_nothing_refers_to_are_swept_and_a_resent_one_still_hits_t
 ) -> None:
     """Nothing keeps a served image after its request: the store is swept as images come
     in (hourly), and the same image resent is stored again under its old id."""
-    from localchat.server.images import image_store, sweep_if_due
+    from localchat.server.images import SERVED_KEEP_S, image_store, sweep_if_due
 
     picture = random_png(31)
     first = _ask(served.root, picture)
@@ -310,8 +310,8 @@ def test_served_images_nothing_refers_to_are_swept_and_a_resent_one_still_hits_t
     key = image_key(picture)
     store = image_store()
     assert store.find(key) is not None
-    assert sweep_if_due(every_s=0) == []  # stored just now: a message may be on its way
-    old = time.time() - 2 * KEEP_RECENT_S
+    assert sweep_if_due(every_s=0) == []  # sent just now: its request may still be reading it
+    old = time.time() - 2 * SERVED_KEEP_S
     os.utime(store.path(key), (old, old))
     assert sweep_if_due() == []  # swept when the server stored its first image: not due
     assert sweep_if_due(every_s=0) == [key] and store.find(key) is None

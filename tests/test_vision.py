@@ -214,8 +214,9 @@ def test_the_reader_tokenizes_as_libmtmd_does_the_whole_prompt(
         def image_id(self, key: str, variant: str = "") -> int:
             return self.ids.setdefault(f"{key}@{variant}", len(self.ids) + 1)
 
-        def key_of_id(self, image_id: int) -> str:
-            return next(name for name, i in self.ids.items() if i == image_id).split("@")[0]
+        def name_of_id(self, image_id: int) -> tuple[str, str]:
+            key, _, variant = next(n for n, i in self.ids.items() if i == image_id).partition("@")
+            return key, variant
 
     model = vision_model_with(models_dir, shape)
     llm = _llm(model)

@@ -216,8 +216,9 @@ def _turn(conversation: Conversation, text: str, images: tuple[str, ...] = ()) -
 
 
 def _encode_time(engine: Engine, key: str, rounds: int) -> tuple[float, int]:
-    """The projector's encode of the stored image alone (nothing decoded into the context),
-    the median of ``rounds``; and the image's tokens."""
+    """The projector's encode of the stored image alone (its preprocessing and every slice's
+    encode, nothing decoded into the context), the median of ``rounds``; and the image's
+    tokens."""
     from localchat.backends.llama.vision import Image
 
     reader = engine.image_reader

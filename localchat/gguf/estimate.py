@@ -333,3 +333,41 @@ def estimate_memory(
     return MemoryEstimate(
         weights_ram, weights_vram, kv_ram, kv_vram, compute_ram, compute_vram, other_ram, repacked
     )
+
+
+@dataclass(frozen=True)
+class VisionTower:
+    """A vision projector's tower, as far as planning needs it: what one image's encode
+    takes beside the projector's weights."""
+
+    image_size: int  # pixels a side of the image (or a slice) it encodes
+    patch_size: int
+    n_embd: int
+    n_ff: int
+    n_head: int
+
+    @classmethod
+    def of_metadata(cls, meta: dict[str, object]) -> VisionTower:
+        """From a projector file's ``clip.vision.*`` keys (0 where one is missing)."""
+
+        def number(key: str) -> int:
+            value = meta.get(f"clip.vision.{key}", 0)
+            return int(value) if isinstance(value, int | float) else 0
+
+        return cls(
+            number("image_size"),
+            number("patch_size"),
+            number("embedding_length"),
+            number("feed_forward_length"),
+            number("attention.head_count"),
+        )
+
+    def encode_buffer_bytes(self) -> int:
+        """The compute buffer of one image's encode: every patch's activations (the
+        residual stream several times over, the feed-forward's width) and one head's worth
+        of attention scores per head. An estimate: libmtmd reserves it at its first
+        encode."""
+        if not self.image_size or not self.patch_size:
+            return 0
+        patches = (self.image_size // self.patch_size) ** 2
+        return 4 * patches * (4 * self.n_embd + self.n_ff) + 4 * self.n_head * patches**2

@@ -14,7 +14,7 @@ from typing import Any
 
 from localchat.chat.formats import BUILTIN
 from localchat.errors import UsageError
-from localchat.gguf.estimate import ModelDims, swa_pattern_of
+from localchat.gguf.estimate import ModelDims, VisionTower, swa_pattern_of
 from localchat.gguf.info import is_projector
 from localchat.gguf.quants import parse_tag, quality_rank
 
@@ -55,6 +55,7 @@ class CatalogModel:
     draft: str | None = None  # a smaller catalog model of the same family that drafts for it
     kind: str = "chat"  # "embedding": served for embeddings, never offered as a chat model
     projectors: tuple[QuantFile, ...] = ()  # a vision model's mmproj files, best first
+    tower: VisionTower | None = None  # their vision tower's numbers: an encode's memory
 
     @property
     def vision(self) -> bool:
@@ -92,6 +93,7 @@ def _parse_model(path: Path, index: int, raw: Any) -> CatalogModel:
         raise _fail(path, entry, "sliding_window", "must be 0 or a positive integer")
     files = _parse_files(path, entry, raw.get("files"))
     projectors = _parse_projectors(path, entry, raw.get("mmproj"))
+    tower = _parse_tower(path, entry, raw.get("vision")) if projectors else None
     head_dim = raw["head_dim"]
     dims = ModelDims(
         raw["n_layer"],
@@ -114,7 +116,7 @@ def _parse_model(path: Path, index: int, raw: Any) -> CatalogModel:
         raise _fail(path, entry, "draft", "must be the name of another catalog model")
     return CatalogModel(
         raw["name"], raw["repo"], raw["architecture"], dims, tuple(files), str(path), template,
-        draft, kind, tuple(projectors),
+        draft, kind, tuple(projectors), tower,
     )  # fmt: skip
 
 
@@ -158,6 +160,21 @@ def _parse_projectors(path: Path, entry: str, raw: Any) -> list[QuantFile]:
                 f"names {projector.file!r}, not a vision projector (mmproj-*.gguf)",
             )
     return projectors
+
+
+_TOWER_FIELDS = ("image_size", "patch_size", "n_embd", "n_ff", "n_head")
+
+
+def _parse_tower(path: Path, entry: str, raw: Any) -> VisionTower:
+    """A vision entry's ``vision`` table: its tower's numbers (the projector's
+    ``clip.vision`` keys), which size an image's encode before anything is downloaded."""
+    if not isinstance(raw, dict):
+        raise _fail(path, entry, "vision", f"must be a table of {', '.join(_TOWER_FIELDS)}")
+    for field in _TOWER_FIELDS:
+        value = raw.get(field)
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise _fail(path, entry, f"vision.{field}", "must be a positive integer")
+    return VisionTower(*(raw[field] for field in _TOWER_FIELDS))
 
 
 def _parse_template(path: Path, entry: str, template: Any) -> str | None:

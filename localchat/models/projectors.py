@@ -12,6 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from localchat.errors import ModelFileError, UsageError
+from localchat.gguf.estimate import VisionTower
 from localchat.gguf.info import is_projector, read_gguf
 from localchat.gguf.quants import tag_of_file
 
@@ -26,20 +27,10 @@ def projection_dim(path: Path) -> int:
 
 def projector_memory_bytes(path: Path) -> int:
     """What a projector takes loaded: its weights (the file, less a header) and the compute
-    buffer of one image's encode, from its vision tower's numbers: every patch's
-    activations (the residual stream several times over, the feed-forward's width) and one
-    head's worth of attention scores per head. An estimate for planning: libmtmd reserves
-    the buffer only at its first encode."""
-    info = read_gguf(path)
-    meta = info.metadata
-    size = int(meta.get("clip.vision.image_size", 0) or 0)
-    patch = int(meta.get("clip.vision.patch_size", 0) or 0)
-    n_embd = int(meta.get("clip.vision.embedding_length", 0) or 0)
-    n_ff = int(meta.get("clip.vision.feed_forward_length", 0) or 0)
-    n_head = int(meta.get("clip.vision.attention.head_count", 0) or 0)
-    patches = (size // patch) ** 2 if size and patch else 0
-    compute = 4 * patches * (4 * n_embd + n_ff) + 4 * n_head * patches * patches
-    return path.stat().st_size + compute
+    buffer of one image's encode, from its vision tower's numbers (``VisionTower``). An
+    estimate for planning: libmtmd reserves the buffer only at its first encode."""
+    tower = VisionTower.of_metadata(read_gguf(path).metadata)
+    return path.stat().st_size + tower.encode_buffer_bytes()
 
 
 def find_projector(model: Path) -> Path | None:

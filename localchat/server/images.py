@@ -12,7 +12,7 @@ The store is content-addressed: an image sent again (every request of a conversa
 resends it) is written once, and its id, which its placeholder ids in the prompt cache are
 made of, stays the same across restarts. Nothing but a kept response refers to a served
 image after its request, so the store is swept as images come in (at most hourly): an image
-no message or kept response shows, unsent for ``KEEP_RECENT_S``, is deleted. Its id stays,
+no message or kept response shows, unsent for a day (``SERVED_KEEP_S``), is deleted. Its id stays,
 so the same image sent again is stored again and still meets its cached prompt.
 """
 
@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import base64
 import binascii
+import logging
 import re
+import sqlite3
 import threading
 import time
 from collections.abc import Sequence
@@ -32,16 +34,21 @@ from starlette.concurrency import run_in_threadpool
 
 from localchat.chat.image_files import MAX_IMAGE_BYTES, ImageRejected, inspect_image
 from localchat.chat.template import ChatMessage
+from localchat.errors import LocalchatError
 from localchat.server.requests import GenerationRequest, SentImage, bad
 from localchat.state.images import ImageStore, delete_unreferenced
 from localchat.state.store import Store
 
+_log = logging.getLogger(__name__)
 PENDING = "sent:"  # a placeholder key: the request's n-th image, not yet stored
 _DATA_URI = re.compile(r"data:(?P<mime>[\w.+-]+/[\w.+-]+)?(?:;[\w.+-]+=[\w.+-]+)*;base64,", re.I)
 _MAX_BASE64 = (MAX_IMAGE_BYTES + 2) // 3 * 4 + 1024  # past this the image is too large
 _STORES: dict[Path, ImageStore] = {}
 _STORES_LOCK = threading.Lock()
 SWEEP_EVERY_S = 3600.0
+# A served image unsent this long is swept: longer than any request runs (its images are
+# read while it runs), and a kept response's images are referenced, so never swept.
+SERVED_KEEP_S = 24 * 3600.0
 _SWEPT_AT: dict[Path, float] = {}  # the data folder's last sweep, by its image folder
 URL_REFUSED = (
     "this server does not fetch images from URLs; send the image itself as a data URI"
@@ -130,11 +137,15 @@ def sweep_if_due(every_s: float = SWEEP_EVERY_S) -> list[str]:
         if last is not None and now - last < every_s:
             return []
         _SWEPT_AT[paths.images_dir] = now
-    store = Store(paths.database)
     try:
-        return delete_unreferenced(store, image_store())
-    finally:
-        store.close()
+        store = Store(paths.database)
+        try:
+            return delete_unreferenced(store, image_store(), keep_recent_s=SERVED_KEEP_S)
+        finally:
+            store.close()
+    except (LocalchatError, OSError, sqlite3.Error) as exc:  # the request it rode on is served
+        _log.warning("could not sweep the unreferenced images: %s", exc)
+        return []
 
 
 def resolved(messages: list[ChatMessage], keys: Sequence[str]) -> list[ChatMessage]:

@@ -14,6 +14,7 @@ new image always gets a new one (AUTOINCREMENT never hands out a number twice).
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
 import re
@@ -74,6 +75,7 @@ class ImageStore:
     def __init__(self, directory: Path) -> None:
         self.directory = directory
         self._lock = threading.Lock()
+        self._file_lock = threading.Lock()
         self._db: sqlite3.Connection | None = None
 
     def path(self, key: str) -> Path:
@@ -88,13 +90,16 @@ class ImageStore:
         path = self.path(key)
         stored = StoredImage(key, path, facts.mime, facts.width, facts.height, len(facts.data))
         ensure_private_dir(self.directory)  # first: only the folder made last gets 0700
-        ensure_private_dir(path.parent)
-        if path.exists() and _sidecar(path).exists():
-            os.utime(path)
-        else:
-            write_atomic(path, facts.data)
-            meta = {"mime": stored.mime, "width": stored.width, "height": stored.height}
-            write_atomic(_sidecar(path), json.dumps(meta).encode())
+        with self._files():  # a sweep never deletes it between this check and the touch
+            ensure_private_dir(path.parent)
+            try:
+                if not _sidecar(path).exists():
+                    raise FileNotFoundError(path)
+                os.utime(path)
+            except FileNotFoundError:
+                write_atomic(path, facts.data)
+                meta = {"mime": stored.mime, "width": stored.width, "height": stored.height}
+                write_atomic(_sidecar(path), json.dumps(meta).encode())
         self.image_id(key)  # ids follow the order images were first stored
         return stored
 
@@ -133,6 +138,28 @@ class ImageStore:
             return False
         return True
 
+    def delete_if_unsent(self, key: str, since: float) -> bool:
+        """Delete the image where it was last stored before ``since`` (a time), checked and
+        deleted under the store's file lock, so that another thread or process storing it
+        again meanwhile keeps it; whether it was deleted."""
+        with self._files():
+            stored_at = self.stored_at(key)
+            return stored_at is not None and stored_at < since and self.delete(key)
+
+    @contextlib.contextmanager
+    def _files(self) -> Iterator[None]:
+        """The store's files to this thread alone, and to this process (``.lock`` beside
+        them, an advisory lock): a put's check and a sweep's check-and-delete never
+        interleave."""
+        ensure_private_dir(self.directory)
+        with self._file_lock:
+            descriptor = os.open(self.directory / ".lock", os.O_RDWR | os.O_CREAT, 0o600)
+            try:
+                fcntl.flock(descriptor, fcntl.LOCK_EX)
+                yield
+            finally:
+                os.close(descriptor)  # and the lock with it
+
     def keys(self) -> list[str]:
         """Every stored image's key, sorted."""
         if not self.directory.is_dir():
@@ -164,13 +191,14 @@ class ImageStore:
             row = db.execute("SELECT id FROM image_ids WHERE key = ?", (name,)).fetchone()
         return int(row[0])
 
-    def key_of_id(self, image_id: int) -> str:
-        """The key of the image the id was given to."""
+    def name_of_id(self, image_id: int) -> tuple[str, str]:
+        """The key of the image the id was given to, and the variant it was asked with."""
         with self._ids() as db:
             row = db.execute("SELECT key FROM image_ids WHERE id = ?", (image_id,)).fetchone()
         if row is None:
             raise ImageMissing(f"no image has id {image_id} in {self.directory}")
-        return str(row[0]).split("@", 1)[0]
+        key, _, variant = str(row[0]).partition("@")
+        return key, variant
 
     @contextlib.contextmanager
     def _ids(self) -> Iterator[sqlite3.Connection]:
@@ -222,17 +250,8 @@ def delete_unreferenced(
     message about to show one may not be written yet). The keys deleted."""
     candidates = images.keys() if keys is None else list(dict.fromkeys(keys))
     referenced = store.image_references()
-    now = time.time()
-    deleted = []
-    for key in candidates:
-        if key in referenced:
-            continue
-        stored_at = images.stored_at(key)
-        if stored_at is None or now - stored_at < keep_recent_s:
-            continue
-        if images.delete(key):
-            deleted.append(key)
-    return deleted
+    since = time.time() - keep_recent_s
+    return [k for k in candidates if k not in referenced and images.delete_if_unsent(k, since)]
 
 
 def _sidecar(path: Path) -> Path:

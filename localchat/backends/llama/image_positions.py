@@ -20,14 +20,14 @@ from typing import Protocol
 
 class ImageSource(Protocol):
     """Where images are kept, by key (the SHA-256 of their bytes): the data folder's store.
-    An id names the image as one projector reads it (``variant``: its fingerprint); ``key_of_id``
-    gives the image's key back."""
+    An id names the image as one projector reads it (``variant``: its fingerprint, and which
+    of its image chunks where it is read in slices); ``name_of_id`` gives both back."""
 
     def get(self, key: str) -> bytes: ...
 
     def image_id(self, key: str, variant: str = "") -> int: ...
 
-    def key_of_id(self, image_id: int) -> str: ...
+    def name_of_id(self, image_id: int) -> tuple[str, str]: ...
 
 
 class ImageDecoder(Protocol):

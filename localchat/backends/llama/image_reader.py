@@ -31,6 +31,7 @@ from localchat.backends.llama.recording import RecordingLlama
 from localchat.backends.llama.vision import (
     CHUNK_TEXT,
     MEDIA_MARKER,
+    MTMD_VERSION,
     Image,
     Projector,
     mtmd_unavailable,
@@ -42,23 +43,31 @@ from localchat.paths import ensure_private_dir
 
 _HEADER = struct.Struct("<8sQI")  # magic, payload bytes, CRC-32
 _MAGIC = b"LCIMGEMB"
-MEMORY_ENTRIES = 16  # images whose embeddings (and pixels) stay in memory
+MEMORY_ENTRIES = 16  # images whose pixels stay in memory
+MEMORY_BYTES = 256 * 2**20  # the embeddings kept in memory, at most (the last always)
 PIXEL_BYTES = 64 * 2**20  # the decoded pictures kept in memory, at most (the last one always)
 DISK_BUDGET_BYTES = 1024**3
 LAYOUTS = 1024  # images whose layout (their ids at a marker) stays in memory
 
 
 class EmbeddingStore:
-    """Encoded images' embeddings by image key: the latest few in memory, all on disk (one
-    private file each, checked on reading, the oldest dropped past the budget) where a
-    folder is given. The folder is the projector's own: embeddings depend on it."""
+    """Encoded images' embeddings by image key (and chunk): the latest in memory, all on
+    disk (one private file each, checked on reading, the oldest dropped past the budget)
+    where a folder is given. The folder is the projector's own and each file is sealed with
+    the libmtmd version that made it: embeddings depend on both (how an image is resized
+    and cut is libmtmd's)."""
 
     def __init__(
-        self, directory: Path | None, variant: str, budget_bytes: int = DISK_BUDGET_BYTES
+        self,
+        directory: Path | None,
+        variant: str,
+        budget_bytes: int = DISK_BUDGET_BYTES,
+        made_by: str = MTMD_VERSION,
     ) -> None:
         self.directory = directory
         self.variant = variant  # the projector's fingerprint: what the embeddings depend on
         self.budget_bytes = budget_bytes
+        self._seal = zlib.crc32(made_by.encode())  # a file of another version fails its check
         self._memory: OrderedDict[str, bytes] = OrderedDict()
 
     def get(self, key: str) -> bytes | None:
@@ -76,7 +85,7 @@ class EmbeddingStore:
         self._remember(key, data)
         if self.directory is None:
             return
-        header = _HEADER.pack(_MAGIC, len(data), zlib.crc32(data))
+        header = _HEADER.pack(_MAGIC, len(data), zlib.crc32(data, self._seal))
         try:
             ensure_private_dir(self.directory.parent)
             ensure_private_dir(self.directory)
@@ -88,7 +97,7 @@ class EmbeddingStore:
     def _remember(self, key: str, data: bytes) -> None:
         self._memory[key] = data
         self._memory.move_to_end(key)
-        while len(self._memory) > MEMORY_ENTRIES:
+        while len(self._memory) > 1 and sum(map(len, self._memory.values())) > MEMORY_BYTES:
             self._memory.popitem(last=False)
 
     def _path(self, key: str) -> Path:
@@ -107,7 +116,7 @@ class EmbeddingStore:
             return None
         magic, size, crc = _HEADER.unpack_from(raw)
         data = raw[_HEADER.size :]
-        if magic != _MAGIC or size != len(data) or zlib.crc32(data) != crc:
+        if magic != _MAGIC or size != len(data) or zlib.crc32(data, self._seal) != crc:
             return None
         with contextlib.suppress(OSError):
             os.utime(self._path(key))  # recently used: evicted last
@@ -272,16 +281,21 @@ class ImageReader:
         return found
 
     def _slice_of(self, image_id: int) -> tuple[str, int]:
-        """The image key and chunk index a placeholder id was given to: known once the
-        image was laid out (in this process, from the store's key otherwise)."""
+        """The image key and chunk index a placeholder id was given to: from the store's
+        name of the id (its variant is this projector's fingerprint and the chunk's index)
+        where this process has not met it."""
         with self._lock:
             found = self._slices.get(image_id)
-        if found is None:
-            self._layout(self.source.key_of_id(image_id))
-            with self._lock:
-                found = self._slices.get(image_id)
-        if found is None:
+        if found is not None:
+            return found
+        key, variant = self.source.name_of_id(image_id)
+        own = self.embeddings.variant
+        suffix = variant[len(own) :]
+        if not variant.startswith(own) or len(suffix) not in (0, 4):
             raise ValueError(f"image id {image_id} names no image chunk this projector reads")
+        found = key, int(suffix or "0", 16)
+        with self._lock:
+            self._slices[image_id] = found
         return found
 
     def _image(self, key: str) -> Image:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
@@ -33,6 +33,8 @@ from localchat.chat.images import MEDIA_MARKER as MEDIA_MARKER
 from localchat.errors import ModelLoadError
 
 CHUNK_TEXT, CHUNK_IMAGE, CHUNK_AUDIO = 0, 1, 2  # enum mtmd_input_chunk_type
+# The build whose libmtmd resizes, cuts and encodes images: what kept embeddings came from.
+MTMD_VERSION: str = llama_cpp.__version__
 
 # libmtmd's last log lines: it writes to stderr otherwise (every encode says so), and a
 # failed load says why only there. Apart from runtime's capture, whose buffer lines count a
@@ -136,12 +138,13 @@ class Projector:
         self.vision: bool = bool(mtmd.mtmd_support_vision(self._ctx))
         # Whether an image is decoded with non-causal attention (one ubatch for all of it).
         self.non_causal: bool = bool(mtmd.mtmd_decode_use_non_causal(self._ctx, None))
-        # The last image tokenized alone: its key, its context manager and chunks.
-        self._lone: tuple[str, ExitStack, Any] | None = None
+        # Images tokenized alone, being decoded chunk by chunk: their freeing and chunks.
+        self._lone: OrderedDict[str, tuple[ExitStack, list[Any]]] = OrderedDict()
 
     def close(self) -> None:
         """Free libmtmd's context (the language model stays loaded)."""
-        self._free_lone()
+        for key in list(self._lone):
+            self._release(key)
         if self._ctx:
             _lib().mtmd_free(self._ctx)
             self._ctx = None
@@ -253,12 +256,13 @@ class Projector:
                 starts.append(new_n_past.value)
         return starts
 
-    def encode(self, image: Image, index: int = 0) -> bytes:
-        """The embeddings of ``image``'s image chunk ``index`` (its only one, or one of the
-        slices a projector such as Idefics3's cuts it into) as the projector encodes them
-        (float32, one row a KV cell), the language model's context untouched: what
-        ``decode_image`` encodes with, alone (the bench times it)."""
-        return self._encoded(self._lone_image_chunk(image, index))
+    def encode(self, image: Image) -> list[bytes]:
+        """The embeddings of each of ``image``'s image chunks (its only one, or the
+        overview and slices a projector such as Idefics3's cuts it into) as the projector
+        encodes them (float32, one row a KV cell), preprocessing included and the language
+        model's context untouched: what the bench times."""
+        with self.tokenized(MEDIA_MARKER, [image], add_special=False) as chunks:
+            return [self._encoded(chunk) for chunk in _image_chunks(chunks)]
 
     def _encoded(self, chunk: Any) -> bytes:
         """The embeddings of an image ``chunk``, encoded now."""
@@ -272,32 +276,31 @@ class Projector:
         n_tokens = int(_lib().mtmd_input_chunk_get_n_tokens(chunk))
         return n_tokens * int(llama_cpp.llama_model_n_embd(self._llm.model)) * 4
 
-    def _lone_image_chunk(self, image: Image, index: int) -> Any:
-        """Image chunk ``index`` of ``image`` tokenized alone at a marker. The last image's
-        chunks are kept (freed by the next image or ``close``): a sliced image is decoded
-        slice by slice, and each would otherwise resize and cut the whole picture again."""
-        if self._lone is None or self._lone[0] != image.key:
-            self._free_lone()
-            held = ExitStack()
-            chunks = held.enter_context(self.tokenized(MEDIA_MARKER, [image], add_special=False))
-            self._lone = (image.key, held, chunks)
-        chunks = self._lone[2]
-        mtmd = _lib()
-        found = [
-            mtmd.mtmd_input_chunks_get(chunks, i)
-            for i in range(mtmd.mtmd_input_chunks_size(chunks))
-        ]
-        pieces = [c for c in found if mtmd.mtmd_input_chunk_get_type(c) == CHUNK_IMAGE]
+    def _lone_image_chunk(self, image: Image, index: int) -> tuple[Any, bool]:
+        """Image chunk ``index`` of ``image`` tokenized alone at a marker, and whether it
+        is the image's last. An image's chunks are kept until its last is taken (two
+        images' at most, the latest): a sliced image is decoded slice by slice, possibly
+        beside another's, and each slice would otherwise resize and cut the whole picture
+        again."""
+        held = self._lone.get(image.key)
+        if held is None:
+            stack = ExitStack()
+            chunks = stack.enter_context(self.tokenized(MEDIA_MARKER, [image], add_special=False))
+            held = self._lone[image.key] = (stack, _image_chunks(chunks))
+            while len(self._lone) > 2:
+                self._lone.popitem(last=False)[1][0].close()
+        pieces = held[1]
         if not 0 <= index < len(pieces):
             raise ValueError(
                 f"libmtmd made {len(pieces)} image chunks of the image, not {index + 1}"
             )
-        return pieces[index]
+        return pieces[index], index == len(pieces) - 1
 
-    def _free_lone(self) -> None:
-        if self._lone is not None:
-            self._lone[1].close()
-            self._lone = None
+    def _release(self, key: str) -> None:
+        """Free the kept chunks of the image ``key`` (nothing where none are kept)."""
+        held = self._lone.pop(key, None)
+        if held is not None:
+            held[0].close()
 
     def decode_image(
         self,
@@ -316,7 +319,7 @@ class Projector:
         embeddings where they were encoded now (None: the ones given were used)."""
         mtmd = _lib()
         target = self._llm.ctx if context is None else context
-        chunk = self._lone_image_chunk(image, index)
+        chunk, last = self._lone_image_chunk(image, index)
         n_tokens = int(mtmd.mtmd_input_chunk_get_n_tokens(chunk))
         size = self._embeddings_size(chunk)
         batch = self._batch_for(chunk, n_batch, target)
@@ -329,6 +332,8 @@ class Projector:
             self._ctx, target, chunk, floats, n_past, seq_id, batch,
             ctypes.byref(new_n_past), mtmd.mtmd_helper_post_decode_callback(), None,
         )  # fmt: skip
+        if last:
+            self._release(image.key)
         if status != 0:
             raise RuntimeError(f"libmtmd could not decode the image (status {status})")
         return n_tokens, encoded
@@ -364,6 +369,15 @@ class Projector:
         if unfit:
             raise ValueError(unfit)
         return max(n_batch, n_tokens)
+
+
+def _image_chunks(chunks: Any) -> list[Any]:
+    """The image chunks of libmtmd's ``chunks``, in order."""
+    mtmd = _lib()
+    found = [
+        mtmd.mtmd_input_chunks_get(chunks, i) for i in range(mtmd.mtmd_input_chunks_size(chunks))
+    ]
+    return [c for c in found if mtmd.mtmd_input_chunk_get_type(c) == CHUNK_IMAGE]
 
 
 def _describe(chunks: Any, index: int) -> Chunk:
