@@ -200,6 +200,7 @@ def test_the_reader_tokenizes_as_libmtmd_does_the_whole_prompt(
     the same ids libmtmd gives the whole prompt, begin/end-of-image tokens included, and
     the text libmtmd writes between a sliced image's overview and slices (Idefics3's), each
     slice a run of its own."""
+    from localchat.backends.llama.image_positions import image_id_of, image_starts
     from localchat.backends.llama.image_reader import EmbeddingStore, ImageReader
     from localchat.chat.images import image_keys, image_marker
 
@@ -254,6 +255,17 @@ def test_the_reader_tokenizes_as_libmtmd_does_the_whole_prompt(
                 expected.extend([-2 * image_id] + [-(2 * image_id + 1)] * (chunk.n_tokens - 1))
                 seen += 1
             assert reader.tokens(text, plain) == expected
+        # A reader that never laid the image out (another process's) finds each run's image
+        # and chunk from the store's name of its id, and nothing of another projector's.
+        fresh = ImageReader(projector, source, EmbeddingStore(None, ""))
+        alone = reader.tokens(image_marker(one), plain)
+        for start in image_starts(alone):
+            run_id = image_id_of(alone[start])
+            key, index = fresh._slice_of(run_id)
+            assert key == one and source.image_id(one, f"{index:04x}" if index else "") == run_id
+        other = ImageReader(projector, source, EmbeddingStore(None, "ab" * 16))
+        with pytest.raises(ValueError, match="names no image chunk this projector reads"):
+            other._slice_of(source.image_id(one))
 
 
 def _image_chunks(projector: Projector, image: Image) -> list[object]:
