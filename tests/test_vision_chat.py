@@ -49,7 +49,7 @@ def _stored(seed: int) -> str:
 def _load(model: Path, **launch: object) -> Engine:
     return ModelLoader(app_paths()).load(
         model,
-        LaunchOptions(n_ctx=1024, **launch),
+        LaunchOptions(**{"n_ctx": 1024, **launch}),  # type: ignore[arg-type]
         on_this_thread=True,  # type: ignore[arg-type]
     )
 
@@ -221,6 +221,31 @@ def test_a_model_without_a_projector_refuses_images_and_stores_nothing(
             chat.send(LOOK, GREEDY, 8, images=(_stored(4),))
         assert chat.exchanges == []
         assert store.messages(chat.record.id) == []
+        chat.close()
+    finally:
+        engine.close()
+
+
+def test_a_message_longer_than_the_context_keeps_its_images_and_loses_text_only(
+    vision_model: Path,
+) -> None:
+    """Cut from its text, never from its images; where the images alone cannot fit, the
+    message is refused saying so (never sent without them)."""
+    engine = _load(vision_model, n_ctx=128)
+    try:
+        store = Store(app_paths().database)
+        chat = Conversation.open(store, StateStore(app_paths().states_dir), "long", engine)
+        words = " ".join(f"word{i}" for i in range(200))
+        turn = _say(chat, words, (_stored(5),))
+        stats = turn.stats_dict()
+        assert stats["window_cut_tokens"] > 0
+        assert len(image_starts(turn.prompt.tokens)) == 1  # the image is still in the prompt
+        assert len(turn.prompt.tokens) <= 128
+        many = tuple(_stored(seed) for seed in range(10, 18))  # 8 x 16 cells and some text
+        with pytest.raises(UsageError, match=r"image\(s\) take more of the context"):
+            _say(chat, words, many)
+        # Refused before it was stored: the box keeps it in the app, as for any refusal.
+        assert [len(m.images) for m in store.messages(chat.record.id)] == [1, 0]
         chat.close()
     finally:
         engine.close()

@@ -36,6 +36,7 @@ from localchat.conversation.turn import (
     RestoreReport,
     WindowReport,
 )
+from localchat.errors import UsageError
 from localchat.state.kvstate import BackgroundSaver, SavedState, StateRejected, StateStore
 from localchat.state.store import ConversationRecord, Store
 
@@ -405,10 +406,19 @@ class Conversation(ConversationBase):
         return messages, prompt, report, restore
 
     def _cut_message(self, message: ChatMessage, cut_tokens: int) -> ChatMessage:
-        """The message without its first ``cut_tokens`` tokens (plus a margin for re-tokenizing)."""
+        """The message without its first ``cut_tokens`` tokens (plus a margin for
+        re-tokenizing), cut from its text: its images stay, and where they alone do not fit
+        the message is refused rather than sent without them."""
         tokens = self.backend.tokenize(message.content)
-        keep = max(1, len(tokens) - cut_tokens - CUT_MARGIN_TOKENS)
-        return ChatMessage(message.role, self.backend.detokenize(tokens[-keep:]).lstrip())
+        keep = len(tokens) - cut_tokens - CUT_MARGIN_TOKENS
+        if message.images and keep < 1:
+            raise UsageError(
+                f"this message's {len(message.images)} image(s) take more of the context"
+                f" ({self.backend.n_ctx} tokens) than is left for them: start the model with"
+                " a larger context (--ctx), or send fewer or smaller images"
+            )
+        text = self.backend.detokenize(tokens[-max(1, keep) :]).lstrip()
+        return replace(message, content=text, image_at=())
 
     def _prepare_cache(self, prompt: list[int], fresh: bool) -> RestoreReport:
         """Restore the saved state, reuse the warm cache, or rebuild it from the transcript."""
