@@ -23,11 +23,14 @@ from localchat.backends.base import Sampling
 from localchat.backends.compute_thread import run_compute
 from localchat.backends.llama.engine import Engine
 from localchat.backends.llama.vision import mtmd_unavailable
+from localchat.backends.remote import RemoteBackend
+from localchat.chat.image_files import inspect_image
 from localchat.chat.template import ChatMessage
 from localchat.models.launch import LaunchOptions
 from localchat.models.loader import ModelLoader
 from localchat.paths import app_paths
 from localchat.server.app import BackgroundServer
+from localchat.server.images import image_store
 from localchat.server.requests import GenerationRequest
 from localchat.server.router import Router
 from localchat.server.runner import ModelRunner
@@ -239,6 +242,7 @@ def test_a_model_without_a_projector_refuses_an_image_in_one_line(
     vision_model: Path, tmp_path: Path
 ) -> None:
     served = Served(vision_model, tmp_path / "states", projector="none")
+    remote = RemoteBackend(f"{served.root}/v1", NAME)
     try:
         with pytest.raises(openai.BadRequestError) as caught:
             _ask(served.root, random_png(1))
@@ -247,8 +251,37 @@ def test_a_model_without_a_projector_refuses_an_image_in_one_line(
         assert httpx.get(f"{served.root}/props").json()["modalities"]["vision"] is False
         capabilities = ollama.Client(host=served.root).show(NAME).capabilities or []
         assert "vision" not in capabilities
+        # localchat pointed at it refuses an image before sending it, saying why.
+        assert "reads no images" in (remote.images_refused() or "")
     finally:
+        remote.close()
         served.close()
+
+
+def test_localchat_pointed_at_a_server_sends_images_where_they_are_in_the_message(
+    served: Served, vision_model: Path
+) -> None:
+    """The remote backend sends a message's images as data URIs, in their places: the reply
+    is the one the engine gives the same message here."""
+    picture = random_png(41)
+    key = image_store().put(inspect_image(picture, "p.png")).key
+    message = ChatMessage("user", "Look at this and say.", images=(key,), image_at=(12,))
+    remote = RemoteBackend(f"{served.root}/v1", NAME)
+    try:
+        assert remote.images_refused() is None
+        reply = remote.stream([message], Sampling(temperature=0.0), 8)
+        said = "".join(delta.text for delta in reply)
+    finally:
+        remote.close()
+    engine = run_compute(
+        ModelLoader(app_paths()).load, vision_model, LaunchOptions(n_ctx=1024, n_threads=2)
+    )
+    try:
+        assert said == run_compute(_greedy, engine, message, 8)
+        moved = ChatMessage("user", message.content, images=(key,))  # before the text
+        assert engine.prompt_tokens([moved]) != engine.prompt_tokens([message])
+    finally:
+        run_compute(engine.close)
 
 
 SHAPES = [("vit-tiny", 1), ("idefics3-tiny", 5)]  # and the image chunks each reads one in
@@ -302,7 +335,7 @@ def test_served_images_nothing_refers_to_are_swept_and_a_resent_one_still_hits_t
 ) -> None:
     """Nothing keeps a served image after its request: the store is swept as images come
     in (hourly), and the same image resent is stored again under its old id."""
-    from localchat.server.images import SERVED_KEEP_S, image_store, sweep_if_due
+    from localchat.server.images import SERVED_KEEP_S, sweep_if_due
 
     picture = random_png(31)
     first = _ask(served.root, picture)

@@ -10,6 +10,7 @@ it here: a reply's events are read into text and figures by ``remote_reply``.
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import json
 import os
@@ -17,7 +18,7 @@ import re
 import socket
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
@@ -33,9 +34,12 @@ from localchat.backends.remote_errors import (
     ServerRefused,
 )
 from localchat.backends.remote_reply import RemoteReply
+from localchat.chat.images import openai_parts
 from localchat.chat.template import ChatMessage
 from localchat.chat.tools import ToolUse
 from localchat.errors import UsageError, one_line
+from localchat.paths import app_paths
+from localchat.state.images import ImageStore
 from localchat.text import shown
 
 # The key: localchat's own variable first, then the one every OpenAI client reads.
@@ -156,14 +160,19 @@ def metric_value(text: str, names: Sequence[str]) -> float | None:
 
 
 def stream_body(
-    model: str | None, messages: Sequence[ChatMessage], sampling: Sampling, max_tokens: int
+    model: str | None,
+    messages: Sequence[ChatMessage],
+    sampling: Sampling,
+    max_tokens: int,
+    image_url: Callable[[str], str] | None = None,
 ) -> dict[str, Any]:
     """The body of a streamed chat request, every sampling setting spelled out: a server's
     defaults differ (llama-cpp-python's repeat penalty is 1.1), and a field left out is a
-    different reply."""
+    different reply. A message's images go as ``image_url`` parts where they are in it
+    (``image_url``: an image's key as the data URI sent)."""
     return {
         "model": model,
-        "messages": [m.as_openai() for m in messages],
+        "messages": [_openai_message(m, image_url) for m in messages],
         "stream": True,
         "stream_options": {"include_usage": True},
         "max_tokens": max_tokens,
@@ -174,6 +183,16 @@ def stream_body(
         "repeat_penalty": sampling.repeat_penalty,
         "seed": sampling.seed,
     }
+
+
+def _openai_message(message: ChatMessage, image_url: Callable[[str], str] | None) -> dict[str, Any]:
+    """One message as OpenAI's API takes it, its images as content parts."""
+    sent = message.as_openai()
+    if message.images:
+        if image_url is None:
+            raise UsageError("this message shows images and nothing here can send them")
+        sent["content"] = openai_parts(message.content, message.images, message.image_at, image_url)
+    return sent
 
 
 class RemoteBackend:
@@ -214,6 +233,8 @@ class RemoteBackend:
         self._tokenize_path: str | None = None
         self._metrics_seen: bool | None = None
         self._counts: dict[str, int] = {}
+        self._reads_images: bool | None = None  # what the server's /props says, once asked
+        self._images: ImageStore | None = None  # the data folder's, on the first image sent
 
     def _choose(self, model: str | None, context_size: int | None) -> None:
         self.models = self.list_models()
@@ -257,10 +278,37 @@ class RemoteBackend:
         return False
 
     def images_refused(self) -> str | None:
-        return (
-            f"images are not sent to a server yet ({self.server}); run a vision model"
-            " here with --model-path and --mmproj"
-        )
+        """Images go to the server as data URIs; one whose ``/props`` says it reads none
+        (llama-server's, localchat serve's) refuses them here, before anything is sent.
+        Another server that cannot read them says so when it is asked."""
+        if self._reads_images is None:
+            self._reads_images = self._probe_vision()
+        if self._reads_images is False:
+            return (
+                f"{self.model} on {self.server} reads no images (its server loaded it"
+                " without a projector); start the server with the model's mmproj, or run a"
+                " vision model here with --model-path"
+            )
+        return None
+
+    def _probe_vision(self) -> bool | None:
+        """llama-server's ``/props`` says whether its model reads images (None: no page)."""
+        with contextlib.suppress(RemoteError):
+            response = self._request("GET", f"{self.root}/props", params={"model": self.model})
+            if response.status_code == 200:
+                with contextlib.suppress(ValueError, AttributeError):
+                    vision = response.json().get("modalities", {}).get("vision")
+                    return vision if isinstance(vision, bool) else None
+        return None
+
+    def _image_url(self, key: str) -> str:
+        """The stored image ``key`` as a data URI, as every OpenAI-compatible server takes
+        an image (none fetches a file of ours)."""
+        if self._images is None:
+            self._images = ImageStore(app_paths().images_dir)
+        stored = self._images.facts(key)
+        data = base64.b64encode(self._images.get(key)).decode()
+        return f"data:{stored.mime};base64,{data}"
 
     def describe(self) -> BackendView:
         context = f"ctx {self._context}" if self._context else "ctx not published by the server"
@@ -429,7 +477,9 @@ class RemoteBackend:
         """Send the conversation and open the reply's stream: a refusal (key, model, context,
         server down) raises here, before anything is shown; the text comes as it is read.
         The tools offered go as OpenAI's ``tools``; the server parses the calls."""
-        body = stream_body(self.model, messages, sampling or Sampling(), max_tokens)
+        body = stream_body(
+            self.model, messages, sampling or Sampling(), max_tokens, self._image_url
+        )
         if tool_use is not None and tool_use.tools:
             body["tools"] = [tool.schema() for tool in tool_use.tools]
             choice = tool_use.forced_name

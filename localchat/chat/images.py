@@ -16,7 +16,7 @@ key says which image it is wherever the template moved it.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 IMAGE_OPEN = "\U000f0e01"
 IMAGE_CLOSE = "\U000f0e02"
@@ -95,3 +95,22 @@ def split_image_markers(text: str) -> Iterator[str | tuple[str]]:
 def image_keys(text: str) -> list[str]:
     """The keys of the images marked in ``text``, in order."""
     return _MARKER.findall(text)
+
+
+def openai_parts(
+    text: str, images: Sequence[str], at: Sequence[int], url_of: Callable[[str], str]
+) -> list[dict[str, object]]:
+    """A message's text and images as OpenAI's content parts, each image where it goes
+    (``url_of``: an image's key as the URL sent, a data URI): what a server that joins
+    parts as llama-server does (no newline beside an image) reads as the text marked here."""
+    offsets = list(at) or [0] * len(images)
+    parts: list[dict[str, object]] = []
+    position = 0
+    for key, offset in zip(images, offsets, strict=True):
+        if offset > position:
+            parts.append({"type": "text", "text": text[position:offset]})
+        parts.append({"type": "image_url", "image_url": {"url": url_of(key)}})
+        position = offset
+    if position < len(text):
+        parts.append({"type": "text", "text": text[position:]})
+    return parts
