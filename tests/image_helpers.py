@@ -19,9 +19,9 @@ def vision_model_with(models_dir: Path, shape: str = "vit-tiny") -> Path:
     folder.mkdir(exist_ok=True)
     model = folder / "tiny-vision-Q4_K_M.gguf"
     if not model.exists():
-        tokenizer = PROJECTOR_SHAPES[shape].tokenizer  # its image tokens where it has some
-        make_demo_model(model, "tiny", "Q4_K_M", seed=0, tokenizer=tokenizer)
-        make_projector(folder / "mmproj-tiny-vision-F16.gguf", "tiny", shape)
+        paired = PROJECTOR_SHAPES[shape]  # the LM it goes with, its image tokens if any
+        make_demo_model(model, paired.lm_shape, "Q4_K_M", seed=0, tokenizer=paired.tokenizer)
+        make_projector(folder / "mmproj-tiny-vision-F16.gguf", paired.lm_shape, shape)
     return model
 
 

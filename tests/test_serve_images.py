@@ -284,7 +284,8 @@ def test_localchat_pointed_at_a_server_sends_images_where_they_are_in_the_messag
         run_compute(engine.close)
 
 
-SHAPES = [("vit-tiny", 1), ("idefics3-tiny", 5)]  # and the image chunks each reads one in
+# And the image chunks each reads an image in; Qwen2-VL's places it with M-RoPE.
+SHAPES = [("vit-tiny", 1), ("idefics3-tiny", 5), ("qwen2vl-tiny", 1)]
 
 
 @pytest.mark.parametrize(("shape", "chunks"), SHAPES)

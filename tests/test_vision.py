@@ -268,6 +268,67 @@ def test_the_reader_tokenizes_as_libmtmd_does_the_whole_prompt(
             other._slice_of(source.image_id(one))
 
 
+@pytest.mark.parametrize("shape", sorted(set(PROJECTOR_SHAPES) - {"vit-bench"}))  # 576 cells
+def test_the_engine_places_an_image_as_libmtmds_helper_does(models_dir: Path, shape: str) -> None:
+    """Text, an image, text: evaluated by the engine's own path (the reader's tokens, each
+    image decoded at its run, text by ``RecordingLlama``) and by libmtmd's helper
+    (``mtmd_helper_eval_chunk_single``, as llama-server evaluates a prompt), the logits are
+    the same, then too after a follow-up turn. Qwen2-VL's projector places an image with
+    M-RoPE, its cells sharing positions and the text after it coming after its longer side:
+    the engine's text positions follow it, not the cells' count."""
+    from localchat.backends.llama.image_reader import open_reader
+    from localchat.backends.llama.recording import RecordingLlama
+    from localchat.chat.images import image_marker
+
+    class Images:
+        def __init__(self, image: Image) -> None:
+            self.data, self.ids = {image.key: image.data}, {}
+
+        def get(self, key: str) -> bytes:
+            return self.data[key]
+
+        def image_id(self, key: str, variant: str = "") -> int:
+            return self.ids.setdefault(f"{key}@{variant}", len(self.ids) + 1)
+
+        def name_of_id(self, image_id: int) -> tuple[str, str]:
+            key, _, variant = next(n for n, i in self.ids.items() if i == image_id).partition("@")
+            return key, variant
+
+    model = vision_model_with(models_dir, shape)
+    projector_file = model.parent / "mmproj-tiny-vision-F16.gguf"
+    picture = _bmp_image(40, 30)
+    helper = _llm(model)
+    with Projector(projector_file, helper) as libmtmd:
+        starts = libmtmd.evaluate(PROMPT, [picture], 0)
+    expected = _last_logits(helper)
+
+    engine_llm = RecordingLlama(model_path=str(model), n_ctx=512, n_batch=256, n_ubatch=256,
+                                n_threads=2, verbose=False)  # fmt: skip
+    reader = open_reader(projector_file, engine_llm, Images(picture), None, 2)
+    try:
+
+        def plain(text: str) -> list[int]:
+            return list(engine_llm.tokenize(text.encode(), add_bos=False, special=True))
+
+        bos = [engine_llm.token_bos()]
+        tokens = bos + reader.tokens(PROMPT.replace(MEDIA_MARKER, image_marker(picture.key)), plain)
+        engine_llm.eval(tokens)
+        assert np.array_equal(_last_logits(engine_llm), expected)
+        behind = reader.positions_behind(tokens)
+        assert (behind > 0) == reader.mrope == shape.startswith("qwen2vl")
+        assert starts[-1] == len(tokens) - behind  # where libmtmd's helper ended
+
+        follow = plain(FOLLOW)
+        engine_llm.eval(follow)
+        helper.n_tokens = starts[-1]  # its token record is not kept by libmtmd's helper
+        helper.eval(follow)  # positions from n_tokens: the helper's own, past the image
+        assert np.array_equal(_last_logits(engine_llm), _last_logits(helper))
+    finally:
+        reader.close()
+        engine_llm.close()
+        helper.close()
+
+
 def _image_chunks(projector: Projector, image: Image) -> list[object]:
     chunks = projector.chunks(MEDIA_MARKER, [image], add_special=False)
     return [chunk for chunk in chunks if chunk.kind == CHUNK_IMAGE]

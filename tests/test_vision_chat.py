@@ -83,12 +83,16 @@ def _after_last_image(tokens: list[int]) -> int:
     return len(tokens) - last - 1
 
 
-@pytest.mark.parametrize(("shape", "chunks"), [("vit-tiny", 1), ("idefics3-tiny", 5)])
+@pytest.mark.parametrize(
+    ("shape", "chunks"), [("vit-tiny", 1), ("idefics3-tiny", 5), ("qwen2vl-tiny", 1)]
+)
 def test_a_resumed_conversation_with_an_image_is_exact_and_encodes_nothing(
     models_dir: Path, engines: list[Engine], shape: str, chunks: int
 ) -> None:
     """Also for a projector that reads an image as an overview and slices (Idefics3's:
-    SmolVLM's), each slice encoded once and kept as an image of its own."""
+    SmolVLM's), each slice encoded once and kept as an image of its own, and for one that
+    places it with M-RoPE (Qwen2-VL's: fewer positions than cells, the text after it
+    positioned after its longer side), its positions kept in the state."""
     vision_model = vision_model_with(models_dir, shape)
     picture = _stored(1)
     warm, warm_engine = _open(engines, vision_model, "warm")
@@ -186,9 +190,13 @@ def test_another_image_gives_another_reply_and_the_same_image_encodes_once(
     c.close()
 
 
+@pytest.mark.parametrize("shape", ["vit-tiny", "qwen2vl-tiny"])
 def test_an_edit_after_an_image_restores_it_from_disk(
-    vision_model: Path, engines: list[Engine]
+    models_dir: Path, engines: list[Engine], shape: str
 ) -> None:
+    """Also where the image's positions are M-RoPE's (the cut after it is at a position
+    short of its index)."""
+    vision_model = vision_model_with(models_dir, shape)
     picture = _stored(3)
     reference, _ = _open(engines, vision_model, "reference")
     _say(reference, LOOK, (picture,))
@@ -207,6 +215,23 @@ def test_an_edit_after_an_image_restores_it_from_disk(
     assert edited.restore.restored
     assert engine.image_reader is not None and engine.image_reader.encodes == 0
     assert edited.stats_dict()["prompt_tokens_evaluated"] <= _after_last_image(edited.prompt.tokens)
+    chat.close()
+
+
+def test_a_reply_asked_again_after_an_m_rope_image_cuts_the_cache_at_its_position(
+    models_dir: Path, engines: list[Engine]
+) -> None:
+    """The warm cache cut back to the question as the evaluation cuts it (the old reply's
+    cells dropped from their position, which M-RoPE puts short of their index): the same
+    reply, one token read."""
+    chat, engine = _open(engines, vision_model_with(models_dir, "qwen2vl-tiny"), "again")
+    _say(chat, LOOK, (_stored(9),))
+    first = _say(chat, FOLLOW).generation.text
+    assert chat.take_back_last_exchange() == FOLLOW
+    again = _say(chat, FOLLOW)
+    assert again.generation.text == first
+    assert again.stats_dict()["prompt_tokens_evaluated"] == 1
+    assert engine.image_reader is not None and engine.image_reader.encodes == 1
     chat.close()
 
 

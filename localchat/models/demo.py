@@ -275,6 +275,9 @@ def _add_metadata(
     writer.add_rope_dimension_count(shape.head_dim)
     writer.add_rope_freq_base(shape.rope_freq_base)
     writer.add_vocab_size(shape.n_vocab)
+    if shape.architecture == "qwen2vl":  # M-RoPE's sections of the rotated half, as Qwen2-VL's
+        third = shape.head_dim // 2 // 8  # [16, 24, 24, 0] of 64: here 2/8, 3/8, 3/8 of it
+        writer.add_rope_dimension_sections([2 * third, 3 * third, 3 * third, 0])
     if shape.architecture == "gemma3":
         writer.add_key_length(shape.head_dim)
         writer.add_value_length(shape.head_dim)

@@ -56,6 +56,9 @@ SHAPES: dict[str, ModelShape] = {
     "swa-tiny": ModelShape(
         "swa-tiny", 6, 128, 4, 2, 256, 1024, 8192, 1_000_000.0, "gemma3", 64, 32
     ),
+    # Qwen2-VL's language model (qwen2vl: M-RoPE, each position in 4 sections that an
+    # image's cells fill with their row and column), tiny's numbers otherwise.
+    "mrope-tiny": ModelShape("mrope-tiny", 2, 128, 4, 2, 256, 1024, 4096, 10000.0, "qwen2vl"),
     # Gemma-3-270M's dimensions (vocabulary kept at 32k so the file stays small).
     "gemma3": ModelShape(
         "gemma3", 18, 640, 4, 1, 2048, 32000, 32768, 1_000_000.0, "gemma3", 512, 256

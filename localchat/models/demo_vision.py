@@ -42,6 +42,7 @@ class ProjectorShape:
     # read as an image of its own after an overview of the whole (0: one image, no slices).
     longest_edge: int = 0
     tokenizer: str = "spm"  # the demo LM's tokenizer kind it pairs with (its image tokens)
+    lm_shape: str = "tiny"  # the demo LM it pairs with (qwen2vl: Qwen2-VL's M-RoPE one)
 
     @property
     def image_tokens(self) -> int:
@@ -49,6 +50,8 @@ class ProjectorShape:
         the language model's context."""
         return (self.image_size // self.patch_size // self.merge) ** 2
 
+
+QWEN2VL = "qwen2vl_merger"  # Qwen2-VL's projector type
 
 PROJECTOR_SHAPES: dict[str, ProjectorShape] = {
     # 32 px in 8 px patches: 16 image tokens, encoded in a millisecond or two.
@@ -68,6 +71,13 @@ PROJECTOR_SHAPES: dict[str, ProjectorShape] = {
     # "<fake_token_around_image>", "<row_1_col_1>" ...: the demo LM's idefics3 vocabulary).
     "idefics3-tiny": ProjectorShape(
         "idefics3-tiny", 32, 8, 2, 64, 4, 128, "idefics3", 2, 64, "idefics3"
+    ),
+    # Qwen2-VL's projector (a ViT with 2-D rotary positions, two patch kernels for a frame
+    # pair, 2x2 patches merged by an MLP): an image of any size in 16 px cells, its tokens
+    # placed with M-RoPE (row and column positions; the next text comes after the longer
+    # side, not after every cell), between "<|vision_start|>" and "<|vision_end|>".
+    "qwen2vl-tiny": ProjectorShape(
+        "qwen2vl-tiny", 32, 8, 2, 64, 4, 128, QWEN2VL, 2, lm_shape="mrope-tiny"
     ),
 }
 SIGLIP = ("gemma3", "idefics3")  # towers with SigLIP's GELU and its norm after the blocks
@@ -93,7 +103,9 @@ def _add_metadata(writer: GGUFWriter, shape: ProjectorShape, n_embd_text: int) -
     writer.add_vision_image_mean(list(CLIP_MEAN))
     writer.add_vision_image_std(list(CLIP_STD))
     writer.add_vision_use_gelu(shape.projector in SIGLIP)  # else CLIP's quick GELU
-    if shape.merge > 1:  # Gemma 3's own is 4 (what the loader assumes without the key)
+    if shape.projector == QWEN2VL:
+        writer.add_vision_spatial_merge_size(shape.merge)
+    elif shape.merge > 1:  # Gemma 3's own is 4 (what the loader assumes without the key)
         writer.add_vision_projector_scale_factor(shape.merge)
     if shape.longest_edge:
         writer.add_vision_preproc_image_size(shape.longest_edge)
@@ -116,11 +128,15 @@ def _add_tensors(
         writer.add_tensor(name, np.full(size, values, dtype=np.float32))
 
     weights("v.patch_embd.weight", e, 3, p, p)  # a conv kernel, as torch lays it out
-    vector("v.patch_embd.bias", e)
-    n_pos = (shape.image_size // p) ** 2  # one a patch, before any merge
-    writer.add_tensor(
-        "v.position_embd.weight", rng.standard_normal((n_pos, e), np.float32) * np.float32(0.02)
-    )
+    if shape.projector == QWEN2VL:  # the second frame's kernel; rotary positions, no table
+        weights("v.patch_embd.weight.1", e, 3, p, p)
+    else:
+        vector("v.patch_embd.bias", e)
+        n_pos = (shape.image_size // p) ** 2  # one a patch, before any merge
+        writer.add_tensor(
+            "v.position_embd.weight",
+            rng.standard_normal((n_pos, e), np.float32) * np.float32(0.02),
+        )
     norm = "post_ln" if shape.projector in SIGLIP else "pre_ln"
     vector(f"v.{norm}.weight", e, 1.0)
     vector(f"v.{norm}.bias", e, 0.0)
@@ -139,6 +155,12 @@ def _add_tensors(
         vector("mm.soft_emb_norm.weight", e, 1.0)
         # Stored as the checkpoint holds it (in x out): the loader transposes it.
         weights("mm.input_projection.weight", e, n_embd_text)
+        return
+    if shape.projector == QWEN2VL:  # the merger: 2x2 patches side by side, an MLP
+        weights("mm.0.weight", 4 * e, 4 * e)
+        vector("mm.0.bias", 4 * e)
+        weights("mm.2.weight", n_embd_text, 4 * e)
+        vector("mm.2.bias", n_embd_text)
         return
     if shape.projector == "idefics3":  # after the shuffle: merge² patches side by side
         weights("mm.model.fc.weight", n_embd_text, e * shape.merge**2)

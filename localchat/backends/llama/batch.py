@@ -106,7 +106,7 @@ class SequenceBatch:
             raise ValueError(f"a step of {total} tokens is over the batch's {self.capacity}")
         n = 0
         for chunk in chunks:
-            start = len(self.tokens[chunk.seq])
+            start = self.position(chunk.seq, len(self.tokens[chunk.seq]))
             for offset, token in enumerate(chunk.tokens):
                 batch.token[n] = token
                 batch.pos[n] = start + offset
@@ -139,6 +139,14 @@ class SequenceBatch:
             self.tokens[chunk.seq].extend(chunk.tokens)
         return rows
 
+    def position(self, seq: int, index: int) -> int:
+        """The position of the cell at ``index`` of ``seq``: its index, less what M-RoPE
+        images before it take fewer positions than cells (``positions_behind``)."""
+        reader = self.engine.image_reader
+        if reader is None or not reader.mrope or index == 0:
+            return index
+        return index - reader.positions_behind(self.tokens[seq][:index])
+
     def decode_image(self, seq: int, run: Sequence[int], reader: ImageReader) -> None:
         """Decode the image whose placeholder run is ``run`` into ``seq`` after what it
         holds: whole, by itself (libmtmd's helper decodes its embeddings in batches of
@@ -147,7 +155,7 @@ class SequenceBatch:
         n_past = len(self.tokens[seq])
         n_batch = min(self.engine.options.n_batch, self.capacity)
         try:
-            reader.evaluate(run, n_past, n_batch, seq, self._context)
+            reader.evaluate(run, self.position(seq, n_past), n_batch, seq, self._context)
         except BaseException:
             self.cut(seq, n_past)
             if abort_requested():
@@ -214,7 +222,9 @@ class SequenceBatch:
             pos_min = int(llama_cpp.llama_memory_seq_pos_min(self._memory, seq))
             if pos_min > max(0, keep - window):
                 keep = -1
-        if keep >= 0 and llama_cpp.llama_memory_seq_rm(self._memory, seq, keep, -1):
+        if keep >= 0 and llama_cpp.llama_memory_seq_rm(
+            self._memory, seq, self.position(seq, keep), -1
+        ):
             del self.tokens[seq][keep:]
             return True
         llama_cpp.llama_memory_seq_rm(self._memory, seq, -1, -1)

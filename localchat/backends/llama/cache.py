@@ -239,7 +239,7 @@ class KVCache:
             self.cut_back(sequence)
         elif n < cached:
             memory = llama_cpp.llama_get_memory(self._llm.ctx)
-            if llama_cpp.llama_memory_seq_rm(memory, 0, n, -1):
+            if llama_cpp.llama_memory_seq_rm(memory, 0, self._llm.position(n), -1):
                 self._llm.n_tokens = n
                 # llama.cpp's last logits belong to a later position now: a prompt equal to
                 # the cache must evaluate its last token again, not sample from them.

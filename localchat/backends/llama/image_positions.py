@@ -9,6 +9,12 @@ and the bookkeeping that compares ids (common prefixes, state names, block hashe
 exact with images in it. An image's first cell is ``-2·id`` and the rest ``-(2·id + 1)``:
 two copies of one image side by side are two runs, and a cut that would fall inside an
 image is visible.
+
+A cell's position is its index, except after an image placed with M-RoPE (Qwen2-VL's
+family): its cells share positions (its rows' and columns') and the text after it comes
+after its longer side, so every later position is its index less what such images before
+it take fewer (``ImageDecoder.positions_behind``). The lists stay lists of cells; only
+what is handed to llama.cpp as a position is shifted.
 """
 
 from __future__ import annotations
@@ -16,6 +22,12 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
+
+import numpy as np
+import numpy.typing as npt
+
+# A token list: a list, or llama-cpp-python's array of the cached ids (``input_ids``).
+Tokens = Sequence[int] | npt.NDArray[np.intc]
 
 
 class ImageSource(Protocol):
@@ -32,11 +44,15 @@ class ImageSource(Protocol):
 
 class ImageDecoder(Protocol):
     """What decodes an image's embeddings into the context (``image_reader.ImageReader``);
-    ``encodes``: the images it had to encode (not found already encoded)."""
+    ``encodes``: the images it had to encode (not found already encoded);
+    ``positions_behind``: how many fewer positions than cells the images of a token list
+    take (M-RoPE's; 0 elsewhere), what a cell's position is its index less."""
 
     encodes: int
 
     def evaluate(self, run: Sequence[int], n_past: int, n_batch: int) -> None: ...
+
+    def positions_behind(self, tokens: Tokens) -> int: ...
 
 
 def image_run(image_id: int, n_cells: int) -> list[int]:
@@ -60,6 +76,14 @@ def placeholder_bytes(token: int) -> bytes:
     if not starts_image(token):
         return b""
     return f"\U000f0e01#{image_id_of(token)}\U000f0e02".encode()
+
+
+def image_ids_in(tokens: Tokens) -> list[int]:
+    """The ids of the images that start in ``tokens``, in order (a numpy scan: a list as
+    long as the context is scanned on every token generated after an M-RoPE image)."""
+    ids = np.asarray(tokens, dtype=np.int64)
+    firsts = ids[(ids < 0) & (ids % 2 == 0)]
+    return [int(t) // -2 for t in firsts]
 
 
 def has_images(tokens: Sequence[int]) -> bool:

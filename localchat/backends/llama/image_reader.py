@@ -23,7 +23,9 @@ from typing import Any
 from localchat.atomic import write_atomic
 from localchat.backends.llama.image_positions import (
     ImageSource,
+    Tokens,
     image_id_of,
+    image_ids_in,
     image_run,
     starts_image,
 )
@@ -161,12 +163,6 @@ def open_reader(
     if source is None:
         raise ValueError("a projector needs the store its images are kept in")
     opened = Projector(projector, llm, threads)
-    if opened.mrope:  # n_pos < n_tokens: one position per cell is what the cache keeps
-        opened.close()
-        raise ModelLoadError(
-            f"{projector.name} places images with M-RoPE (the Qwen2-VL family), which"
-            " localchat does not read yet; use another vision model"
-        )
     if not opened.vision:
         opened.close()
         raise ModelLoadError(f"{projector.name} is not a vision projector (audio only)")
@@ -193,6 +189,7 @@ class ImageReader:
         # An id never changes: asked of the store once, by image key and chunk index.
         self._ids: dict[tuple[str, int], int] = {}
         self._slices: dict[int, tuple[str, int]] = {}
+        self._behind: dict[int, int] = {}  # an image chunk's cells less its positions, by id
         # A server tokenizes prompts on its worker threads (libmtmd's tokenizer reads the
         # projector's settings only, as llama.cpp's server runs it): the caches above are
         # shared by them and the compute thread.
@@ -235,7 +232,10 @@ class ImageReader:
             refused = self.projector.refuses(chunk.n_tokens)
             if refused:
                 raise UsageError(refused)
-            layout.extend(image_run(self._id_of(key, index), chunk.n_tokens))
+            image_id = self._id_of(key, index)
+            layout.extend(image_run(image_id, chunk.n_tokens))
+            with self._lock:
+                self._behind[image_id] = chunk.n_tokens - chunk.n_pos
             index += 1
         with self._lock:
             self._layouts[key] = layout
@@ -264,6 +264,34 @@ class ImageReader:
         if n_cells != len(run):
             raise ValueError(f"an image took {n_cells} cells where its run has {len(run)}")
 
+    @property
+    def mrope(self) -> bool:
+        """Whether images take fewer positions than cells (M-RoPE: Qwen2-VL's family)."""
+        return self.projector.mrope
+
+    def positions_behind(self, tokens: Tokens) -> int:
+        """How many fewer positions than cells the images that start in ``tokens`` take:
+        under M-RoPE an image's cells share positions (its rows' and columns') and the text
+        after it comes after its longer side, as libmtmd's helper places it; 0 for every
+        other projector. A cell's position is its index less this, for what precedes it."""
+        if not self.projector.mrope:
+            return 0
+        return sum(self._behind_of(image_id) for image_id in image_ids_in(tokens))
+
+    def _behind_of(self, image_id: int) -> int:
+        """Cells less positions of one image chunk: known once it was laid out, else laid
+        out again from the store's image (its chunk's ``n_tokens - n_pos``)."""
+        with self._lock:
+            found = self._behind.get(image_id)
+        if found is None:
+            key, index = self._slice_of(image_id)
+            chunks = self.projector.chunks(MEDIA_MARKER, [self._image(key)], add_special=False)
+            chunk = [c for c in chunks if c.kind != CHUNK_TEXT][index]
+            found = chunk.n_tokens - chunk.n_pos
+            with self._lock:
+                self._behind[image_id] = found
+        return found
+
     def _id_of(self, key: str, index: int = 0) -> int:
         """The placeholder id of the image's chunk ``index`` (its only one, or a slice)
         under this projector: the store's id of the three, so an image read by another
@@ -277,6 +305,7 @@ class ImageReader:
                 if len(self._ids) >= LAYOUTS * 32:  # a cache of the store's table: bounded
                     self._ids.clear()
                     self._slices.clear()
+                    self._behind.clear()
                 self._ids[key, index], self._slices[found] = found, (key, index)
         return found
 

@@ -16,7 +16,7 @@ import numpy as np
 import numpy.typing as npt
 
 # The private attributes of llama-cpp-python's objects that only this module touches.
-PRIVATE_ATTRIBUTES = frozenset({"_model", "_ctx", "_batch", "_requires_eval"})
+PRIVATE_ATTRIBUTES = frozenset({"_model", "_ctx", "_batch", "_requires_eval", "_logits_all"})
 
 
 def vocab_of(llm: llama_cpp.Llama) -> llama_cpp.llama_vocab_p:
@@ -30,6 +30,25 @@ def drop_cells_from(llm: llama_cpp.Llama, start: int) -> None:
     """Remove every cached cell from position ``start`` on: ``Llama.reset`` only rewinds its
     token count, and ``Llama`` has no public cut of llama.cpp's memory."""
     llm._ctx.kv_cache_seq_rm(-1, start, -1)
+
+
+def eval_behind(llm: llama_cpp.Llama, tokens: Sequence[int], behind: int) -> None:
+    """``Llama.eval`` with each token's position ``behind`` less than its index: after an
+    M-RoPE image, whose cells take fewer positions than there are of them, text goes on
+    from the position after the image, as libmtmd's helper places it. ``Llama.eval`` puts
+    every token at its index, and has no way to say otherwise."""
+    llm._ctx.kv_cache_seq_rm(-1, llm.n_tokens - behind, -1)
+    for i in range(0, len(tokens), llm.n_batch):
+        batch = list(tokens[i : i + llm.n_batch])
+        n_past = llm.n_tokens
+        llm._batch.set_batch(batch=batch, n_past=n_past - behind, logits_all=llm._logits_all)
+        llm._ctx.decode(llm._batch)
+        llm.input_ids[n_past : n_past + len(batch)] = batch
+        if llm._logits_all:
+            rows = np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(len(batch) * llm.n_vocab(),))
+            llm.scores[n_past : n_past + len(batch), :].reshape(-1)[::] = rows
+        llm.n_tokens += len(batch)
+        llm._requires_eval = False
 
 
 def fill_batch_every_position(llm: llama_cpp.Llama, tokens: Sequence[int], n_past: int) -> None:

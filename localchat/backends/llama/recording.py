@@ -19,6 +19,7 @@ from localchat.backends.llama.image_positions import (
 from localchat.backends.llama.internals import (
     decode_filled_batch,
     drop_cells_from,
+    eval_behind,
     fill_batch_every_position,
     set_logits_stale,
 )
@@ -53,6 +54,13 @@ class RecordingLlama(llama_cpp.Llama):
     # (``image_positions``); None: the model reads no images.
     images: ImageDecoder | None = None
 
+    def position(self, index: int) -> int:
+        """The position of the cell at ``index``: its index, less what the images before
+        it take fewer positions than cells (M-RoPE's; ``ImageDecoder.positions_behind``)."""
+        if self.images is None or index == 0:
+            return index
+        return index - self.images.positions_behind(self.input_ids[:index])
+
     def eval(self, tokens: Sequence[int]) -> None:
         if has_images(tokens):
             self._eval_with_images(tokens)
@@ -60,6 +68,7 @@ class RecordingLlama(llama_cpp.Llama):
         if abort_requested():
             raise KeyboardInterrupt
         n_past = self.n_tokens
+        behind = n_past - self.position(n_past)
         verify = self.verify_next == len(tokens) > 1
         self.verify_next = 0
         starts = self.batch_starts
@@ -76,6 +85,8 @@ class RecordingLlama(llama_cpp.Llama):
         try:
             if verify:
                 self._eval_every_position(tokens)
+            elif behind:
+                eval_behind(self, tokens, behind)
             else:
                 super().eval(tokens)
         except RuntimeError:  # llama_decode returned an error code: 2 when it was aborted
@@ -108,16 +119,17 @@ class RecordingLlama(llama_cpp.Llama):
         if abort_requested():
             raise KeyboardInterrupt
         n_past = self.n_tokens
-        drop_cells_from(self, n_past)
+        position = self.position(n_past)
+        drop_cells_from(self, position)
         starts = self.batch_starts
         if starts is not None:
             del starts[bisect.bisect_left(starts, n_past) :]
             starts.append(n_past)
         started = time.perf_counter()
         try:
-            self.images.evaluate(run, n_past, self.n_batch)
+            self.images.evaluate(run, position, self.n_batch)
         except Exception:  # nothing of the image stays
-            drop_cells_from(self, n_past)
+            drop_cells_from(self, position)
             if abort_requested():
                 raise KeyboardInterrupt from None
             raise
@@ -132,9 +144,9 @@ class RecordingLlama(llama_cpp.Llama):
         every position: llama-cpp-python asks only for a batch's last unless ``logits_all``,
         which keeps n_ctx x n_vocab floats for the whole context. Sampling then reads each
         position's logits from llama.cpp (``llama_get_logits_ith``)."""
-        drop_cells_from(self, self.n_tokens)
         n_past = self.n_tokens
-        fill_batch_every_position(self, tokens, n_past)
+        drop_cells_from(self, self.position(n_past))
+        fill_batch_every_position(self, tokens, self.position(n_past))
         decode_filled_batch(self)
         self.input_ids[n_past : n_past + len(tokens)] = tokens
         self.n_tokens += len(tokens)
@@ -143,7 +155,7 @@ class RecordingLlama(llama_cpp.Llama):
     def _forget_unfinished(self, end: int) -> None:
         """After an aborted evaluation: the cache and the records end where the last whole
         batch did (llama.cpp keeps an aborted batch's finished micro-batches)."""
-        drop_cells_from(self, self.n_tokens)
+        drop_cells_from(self, self.position(self.n_tokens))
         self.tokens_evaluated -= end - self.n_tokens
         starts = self.batch_starts
         if starts is not None:

@@ -244,7 +244,7 @@ class Projector:
             pieces = [mtmd.mtmd_input_chunks_get(chunks, i) for i in range(count)]
             batches = [self._batch_for(chunk, n_batch) for chunk in pieces]  # refused whole
             for i, (chunk, batch) in enumerate(zip(pieces, batches, strict=True)):
-                new_n_past = llama_cpp.llama_pos(0)
+                new_n_past = llama_cpp.llama_pos(starts[-1])  # a text chunk adds to it
                 status = mtmd.mtmd_helper_eval_chunk_single(
                     self._ctx, self._llm.ctx, chunk, starts[-1], seq_id,
                     batch, i == count - 1, ctypes.byref(new_n_past),
