@@ -48,6 +48,8 @@ def test_parts_are_joined_as_llama_server_joins_them_around_a_media_marker() -> 
     assert rendered == (
         f"First\nsecond{image_marker(A)}third{image_marker(B)}{image_marker(A)}last"
     )
+    # A text after an image and an empty text: the newline llama-server writes there.
+    assert joined_parts([("image", A), ("text", ""), ("text", "b")]) == ("\nb", (A,), (0,))
     # Without images, text parts run together, as they did before images were read.
     assert joined_parts([("text", "a"), ("text", "b")]) == ("ab", (), ())
 
@@ -92,3 +94,18 @@ def test_every_api_keeps_its_image_parts_where_they_were_sent() -> None:
     assert kept.request.messages is not None
     asked = _user(kept.request.messages)
     assert (asked.content, len(asked.images), asked.image_at) == ("Isit?", 1, (2,))
+
+
+def test_a_message_cut_for_a_servers_context_keeps_its_images() -> None:
+    """The remote window cuts text only: an image is never sent without, and a message
+    whose images alone do not fit is refused saying so."""
+    from localchat.backends.remote import IMAGE_TOKENS_GUESS
+    from localchat.conversation.remote import _cut_text
+    from localchat.errors import UsageError
+
+    message = ChatMessage("user", "word " * 100, images=(A,), image_at=(5,))
+    tokens = 100 + IMAGE_TOKENS_GUESS
+    cut = _cut_text(message, 50, tokens)
+    assert cut.images == (A,) and cut.image_at == () and 0 < len(cut.content) < 500
+    with pytest.raises(UsageError, match=r"image\(s\) take more of the server's context"):
+        _cut_text(message, 100, tokens)

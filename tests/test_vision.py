@@ -276,6 +276,7 @@ def test_the_engine_places_an_image_as_libmtmds_helper_does(models_dir: Path, sh
     the same, then too after a follow-up turn. Qwen2-VL's projector places an image with
     M-RoPE, its cells sharing positions and the text after it coming after its longer side:
     the engine's text positions follow it, not the cells' count."""
+    from localchat.backends.llama.image_positions import image_starts
     from localchat.backends.llama.image_reader import open_reader
     from localchat.backends.llama.recording import RecordingLlama
     from localchat.chat.images import image_marker
@@ -316,6 +317,8 @@ def test_the_engine_places_an_image_as_libmtmds_helper_does(models_dir: Path, sh
         assert np.array_equal(_last_logits(engine_llm), expected)
         behind = reader.positions_behind(tokens)
         assert (behind > 0) == reader.mrope == shape.startswith("qwen2vl")
+        first = image_starts(tokens)[0]  # a cell inside an image is at the image's start
+        assert engine_llm.position(first + 2) == engine_llm.position(first) == first
         assert starts[-1] == len(tokens) - behind  # where libmtmd's helper ended
 
         follow = plain(FOLLOW)

@@ -18,6 +18,7 @@ import re
 import socket
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -50,6 +51,10 @@ READ_TIMEOUT_S = 600.0
 # What a chat template adds around each message (role header, end marker) where the server
 # cannot count: the window plans with it, and the figures say "estimated".
 MESSAGE_OVERHEAD_TOKENS = 6
+# An image's tokens, planned before the server reads it: most small vision models take 256
+# to 1,100 (Gemma 3 256, LLaVA 576, SmolVLM about 1,100); a Qwen2-VL photo can take more.
+IMAGE_TOKENS_GUESS = 1024
+DATA_URIS = 64 * 2**20  # the images' data URIs kept to send again, at most (the last always)
 CHARS_PER_TOKEN = 4
 # The cache figure after a turn is a nicety: never worth more than this wait.
 METRICS_TIMEOUT_S = 1.0
@@ -234,6 +239,8 @@ class RemoteBackend:
         self._metrics_seen: bool | None = None
         self._counts: dict[str, int] = {}
         self._reads_images: bool | None = None  # what the server's /props says, once asked
+        self._asked_images = False
+        self._data_uris: OrderedDict[str, str] = OrderedDict()  # the latest images sent
         self._images: ImageStore | None = None  # the data folder's, on the first image sent
 
     def _choose(self, model: str | None, context_size: int | None) -> None:
@@ -281,8 +288,8 @@ class RemoteBackend:
         """Images go to the server as data URIs; one whose ``/props`` says it reads none
         (llama-server's, localchat serve's) refuses them here, before anything is sent.
         Another server that cannot read them says so when it is asked."""
-        if self._reads_images is None:
-            self._reads_images = self._probe_vision()
+        if not self._asked_images:
+            self._reads_images, self._asked_images = self._probe_vision(), True
         if self._reads_images is False:
             return (
                 f"{self.model} on {self.server} reads no images (its server loaded it"
@@ -294,7 +301,10 @@ class RemoteBackend:
     def _probe_vision(self) -> bool | None:
         """llama-server's ``/props`` says whether its model reads images (None: no page)."""
         with contextlib.suppress(RemoteError):
-            response = self._request("GET", f"{self.root}/props", params={"model": self.model})
+            # autoload: a llama-server router answers for a model it has not loaded
+            # without loading it (an unloaded one answers no page: unknown).
+            params = {"model": self.model, "autoload": "false"}
+            response = self._request("GET", f"{self.root}/props", params=params)
             if response.status_code == 200:
                 with contextlib.suppress(ValueError, AttributeError):
                     vision = response.json().get("modalities", {}).get("vision")
@@ -304,11 +314,18 @@ class RemoteBackend:
     def _image_url(self, key: str) -> str:
         """The stored image ``key`` as a data URI, as every OpenAI-compatible server takes
         an image (none fetches a file of ours)."""
+        found = self._data_uris.get(key)
+        if found is not None:
+            self._data_uris.move_to_end(key)
+            return found
         if self._images is None:
             self._images = ImageStore(app_paths().images_dir)
         stored = self._images.facts(key)
         data = base64.b64encode(self._images.get(key)).decode()
-        return f"data:{stored.mime};base64,{data}"
+        found = self._data_uris[key] = f"data:{stored.mime};base64,{data}"
+        while len(self._data_uris) > 1 and sum(map(len, self._data_uris.values())) > DATA_URIS:
+            self._data_uris.popitem(last=False)  # every turn resends the history's images
+        return found
 
     def describe(self) -> BackendView:
         context = f"ctx {self._context}" if self._context else "ctx not published by the server"
@@ -445,8 +462,10 @@ class RemoteBackend:
         return None
 
     def message_tokens(self, message: ChatMessage) -> int:
-        """What one message takes in the prompt: its text and the template around it."""
-        return self.count_tokens(message.content) + MESSAGE_OVERHEAD_TOKENS
+        """What one message takes in the prompt: its text and the template around it, and
+        a guess for each image (how many tokens an image takes is the server's model's)."""
+        text = self.count_tokens(message.content) + MESSAGE_OVERHEAD_TOKENS
+        return text + IMAGE_TOKENS_GUESS * len(message.images)
 
     # -- the server's cache ---------------------------------------------------------------
     def cache_usage(self) -> float | None:

@@ -69,7 +69,7 @@ def joined_parts(parts: Sequence[tuple[str, str]]) -> Joined:
             at.append(len(text))
             after_image = True
             continue
-        if text and not after_image:
+        if (text or keys) and not after_image:  # llama-server's text holds its markers
             text += "\n"
         text += value
         after_image = False

@@ -9,14 +9,16 @@ exceeded" gets the turn once more with older exchanges out of the window.
 from __future__ import annotations
 
 import threading
+from dataclasses import replace
 
 from localchat.backends.base import Sampling
-from localchat.backends.remote import ContextExceeded, RemoteBackend
+from localchat.backends.remote import IMAGE_TOKENS_GUESS, ContextExceeded, RemoteBackend
 from localchat.chat.prompt import BuiltPrompt
 from localchat.chat.template import ChatMessage
 from localchat.chat.window import WindowPlan, plan_window
 from localchat.conversation.base import ConversationBase, open_record
 from localchat.conversation.turn import ReplyStart, RestoreReport, WindowReport
+from localchat.errors import UsageError
 from localchat.state.kvstate import StateStore
 from localchat.state.store import Store
 
@@ -120,7 +122,15 @@ class RemoteConversation(ConversationBase):
 
 def _cut_text(message: ChatMessage, cut_tokens: int, tokens: int) -> ChatMessage:
     """The newest message without its first ``cut_tokens`` of ``tokens`` (cut by the same
-    share of its characters: the server's tokenizer is not here to cut exactly)."""
-    keep_share = max(0.0, 1.0 - cut_tokens / max(1, tokens))
+    share of its text's characters: the server's tokenizer is not here to cut exactly);
+    its images stay, and where they alone do not fit it is refused, never sent without."""
+    images = IMAGE_TOKENS_GUESS * len(message.images)
+    text_tokens = max(1, tokens - images)
+    if images and cut_tokens >= text_tokens:
+        raise UsageError(
+            f"this message's {len(message.images)} image(s) take more of the server's context"
+            " than is left for them: send fewer or smaller images, or use a larger context"
+        )
+    keep_share = max(0.0, 1.0 - cut_tokens / text_tokens)
     keep = max(1, int(len(message.content) * keep_share))
-    return ChatMessage(message.role, message.content[-keep:].lstrip())
+    return replace(message, content=message.content[-keep:].lstrip(), image_at=())

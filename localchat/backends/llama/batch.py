@@ -23,6 +23,7 @@ import numpy as np
 
 from localchat.backends.base import Sampling
 from localchat.backends.llama.cache import state_pointer
+from localchat.backends.llama.image_positions import image_start_before
 from localchat.backends.llama.runtime import (
     DecodeStop,
     abort_requested,
@@ -94,6 +95,9 @@ class SequenceBatch:
         self._step_batch = llama_cpp.llama_batch_init(self.capacity, 0, 1)
         self._n_vocab = engine.n_vocab
         self.tokens: list[list[int]] = [[] for _ in range(n_seq)]
+        # Per sequence, an index counted to and what M-RoPE images before it put positions
+        # behind (``position``): a step counts the new cells only.
+        self._behind: list[tuple[int, int]] = [(0, 0)] * n_seq
 
     # -- a step ------------------------------------------------------------------------------
     def decode(self, chunks: Sequence[Chunk]) -> dict[int, list[int]]:
@@ -141,11 +145,25 @@ class SequenceBatch:
 
     def position(self, seq: int, index: int) -> int:
         """The position of the cell at ``index`` of ``seq``: its index, less what M-RoPE
-        images before it take fewer positions than cells (``positions_behind``)."""
+        images before it take fewer positions than cells (``positions_behind``); a cell
+        inside an image is at the image's start. Counted on from the last index asked (a
+        step asks at the sequence's end, which only grows until a cut)."""
         reader = self.engine.image_reader
         if reader is None or not reader.mrope or index == 0:
             return index
-        return index - reader.positions_behind(self.tokens[seq][:index])
+        tokens = self.tokens[seq]
+        index = image_start_before(tokens, index)
+        held, behind = self._behind[seq]
+        if index < held:
+            held, behind = 0, 0
+        behind += reader.positions_behind(tokens[held:index])
+        self._behind[seq] = (index, behind)
+        return index - behind
+
+    def _set_tokens(self, seq: int, tokens: list[int]) -> None:
+        """``seq`` holds ``tokens`` now: what was counted of its positions is forgotten."""
+        self.tokens[seq] = tokens
+        self._behind[seq] = (0, 0)
 
     def decode_image(self, seq: int, run: Sequence[int], reader: ImageReader) -> None:
         """Decode the image whose placeholder run is ``run`` into ``seq`` after what it
@@ -220,7 +238,7 @@ class SequenceBatch:
         window = self.engine.n_swa if self.engine.windowed else 0
         if keep < held and window:
             pos_min = int(llama_cpp.llama_memory_seq_pos_min(self._memory, seq))
-            if pos_min > max(0, keep - window):
+            if pos_min > max(0, self.position(seq, keep) - window):
                 keep = -1
         if keep >= 0 and llama_cpp.llama_memory_seq_rm(
             self._memory, seq, self.position(seq, keep), -1
@@ -228,7 +246,7 @@ class SequenceBatch:
             del self.tokens[seq][keep:]
             return True
         llama_cpp.llama_memory_seq_rm(self._memory, seq, -1, -1)
-        self.tokens[seq] = []
+        self._set_tokens(seq, [])
         return keep == 0
 
     def copy(self, source: int, target: int, keep: int) -> bool:
@@ -236,7 +254,7 @@ class SequenceBatch:
         requests share: copied, not evaluated again). Each sequence has a cache of its own,
         so llama.cpp copies the whole cache, at the next decode, and the rest is cut."""
         llama_cpp.llama_memory_seq_cp(self._memory, source, target, -1, -1)
-        self.tokens[target] = list(self.tokens[source])
+        self._set_tokens(target, list(self.tokens[source]))
         return self.cut(target, keep)
 
     def save(self, seq: int) -> bytes:
@@ -257,7 +275,7 @@ class SequenceBatch:
         if read != len(data):
             self.cut(seq, 0)
             return False
-        self.tokens[seq] = list(tokens)
+        self._set_tokens(seq, list(tokens))
         return True
 
     @property

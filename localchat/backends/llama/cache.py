@@ -111,7 +111,7 @@ class KVCache:
             return True
         memory = llama_cpp.llama_get_memory(self._llm.ctx)
         pos_min = int(llama_cpp.llama_memory_seq_pos_min(memory, 0))
-        return pos_min <= max(0, n_tokens - self.n_swa)
+        return pos_min <= max(0, self._llm.position(n_tokens) - self.n_swa)
 
     def prepare_prefix(self, prompt: Sequence[int]) -> None:
         """Before a generation: where it would cut the cache back further than a window

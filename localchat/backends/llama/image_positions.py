@@ -147,7 +147,7 @@ def batch_starts(tokens: Sequence[int], begin: int, end: int, size: int) -> list
     return starts
 
 
-def image_start_before(tokens: Sequence[int], position: int) -> int:
+def image_start_before(tokens: Tokens, position: int) -> int:
     """Where the image that ``position`` falls inside starts (``position`` itself where it
     is not inside one): a cut is moved back there, never into an image."""
     if not 0 < position < len(tokens) or tokens[position] >= 0 or starts_image(tokens[position]):

@@ -56,9 +56,13 @@ class RecordingLlama(llama_cpp.Llama):
 
     def position(self, index: int) -> int:
         """The position of the cell at ``index``: its index, less what the images before
-        it take fewer positions than cells (M-RoPE's; ``ImageDecoder.positions_behind``)."""
+        it take fewer positions than cells (M-RoPE's; ``ImageDecoder.positions_behind``);
+        a cell inside an image is at the image's start."""
         if self.images is None or index == 0:
             return index
+        held = self.input_ids[: self.n_tokens]
+        if index < self.n_tokens and held[index] < 0:
+            index = image_start_before(held, index)
         return index - self.images.positions_behind(self.input_ids[:index])
 
     def eval(self, tokens: Sequence[int]) -> None:
