@@ -73,6 +73,24 @@ def _bmp(width: int, height: int) -> bytes:
     return header + info + pixels
 
 
+class Images:
+    """A store of a few images for a reader (``ImageSource``): ids by key and variant."""
+
+    def __init__(self, *images: Image) -> None:
+        self.data = {image.key: image.data for image in images}
+        self.ids: dict[str, int] = {}
+
+    def get(self, key: str) -> bytes:
+        return self.data[key]
+
+    def image_id(self, key: str, variant: str = "") -> int:
+        return self.ids.setdefault(f"{key}@{variant}", len(self.ids) + 1)
+
+    def name_of_id(self, image_id: int) -> tuple[str, str]:
+        key, _, variant = next(n for n, i in self.ids.items() if i == image_id).partition("@")
+        return key, variant
+
+
 def _last_logits(llm: llama_cpp.Llama) -> np.ndarray:
     n_vocab = llm.n_vocab()
     return np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm.ctx, -1), (n_vocab,)).copy()
@@ -204,24 +222,9 @@ def test_the_reader_tokenizes_as_libmtmd_does_the_whole_prompt(
     from localchat.backends.llama.image_reader import EmbeddingStore, ImageReader
     from localchat.chat.images import image_keys, image_marker
 
-    class Images:
-        def __init__(self) -> None:
-            self.data = {image.key: image.data for image in (_bmp_image(5, 4), _bmp_image(9, 7))}
-            self.ids: dict[str, int] = {}
-
-        def get(self, key: str) -> bytes:
-            return self.data[key]
-
-        def image_id(self, key: str, variant: str = "") -> int:
-            return self.ids.setdefault(f"{key}@{variant}", len(self.ids) + 1)
-
-        def name_of_id(self, image_id: int) -> tuple[str, str]:
-            key, _, variant = next(n for n, i in self.ids.items() if i == image_id).partition("@")
-            return key, variant
-
     model = vision_model_with(models_dir, shape)
     llm = _llm(model)
-    source = Images()
+    source = Images(_bmp_image(5, 4), _bmp_image(9, 7))
     one, two = sorted(source.data)
     with Projector(model.parent / "mmproj-tiny-vision-F16.gguf", llm) as projector:
         reader = ImageReader(projector, source, EmbeddingStore(None, ""))
@@ -280,20 +283,6 @@ def test_the_engine_places_an_image_as_libmtmds_helper_does(models_dir: Path, sh
     from localchat.backends.llama.image_reader import open_reader
     from localchat.backends.llama.recording import RecordingLlama
     from localchat.chat.images import image_marker
-
-    class Images:
-        def __init__(self, image: Image) -> None:
-            self.data, self.ids = {image.key: image.data}, {}
-
-        def get(self, key: str) -> bytes:
-            return self.data[key]
-
-        def image_id(self, key: str, variant: str = "") -> int:
-            return self.ids.setdefault(f"{key}@{variant}", len(self.ids) + 1)
-
-        def name_of_id(self, image_id: int) -> tuple[str, str]:
-            key, _, variant = next(n for n, i in self.ids.items() if i == image_id).partition("@")
-            return key, variant
 
     model = vision_model_with(models_dir, shape)
     projector_file = model.parent / "mmproj-tiny-vision-F16.gguf"
