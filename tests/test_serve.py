@@ -35,6 +35,7 @@ from localchat.paths import app_paths
 from localchat.server.app import BackgroundServer
 from localchat.server.router import Router
 from localchat.server.runner import ModelRunner
+from localchat.server.wire import MAX_BODY_BYTES
 from localchat.settings import load_settings
 from localchat.state.kvstate import StateStore
 
@@ -220,7 +221,7 @@ def test_bad_requests_are_openai_shaped_errors(served: Served) -> None:
     assert other.status_code == 200 and other.json()["model"] == NAME
     status, message = _error(httpx.post(url, json={"messages": hello, "max_tokens": 5000}))
     assert status == 400 and "max_tokens 5000 is past the context" in message
-    status, _ = _error(httpx.post(url, content=b"x" * (9 * 1024 * 1024)))
+    status, _ = _error(httpx.post(url, content=b"x" * (MAX_BODY_BYTES + 1)))
     assert status == 413
     # The model still answers after all of that.
     ok = httpx.post(url, json={"messages": hello, "max_tokens": 3}, timeout=60)

@@ -20,6 +20,7 @@ from localchat.chat.template import ChatMessage
 from localchat.server.app import BackgroundServer
 from localchat.server.router import Router
 from localchat.server.runner import ModelRunner
+from localchat.server.wire import MAX_BODY_BYTES
 from localchat.state.kvstate import StateStore
 from tests.test_serve import NAME, QUESTION, Served, _client, _plain_reply
 
@@ -195,7 +196,7 @@ def test_bad_requests_get_anthropics_error_shape(served: Served) -> None:
     response = httpx.post(f"{served.root}/v1/messages", content=b"{not json",
                           headers={"x-api-key": "s3cret", "content-type": "application/json"})  # fmt: skip
     assert response.status_code == 400 and response.json()["type"] == "error"
-    big = httpx.post(f"{served.root}/v1/messages", content=b"x" * (9 * 2**20),
+    big = httpx.post(f"{served.root}/v1/messages", content=b"x" * (MAX_BODY_BYTES + 1),
                      headers={"x-api-key": "s3cret"})  # fmt: skip
     assert big.status_code == 413 and big.json()["error"]["type"] == "request_too_large"
     # The key: Anthropic's header or a bearer token; a wrong one is Anthropic's 401.

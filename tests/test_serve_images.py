@@ -189,6 +189,14 @@ def test_every_api_reads_an_image_and_the_model_says_it_sees(served: Served) -> 
     assert "vision" in client.show(NAME).capabilities  # type: ignore[operator]
 
 
+def test_a_phone_sized_photo_is_taken(served: Served) -> None:
+    """A 10 MB picture (14 MB in base64) fits the body a request may have."""
+    photo = random_png(51, (2000, 1800))
+    assert len(photo) > 10 * 2**20
+    reply = _ask(served.root, photo)
+    assert reply.usage is not None and reply.usage.prompt_tokens > 0
+
+
 def test_bad_images_and_urls_are_refused_naming_the_field(served: Served) -> None:
     def refused(url: str) -> str:
         with pytest.raises(openai.BadRequestError) as caught:

@@ -9,12 +9,16 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
+from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import Response
 
 from localchat.server.requests import ApiError
 
-MAX_BODY_BYTES = 8 * 2**20  # a long conversation with files fits; more is refused
+# A long conversation with files fits, and an image as large as one may be (20 MiB, 27 MiB
+# in base64) with it; more is refused.
+MAX_BODY_BYTES = 32 * 2**20
+PARSED_APART_BYTES = 2**20  # a body this large is parsed on a worker thread, not the loop
 DRAIN_LIMIT_BYTES = 64 * 2**20
 Handler = Callable[[Request], Awaitable[Response]]
 
@@ -49,6 +53,8 @@ async def read_json(request: Request) -> Any:
             code="too_large",
         )
     try:
+        if size > PARSED_APART_BYTES:  # tens of megabytes of images: other streams go on
+            return await run_in_threadpool(json.loads, raw)
         return json.loads(raw)
     except (ValueError, UnicodeDecodeError) as exc:
         raise ApiError(400, f"the body is not valid JSON ({exc})", code="invalid_json") from None
