@@ -28,6 +28,8 @@ from localchat.state.kvstate import StateStore
 
 LAUNCH = LaunchOptions(n_ctx=1024, n_threads=2, kv_type="q8_0")
 
+LOAD_S = 120.0  # a request that loads a model waits for it
+
 
 class CountingSource(LibrarySource):
     """The server's own source, counting its loads."""
@@ -203,9 +205,13 @@ def test_keep_alive_zero_unloads_after_the_reply_and_the_endpoints_load_and_unlo
                           keep_alive=0, options={"num_predict": 4})  # fmt: skip
     two.router.reap_now()
     assert client.ps().models == []
-    assert httpx.post(f"{two.root}/models/load", json={"model": "smol"}).json()["success"]
+    # A load waits for the model (seconds on a loaded machine): not httpx's 5 s default.
+    loaded = httpx.post(f"{two.root}/models/load", json={"model": "smol"}, timeout=LOAD_S)
+    assert loaded.json()["success"]
     assert [m.model for m in client.ps().models] == ["smol:latest"]
-    answer = httpx.post(f"{two.root}/models/unload", json={"model": "smol"}).json()
+    answer = httpx.post(
+        f"{two.root}/models/unload", json={"model": "smol"}, timeout=LOAD_S
+    ).json()
     assert answer == {"success": True, "unloaded": True}
     assert client.ps().models == []
     # Ollama's own way: an empty prompt loads, and with keep_alive 0 unloads.
