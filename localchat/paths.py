@@ -15,6 +15,8 @@ import platformdirs
 APP_NAME = "localchat"
 HOME_ENV = "LOCALCHAT_HOME"
 
+EMBEDDINGS_FOLDER = "image-embeddings"  # in the states folder: its budget counts them
+
 
 @dataclass(frozen=True)
 class AppPaths:
@@ -56,8 +58,9 @@ class AppPaths:
     @property
     def image_embeddings_dir(self) -> Path:
         """Images as a projector encoded them, a folder per projector: a state that holds an
-        image is rebuilt from these, never by encoding it again."""
-        return self.cache_dir / "image-embeddings"
+        image is rebuilt from these, never by encoding it again. In the states folder: they
+        count in its budget (``StateStore``), the oldest of either going first."""
+        return self.states_dir / EMBEDDINGS_FOLDER
 
     @property
     def logs_dir(self) -> Path:

@@ -103,6 +103,26 @@ def test_budget_evicts_least_recently_used(tmp_path: Path) -> None:
     assert states.total_bytes() <= states.budget_bytes
 
 
+def test_encoded_images_kept_beside_the_states_count_in_their_budget(tmp_path: Path) -> None:
+    """``paths.image_embeddings_dir`` is in the states folder: the budget is one for both,
+    the least recently used of either going first."""
+    from localchat.paths import EMBEDDINGS_FOLDER
+
+    one_file = sum(len(chunk) for chunk in encode_state(_state()))
+    states = StateStore(tmp_path, budget_bytes=int(one_file * 2.5))
+    embeddings = tmp_path / EMBEDDINGS_FOLDER / "projector"
+    embeddings.mkdir(parents=True)
+    old_image = embeddings / "a.emb"
+    old_image.write_bytes(b"x" * one_file)
+    os.utime(old_image, (time.time() - 300, time.time() - 300))
+    assert states.total_bytes() == one_file
+    states.save("one", _state())
+    states.save("two", _state())
+    assert not old_image.exists()  # the oldest: gone for the new state
+    assert {p.name.split(".")[0] for p in states.files()} == {"one", "two"}
+    assert states.total_bytes() <= states.budget_bytes
+
+
 _WRITER = """
 import sys
 from pathlib import Path

@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from localchat.atomic import write_atomic
-from localchat.paths import ensure_private_dir
+from localchat.paths import EMBEDDINGS_FOLDER, ensure_private_dir
 
 MAGIC = b"LCKVSTAT"
 FORMAT_VERSION = 2
@@ -291,8 +291,14 @@ class StateStore:
             return []
         return list(self.directory.glob(f"*{SUFFIX}"))
 
+    def budgeted(self) -> list[Path]:
+        """The files the budget counts: the states, and the encoded images kept beside them
+        (``paths.image_embeddings_dir``: a state that holds an image is rebuilt from them)."""
+        embeddings = self.directory / EMBEDDINGS_FOLDER
+        return self.files() + list(embeddings.glob("*/*.emb"))
+
     def total_bytes(self) -> int:
-        return sum(_size(p) for p in self.files())
+        return sum(_size(p) for p in self.budgeted())
 
     def _remove_stale_temp_files(self) -> list[Path]:
         """Temp files a killed process left mid-save (a live save is never an hour old)."""
@@ -306,9 +312,10 @@ class StateStore:
         return removed
 
     def evict(self, keep: Path | None = None) -> list[Path]:
-        """Delete least-recently-used states until the folder fits the budget."""
+        """Delete least-recently-used states (and encoded images) until the folder fits
+        the budget."""
         entries = []
-        for path in self.files():
+        for path in self.budgeted():
             with contextlib.suppress(FileNotFoundError):
                 stat = path.stat()
                 entries.append((stat.st_mtime, stat.st_size, path))
