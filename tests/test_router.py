@@ -209,9 +209,7 @@ def test_keep_alive_zero_unloads_after_the_reply_and_the_endpoints_load_and_unlo
     loaded = httpx.post(f"{two.root}/models/load", json={"model": "smol"}, timeout=LOAD_S)
     assert loaded.json()["success"]
     assert [m.model for m in client.ps().models] == ["smol:latest"]
-    answer = httpx.post(
-        f"{two.root}/models/unload", json={"model": "smol"}, timeout=LOAD_S
-    ).json()
+    answer = httpx.post(f"{two.root}/models/unload", json={"model": "smol"}, timeout=LOAD_S).json()
     assert answer == {"success": True, "unloaded": True}
     assert client.ps().models == []
     # Ollama's own way: an empty prompt loads, and with keep_alive 0 unloads.
