@@ -6,11 +6,17 @@ beside an image) — on every API that takes parts."""
 from __future__ import annotations
 
 import base64
+from dataclasses import replace
 from typing import Any
 
 import pytest
 
-from localchat.chat.images import image_marker, joined_parts, with_image_markers
+from localchat.chat.images import (
+    image_at_after_cut,
+    image_marker,
+    joined_parts,
+    with_image_markers,
+)
 from localchat.chat.template import ChatMessage
 from localchat.server.adapters import anthropic, openai_chat, responses
 from localchat.server.images import PENDING
@@ -50,8 +56,9 @@ def test_parts_are_joined_as_llama_server_joins_them_around_a_media_marker() -> 
     )
     # A text after an image and an empty text: the newline llama-server writes there.
     assert joined_parts([("image", A), ("text", ""), ("text", "b")]) == ("\nb", (A,), (0,))
-    # Without images, text parts run together, as they did before images were read.
-    assert joined_parts([("text", "a"), ("text", "b")]) == ("ab", (), ())
+    # Without images too: a newline between two texts, none before the first.
+    assert joined_parts([("text", "a"), ("text", "b")]) == ("a\nb", (), ())
+    assert joined_parts([("text", ""), ("text", "b"), ("text", "")]) == ("b\n", (), ())
 
 
 def test_a_message_renders_its_images_where_they_were_sent() -> None:
@@ -70,6 +77,20 @@ def _openai(content: list[dict[str, Any]]) -> ChatMessage:
     request = openai_chat.parse_request(body, chat=True)
     assert request.messages is not None
     return _user(request.messages)
+
+
+def test_text_parts_without_images_read_as_llama_server_reads_them() -> None:
+    """Claude Code sends a user turn as several text blocks (reminders, then the words):
+    joined by a newline, as llama-server joins them, on every API that takes parts."""
+    said = _openai([{"type": "text", "text": "<reminder>"}, {"type": "text", "text": "Hi"}])
+    body = {"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": [
+        {"type": "text", "text": "<reminder>"}, {"type": "text", "text": "Hi"}]}]}  # fmt: skip
+    claude = anthropic.parse_request(body).messages
+    items = [{"role": "user", "content": [{"type": "input_text", "text": "<reminder>"},
+                                          {"type": "input_text", "text": "Hi"}]}]  # fmt: skip
+    asked = responses.parse_request({"model": "m", "input": items}, None).request.messages
+    assert claude is not None and asked is not None
+    assert said.content == _user(claude).content == _user(asked).content == "<reminder>\nHi"
 
 
 def test_every_api_keeps_its_image_parts_where_they_were_sent() -> None:
@@ -106,6 +127,19 @@ def test_a_message_cut_for_a_servers_context_keeps_its_images() -> None:
     message = ChatMessage("user", "word " * 100, images=(A,), image_at=(5,))
     tokens = 100 + IMAGE_TOKENS_GUESS
     cut = _cut_text(message, 50, tokens)
+    # The image was in the part cut: it goes first, and the words after it stay.
     assert cut.images == (A,) and cut.image_at == () and 0 < len(cut.content) < 500
+    late = replace(message, image_at=(450,))  # near the end: it keeps its place
+    kept = _cut_text(late, 50, tokens)
+    assert kept.image_at == (450 - (500 - len(kept.content)),)
+    assert kept.with_markers().content.endswith(f"word {image_marker(A)}{'word ' * 10}")
     with pytest.raises(UsageError, match=r"image\(s\) take more of the server's context"):
         _cut_text(message, 100, tokens)
+
+
+def test_an_images_place_moves_back_with_the_text_cut_before_it() -> None:
+    text, kept = "0123456789", "56789"
+    assert image_at_after_cut([A, B], [2, 7], text, kept) == (0, 2)
+    assert image_at_after_cut([A], [], text, kept) == ()  # first: stays first
+    assert image_at_after_cut([A], [10], text, kept) == (5,)  # at the end: stays last
+    assert image_at_after_cut([A], [3], text, kept) == ()  # in the part cut: goes first

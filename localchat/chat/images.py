@@ -56,11 +56,10 @@ Joined = tuple[str, tuple[str, ...], tuple[int, ...]]
 
 def joined_parts(parts: Sequence[tuple[str, str]]) -> Joined:
     """A message sent as parts, ``("text", words)`` and ``("image", key)`` in order, as its
-    text, its images and where each goes in the text. With images, the text parts are joined
-    as llama.cpp's server joins them around a media marker (a newline between two texts,
-    none beside an image); without, run together (``""``), as before there were images."""
-    if all(kind == "text" for kind, _ in parts):
-        return "".join(value for _, value in parts), (), ()
+    text, its images and where each goes in the text. The text parts are joined
+    as llama.cpp's server joins them for a template that takes text (``concat_content_parts``:
+    a newline between two texts, none beside an image or before the first text), so a
+    client's prompt is the one llama-server would read."""
     text, keys, at = "", [], []
     after_image = False
     for kind, value in parts:
@@ -74,6 +73,17 @@ def joined_parts(parts: Sequence[tuple[str, str]]) -> Joined:
         text += value
         after_image = False
     return text, tuple(keys), tuple(at)
+
+
+def image_at_after_cut(
+    images: Sequence[str], at: Sequence[int], text: str, kept: str
+) -> tuple[int, ...]:
+    """Where a message's images go once its ``text`` is cut from its start to ``kept``: each
+    as far back as the text was cut, none before the start (an image in the part cut goes
+    first), so the images keep their places in the words that remain."""
+    removed = len(text) - len(kept)
+    offsets = [min(len(kept), max(0, offset - removed)) for offset in list(at) or [0] * len(images)]
+    return tuple(offsets) if any(offsets) else ()
 
 
 def has_image_markers(text: str) -> bool:

@@ -19,6 +19,7 @@ from localchat.backends.base import Sampling
 from localchat.backends.llama.cache import ReplayStopped
 from localchat.backends.llama.engine import Engine
 from localchat.backends.llama.image_positions import batch_starts, image_start_before
+from localchat.chat.images import image_at_after_cut
 from localchat.chat.prompt import BuiltPrompt, common_prefix, settled_chars
 from localchat.chat.template import ChatMessage
 from localchat.chat.tools import ToolUse
@@ -418,7 +419,8 @@ class Conversation(ConversationBase):
                 " a larger context (--ctx), or send fewer or smaller images"
             )
         text = self.backend.detokenize(tokens[-max(1, keep) :]).lstrip()
-        return replace(message, content=text, image_at=())
+        at = image_at_after_cut(message.images, message.image_at, message.content, text)
+        return replace(message, content=text, image_at=at)
 
     def _prepare_cache(self, prompt: list[int], fresh: bool) -> RestoreReport:
         """Restore the saved state, reuse the warm cache, or rebuild it from the transcript."""

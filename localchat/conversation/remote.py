@@ -13,6 +13,7 @@ from dataclasses import replace
 
 from localchat.backends.base import Sampling
 from localchat.backends.remote import IMAGE_TOKENS_GUESS, ContextExceeded, RemoteBackend
+from localchat.chat.images import image_at_after_cut
 from localchat.chat.prompt import BuiltPrompt
 from localchat.chat.template import ChatMessage
 from localchat.chat.window import WindowPlan, plan_window
@@ -133,4 +134,6 @@ def _cut_text(message: ChatMessage, cut_tokens: int, tokens: int) -> ChatMessage
         )
     keep_share = max(0.0, 1.0 - cut_tokens / text_tokens)
     keep = max(1, int(len(message.content) * keep_share))
-    return replace(message, content=message.content[-keep:].lstrip(), image_at=())
+    text = message.content[-keep:].lstrip()
+    at = image_at_after_cut(message.images, message.image_at, message.content, text)
+    return replace(message, content=text, image_at=at)
