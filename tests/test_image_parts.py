@@ -117,6 +117,27 @@ def test_every_api_keeps_its_image_parts_where_they_were_sent() -> None:
     assert (asked.content, len(asked.images), asked.image_at) == ("Isit?", 1, (2,))
 
 
+def test_a_tool_results_image_goes_where_the_result_has_it() -> None:
+    image = {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                         "data": "iVBORw0KGgo="}}  # fmt: skip
+    result = {"type": "tool_result", "tool_use_id": "t1", "is_error": True,
+              "content": [{"type": "text", "text": "Shot"}, image]}  # fmt: skip
+    body = {"model": "m", "max_tokens": 4, "messages": [
+        {"role": "user", "content": "Look"},
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "Read",
+                                           "input": {}}]},
+        {"role": "user", "content": [result]}]}  # fmt: skip
+    messages = anthropic.parse_request(body).messages
+    assert messages is not None
+    tool = messages[-1]
+    assert (tool.role, tool.content, tool.image_at) == ("tool", "Error: Shot", (11,))
+    assert tool.images == (f"{PENDING}0",)
+    # Text only: its blocks run together, as llama-server runs a tool result's text.
+    result["content"] = [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]
+    result["is_error"] = False
+    assert (anthropic.parse_request(body).messages or [])[-1].content == "ab"
+
+
 def test_a_message_cut_for_a_servers_context_keeps_its_images() -> None:
     """The remote window cuts text only: an image is never sent without, and a message
     whose images alone do not fit is refused saying so."""

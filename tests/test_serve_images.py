@@ -12,6 +12,7 @@ import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import anthropic
 import httpx
@@ -187,6 +188,33 @@ def test_every_api_reads_an_image_and_the_model_says_it_sees(served: Served) -> 
     # The listings say the model reads images.
     assert httpx.get(f"{served.root}/props").json()["modalities"]["vision"] is True
     assert "vision" in client.show(NAME).capabilities  # type: ignore[operator]
+
+
+def test_an_image_a_tool_returned_is_read_where_the_result_has_it(served: Served) -> None:
+    """Claude Code's Read tool answers an image file with an image block in its tool_result:
+    the model reads that image (encoded once), as llama-server reads it."""
+    picture = random_png(6)
+    claude = anthropic.Anthropic(base_url=served.root, api_key="none", max_retries=0)
+    shown = {"type": "base64", "media_type": "image/png", "data": _b64(picture)}
+    read = {"type": "tool_use", "id": "toolu_1", "name": "Read", "input": {"path": "shot.png"}}
+    result = {"type": "tool_result", "tool_use_id": "toolu_1",
+              "content": [{"type": "image", "source": shown}]}  # fmt: skip
+    messages: Any = [
+        {"role": "user", "content": "What is in shot.png?"},
+        {"role": "assistant", "content": [read]},
+        {"role": "user", "content": [result]},
+    ]
+    reader: Any = {"name": "Read", "description": "Read a file", "input_schema": {"type": "object"}}
+    message = claude.messages.create(
+        model=NAME,
+        max_tokens=4,
+        tools=[reader],
+        messages=messages,
+    )
+    start, end = _image_span(served, picture)
+    assert message.usage.input_tokens > end - start and message.content
+    assert served.engine.image_reader is not None and served.engine.image_reader.encodes == 1
+    assert len(list(app_paths().images_dir.glob("??/*.json"))) == 1
 
 
 def test_a_phone_sized_photo_is_taken(served: Served) -> None:

@@ -157,23 +157,28 @@ def _system(value: Any) -> list[ChatMessage]:
     return [ChatMessage("system", text)] if text else []
 
 
-def _tool_result(block: dict[str, Any], where: str) -> ChatMessage:
+def _tool_result(block: dict[str, Any], where: str, images: ImageIntake) -> ChatMessage:
+    """A tool's result: its text blocks run together, as llama-server runs them; with an
+    image (a screenshot, a file the tool read), joined around it as a user's parts are."""
     call_id = block.get("tool_use_id")
     if not isinstance(call_id, str) or not call_id:
         raise bad(f"{where}.tool_use_id must name the tool_use it answers")
-    content = block.get("content")
-    if content is None:
-        text = ""
+    parts: list[tuple[str, str]] = []
+    for index, part in enumerate(_blocks(block.get("content") or [], where)):
+        at = f"{where}.content[{index}]"
+        if part["type"] == "text":
+            parts.append(("text", _text_of(part, at)))
+        elif part["type"] == "image":
+            parts.append(("image", _image(part, at, images)))
+        else:
+            raise _unsupported(part["type"], at)
+    if any(kind == "image" for kind, _ in parts):
+        text, keys, image_at = joined_parts(parts)
     else:
-        parts = []
-        for index, part in enumerate(_blocks(content, where)):
-            if part["type"] != "text":
-                raise _unsupported(part["type"], f"{where}.content[{index}]")
-            parts.append(_text_of(part, f"{where}.content[{index}]"))
-        text = "".join(parts)
+        text, keys, image_at = "".join(value for _, value in parts), (), ()
     if block.get("is_error") is True:
-        text = f"Error: {text}"
-    return ChatMessage("tool", text, tool_call_id=call_id)
+        text, image_at = f"Error: {text}", tuple(at + len("Error: ") for at in image_at)
+    return ChatMessage("tool", text, tool_call_id=call_id, images=keys, image_at=image_at)
 
 
 def _message(item: Any, where: str, images: ImageIntake) -> list[ChatMessage]:
@@ -201,7 +206,7 @@ def _message(item: Any, where: str, images: ImageIntake) -> list[ChatMessage]:
                 raise bad(f"{at}.id must be a string that its tool_result names")
             calls.append(ToolCall(name, arguments, call_id))
         elif kind == "tool_result" and role == "user":
-            results.append(_tool_result(block, at))
+            results.append(_tool_result(block, at, images))
         elif kind in ("thinking", "redacted_thinking") and role == "assistant":
             continue  # templates drop earlier turns' reasoning: the prompt is the same
         elif kind in ("tool_use", "tool_result"):
