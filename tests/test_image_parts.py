@@ -20,6 +20,7 @@ from localchat.chat.images import (
 from localchat.chat.template import ChatMessage
 from localchat.server.adapters import anthropic, openai_chat, responses
 from localchat.server.images import PENDING
+from localchat.server.requests import ApiError
 from tests.image_helpers import random_png
 
 A, B = "a" * 64, "b" * 64
@@ -136,6 +137,22 @@ def test_a_tool_results_image_goes_where_the_result_has_it() -> None:
     result["content"] = [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]
     result["is_error"] = False
     assert (anthropic.parse_request(body).messages or [])[-1].content == "ab"
+
+
+def test_a_function_call_outputs_image_goes_where_the_output_has_it() -> None:
+    items = [
+        {"role": "user", "content": "Look"},
+        {"type": "function_call", "call_id": "c1", "name": "shot", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "c1", "output": [
+            {"type": "input_text", "text": "Taken:"}, {"type": "input_image", "image_url": PNG}]},
+    ]  # fmt: skip
+    messages = responses.parse_request({"model": "m", "input": items}, None).request.messages
+    assert messages is not None
+    tool = messages[-1]
+    assert (tool.role, tool.content, tool.image_at) == ("tool", "Taken:", (6,))
+    items[-1]["output"] = [{"type": "input_file", "file_id": "f"}]
+    with pytest.raises(ApiError, match=r"input\[2\]\.output\[0\]: input_file is not read"):
+        responses.parse_request({"model": "m", "input": items}, None)
 
 
 def test_a_message_cut_for_a_servers_context_keeps_its_images() -> None:

@@ -214,6 +214,16 @@ def test_an_image_a_tool_returned_is_read_where_the_result_has_it(served: Served
     start, end = _image_span(served, picture)
     assert message.usage.input_tokens > end - start and message.content
     assert served.engine.image_reader is not None and served.engine.image_reader.encodes == 1
+    # The Responses API's function_call_output takes it too: the same picture, not encoded again.
+    items: Any = [
+        {"role": "user", "content": "What is in shot.png?"},
+        {"type": "function_call", "call_id": "c1", "name": "Read", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "c1", "output": [
+            {"type": "input_image", "image_url": f"data:image/png;base64,{_b64(picture)}"}]},
+    ]  # fmt: skip
+    response = _openai(served.root).responses.create(model=NAME, max_output_tokens=4, input=items)
+    assert response.usage is not None and response.usage.input_tokens > end - start
+    assert served.engine.image_reader.encodes == 1
     assert len(list(app_paths().images_dir.glob("??/*.json"))) == 1
 
 

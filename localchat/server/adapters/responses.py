@@ -72,29 +72,29 @@ class ResponsesRequest:
     previous_id: str | None = None
 
 
-def _parts(content: Any, where: str, images: ImageIntake | None = None) -> Joined:
-    """A message's text: a string or ``input_text``/``output_text`` parts, and where
-    ``images`` takes them its ``input_image`` parts' (placeholder) keys and places."""
+def _parts(content: Any, where: str, images: ImageIntake, field: str = "content") -> Joined:
+    """A message's text (or a tool's ``output``): a string or ``input_text``/``output_text``
+    parts, and its ``input_image`` parts' (placeholder) keys and places."""
     if isinstance(content, str):
         return content, (), ()
     if not isinstance(content, list):
-        raise bad(f"{where}.content must be a string or a list of parts", "invalid_type")
+        raise bad(f"{where}.{field} must be a string or a list of parts", "invalid_type")
     parts: list[tuple[str, str]] = []
     for index, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
-        at = f"{where}.content[{index}]"
+        at = f"{where}.{field}[{index}]"
         if kind in ("input_text", "output_text", "text"):
             assert isinstance(part, dict)
             parts.append(("text", text_field(part, "text")))
-        elif kind == "input_image" and images is not None:
+        elif kind == "input_image":
             assert isinstance(part, dict)
             if part.get("file_id") is not None:
                 raise bad(f"{at}.file_id: this server keeps no files; send the image itself"
                           " as image_url, a data URI", "unsupported_content")  # fmt: skip
             parts.append(("image", images.url(part.get("image_url"), f"{at}.image_url")))
-        elif kind in ("input_image", "input_file", "input_audio"):
-            raise bad(f"{at}: {kind} is not read here: send text (and images in a user"
-                      " message)", "unsupported_content")  # fmt: skip
+        elif kind in ("input_file", "input_audio"):
+            raise bad(f"{at}: {kind} is not read here: send text, and pictures as"
+                      " input_image", "unsupported_content")  # fmt: skip
         else:
             raise bad(f"{at}: part type {kind!r} is not one this server takes (input_text,"
                       " output_text, input_image)", "invalid_type")  # fmt: skip
@@ -146,9 +146,11 @@ def _items(value: Any, images: ImageIntake) -> list[ChatMessage]:
             call_id = item.get("call_id")
             if not isinstance(call_id, str) or not call_id:
                 raise bad(f"{where}.call_id must name the function_call it answers")
-            output = item.get("output")
-            text = output if isinstance(output, str) else _parts(output, where)[0]
-            messages.append(ChatMessage("tool", text, tool_call_id=call_id))
+            # A tool may answer with a picture (a screenshot), as llama-server takes it.
+            text, keys, image_at = _parts(item.get("output"), where, images, "output")
+            messages.append(
+                ChatMessage("tool", text, tool_call_id=call_id, images=keys, image_at=image_at)
+            )
         elif kind == "reasoning":
             continue  # templates drop earlier turns' reasoning: the prompt is the same
         else:
