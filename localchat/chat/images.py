@@ -57,7 +57,7 @@ Joined = tuple[str, tuple[str, ...], tuple[int, ...]]
 def joined_parts(parts: Sequence[tuple[str, str]]) -> Joined:
     """A message sent as parts, ``("text", words)`` and ``("image", key)`` in order, as its
     text, its images and where each goes in the text. The text parts are joined
-    as llama.cpp's server joins them for a template that takes text (``concat_content_parts``:
+    as llama.cpp's server joins them for a template that takes a string (``concat_content_parts``:
     a newline between two texts, none beside an image or before the first text), so a
     client's prompt is the one llama-server would read."""
     text, keys, at = "", [], []

@@ -167,6 +167,8 @@ async def with_images(request: GenerationRequest) -> GenerationRequest:
 
 
 def image_parts_refused(role: str, where: str) -> None:
-    """Images go in a user's message (as every API has it)."""
-    if role != "user":
-        raise bad(f"{where}: images go in user messages, not {role} ones", "invalid_value")
+    """Images go in what a user or a tool says (a tool may answer with a screenshot, as
+    llama-server takes it); an assistant's or a system prompt's images are refused."""
+    if role not in ("user", "tool"):
+        raise bad(f"{where}: images go in user or tool messages, not {role} ones",
+                  "invalid_value")  # fmt: skip

@@ -122,7 +122,7 @@ def _unsupported(kind: str, where: str) -> ApiError:
         return bad(f"{where}: document blocks are not read here: send the text instead",
                    "unsupported_content")  # fmt: skip
     if kind == "image":
-        return bad(f"{where}: an image goes in a user message's content, not here",
+        return bad(f"{where}: an image goes in a user message or a tool_result, not here",
                    "unsupported_content")  # fmt: skip
     return bad(f"{where}: block type {kind!r} is not one this server takes (text, image,"
                " tool_use, tool_result, thinking)", "invalid_type")  # fmt: skip
