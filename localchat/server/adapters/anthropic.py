@@ -177,7 +177,7 @@ def _tool_result(block: dict[str, Any], where: str, images: ImageIntake) -> Chat
     else:
         text, keys, image_at = "".join(value for _, value in parts), (), ()
     if block.get("is_error") is True:
-        text, image_at = f"Error: {text}", tuple(at + len("Error: ") for at in image_at)
+        text, image_at = f"Error: {text}", tuple(offset + len("Error: ") for offset in image_at)
     return ChatMessage("tool", text, tool_call_id=call_id, images=keys, image_at=image_at)
 
 
